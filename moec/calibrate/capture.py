@@ -1,0 +1,71 @@
+"""Layer-sequential capture: run calibration tokens through one decoder layer at a time.
+
+Only one layer's weights and the activations entering it are held at once, so memory is bounded by
+samples × seq_len × dim, not by model size. Observers (`observe(layer, name, tensor)`, see
+moec/runtime/model.py for the names) accumulate whatever statistics a recipe needs; the fitting
+functions then see only those statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..runtime.config import ModelArgs
+from ..runtime.model import Block, rms_norm, rope_cos_sin
+
+Progress = Callable[[int, int], None]
+
+
+@torch.no_grad()
+def run_layers(args: ModelArgs, global_state: dict, layer_state: Callable[[int], dict], tokens: torch.Tensor,
+               observers: list, batch_size: int = 8, dtype=torch.float32, device="cpu",
+               progress: Progress | None = None) -> torch.Tensor:
+    """Feed tokens [N, L] through every layer; returns the final normed hidden states [N, L, D]."""
+    tokens = tokens.to(device)
+    h = torch.nn.functional.embedding(tokens, global_state["tok_embeddings.weight"].to(device, dtype))
+    cos, sin = rope_cos_sin(args, torch.arange(tokens.shape[1], device=device), dtype)
+
+    def observe(layer, name, t):
+        for ob in observers:
+            ob(layer, name, t)
+
+    for i in range(args.n_layers):
+        prefix = f"layers.{i}."
+        sd = {k.removeprefix(prefix): v.to(device, dtype) for k, v in layer_state(i).items()}
+        with torch.device("meta"):
+            block = Block(args, i)
+        block.load_state_dict(sd, strict=True, assign=True)
+        for s in range(0, h.shape[0], batch_size):
+            h[s : s + batch_size] = block(h[s : s + batch_size], cos, sin, observer=observe)
+        del block, sd
+        if progress is not None:
+            progress(i + 1, args.n_layers)
+    return rms_norm(h, global_state["norm.weight"].to(device, dtype), args.norm_eps)
+
+
+class ExpertTokenCounts:
+    """Tokens routed to each expert of each MoE layer (a token counts once per expert it picks)."""
+
+    def __init__(self, args: ModelArgs):
+        self.counts = {i: torch.zeros(args.n_experts, dtype=torch.long)
+                       for i, k in enumerate(args.ffn_kinds) if k == "moe"}
+
+    def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
+        if name == "expert_ids":
+            self.counts[layer] += torch.bincount(t.flatten().cpu(), minlength=len(self.counts[layer]))
+
+
+class KVRange:
+    """Per-layer, per-channel max |k| (pre- and post-RoPE) and max |v|: the scale statistics the KV
+    codecs calibrate from, and a cheap health check of what the model produces."""
+
+    def __init__(self):
+        self.stats: dict[tuple[int, str], torch.Tensor] = {}
+
+    def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
+        if name in ("k_pre", "k", "v"):
+            m = t.detach().abs().amax(dim=(0, 2)).float().cpu()  # [K, d]
+            key = (layer, name)
+            self.stats[key] = m if key not in self.stats else torch.maximum(self.stats[key], m)

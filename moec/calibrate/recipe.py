@@ -1,0 +1,189 @@
+"""Recipes: YAML files parsed into typed configs; unknown keys and wrong types are errors.
+
+    kv:                       # omit for an uncompressed (fp16) cache
+      codec: fp16             # fp16 | kivi | nuq-outlier | latent-head | latent-layer | rvq-tiered
+      bits: 16
+      window: 128             # recent tokens kept in fp16
+      sinks: 4                # first tokens kept in fp16
+    weights:                  # rules, first match wins; unmatched tensors stay as they are
+      - targets: [experts, shared_experts, mlp]   # or attention, router, lm_head, or a regex
+        codec: keep           # keep | hls | rtn | fp8 | fp3
+        bits: 16
+        group_size: 64
+    calibration:
+      expert_policy: all-experts-for-stats   # or damped-identity
+      min_expert_tokens: 0    # experts below this many routed tokens follow expert_policy
+      seed: 0
+
+The resolved recipe (every default filled in) is written beside every output (`recipe.yaml`).
+Codecs named by the design but not yet implemented parse, and are refused by `require_implemented`
+when a command would have to execute them, naming what is implemented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from ..errors import UserError
+from ..formats.codecs import TARGET_PATTERNS
+
+KVCodecName = Literal["fp16", "kivi", "nuq-outlier", "latent-head", "latent-layer", "rvq-tiered"]
+WeightCodecName = Literal["keep", "hls", "rtn", "fp8", "fp3"]
+IMPLEMENTED_KV = ("fp16",)
+IMPLEMENTED_WEIGHTS = ("keep",)
+
+
+@dataclass
+class KVConfig:
+    codec: KVCodecName = "fp16"
+    bits: int = 16
+    window: int = 128
+    sinks: int = 4
+
+    def __post_init__(self):
+        if self.window < 0 or self.sinks < 0:
+            raise UserError(f"kv: window and sinks must be >= 0, got window={self.window}, sinks={self.sinks}")
+        if not 1 <= self.bits <= 16:
+            raise UserError(f"kv.bits must be in 1..16, got {self.bits}")
+
+
+@dataclass
+class WeightRule:
+    targets: list[str]
+    codec: WeightCodecName = "keep"
+    bits: int = 16
+    group_size: int = 0  # 0: one group per output row
+
+    def __post_init__(self):
+        if not self.targets:
+            raise UserError("weights rule: targets must name at least one target")
+        for t in self.targets:
+            if t not in TARGET_PATTERNS:
+                try:
+                    re.compile(t)
+                except re.error as e:
+                    raise UserError(f"weights rule: target {t!r} is neither a known target "
+                                    f"({', '.join(TARGET_PATTERNS)}) nor a valid regex ({e})") from None
+        if not 1 <= self.bits <= 16:
+            raise UserError(f"weights rule: bits must be in 1..16, got {self.bits}")
+        if self.group_size < 0:
+            raise UserError(f"weights rule: group_size must be >= 0, got {self.group_size}")
+
+    def patterns(self) -> list[re.Pattern]:
+        return [re.compile(TARGET_PATTERNS.get(t, t)) for t in self.targets]
+
+
+@dataclass
+class CalibrationConfig:
+    expert_policy: Literal["all-experts-for-stats", "damped-identity"] = "all-experts-for-stats"
+    min_expert_tokens: int = 0
+    seed: int = 0
+
+
+@dataclass
+class Recipe:
+    name: str = "unnamed"
+    description: str = ""
+    kv: KVConfig | None = None
+    weights: list[WeightRule] = field(default_factory=list)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    version: int = 1
+
+    def kv_or_default(self) -> KVConfig:
+        return self.kv or KVConfig()
+
+    def rule_for(self, tensor_name: str) -> WeightRule | None:
+        for rule in self.weights:
+            if any(p.search(tensor_name) for p in rule.patterns()):
+                return rule
+        return None
+
+    def require_implemented(self) -> None:
+        kv = self.kv_or_default()
+        if kv.codec not in IMPLEMENTED_KV:
+            raise UserError(f"kv codec {kv.codec!r} is not implemented in this moec version "
+                            f"(implemented: {', '.join(IMPLEMENTED_KV)})")
+        for rule in self.weights:
+            if rule.codec not in IMPLEMENTED_WEIGHTS:
+                raise UserError(f"weights codec {rule.codec!r} is not implemented in this moec version "
+                                f"(implemented: {', '.join(IMPLEMENTED_WEIGHTS)})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# -- typed parsing ------------------------------------------------------------------------------------
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value, tp, where: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _convert(value, args[0], where)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise UserError(f"{where}: {value!r} is not {_type_name(tp)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise UserError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        return [_convert(v, typing.get_args(tp)[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise UserError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, data, where: str):
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            raise UserError(f"{where}: unknown key {key!r} (known keys: {', '.join(sorted(known))})")
+    kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required key is missing
+        raise UserError(f"{where}: {e}") from None
+
+
+def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
+    return _build(Recipe, data or {}, where)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"recipe {p}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"recipe {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    recipe = parse_recipe(data, where=p.name)
+    if recipe.name == "unnamed":
+        recipe.name = p.stem
+    return recipe

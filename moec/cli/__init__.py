@@ -1,0 +1,1 @@
+"""The `moec` command line: one module per command, wired together in app.py."""

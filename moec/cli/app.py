@@ -1,0 +1,59 @@
+"""The `moec` command: calibrate, pack, eval, inspect, models.
+
+Exit codes: 0 success, 2 bad usage or input (one line naming the problem, no traceback), 1 for
+anything else (one line; MOEC_DEBUG=1 shows the traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+import typer
+from rich.logging import RichHandler
+
+from ..errors import UserError
+from . import calibrate_cmd, eval_cmd, inspect_cmd, models_cmd, pack_cmd
+from .common import console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Compress Mixture-of-Experts models offline and run them fast.")
+app.command("models")(models_cmd.models)
+app.command("calibrate")(calibrate_cmd.calibrate)
+app.command("pack")(pack_cmd.pack)
+app.command("eval")(eval_cmd.eval_)
+app.command("inspect")(inspect_cmd.inspect)
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("MOEC_LOG", "INFO"), format="%(message)s",
+                        handlers=[RichHandler(console=console, show_path=False, show_time=False)])
+    for noisy in ("httpx", "datasets", "filelock", "urllib3", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        rc = app(standalone_mode=False)
+        sys.exit(rc if isinstance(rc, int) else 0)
+    except click.exceptions.UsageError as e:
+        print(f"moec: error: {e.format_message()}", file=sys.stderr)
+        sys.exit(2)
+    except UserError as e:
+        print(f"moec: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        print("moec: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except Exception as e:
+        if os.environ.get("MOEC_DEBUG"):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else ""
+        print(f"moec: internal error: {type(e).__name__}: {msg} (MOEC_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""`moec calibrate MODEL --recipe R.yaml --data ptb --split train -o CALIB_DIR`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from ..calibrate.recipe import load_recipe
+from ..calibrate.run import calibrate as run_calibrate
+from ..calibrate.sources import resolve_model
+from ..errors import UserError
+from .common import console, out_console, progress_bar
+
+
+def calibrate(
+    model: str = typer.Argument(..., help="HF directory, GGUF file, hub id or built-in name"),
+    recipe: Path = typer.Option(..., "--recipe", "-r", help="recipe YAML"),
+    data: str = typer.Option("ptb", help="built-in data set, local text/json file, or hub data set"),
+    split: str = typer.Option("train", help="split to calibrate on (never the evaluation split)"),
+    samples: int = typer.Option(32, help="number of calibration sequences"),
+    seq_len: int = typer.Option(512, "--seq-len", help="tokens per calibration sequence"),
+    out: Path = typer.Option(..., "-o", "--out", help="calibration output directory"),
+    seed: int | None = typer.Option(None, help="sampling seed (default: the recipe's calibration.seed)"),
+    device: str = typer.Option("cpu", help="cpu or cuda"),
+) -> None:
+    """Capture statistics layer by layer and fit what the recipe needs."""
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device must be cpu or cuda, got {device!r}")
+    r = load_recipe(recipe)
+    if seed is not None:
+        r.calibration.seed = seed
+    model_dir = resolve_model(model)
+    console.log(f"calibrating {model} with recipe {r.name} on {data}/{split}: {samples} × {seq_len} tokens")
+    from ..runtime.hf_layout import HFCheckpoint
+
+    n_layers = HFCheckpoint(model_dir).args.n_layers if (model_dir / "config.json").is_file() else 1
+    with progress_bar("layers", n_layers) as advance:
+        report = run_calibrate(model_dir, model, r, data, split, samples, seq_len, r.calibration.seed, out,
+                               device=device, progress=lambda i, n: advance())
+    t = Table(title=f"calibration → {out}")
+    for c in ("layer", "ffn", "expert tokens (min / max)", "min/max", "|k| max", "|v| max"):
+        t.add_column(c)
+    for e in report["layers"]:
+        ex = e.get("experts")
+        t.add_row(str(e["layer"]), e["ffn"], f"{min(ex['tokens'])} / {max(ex['tokens'])}" if ex else "-",
+                  f"{ex['min_over_max']:.2f}" if ex else "-", f"{e['k_absmax']:.2f}", f"{e['v_absmax']:.2f}")
+    out_console.print(t)

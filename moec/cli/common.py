@@ -1,0 +1,62 @@
+"""Shared CLI helpers: console, progress bars, result records, atomic JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+console = Console(stderr=True)
+out_console = Console()
+
+
+@contextmanager
+def progress_bar(description: str, total: int):
+    """Yields advance(n) for a rich progress bar on stderr."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False, disable=not console.is_terminal and
+                  os.environ.get("MOEC_PROGRESS") != "1") as p:
+        task = p.add_task(description, total=total)
+        yield lambda n=1: p.advance(task, n)
+
+
+def git_sha() -> str | None:
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        return subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=5, check=True).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def base_record(bench: str, device: str) -> dict:
+    return {"bench": bench, "git_sha": git_sha(), "date": time.strftime("%Y-%m-%d"), "device": device_name(device)}
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,95 @@
+"""`moec eval MODEL_OR_PACKED --data ptb --split test [--mode tf|dec|both] [--baseline MODEL] [--json OUT]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import typer
+from rich.table import Table
+
+from ..calibrate.data import load_text
+from ..calibrate.sources import load_tokenizer, resolve_model, tokenize
+from ..errors import UserError
+from ..runtime.loader import load_model
+from ..runtime.perplexity import CONTEXT, evaluate, make_windows
+from .common import base_record, console, out_console, progress_bar, write_json_atomic
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def eval_(
+    model: str = typer.Argument(..., help="packed checkpoint, HF directory, GGUF file or built-in name"),
+    data: str = typer.Option("ptb", help="built-in data set, local text/json file, or hub data set"),
+    split: str = typer.Option("test"),
+    mode: str = typer.Option("both", help="tf (teacher-forced), dec (token-by-token through the cache) or both"),
+    max_windows: int | None = typer.Option(8, "--max-windows", help="first N windows (0: all)"),
+    window: int = typer.Option(1024, help="tokens per window (W)"),
+    baseline: str | None = typer.Option(None, help="model to compare against: ppl_base, delta_pct, kld, top1"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the result records here"),
+    batch_size: int = typer.Option(8, "--batch-size", help="windows decoded together"),
+    device: str = typer.Option("cpu", help="cpu or cuda"),
+    dtype: str = typer.Option("fp32", help="compute dtype: fp32 (reference numbers) or bf16"),
+    latency: bool = typer.Option(False, "--latency", help="decode latency against the HBM floor (GPU)"),
+) -> None:
+    """Perplexity, KL to a baseline, effective bits (BENCHMARKS.md protocol)."""
+    if mode not in ("tf", "dec", "both"):
+        raise UserError(f"--mode must be tf, dec or both, got {mode!r}")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise UserError(f"--device {device!r} is not available here (cpu, or cuda on a GPU machine)")
+    if latency:
+        raise UserError("--latency is not implemented in this moec version (it arrives with the GPU runtime)")
+    if window <= CONTEXT + 1:
+        raise UserError(f"--window must exceed the {CONTEXT}-token context, got {window}")
+    model_dir = resolve_model(model)
+    cand, info = load_model(model_dir, DTYPES[dtype], device)
+    if window > cand.args.max_seq_len:
+        raise UserError(f"--window {window} is longer than the model supports ({cand.args.max_seq_len} tokens)")
+    base = None
+    if baseline is not None:
+        base, _ = load_model(resolve_model(baseline), DTYPES[dtype], device)
+        if base.args.vocab_size != cand.args.vocab_size:
+            raise UserError(f"baseline {baseline!r} has another vocabulary ({base.args.vocab_size} vs "
+                            f"{cand.args.vocab_size}); KL needs the same tokenizer")
+    ids = tokenize(load_tokenizer(model_dir), load_text(data, split))
+    windows = make_windows(ids, window, max_windows or None)
+    if len(windows) == 0:
+        raise UserError(f"{data}/{split} has {ids.numel()} tokens, fewer than one window of {window}")
+
+    recipe = info["manifest"]["recipe"]["name"] if info["kind"] == "packed" else "source"
+    modes = ["tf", "dec"] if mode == "both" else [mode]
+    records = []
+    for m in modes:
+        with progress_bar(f"{m} windows", len(windows)) as advance:
+            r = evaluate(cand, windows, m, base, batch_size=batch_size, progress=advance)
+        rec = base_record("moec-eval", device) | {
+            "model": model, "method": "packed" if info["kind"] == "packed" else "source", "recipe": recipe,
+            "context": window, "batch": batch_size, "mode": m, "dtype": dtype, "data": data, "split": split,
+            "windows": f"{len(windows)} windows (0-{len(windows) - 1}) of {window}, scored {CONTEXT}..{window - 1}",
+            "ppl": r["ppl"], "ppl_base": r.get("ppl_base"), "delta_pct": r.get("delta_pct"), "kld": r.get("kld"),
+            "top1": r.get("top1"), "kv_bits": r.get("kv_bits", 16.0), "kv_bits_32k": 16.0,
+            "kv_codec": "fp16", "w_bits": info["w_bits"], "scored_tokens": r["scored_tokens"],
+            "baseline": baseline, "peer": {},
+        }
+        records.append(rec)
+    _print_table(records)
+    if json_out is not None:
+        write_json_atomic(json_out, records)
+        console.log(f"wrote {json_out}")
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _print_table(records: list[dict]) -> None:
+    t = Table(title=f"{records[0]['model']} on {records[0]['data']}/{records[0]['split']} "
+                    f"({records[0]['windows']}, {records[0]['dtype']})")
+    for c in ("mode", "ppl", "ppl_base", "Δ%", "kld", "top1", "kv_bits", "w_bits"):
+        t.add_column(c, justify="right")
+    for r in records:
+        t.add_row(r["mode"], _fmt(r["ppl"], ".4f"), _fmt(r["ppl_base"], ".4f"), _fmt(r["delta_pct"], "+.3f"),
+                  _fmt(r["kld"], ".5f"), _fmt(r["top1"], ".4f"), _fmt(r["kv_bits"], ".2f"), _fmt(r["w_bits"], ".2f"))
+    out_console.print(t)

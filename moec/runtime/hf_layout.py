@@ -1,0 +1,186 @@
+"""Read a Hugging Face checkpoint directory (config.json + safetensors) into the canonical layout.
+
+The runtime reads HF checkpoints itself (no transformers import): an adapter per architecture maps
+config fields onto ModelArgs and HF tensor names onto canonical names, stacking per-expert tensors
+into [E, ...] as it loads. Experts may be saved per expert (`experts.3.w1.weight`, as HF checkpoints
+on disk are) or fused (`experts.gate_up_proj [E, 2I, D]`, as transformers 5 holds them in memory).
+Tensors load lazily, one layer at a time, so calibration can stream a model larger than memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import UserError
+from .config import ModelArgs
+
+SUPPORTED = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    # transformers 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = params if params.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
+    if scaling:
+        scaling = dict(scaling)
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in _ROPE_TYPES:
+            raise UserError(f"RoPE scaling type {kind!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+        scaling["rope_type"] = kind
+        if kind == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def args_from_config(cfg: dict) -> ModelArgs:
+    """ModelArgs from an HF config.json dict; unsupported architectures get a UserError."""
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED:
+        raise UserError(f"unsupported architecture {mt!r}; supported: {', '.join(SUPPORTED)}")
+    L, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    theta, scaling = _rope(cfg)
+    common = dict(
+        arch=mt, vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=L, n_heads=heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6), max_seq_len=cfg.get("max_position_embeddings", 4096),
+        rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UserError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    if mt == "llama":
+        if cfg.get("mlp_bias"):
+            raise UserError("Llama checkpoints with mlp_bias=true are not supported")
+        bias = bool(cfg.get("attention_bias", False))
+        return ModelArgs(**common, qkv_bias=bias, o_bias=bias, dense_dim=cfg["intermediate_size"])
+    if mt == "mixtral":
+        return ModelArgs(**common, n_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                         expert_dim=cfg["intermediate_size"], norm_topk=True)
+    if cfg.get("use_sliding_window"):
+        raise UserError(f"{mt} checkpoints with use_sliding_window=true are not supported")
+    E = cfg.get("num_experts", cfg.get("num_local_experts"))  # Qwen3-MoE in transformers 5
+    A = cfg["num_experts_per_tok"]
+    norm_topk = bool(cfg.get("norm_topk_prob", False))
+    if mt == "olmoe":
+        return ModelArgs(**common, qk_norm="full", clip_qkv=cfg.get("clip_qkv"),
+                         qkv_bias=bool(cfg.get("attention_bias")), o_bias=bool(cfg.get("attention_bias")),
+                         n_experts=E, top_k=A, expert_dim=cfg["intermediate_size"], norm_topk=norm_topk)
+    # Qwen2-MoE / Qwen3-MoE: some layers may be dense (mlp_only_layers, decoder_sparse_step).
+    step, dense_layers = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+    kinds = ["moe" if (i not in dense_layers and E > 0 and (i + 1) % step == 0) else "dense" for i in range(L)]
+    extra = dict(ffn_kinds=kinds, dense_dim=cfg.get("intermediate_size", 0), n_experts=E, top_k=A,
+                 expert_dim=cfg["moe_intermediate_size"], norm_topk=norm_topk)
+    if mt == "qwen2_moe":
+        return ModelArgs(**common, **extra, qkv_bias=bool(cfg.get("qkv_bias", True)),
+                         shared_dim=cfg.get("shared_expert_intermediate_size", 0), shared_gate=True)
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelArgs(**common, **extra, qk_norm="head", qkv_bias=bias, o_bias=bias)
+
+
+def _moe_prefix(arch: str) -> str:
+    return "block_sparse_moe" if arch == "mixtral" else "mlp"
+
+
+class HFCheckpoint:
+    """Lazy canonical view of an HF directory: `args`, `layer_state(i)`, `global_state()`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        cfg_file = self.path / "config.json"
+        if not cfg_file.is_file():
+            raise UserError(f"{self.path}: no config.json (expected a Hugging Face model directory)")
+        self.config = json.loads(cfg_file.read_text())
+        self.args = args_from_config(self.config)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = sorted({self.path / f for f in weight_map.values()})
+        else:
+            self.files = sorted(self.path.glob("*.safetensors"))
+        if not self.files:
+            raise UserError(f"{self.path}: no *.safetensors weights (pickled .bin checkpoints are not read)")
+        self._where: dict[str, Path] = {}
+        for f in self.files:
+            with safe_open(f, "pt") as h:
+                for k in h.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                    self._where[k] = f
+
+    # -- raw access -------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise UserError(f"{self.path}: tensor {name!r} missing from the checkpoint")
+        with safe_open(self._where[name], "pt") as h:
+            return h.get_tensor(name)
+
+    # -- canonical views --------------------------------------------------------------------------
+    def global_state(self) -> dict[str, torch.Tensor]:
+        out = {"tok_embeddings.weight": self.get("model.embed_tokens.weight"),
+               "norm.weight": self.get("model.norm.weight")}
+        if not self.args.tie_embeddings:
+            out["output.weight"] = self.get("lm_head.weight")
+        return out
+
+    def layer_state(self, i: int) -> dict[str, torch.Tensor]:
+        a, p = self.args, f"model.layers.{i}."
+        out = {"attn_norm.weight": self.get(p + "input_layernorm.weight"),
+               "ffn_norm.weight": self.get(p + "post_attention_layernorm.weight")}
+        for c, h in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+            out[f"attn.{c}.weight"] = self.get(f"{p}self_attn.{h}.weight")
+            has_bias = a.o_bias if c == "wo" else a.qkv_bias
+            if has_bias:
+                out[f"attn.{c}.bias"] = self.get(f"{p}self_attn.{h}.bias")
+        if a.qk_norm != "none":
+            out["attn.q_norm.weight"] = self.get(p + "self_attn.q_norm.weight")
+            out["attn.k_norm.weight"] = self.get(p + "self_attn.k_norm.weight")
+        if a.ffn_kinds[i] == "dense":
+            for c, h in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                out[f"moe.{c}"] = self.get(f"{p}mlp.{h}.weight")[None]
+        else:
+            out.update(self._experts(i))
+        return {f"layers.{i}.{k}": v for k, v in out.items()}
+
+    def _experts(self, i: int) -> dict[str, torch.Tensor]:
+        a = self.args
+        m = f"model.layers.{i}.{_moe_prefix(a.arch)}."
+        out = {"moe.router.weight": self.get(m + "gate.weight")}
+        if self.has(m + "experts.gate_up_proj"):  # fused layout: gate rows first, then up
+            gate_up = self.get(m + "experts.gate_up_proj")  # [E, 2I, D]
+            out["moe.w1"], out["moe.w3"] = (t.contiguous() for t in gate_up.chunk(2, dim=1))
+            out["moe.w2"] = self.get(m + "experts.down_proj")  # [E, D, I]
+        else:
+            names = ({"w1": "w1", "w3": "w3", "w2": "w2"} if a.arch == "mixtral"
+                     else {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
+            for c, h in names.items():
+                out[f"moe.{c}"] = torch.stack([self.get(f"{m}experts.{e}.{h}.weight") for e in range(a.n_experts)])
+        if a.shared_dim:
+            for c, h in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                out[f"moe.shared.{c}.weight"] = self.get(f"{m}shared_expert.{h}.weight")
+            if a.shared_gate:
+                out["moe.shared_gate.weight"] = self.get(m + "shared_expert_gate.weight")
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = self.global_state()
+        for i in range(self.args.n_layers):
+            out.update(self.layer_state(i))
+        return out
+
+    def fingerprint(self) -> dict:
+        """sha256 of config.json and of the weight files, for provenance in every output."""
+        h = hashlib.sha256()
+        for f in self.files:
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(chunk)
+        return {"config_sha256": hashlib.sha256((self.path / "config.json").read_bytes()).hexdigest(),
+                "weights_sha256": h.hexdigest()}

@@ -1,0 +1,48 @@
+"""Load a model for the runtime: an HF-layout directory or a moec packed checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import FormatError
+from ..formats import checkpoint
+from ..formats.codecs import WEIGHT_PATTERN, WeightCodec
+from .config import ModelArgs
+from .hf_layout import HFCheckpoint
+from .model import Transformer, build_model
+
+
+def weight_bits(tensors: dict[str, torch.Tensor]) -> float:
+    """Effective bits per weight of the decoder-layer matrices, from the bytes held."""
+    nbytes = numel = 0
+    for name, t in tensors.items():
+        if WEIGHT_PATTERN.search(name):
+            nbytes += t.numel() * t.element_size()
+            numel += t.numel()
+    return 8.0 * nbytes / max(numel, 1)
+
+
+def load_state(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
+    """(args, canonical state dict, info) where info has kind, w_bits and, for packed, the manifest."""
+    if checkpoint.is_packed(path):
+        manifest = checkpoint.verify(path)
+        args = ModelArgs.from_dict(manifest["model_args"])
+        for name, e in manifest["tensors"].items():
+            if e["codec"] != WeightCodec.KEEP.value:
+                raise FormatError(f"{path}: tensor {name!r} uses codec {e['codec']!r}, which this runtime "
+                                  f"version cannot execute")
+        state = checkpoint.load_tensors(path, manifest)
+        return args, state, {"kind": "packed", "manifest": manifest,
+                             "w_bits": manifest["effective_bits"]["w_bits"]}
+    ckpt = HFCheckpoint(path)
+    state = ckpt.state_dict()
+    return ckpt.args, state, {"kind": "hf", "w_bits": weight_bits(state)}
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[Transformer, dict]:
+    """The runtime model for `path`; compute dtype fp32 by default (the CPU reference)."""
+    args, state, info = load_state(path)
+    return build_model(args, state, dtype=dtype, device=device), info

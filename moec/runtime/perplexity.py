@@ -1,0 +1,109 @@
+"""The evaluation protocol of BENCHMARKS.md: ppl_tf, ppl_dec, kld and top1 over fixed windows.
+
+Windows are non-overlapping slices of W tokens of the tokenized text. In every window, tokens at
+positions CONTEXT..W-1 are scored (the first 32 are context only), in every mode:
+  tf  : one forward per window; logits at p predict token p+1.
+  dec : prefill the first CONTEXT tokens through the cache, then feed tokens one at a time through
+        the (possibly compressed) cache, teacher forced. Windows of a batch decode together, each
+        with its own cache row.
+With a baseline model the candidate and baseline run in lockstep on the same windows and mode, and
+we accumulate KL(p_base || p_cand) and argmax agreement at the same positions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .kvcache import DenseKVCache
+from .model import Transformer
+
+CONTEXT = 32
+
+
+def make_windows(ids: torch.Tensor, window: int, max_windows: int | None = None,
+                 first: int = 0) -> torch.Tensor:
+    """Non-overlapping windows [n, W]; a trailing partial window is dropped."""
+    n = ids.numel() // window
+    w = ids[: n * window].view(n, window)[first:]
+    return w if max_windows is None else w[:max_windows]
+
+
+@dataclass
+class Totals:
+    nll: float = 0.0
+    nll_base: float = 0.0
+    kl: float = 0.0
+    top1: int = 0
+    n: int = 0
+
+    def add(self, logits: torch.Tensor, targets: torch.Tensor, base: torch.Tensor | None) -> None:
+        """logits/base: [..., V] for targets [...]; all in fp32 for the sums."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        self.nll += -logp.gather(-1, targets[..., None]).sum().item()
+        self.n += targets.numel()
+        if base is not None:
+            logq = torch.log_softmax(base.float(), dim=-1)
+            self.nll_base += -logq.gather(-1, targets[..., None]).sum().item()
+            self.kl += (logq.exp() * (logq - logp)).sum().item()
+            self.top1 += (logq.argmax(-1) == logp.argmax(-1)).sum().item()
+
+    def result(self, with_base: bool) -> dict:
+        out = {"ppl": math.exp(self.nll / self.n), "scored_tokens": self.n}
+        if with_base:
+            ppl_base = math.exp(self.nll_base / self.n)
+            out.update(ppl_base=ppl_base, delta_pct=100.0 * (out["ppl"] / ppl_base - 1.0),
+                       kld=self.kl / self.n, top1=self.top1 / self.n)
+        return out
+
+
+CacheFactory = Callable[[Transformer, int, int], object]
+
+
+def fp16_cache(model: Transformer, batch: int, max_len: int) -> DenseKVCache:
+    dev = model.tok_embeddings.weight.device
+    return DenseKVCache(model.args, batch, max_len, dtype=torch.float16, device=dev)
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Transformer | None = None,
+             batch_size: int = 4, cache_factory: CacheFactory = fp16_cache,
+             progress: Callable[[int], None] | None = None) -> dict:
+    """Perplexity (and kld/top1 against `baseline`) over `windows` [n, W] in mode 'tf' or 'dec'."""
+    assert mode in ("tf", "dec"), mode
+    n, W = windows.shape
+    assert W > CONTEXT + 1, f"window {W} must exceed the {CONTEXT}-token context"
+    dev = model.tok_embeddings.weight.device
+    tot, kv_bits = Totals(), []
+    for s in range(0, n, batch_size):
+        batch = windows[s : s + batch_size].to(dev)
+        B = batch.shape[0]
+        if mode == "tf":
+            for b in range(B):  # one window at a time keeps [W, V] logits small
+                x = batch[b : b + 1]
+                logits = model(x)[0, CONTEXT - 1 : W - 1]
+                base = baseline(x)[0, CONTEXT - 1 : W - 1] if baseline is not None else None
+                tot.add(logits, x[0, CONTEXT:], base)
+        else:
+            cache = cache_factory(model, B, W)
+            bcache = cache_factory(baseline, B, W) if baseline is not None else None
+            logits = model(batch[:, :CONTEXT], cache, 0)[:, -1]
+            base = baseline(batch[:, :CONTEXT], bcache, 0)[:, -1] if baseline is not None else None
+            tot.add(logits, batch[:, CONTEXT], base)
+            for t in range(CONTEXT, W - 1):
+                x = batch[:, t : t + 1]
+                logits = model(x, cache, t)[:, -1]
+                base = baseline(x, bcache, t)[:, -1] if baseline is not None else None
+                tot.add(logits, batch[:, t + 1], base)
+            kv_bits.append(cache.bits_per_element())
+        if progress is not None:
+            progress(B)
+    out = tot.result(baseline is not None)
+    out["windows"] = n
+    out["window_len"] = W
+    if kv_bits:
+        out["kv_bits"] = sum(kv_bits) / len(kv_bits)
+    return out

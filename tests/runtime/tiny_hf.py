@@ -1,0 +1,43 @@
+"""Tiny random Hugging Face models of every supported architecture, saved to disk as HF saves them."""
+
+import torch
+import transformers as T
+
+
+def tiny_configs() -> dict:
+    common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+    return {
+        "llama": T.LlamaConfig(**common, intermediate_size=40, tie_word_embeddings=True,
+                               rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 64}),
+        "mixtral": T.MixtralConfig(**common, intermediate_size=40, num_local_experts=5, num_experts_per_tok=2),
+        "qwen2_moe": T.Qwen2MoeConfig(**common, intermediate_size=56, moe_intermediate_size=24,
+                                      shared_expert_intermediate_size=32, num_experts=6, num_experts_per_tok=3,
+                                      mlp_only_layers=[1], norm_topk_prob=False),
+        "qwen3_moe": T.Qwen3MoeConfig(**common, intermediate_size=56, moe_intermediate_size=24, head_dim=16,
+                                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+        "olmoe": T.OlmoeConfig(**common, intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                               clip_qkv=8.0),
+    }
+
+
+def make_tiny(arch: str, path, seed: int = 0):
+    """Random-weight HF model saved to `path`; returns the in-memory transformers model (fp32)."""
+    torch.manual_seed(seed)
+    cfg = tiny_configs()[arch]
+    cfg._attn_implementation = "eager"
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    # Default init (std 0.02) gives near-uniform routers; a wider spread makes routing decisive and
+    # exercises real top-k choices instead of near ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name and p.dim() >= 2:
+                p.normal_(0, 0.15)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model
