@@ -11,6 +11,8 @@ from ..calibrate.recipe import load_recipe
 from ..calibrate.run import calibrate as run_calibrate
 from ..calibrate.sources import resolve_model
 from ..errors import UserError
+from ..formats.checkpoint import is_packed
+from ..runtime.hf_layout import HFCheckpoint
 from .common import console, out_console, progress_bar
 
 
@@ -32,10 +34,8 @@ def calibrate(
     if seed is not None:
         r.calibration.seed = seed
     model_dir = resolve_model(model)
+    n_layers = HFCheckpoint(model_dir).args.n_layers if not is_packed(model_dir) else 1  # validates the config
     console.log(f"calibrating {model} with recipe {r.name} on {data}/{split}: {samples} × {seq_len} tokens")
-    from ..runtime.hf_layout import HFCheckpoint
-
-    n_layers = HFCheckpoint(model_dir).args.n_layers if (model_dir / "config.json").is_file() else 1
     with progress_bar("layers", n_layers) as advance:
         report = run_calibrate(model_dir, model, r, data, split, samples, seq_len, r.calibration.seed, out,
                                device=device, progress=lambda i, n: advance())

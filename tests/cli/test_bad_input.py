@@ -1,0 +1,142 @@
+"""Bad input: one clear line naming the problem, exit code 2, no traceback, no partial output."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.cli.run import moec
+
+
+def assert_clean_failure(r, *needles, outputs=()):
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    err = r.stderr.strip().splitlines()[-1]
+    assert errors == [err] and err.startswith("moec: error:"), r.stderr
+    for n in needles:
+        assert n in err, (n, err)
+    for o in outputs:
+        assert not o.exists(), f"{o} left behind"
+        assert not list(o.parent.glob(f".{o.name}.tmp-*")), "temporary directory left behind"
+
+
+def calibrate(model, out, *extra, recipe="recipes/fp16.yaml"):
+    return moec("calibrate", model, "--recipe", recipe, "--data", "ptb", "--split", "valid", "--samples", "2",
+                "--seq-len", "32", "-o", out, *extra)
+
+
+def test_missing_model_path(tmp_path):
+    out = tmp_path / "calib"
+    assert_clean_failure(calibrate(tmp_path / "nope", out), "nope", "no such path", outputs=[out])
+
+
+def test_unknown_builtin(tmp_path):
+    out = tmp_path / "calib"
+    assert_clean_failure(calibrate("smollm3-1b", out), "'smollm3-1b'", "demo-moe", outputs=[out])
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    out = tmp_path / "calib"
+    assert_clean_failure(calibrate(tmp_path / "m", out), "unsupported architecture 'gpt2'", "mixtral",
+                         outputs=[out])
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("kv:\n  codec: fp16\n  windw: 64\n", "unknown key 'windw'"),
+    ("weights:\n  - targets: [experts]\n    bits: two\n", "expected int, got str 'two'"),
+    ("kv:\n  codec: zip\n", "'zip' is not one of"),
+    ("calibration: [1, 2]\n", "expected a mapping"),
+])
+def test_bad_recipe(tiny_moe_dir, tmp_path, body, needle):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(body)
+    out = tmp_path / "calib"
+    assert_clean_failure(calibrate(tiny_moe_dir, out, recipe=recipe), needle, outputs=[out])
+
+
+def test_data_path_missing_or_empty(tiny_moe_dir, tmp_path):
+    out = tmp_path / "calib"
+    r = moec("calibrate", tiny_moe_dir, "--recipe", "recipes/fp16.yaml", "--data", tmp_path / "none.txt",
+             "-o", out)
+    assert_clean_failure(r, "none.txt", "does not exist", outputs=[out])
+    (tmp_path / "empty.txt").write_text("")
+    r = moec("calibrate", tiny_moe_dir, "--recipe", "recipes/fp16.yaml", "--data", tmp_path / "empty.txt",
+             "-o", out)
+    assert_clean_failure(r, "empty.txt", "is empty", outputs=[out])
+
+
+def test_seq_len_too_long(tiny_moe_dir, tmp_path):
+    out = tmp_path / "calib"
+    r = moec("calibrate", tiny_moe_dir, "--recipe", "recipes/fp16.yaml", "--seq-len", "4096", "-o", out)
+    assert_clean_failure(r, "--seq-len 4096", "512", outputs=[out])
+    r = moec("eval", tiny_moe_dir, "--window", "4096", "--max-windows", "1")
+    assert_clean_failure(r, "--window 4096", "512")
+
+
+def test_calibrating_on_eval_split_is_refused(tiny_moe_dir, tmp_path):
+    out = tmp_path / "calib"
+    r = moec("calibrate", tiny_moe_dir, "--recipe", "recipes/fp16.yaml", "--split", "test", "-o", out)
+    assert_clean_failure(r, "evaluation split", outputs=[out])
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_moe_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("packed")
+    r = moec("calibrate", tiny_moe_dir, "--recipe", "recipes/fp16.yaml", "--split", "valid", "--samples", "2",
+             "--seq-len", "32", "-o", d / "calib")
+    assert r.returncode == 0, r.stderr
+    r = moec("pack", tiny_moe_dir, d / "calib", "-o", d / "packed")
+    assert r.returncode == 0, r.stderr
+    return d / "packed"
+
+
+def _copy(packed, tmp_path):
+    dst = tmp_path / "ck"
+    shutil.copytree(packed, dst)
+    return dst, next(dst.glob("model-*.safetensors"))
+
+
+def test_truncated_shard(packed, tmp_path):
+    ck, shard = _copy(packed, tmp_path)
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--window", "64"), shard.name, "truncated")
+    assert_clean_failure(moec("inspect", ck), shard.name, "truncated")
+
+
+def test_changed_byte(packed, tmp_path):
+    ck, shard = _copy(packed, tmp_path)
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--window", "64"), shard.name, "sha256 mismatch")
+
+
+def test_missing_manifest(packed, tmp_path):
+    ck, _ = _copy(packed, tmp_path)
+    (ck / "moec.json").unlink()
+    assert_clean_failure(moec("inspect", ck), "missing manifest moec.json")
+
+
+def test_newer_format_version(packed, tmp_path):
+    ck, _ = _copy(packed, tmp_path)
+    m = json.loads((ck / "moec.json").read_text())
+    m["format_version"] = 2
+    (ck / "moec.json").write_text(json.dumps(m))
+    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--window", "64"), "format_version 2",
+                         "newer than this moec reads")
+
+
+def test_pack_with_wrong_model_leaves_nothing(tiny_moe_dir, packed, tmp_path):
+    # the calibration of the tiny model, packed against a copy whose weights differ: refused
+    other = tmp_path / "other"
+    shutil.copytree(tiny_moe_dir, other)
+    weights = other / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x01
+    weights.write_bytes(bytes(data))
+    out = tmp_path / "p2"
+    r = moec("pack", other, packed.parent / "calib", "-o", out)
+    assert_clean_failure(r, "calibrated on another model", outputs=[out])
