@@ -264,7 +264,8 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=Path(".demo_build"), help="build_demo_corpus output")
     ap.add_argument("--out", type=Path, required=True, help="output model folder")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--budget", type=float, default=110.0, help="training wall-clock budget, seconds (110 reproduces the shipped model)")
+    ap.add_argument("--budget", type=float, default=110.0,
+                    help="training wall-clock budget, seconds (110 reproduces the shipped model)")
     ap.add_argument("--steps", type=int, default=None,
                     help="fixed total step count (skips budget sizing; for smoke tests)")
     ap.add_argument("--seed", type=int, default=1234)
