@@ -113,6 +113,7 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
         cfg["moec_source"] = {"gguf": gguf.name}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
         tok.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp made it private; the cache is a normal model directory
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
