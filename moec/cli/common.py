@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 
 from rich.console import Console
@@ -28,6 +29,7 @@ def progress_bar(description: str, total: int):
         yield lambda n=1: p.advance(task, n)
 
 
+@lru_cache(maxsize=1)  # one sha per run, even if commits land while a long eval runs
 def git_sha() -> str | None:
     repo = Path(__file__).resolve().parents[2]
     try:
