@@ -10,11 +10,13 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from ..errors import UserError
 from ..formats import checkpoint
 from ..formats.codecs import WEIGHT_PATTERN, WeightCodec
 from ..runtime.hf_layout import HFCheckpoint
+from .pack_kv import encode_kv_tensors
 from .recipe import Recipe, load_recipe
 from .sources import TOKENIZER_FILES
 
@@ -28,17 +30,30 @@ def read_calib(calib_dir: Path) -> tuple[Recipe, dict]:
     return load_recipe(calib_dir / "recipe.yaml"), json.loads((calib_dir / "report.json").read_text())
 
 
-def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe) -> tuple[dict, dict]:
-    """(stored tensors, per-tensor info) under the recipe's first-match rules."""
+def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe,
+                   fitted: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict]:
+    """(stored tensors, per-tensor info) under the recipe's first-match rules.
+
+    Quantized parameters are stored as the parts calibration fitted (`fit.<param>.<part>` in
+    calib.safetensors, see formats/codecs.py), each named `<param>.<part>` and carrying `param`.
+    """
     tensors, info = {}, {}
+    fitted = fitted or {}
     for name, t in state.items():
         rule = recipe.rule_for(name)
         codec = WeightCodec(rule.codec) if rule else WeightCodec.KEEP
         if codec is WeightCodec.KEEP:
             tensors[name] = t
             info[name] = {"codec": codec.value, "bits": 8 * t.element_size(), "param": name}
-        else:  # recipe.require_implemented() refused these already
-            raise AssertionError(codec)
+            continue
+        parts = {k.removeprefix(f"fit.{name}."): v for k, v in fitted.items() if k.startswith(f"fit.{name}.")}
+        if not parts:
+            raise UserError(f"calibration has no fitted tensors for {name!r} (codec {codec.value}); "
+                            f"re-run `moec calibrate` with this recipe")
+        for part, v in parts.items():
+            tensors[f"{name}.{part}"] = v
+            info[f"{name}.{part}"] = {"codec": codec.value, "bits": rule.bits, "param": name,
+                                      "group_size": rule.group_size, "param_shape": list(t.shape)}
     return tensors, info
 
 
@@ -49,7 +64,11 @@ def effective_bits(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
     numel = sum(state[n].numel() for n in params)
     total_stored = sum(t.numel() * t.element_size() for t in tensors.values())
     total_numel = sum(t.numel() for t in state.values())
+    qparams = {i["param"] for i in info.values() if i["codec"] != WeightCodec.KEEP.value}
+    q_stored = sum(t.numel() * t.element_size() for n, t in tensors.items() if info[n]["param"] in qparams)
+    q_numel = sum(state[n].numel() for n in qparams)
     return {"w_bits": 8.0 * stored / max(numel, 1), "w_params": numel,
+            "q_bits": 8.0 * q_stored / q_numel if q_numel else None, "q_params": q_numel,
             "model_bits": 8.0 * total_stored / max(total_numel, 1), "model_bytes": total_stored}
 
 
@@ -62,8 +81,11 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
         raise UserError(f"{calib_dir} was calibrated on another model ({report.get('model')!r}, weights "
                         f"sha256 {str(report.get('weights_sha256'))[:12]}...), not {model_spec!r}")
     state = ckpt.state_dict()
-    tensors, info = encode_tensors(state, recipe)
+    tensors, info = encode_tensors(state, recipe, load_file(str(calib_dir / "calib.safetensors")))
     bits = effective_bits(state, tensors, info)
+    kv_tensors, kv_info, kv_section = encode_kv_tensors(calib_dir, recipe, ckpt.args)
+    tensors.update(kv_tensors)
+    info.update(kv_info)
     kv = recipe.kv_or_default()
     bits["kv_bits_nominal"] = float(kv.bits)
     provenance = {k: report[k] for k in ("data", "split", "samples", "seq_len", "seed", "tokens", "created",
@@ -72,7 +94,8 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
                                    if "experts" in x}
     manifest = {"source": {"model": model_spec, "path": str(model_dir), **fp},
                 "model_args": ckpt.args.to_dict(), "recipe": recipe.to_dict(),
-                "calibration": provenance, "effective_bits": bits}
+                "calibration": provenance, "effective_bits": bits,
+                "kv": kv_section}
     quant = {"quant_method": "moec", "format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION,
              "config_groups": {f"group_{i}": {"targets": r.targets, "weights": {
                  "codec": r.codec, "num_bits": r.bits, "group_size": r.group_size or None,

@@ -9,7 +9,8 @@
       - targets: [experts, shared_experts, mlp]   # or attention, router, lm_head, or a regex
         codec: keep           # keep | hls | rtn | fp8 | fp3
         bits: 16
-        group_size: 64
+        group_size: 64        # must divide the input dim of every targeted matrix (checked at calibrate)
+        gptq: true            # hls/fp3: GPTQ error feedback (act-order) after the codebook fit
     calibration:
       expert_policy: all-experts-for-stats   # or damped-identity
       min_expert_tokens: 0    # experts below this many routed tokens follow expert_policy
@@ -37,8 +38,10 @@ from ..formats.codecs import TARGET_PATTERNS
 
 KVCodecName = Literal["fp16", "kivi", "nuq-outlier", "latent-head", "latent-layer", "rvq-tiered"]
 WeightCodecName = Literal["keep", "hls", "rtn", "fp8", "fp3"]
-IMPLEMENTED_KV = ("fp16",)
-IMPLEMENTED_WEIGHTS = ("keep",)
+IMPLEMENTED_KV = ("fp16", "kivi", "nuq-outlier")
+# bits each implemented KV codec supports (fp16: 16 only)
+KV_CODEC_BITS = {"fp16": (16,), "kivi": (2, 4), "nuq-outlier": (2, 3)}
+IMPLEMENTED_WEIGHTS = ("keep", "hls", "rtn", "fp8", "fp3")
 
 
 @dataclass
@@ -47,12 +50,31 @@ class KVConfig:
     bits: int = 16
     window: int = 128
     sinks: int = 4
+    # Tiered caches (kivi, nuq-outlier): tokens leave the window in blocks of `block` tokens, each
+    # encoded once (KIVI's key group is the block; outliers are selected per block).
+    block: int = 32
+    group_size: int = 32  # kivi: channels per value group (must divide head_dim)
+    outlier_frac: float = 0.01  # nuq-outlier: fraction of each block's elements kept as fp16 residuals
+    levels: Literal["fixed", "fitted"] = "fitted"  # nuq-outlier: seed grid, or weighted k-means on calibration
+    rope: Literal["pre", "post"] = "pre"  # nuq-outlier: quantize keys before or after RoPE
 
     def __post_init__(self):
-        if self.window < 0 or self.sinks < 0:
-            raise UserError(f"kv: window and sinks must be >= 0, got window={self.window}, sinks={self.sinks}")
+        if self.window < 0:
+            raise UserError(f"kv.window must be >= 0, got {self.window}")
+        if self.sinks < 0:
+            raise UserError(f"kv.sinks must be >= 0, got {self.sinks}")
         if not 1 <= self.bits <= 16:
             raise UserError(f"kv.bits must be in 1..16, got {self.bits}")
+        allowed = KV_CODEC_BITS.get(self.codec)
+        if allowed is not None and self.bits not in allowed:
+            raise UserError(f"kv.bits: codec {self.codec!r} supports bits {' or '.join(map(str, allowed))}, "
+                            f"got {self.bits}")
+        if not 0.0 <= self.outlier_frac <= 0.1:
+            raise UserError(f"kv.outlier_frac must be in [0, 0.1], got {self.outlier_frac}")
+        if self.block < 8 or self.block % 8:
+            raise UserError(f"kv.block must be a positive multiple of 8, got {self.block}")
+        if self.group_size < 1:
+            raise UserError(f"kv.group_size must be >= 1, got {self.group_size}")
 
 
 @dataclass
@@ -61,6 +83,7 @@ class WeightRule:
     codec: WeightCodecName = "keep"
     bits: int = 16
     group_size: int = 0  # 0: one group per output row
+    gptq: bool = True  # hls/fp3: GPTQ error feedback with the full Hessian after fitting the codebooks
 
     def __post_init__(self):
         if not self.targets:
@@ -76,6 +99,10 @@ class WeightRule:
             raise UserError(f"weights rule: bits must be in 1..16, got {self.bits}")
         if self.group_size < 0:
             raise UserError(f"weights rule: group_size must be >= 0, got {self.group_size}")
+        allowed = {"keep": None, "hls": (2, 3, 4), "rtn": (2, 3, 4), "fp3": (3,), "fp8": (8,)}[self.codec]
+        if allowed is not None and self.bits not in allowed:
+            raise UserError(f"weights rule: codec {self.codec!r} takes bits in {{{', '.join(map(str, allowed))}}}, "
+                            f"got {self.bits} (weight bits must be one of 2, 3, 4, 8)")
 
     def patterns(self) -> list[re.Pattern]:
         return [re.compile(TARGET_PATTERNS.get(t, t)) for t in self.targets]

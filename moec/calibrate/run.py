@@ -27,6 +27,9 @@ from ..formats.checkpoint import is_packed
 from ..runtime.hf_layout import HFCheckpoint
 from .capture import ExpertTokenCounts, KVRange, run_layers
 from .data import is_eval_split, load_text, sample_windows
+from .fit_experts import ExpertFitter, plan
+from .fit_kv import KVSampler, check_kv_recipe, fit_kv_tensors
+from .hessian import ExpertHessians
 from .recipe import Recipe
 from .sources import load_tokenizer, tokenize
 
@@ -54,15 +57,31 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     args = ckpt.args
     if seq_len > args.max_seq_len:
         raise UserError(f"--seq-len {seq_len} is longer than the model supports ({args.max_seq_len} tokens)")
+    targets = plan(args, recipe)  # weight rules checked against the model before any work
     torch.manual_seed(seed)
     text = load_text(data, split)
     ids = tokenize(load_tokenizer(model_dir), text)
     tokens = sample_windows(ids, samples, seq_len, seed)
 
     counts, kv = ExpertTokenCounts(args), KVRange()
+    observers: list = [counts, kv]
+    kv_cfg = recipe.kv_or_default()
+    check_kv_recipe(args, kv_cfg)
+    kv_sampler = KVSampler(seed=seed) if kv_cfg.codec == "nuq-outlier" else None
+    if kv_sampler is not None:  # K/V samples for the nuq-outlier scales and levels
+        observers.append(kv_sampler)
+    cal = recipe.calibration
+    fitter = ExpertFitter(targets, ckpt.layer_state, cal.expert_policy, cal.min_expert_tokens) if targets else None
+    if fitter is not None:  # per-expert Hessians, fitted and dropped layer by layer
+        hessians = ExpertHessians(args, fitter.layers(), ckpt.layer_state, fitter.on_layer, all_tokens=(
+            cal.expert_policy == "all-experts-for-stats" and cal.min_expert_tokens > 0))
+        observers.append(hessians)
     t0 = time.time()
-    run_layers(args, ckpt.global_state(), ckpt.layer_state, tokens, [counts, kv], device=device,
+    run_layers(args, ckpt.global_state(), ckpt.layer_state, tokens, observers, device=device,
                progress=progress)
+    if fitter is not None:
+        hessians.flush()
+        tensors_fit = fitter.tensors
     seconds = time.time() - t0
 
     policy = recipe.calibration
@@ -87,8 +106,16 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
             tensors[f"layers.{i}.{name}_absmax"] = kv.stats[(i, name)].contiguous()
         entry["k_absmax"] = round(kv.stats[(i, "k")].max().item(), 4)
         entry["v_absmax"] = round(kv.stats[(i, "v")].max().item(), 4)
+        if fitter is not None and i in fitter.report:
+            entry["weights"] = fitter.report[i]
         report["layers"].append(entry)
+    if fitter is not None:
+        tensors.update(tensors_fit)
+        report["fit_seconds"] = round(fitter.seconds, 2)
 
+    if kv_sampler is not None:
+        kv_tensors, report["kv"] = fit_kv_tensors(args, kv_cfg, kv_sampler)
+        tensors.update(kv_tensors)
     _write_dir(out_dir, {"calib.safetensors": tensors, "report.json": report, "recipe.yaml": recipe.to_yaml()})
     return report
 

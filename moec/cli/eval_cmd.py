@@ -11,8 +11,8 @@ from rich.table import Table
 from ..calibrate.data import load_text
 from ..calibrate.sources import load_tokenizer, resolve_model, tokenize
 from ..errors import UserError
-from ..runtime.loader import load_model
-from ..runtime.perplexity import CONTEXT, evaluate, make_windows
+from ..runtime.loader import kv_cache_factory, load_model
+from ..runtime.perplexity import CONTEXT, evaluate, fp16_cache, make_windows
 from .common import base_record, console, out_console, progress_bar, write_json_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,18 +59,21 @@ def eval_(
         raise UserError(f"{data}/{split} has {ids.numel()} tokens, fewer than one window of {window}")
 
     recipe = info["manifest"]["recipe"]["name"] if info["kind"] == "packed" else "source"
+    cache_factory = kv_cache_factory(info, cand.args) or fp16_cache  # the checkpoint's KV codec (dec mode)
     modes = ["tf", "dec"] if mode == "both" else [mode]
     records = []
     for m in modes:
         with progress_bar(f"{m} windows", len(windows)) as advance:
-            r = evaluate(cand, windows, m, base, batch_size=batch_size, progress=advance)
+            r = evaluate(cand, windows, m, base, batch_size=batch_size, progress=advance,
+                         cache_factory=cache_factory)
         rec = base_record("moec-eval", device) | {
             "model": model, "method": "packed" if info["kind"] == "packed" else "source", "recipe": recipe,
             "context": window, "batch": batch_size, "mode": m, "dtype": dtype, "data": data, "split": split,
             "windows": f"{len(windows)} windows (0-{len(windows) - 1}) of {window}, scored {CONTEXT}..{window - 1}",
             "ppl": r["ppl"], "ppl_base": r.get("ppl_base"), "delta_pct": r.get("delta_pct"), "kld": r.get("kld"),
-            "top1": r.get("top1"), "kv_bits": r.get("kv_bits", 16.0), "kv_bits_32k": 16.0,
-            "kv_codec": "fp16", "w_bits": info["w_bits"], "scored_tokens": r["scored_tokens"],
+            "top1": r.get("top1"), "kv_bits": r.get("kv_bits", 16.0),
+            "kv_bits_32k": r.get("kv_bits_32k", 16.0), "kv_codec": r.get("kv_codec", "fp16"),
+            "w_bits": info["w_bits"], "scored_tokens": r["scored_tokens"],
             "baseline": baseline, "peer": {},
         }
         records.append(rec)

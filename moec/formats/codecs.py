@@ -11,9 +11,23 @@ class WeightCodec(StrEnum):
 
     KEEP: the tensor as-is, in its source dtype and canonical shape (the identity recipe), so a
     packed copy reproduces the source bit for bit.
+
+    The others store a stacked matrix P [E, O, I] (experts, output rows, inputs) as several tensors
+    named `P.<part>`, each carrying `param` = P in the manifest; g = group size along I (the whole
+    row when the recipe says 0), G = I // g, K = 2^bits, codes packed per row (formats/bitpack.py).
+    HLS: codes uint8 [E, O, row_bytes], codebook int8 [E, O, G, K], cb_scale fp16 [E, O, G];
+        w = cb_scale · codebook[idx] (Hessian-weighted least-squares codebooks, calibrate/hls.py).
+    RTN: codes, scale fp16 [E, O, G], zero fp16 [E, O, G]; w = zero + scale · idx (uniform).
+    FP3: codes (3-bit), scale fp16 [E, O, G] (signed); w = scale · FP3_GRID[idx], the fixed grid
+        {-1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2}.
+    FP8: fp8 float8_e4m3fn [E, O, I], scale fp32 [E, O]; w = scale · fp8.
     """
 
     KEEP = "keep"
+    HLS = "hls"
+    RTN = "rtn"
+    FP3 = "fp3"
+    FP8 = "fp8"
 
 
 # Which canonical tensors count as "weights" for effective bits: every matrix inside the decoder

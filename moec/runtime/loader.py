@@ -10,6 +10,7 @@ from ..errors import FormatError
 from ..formats import checkpoint
 from ..formats.codecs import WEIGHT_PATTERN, WeightCodec
 from .config import ModelArgs
+from .experts import attach, is_quant_expert, placeholders, pop_quant_experts
 from .hf_layout import HFCheckpoint
 from .model import Transformer, build_model
 
@@ -30,12 +31,13 @@ def load_state(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], di
         manifest = checkpoint.verify(path)
         args = ModelArgs.from_dict(manifest["model_args"])
         for name, e in manifest["tensors"].items():
-            if e["codec"] != WeightCodec.KEEP.value:
+            if e["codec"] != WeightCodec.KEEP.value and not name.startswith("kv.") and not is_quant_expert(name, e):
                 raise FormatError(f"{path}: tensor {name!r} uses codec {e['codec']!r}, which this runtime "
                                   f"version cannot execute")
         state = checkpoint.load_tensors(path, manifest)
-        return args, state, {"kind": "packed", "manifest": manifest,
-                             "w_bits": manifest["effective_bits"]["w_bits"]}
+        kv_tensors = {n: state.pop(n) for n in [n for n in state if n.startswith("kv.")]}  # KV codec calibration
+        return args, state, {"kind": "packed", "manifest": manifest, "kv": manifest.get("kv"),
+                             "kv_tensors": kv_tensors, "w_bits": manifest["effective_bits"]["w_bits"]}
     ckpt = HFCheckpoint(path)
     state = ckpt.state_dict()
     return ckpt.args, state, {"kind": "hf", "w_bits": weight_bits(state)}
@@ -45,4 +47,19 @@ def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32,
                device: str | torch.device = "cpu") -> tuple[Transformer, dict]:
     """The runtime model for `path`; compute dtype fp32 by default (the CPU reference)."""
     args, state, info = load_state(path)
-    return build_model(args, state, dtype=dtype, device=device), info
+    quant = pop_quant_experts(state, info.get("manifest"))  # quantized experts: built apart, then attached
+    model = build_model(args, state | placeholders(quant, dtype, device), dtype=dtype, device=device)
+    attach(model, quant, device)
+    return model, info
+
+
+def kv_cache_factory(info: dict, args: ModelArgs):
+    """The cache factory `evaluate` takes, for the KV codec a packed checkpoint records (fp16 otherwise).
+
+    Checks the checkpoint's KV calibration against the model's layer/head shapes (FormatError)."""
+    from .kvtiered import build_codecs, tiered_cache_factory
+
+    section = info.get("kv")
+    if not section:
+        return None
+    return tiered_cache_factory(section, build_codecs(section, info.get("kv_tensors", {}), args))

@@ -162,12 +162,15 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, I, D))
         self.w3 = nn.Parameter(torch.empty(E, I, D))
         self.w2 = nn.Parameter(torch.empty(E, D, I))
+        self.codec = None  # runtime/experts.ExpertWeights once a packed checkpoint quantizes these experts
         if kind == "moe" and args.shared_dim:
             self.shared = FFN(D, args.shared_dim)
             if args.shared_gate:
                 self.shared_gate = nn.Linear(D, 1, bias=False)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.codec is not None:
+            return self.codec.expert(e, x)
         return F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t()) @ self.w2[e].t()
 
     def forward(self, x: torch.Tensor, layer: int, observer=None) -> torch.Tensor:
@@ -180,11 +183,13 @@ class MoE(nn.Module):
         if observer is not None:
             observer(layer, "router_logits", logits)
             observer(layer, "expert_ids", ids)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            tok, slot = torch.where(ids == e)
-            y = self.expert(e, x[tok]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(x.dtype))
+        out = self.codec.fused(x, weights, ids) if self.codec is not None else None  # Triton decode on CUDA
+        if out is None:
+            out = torch.zeros_like(x)
+            for e in ids.unique().tolist():
+                tok, slot = torch.where(ids == e)
+                y = self.expert(e, x[tok]) * weights[tok, slot, None]
+                out.index_add_(0, tok, y.to(x.dtype))
         if hasattr(self, "shared"):
             s = self.shared(x)
             if hasattr(self, "shared_gate"):

@@ -89,7 +89,7 @@ def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Tra
                 tot.add(logits, x[0, CONTEXT:], base)
         else:
             cache = cache_factory(model, B, W)
-            bcache = cache_factory(baseline, B, W) if baseline is not None else None
+            bcache = fp16_cache(baseline, B, W) if baseline is not None else None  # the baseline: fp16 KV
             logits = model(batch[:, :CONTEXT], cache, 0)[:, -1]
             base = baseline(batch[:, :CONTEXT], bcache, 0)[:, -1] if baseline is not None else None
             tot.add(logits, batch[:, CONTEXT], base)
@@ -99,6 +99,8 @@ def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Tra
                 base = baseline(x, bcache, t)[:, -1] if baseline is not None else None
                 tot.add(logits, batch[:, t + 1], base)
             kv_bits.append(cache.bits_per_element())
+            if hasattr(cache, "bits_at"):  # tiered caches: the stored-byte formula projected to 32k tokens
+                out_32k = cache.bits_at(32768)
         if progress is not None:
             progress(B)
     out = tot.result(baseline is not None)
@@ -106,4 +108,6 @@ def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Tra
     out["window_len"] = W
     if kv_bits:
         out["kv_bits"] = sum(kv_bits) / len(kv_bits)
+        out["kv_codec"] = getattr(cache, "codec", "fp16")
+        out["kv_bits_32k"] = out_32k if hasattr(cache, "bits_at") else 16.0
     return out

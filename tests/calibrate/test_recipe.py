@@ -26,7 +26,7 @@ def test_resolved_recipe_round_trips():
     ({"weights": [{"codec": "rtn"}]}, "targets"),
     ({"weights": [{"targets": ["(unclosed"]}]}, "neither a known target"),
     ({"calibration": {"expert_policy": "guess"}}, "is not one of 'all-experts-for-stats'"),
-    ({"kv": {"window": -1}}, "window and sinks must be >= 0"),
+    ({"kv": {"window": -1}}, "kv.window must be >= 0, got -1"),
     ({"colour": "red"}, "unknown key 'colour'"),
 ])
 def test_bad_recipes_name_the_field(data, needle):

@@ -1,0 +1,137 @@
+"""KV-cache quality: decode-mode perplexity, KL and top-1 against the fp16 cache, and effective KV bits.
+
+For each recipe: `moec calibrate` (PTB train) → `moec pack` (cached under --work), then decode-mode
+perplexity on PTB test through the checkpoint's compressed cache (BENCHMARKS.md protocol: windows
+of W tokens, prefill 32, then one token at a time, positions 32..W−1 scored). The baseline (same
+model, fp16 cache, same windows and batch) is decoded once and its logits kept, instead of in
+lockstep for every recipe: the numbers equal `moec eval --mode dec --baseline` (deterministic CPU
+fp32), at half the cost.
+
+    python3 benchmarks/bench_kv_quality.py --model smollm2-135m --max-windows 2 \\
+        --recipes recipes/kv-kivi2.yaml recipes/kv-nuq2-outlier.yaml ...
+
+Writes benchmarks/results/kv_quality_<model>.json (a list of records, BENCHMARKS.md fields).
+HF transformers' QuantizedCache peers (quanto / HQQ) are not run: neither optimum-quanto nor hqq
+is installed here; `peer` says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moec.calibrate.data import load_text  # noqa: E402
+from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
+from moec.cli.common import base_record, write_json_atomic  # noqa: E402
+from moec.runtime.kvsim import SimulatedTieredCache  # noqa: E402
+from moec.runtime.kvtiered import build_codecs, tiered_cache_factory  # noqa: E402
+from moec.runtime.loader import load_model  # noqa: E402
+from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, make_windows  # noqa: E402
+
+
+def cli(*args) -> None:
+    env = dict(os.environ, MOEC_PROGRESS="0")
+    r = subprocess.run([sys.executable, "-m", "moec.cli.app", *map(str, args)], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"moec {' '.join(map(str, args))} failed:\n{r.stderr[-3000:]}")
+
+
+@torch.no_grad()
+def decode(model, windows: torch.Tensor, factory, batch: int, sim: bool):
+    """Per batch of windows: yields (logits [B, W-CONTEXT, V] at the scored positions, targets, cache)."""
+    for s in range(0, windows.shape[0], batch):
+        x = windows[s : s + batch]
+        B, W = x.shape
+        cache = factory(model, B, W)
+        if sim:  # one forward: logits at p predict token p+1
+            yield model(x, cache, 0)[:, CONTEXT - 1 : W - 1], x[:, CONTEXT:], cache
+            continue
+        out = [model(x[:, :CONTEXT], cache, 0)[:, -1]]
+        for t in range(CONTEXT, W - 1):
+            out.append(model(x[:, t : t + 1], cache, t)[:, -1])
+        yield torch.stack(out, 1), x[:, CONTEXT:], cache
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo-moe")
+    ap.add_argument("--recipes", nargs="+", required=True)
+    ap.add_argument("--max-windows", type=int, default=2)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=16, help="calibration windows (PTB train)")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/moec-kv-bench"))
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--mode", choices=("dec", "sim"), default="dec",
+                    help="dec: token by token through the cache; sim: one forward per window with the same "
+                         "keys/values per query (moec/runtime/kvsim.py), validated against dec")
+    a = ap.parse_args()
+    torch.set_grad_enabled(False)
+    out = a.out or ROOT / "benchmarks" / "results" / f"kv_quality_{a.model}.json"
+
+    model_dir = resolve_model(a.model)
+    windows = make_windows(tokenize(load_tokenizer(model_dir), load_text("ptb", "test")), a.window, a.max_windows)
+    n = windows.shape[0]
+    wdesc = f"{n} windows (0-{n - 1}) of {a.window}, scored {CONTEXT}..{a.window - 1}"
+    base_model, info = load_model(model_dir)
+    t0 = time.time()
+    sim = a.mode == "sim"
+    base_factory = (lambda m, b, n: SimulatedTieredCache(m.args, b, n, None)) if sim else fp16_cache
+    # decode the baseline once and keep its logits (fp32: windows × W × vocab × 4 bytes)
+    base = [(lg, tg) for lg, tg, _ in decode(base_model, windows, base_factory, a.batch, sim)]
+    print(f"baseline (fp16 cache) decoded in {time.time() - t0:.0f}s", flush=True)
+    tot = Totals()
+    for lg, tg in base:
+        tot.add(lg, tg, lg)
+    ppl_base = tot.result(True)["ppl"]
+    common = {"model": a.model, "context": a.window, "batch": a.batch, "windows": wdesc, "mode": a.mode,
+              "dtype": "fp32", "data": "ptb", "split": "test", "w_bits": info["w_bits"], "ppl_base": ppl_base,
+              "peer": {"hf_quantized_cache": "not run: optimum-quanto and hqq are not installed here"}}
+    records = [base_record("kv_quality", "cpu") | common | {
+        "method": "fp16", "recipe": "fp16", "kv_codec": "fp16", "ppl": ppl_base, "delta_pct": 0.0, "kld": 0.0,
+        "top1": 1.0, "kv_bits": 16.0, "kv_bits_32k": 16.0}]
+
+    for recipe in a.recipes:
+        name = Path(recipe).stem
+        calib, packed = a.work / a.model / f"{name}-calib", a.work / a.model / name
+        t0 = time.time()
+        cli("calibrate", a.model, "--recipe", recipe, "--data", "ptb", "--split", "train", "--samples", a.samples,
+            "--seq-len", a.seq_len, "-o", calib)
+        cli("pack", a.model, calib, "-o", packed)
+        model, pinfo = load_model(packed)
+        factory = tiered_cache_factory(pinfo["kv"], build_codecs(pinfo["kv"], pinfo["kv_tensors"], model.args), sim)
+        tot, bits, cache = Totals(), [], None
+        cand = decode(model, windows, factory, a.batch, sim)
+        for (lg, tg, cache), (blg, _) in zip(cand, base, strict=True):
+            tot.add(lg, tg, blg)
+            bits.append(cache.bits_per_element())
+        r = tot.result(True)
+        kv = pinfo["kv"]
+        rec = base_record("kv_quality", "cpu") | common | {
+            "method": f"{kv['codec']}-{kv['bits']}", "recipe": name, "kv_codec": kv["codec"],
+            "kv": {k: v for k, v in kv.items() if k != "tensors"},
+            "ppl": r["ppl"], "delta_pct": 100.0 * (r["ppl"] / ppl_base - 1.0), "kld": r["kld"], "top1": r["top1"],
+            "kv_bits": sum(bits) / len(bits), "kv_bits_32k": cache.bits_at(32768), "seconds": round(time.time() - t0)}
+        assert abs(r["ppl_base"] - ppl_base) < 1e-9 * ppl_base
+        records.append(rec)
+        print(json.dumps({k: rec[k] for k in ("recipe", "ppl", "delta_pct", "kld", "top1", "kv_bits",
+                                                "kv_bits_32k", "seconds")}), flush=True)
+        write_json_atomic(out, records)
+    write_json_atomic(out, records)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Expert/MLP weight fitting during `moec calibrate`: which tensors a recipe quantizes, the starved-
+expert policy, Hessian regularization, and the call into the pure quantizers (hls.py).
+
+For each targeted layer the capture observer (hessian.ExpertHessians) hands over H1 [E, D, D] (input
+of w1/w3), H2 [E, I, I] (input of w2) and token counts; `ExpertFitter.on_layer` picks each expert's
+Hessian (routed, all-tokens or identity), damps it, quantizes the layer's targeted matrices and keeps
+only the stored tensors (`fit.<param>.<part>`) and a report entry.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..errors import UserError
+from ..runtime.config import ModelArgs
+from ..runtime.model import Transformer
+from . import hls
+from .hessian import regularize
+from .recipe import Recipe, WeightRule
+
+QUANTIZABLE = re.compile(r"layers\.(\d+)\.moe\.(w[123])$")
+
+
+def canonical_names(args: ModelArgs) -> dict[str, tuple]:
+    with torch.device("meta"):
+        m = Transformer(args)
+    return {k: tuple(v.shape) for k, v in m.state_dict().items()}
+
+
+def plan(args: ModelArgs, recipe: Recipe) -> dict[str, WeightRule]:
+    """{param: rule} for every tensor a non-keep rule selects; user errors for what cannot be done."""
+    names = canonical_names(args)
+    targets: dict[str, WeightRule] = {}
+    for ri, rule in enumerate(recipe.weights):
+        if rule.codec == "keep":
+            continue
+        hit = [n for n in names if recipe.rule_for(n) is rule]
+        if set(rule.targets) <= {"experts"} and not args.is_moe:
+            hit = []  # "experts" on a dense model: nothing to target (say `mlp`)
+        if set(rule.targets) <= {"mlp"} and "dense" not in args.ffn_kinds:
+            hit = []
+        if not hit:
+            raise UserError(f"weights rule {ri} (targets {rule.targets}, codec {rule.codec}) selects no tensor of "
+                            f"this model ({args.arch}: {'MoE' if args.is_moe else 'dense'} layers); "
+                            f"targets that exist here: {'experts' if args.is_moe else 'mlp'}")
+        for n in hit:
+            m = QUANTIZABLE.search(n)
+            if not m:
+                raise UserError(f"weights rule {ri}: codec {rule.codec!r} on {n!r}: this moec version quantizes "
+                                f"only expert and dense-MLP matrices (layers.*.moe.w1/w2/w3)")
+            I = names[n][2]
+            if rule.group_size and I % rule.group_size:
+                divs = [d for d in range(8, I + 1, 8) if I % d == 0]
+                raise UserError(f"weights rule {ri}: group_size {rule.group_size} does not divide the input dim "
+                                f"{I} of {n} (divisors that are multiples of 8: {divs}; or 0 for one group per row)")
+            targets[n] = rule
+    return targets
+
+
+class ExpertFitter:
+    """The `on_layer` callback of ExpertHessians: fit, keep stored tensors and report, drop H."""
+
+    def __init__(self, targets: dict[str, WeightRule], layer_state: Callable[[int], dict], policy: str,
+                 min_tokens: int):
+        self.targets, self.layer_state = targets, layer_state
+        self.policy, self.min_tokens = policy, min_tokens
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.report: dict[int, dict] = {}
+        self.seconds = 0.0
+
+    def layers(self) -> set[int]:
+        return {int(QUANTIZABLE.search(n).group(1)) for n in self.targets}
+
+    def _hessians(self, stats: dict, key: str) -> tuple[torch.Tensor, list[dict]]:
+        H = stats[key].clone()  # [E, n, n]
+        notes = []
+        for e, c in enumerate(stats["count"].tolist()):
+            source = "routed"
+            if c < self.min_tokens:
+                if self.policy == "all-experts-for-stats" and f"{key}_all" in stats:
+                    H[e] = stats[f"{key}_all"] if stats[f"{key}_all"].dim() == 2 else stats[f"{key}_all"][e]
+                    source = "all-tokens"
+                else:
+                    H[e] = torch.eye(H.shape[-1])
+                    source = "identity"
+            Hd, note = regularize(H[e])
+            H[e] = Hd
+            if note["status"] in ("non-finite", "zero", "singular"):
+                source = "identity"
+            notes.append({"tokens": c, "hessian": source, **note})
+        return H, notes
+
+    def on_layer(self, layer: int, stats: dict) -> None:
+        t0 = time.time()
+        sd = self.layer_state(layer)
+        H1, n1 = self._hessians(stats, "H1")
+        H2, n2 = self._hessians(stats, "H2")
+        entry = {"experts": [{"tokens": a["tokens"], "hessian_w13": a["hessian"], "status_w13": a["status"],
+                              "hessian_w2": b["hessian"], "status_w2": b["status"]}
+                             for a, b in zip(n1, n2, strict=True)]}
+        for p in ("w1", "w3", "w2"):
+            name = f"layers.{layer}.moe.{p}"
+            rule = self.targets.get(name)
+            if rule is None:
+                continue
+            W = sd[name].float()
+            H = H2 if p == "w2" else H1
+            stored = hls.quantize(W, H, rule.codec, rule.bits, rule.group_size, gptq=rule.gptq)
+            W_hat = hls.dequantize(rule.codec, rule.bits, tuple(W.shape), stored)
+            assert torch.isfinite(W_hat).all(), f"{name}: non-finite dequantized weights"
+            err = hls.output_error(W, W_hat, H)
+            entry[p] = {"codec": rule.codec, "bits": rule.bits, "group_size": rule.group_size, "gptq": rule.gptq,
+                        "rel_output_error": [round(x, 6) for x in err.tolist()]}
+            for part, t in stored.items():
+                self.tensors[f"fit.{name}.{part}"] = t.contiguous()
+        self.report[layer] = entry
+        self.seconds += time.time() - t0

@@ -1,0 +1,141 @@
+"""Calibration of the nuq-outlier KV codec (seed 003, after KVQuant): pure fp32 fitting functions,
+plus the observer that samples keys/values during the layer loop (moec/calibrate/capture.py).
+
+Fitted per layer (stored in calib.safetensors, copied by `moec pack` into the checkpoint):
+    kv.layers.{i}.k_scale   [K, d]   per-channel key scale: the (1 − outlier_frac) quantile of |k|
+                                     per channel (pre- or post-RoPE keys, as the recipe says), so about
+                                     outlier_frac of each channel lies beyond it: the outlier candidates
+    kv.layers.{i}.k_levels  [2^b]    levels in [-1, 1] for k / k_scale
+    kv.layers.{i}.v_levels  [2^b]    levels in [-1, 1] for v / per-token absmax
+Levels are the seed's fixed grid (`levels: fixed`) or fitted by weighted 1-D k-means (Lloyd) on a
+histogram of the normalized calibration values, the bin counts being the weights (`levels: fitted`).
+Values beyond the scale (|x/scale| > 1, the outliers the runtime keeps in fp16) are left out of the fit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.kvquant import FIXED_LEVELS
+
+
+class KVSampler:
+    """Keeps a random subset of up to `max_tokens` token positions per layer of k_pre, k, v: [N, K, d]."""
+
+    def __init__(self, max_tokens: int = 4096, seed: int = 0):
+        self.max_tokens, self.gen = max_tokens, torch.Generator().manual_seed(seed)
+        self.samples: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self.count: dict[tuple[int, str], int] = {}
+
+    def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
+        if name not in ("k_pre", "k", "v"):
+            return
+        x = t.detach().float().cpu().permute(0, 2, 1, 3).reshape(-1, t.shape[1], t.shape[3])  # [B·T, K, d]
+        key = (layer, name)
+        have = self.count.get(key, 0)
+        take = min(self.max_tokens - have, x.shape[0])
+        if take <= 0:
+            return
+        idx = torch.randperm(x.shape[0], generator=self.gen)[:take]
+        self.samples.setdefault(key, []).append(x[idx])
+        self.count[key] = have + take
+
+    def get(self, layer: int, name: str) -> torch.Tensor:
+        return torch.cat(self.samples[(layer, name)])
+
+
+def channel_scale(x: torch.Tensor, outlier_frac: float) -> torch.Tensor:
+    """x: [N, K, d] -> [K, d]: the (1 − outlier_frac) quantile of |x| over N (absmax when 0)."""
+    a = x.abs().float()
+    if outlier_frac <= 0:
+        return a.amax(0)
+    k = max(1, min(a.shape[0], int(round((1.0 - outlier_frac) * a.shape[0]))))
+    return a.kthvalue(k, dim=0).values.clamp_min(1e-6)
+
+
+def kmeans_1d(x: torch.Tensor, n_levels: int, bins: int = 4096, iters: int = 200) -> torch.Tensor:
+    """Weighted Lloyd k-means of values x in [-1, 1] on a `bins`-bin histogram -> sorted levels [n_levels]."""
+    x = x.float().clamp(-1, 1).flatten()
+    counts = torch.histc(x, bins=bins, min=-1.0, max=1.0).double()
+    centers = torch.linspace(-1, 1, bins + 1, dtype=torch.float64)
+    centers = (centers[1:] + centers[:-1]) / 2
+    cdf = counts.cumsum(0) / counts.sum()
+    q = (torch.arange(n_levels, dtype=torch.float64) + 0.5) / n_levels
+    levels = centers[torch.searchsorted(cdf, q).clamp(max=bins - 1)]  # quantile initialisation
+    for _ in range(iters):
+        assign = torch.bucketize(centers, (levels[1:] + levels[:-1]) / 2)
+        w = torch.zeros(n_levels, dtype=torch.float64).index_add_(0, assign, counts)
+        s = torch.zeros(n_levels, dtype=torch.float64).index_add_(0, assign, counts * centers)
+        new = torch.where(w > 0, s / w.clamp_min(1e-30), levels)
+        new = new.sort().values
+        if torch.allclose(new, levels, atol=1e-9):
+            break
+        levels = new
+    return levels.float()
+
+
+def normalized_keys(k: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Core elements (|k/scale| <= 1) of k [N, K, d] normalized by scale [K, d], flattened."""
+    xn = (k / scale[None]).flatten()
+    return xn[xn.abs() <= 1]
+
+
+def normalized_values(v: torch.Tensor, outlier_frac: float) -> torch.Tensor:
+    """v [N, K, d] divided by its per-token absmax after dropping the largest outlier_frac of |v|."""
+    a = v.abs()
+    if outlier_frac > 0:
+        thr = a.flatten().kthvalue(max(1, int(round((1 - outlier_frac) * a.numel())))).values
+        core = torch.where(a <= thr, v, torch.zeros_like(v))
+    else:
+        core = v
+    s = core.abs().amax(-1, keepdim=True).clamp_min(1e-6)
+    xn = (core / s).flatten()
+    return xn[(a <= (thr if outlier_frac > 0 else a.max())).flatten()]
+
+
+def fit_layer(k: torch.Tensor, v: torch.Tensor, bits: int, outlier_frac: float, levels: str) -> dict:
+    """k (pre- or post-RoPE), v: [N, K, d] -> {k_scale [K, d], k_levels [2^b], v_levels [2^b]} in fp32."""
+    scale = channel_scale(k, outlier_frac)
+    if levels == "fixed":
+        grid = torch.tensor(FIXED_LEVELS[bits])
+        return {"k_scale": scale, "k_levels": grid.clone(), "v_levels": grid.clone()}
+    return {"k_scale": scale, "k_levels": kmeans_1d(normalized_keys(k, scale), 2**bits),
+            "v_levels": kmeans_1d(normalized_values(v, outlier_frac), 2**bits)}
+
+
+def quant_error(x: torch.Tensor, levels: torch.Tensor) -> float:
+    """Mean squared error of rounding normalized values x to the nearest of `levels`."""
+    idx = torch.bucketize(x.contiguous(), (levels[1:] + levels[:-1]) / 2)
+    return (levels[idx] - x).pow(2).mean().item()
+
+
+def check_kv_recipe(args, kv) -> None:
+    """Refuse KV settings the model's shapes cannot take (UserError naming the field)."""
+    from ..errors import UserError
+
+    d = args.head_dim
+    if kv.codec == "kivi" and d % kv.group_size:
+        raise UserError(f"kv.group_size {kv.group_size} does not divide the model's head_dim {d}")
+    if kv.codec in ("kivi", "nuq-outlier") and (d * kv.bits) % 8 or (kv.bits == 3 and d % 8):
+        raise UserError(f"kv.bits {kv.bits}: head_dim {d} does not pack into whole bytes")
+    if kv.codec == "nuq-outlier" and kv.block * d > 32767:
+        raise UserError(f"kv.block {kv.block}: block × head_dim must fit int16 outlier indices (≤ 32767)")
+
+
+def fit_kv_tensors(args, kv, sampler: KVSampler) -> tuple[dict[str, torch.Tensor], dict]:
+    """Per-layer nuq-outlier tensors (names `kv.layers.{i}.*`) and a report of normalized-domain MSEs."""
+    tensors, report = {}, {"codec": kv.codec, "bits": kv.bits, "rope": kv.rope, "levels": kv.levels,
+                           "outlier_frac": kv.outlier_frac, "layers": []}
+    for i in range(args.n_layers):
+        k = sampler.get(i, "k_pre" if kv.rope == "pre" else "k")
+        v = sampler.get(i, "v")
+        fit = fit_layer(k, v, kv.bits, kv.outlier_frac, kv.levels)
+        for name, t in fit.items():
+            tensors[f"kv.layers.{i}.{name}"] = t.float().contiguous()
+        report["layers"].append({
+            "layer": i, "samples": k.shape[0],
+            "k_levels": [round(x, 4) for x in fit["k_levels"].tolist()],
+            "v_levels": [round(x, 4) for x in fit["v_levels"].tolist()],
+            "k_mse_norm": quant_error(normalized_keys(k, fit["k_scale"]), fit["k_levels"]),
+            "v_mse_norm": quant_error(normalized_values(v, kv.outlier_frac), fit["v_levels"])})
+    return tensors, report

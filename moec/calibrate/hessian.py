@@ -1,0 +1,122 @@
+"""Per-expert second-moment statistics H = XᵀX (GPTQ, SqueezeLLM) and their regularization.
+
+Pure functions first (`accumulate_hessian`, `regularize`), then the capture observer
+`ExpertHessians`, which turns the model's 'ffn_in' / 'expert_ids' events into, per MoE or dense
+layer and per expert e:
+    H1[e] = Σ x xᵀ over tokens routed to e     [D, D]  (input of gate w1 and up w3)
+    H2[e] = Σ a aᵀ, a = silu(w1_e x) ⊙ (w3_e x)  [I, I]  (input of down w2)
+    count[e]                                     tokens routed to e
+all in fp32, accumulated in place. Under `all-experts-for-stats` it also accumulates the same sums
+over every calibration token (outputs of the layer still use the true routing: the observer only
+reads activations), which replace the routed sums of experts that got fewer than `min_expert_tokens`
+tokens. Statistics use the original weights layer by layer (capture.py); quantized outputs are not
+propagated to later layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..runtime.config import ModelArgs
+
+
+def accumulate_hessian(H: torch.Tensor, x: torch.Tensor) -> None:
+    """H [D, D] fp32 += xᵀx for x [N, D] (in place)."""
+    H.addmm_(x.t().float(), x.float())
+
+
+def regularize(H: torch.Tensor, damp: float = 0.01, max_tries: int = 6) -> tuple[torch.Tensor, dict]:
+    """A positive definite copy of H [D, D] and a note of what was done to get it.
+
+    Non-finite entries or an all-zero H fall back to the identity (plain least squares). Otherwise
+    damp·mean(diag)·I is added (GPTQ's dampening) and multiplied by 10 until Cholesky succeeds.
+    """
+    D = H.shape[0]
+    eye = torch.eye(D, dtype=torch.float32, device=H.device)
+    H = H.float()
+    if not torch.isfinite(H).all():
+        return eye, {"status": "non-finite", "damp": None}
+    mean_diag = H.diagonal().mean().item()
+    if mean_diag <= 0:
+        return eye, {"status": "zero", "damp": None}
+    lam = damp
+    for _ in range(max_tries):
+        Hd = H + lam * mean_diag * eye
+        if torch.linalg.cholesky_ex(Hd)[1].item() == 0:
+            return Hd, {"status": "ok" if lam == damp else "extra-damped", "damp": lam}
+        lam *= 10
+    return eye, {"status": "singular", "damp": None}
+
+
+class ExpertHessians:
+    """Capture observer accumulating H1, H2 and token counts per expert for the `layers` asked for.
+
+    `layer_state(i)` returns the canonical tensors of layer i (for the w1/w3 weights that produce
+    the down projection's inputs); `on_layer(i, stats)` is called when layer i is complete, so the
+    caller can fit and drop the statistics (memory stays at one layer's Hessians).
+    """
+
+    def __init__(self, args: ModelArgs, layers: set[int], layer_state: Callable[[int], dict],
+                 on_layer: Callable[[int, dict], None], all_tokens: bool):
+        self.args, self.layers, self.layer_state, self.on_layer = args, layers, layer_state, on_layer
+        self.all_tokens = all_tokens
+        self.cur: int | None = None
+        self.stats: dict = {}
+        self.x: torch.Tensor | None = None
+
+    def _start(self, layer: int) -> None:
+        if self.cur is not None and self.cur != layer:
+            self.flush()
+        if self.cur == layer:
+            return
+        self.cur = layer
+        sd = self.layer_state(layer)
+        self.w1 = sd[f"layers.{layer}.moe.w1"].float()  # [E, I, D]
+        self.w3 = sd[f"layers.{layer}.moe.w3"].float()
+        E, I, D = self.w1.shape
+        z = dict(dtype=torch.float32)
+        self.stats = {"H1": torch.zeros(E, D, D, **z), "H2": torch.zeros(E, I, I, **z),
+                      "count": torch.zeros(E, dtype=torch.long)}
+        if self.all_tokens:
+            self.stats.update(H1_all=torch.zeros(D, D, **z), H2_all=torch.zeros(E, I, I, **z), n_all=0)
+
+    def _act(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t())  # [n, I]
+
+    def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
+        if layer not in self.layers or name not in ("ffn_in", "expert_ids"):
+            return
+        self._start(layer)
+        s = self.stats
+        if name == "ffn_in":
+            self.x = t.detach().reshape(-1, t.shape[-1]).float().cpu()  # [N, D]
+            if self.args.ffn_kinds[layer] == "dense":  # every token takes the single expert
+                self._add(0, self.x)
+            elif self.all_tokens:
+                accumulate_hessian(s["H1_all"], self.x)
+                s["n_all"] += self.x.shape[0]
+                for e in range(self.w1.shape[0]):
+                    accumulate_hessian(s["H2_all"][e], self._act(e, self.x))
+            return
+        ids = t.detach().cpu()  # [N, A]
+        assert self.x is not None and ids.shape[0] == self.x.shape[0], (ids.shape, None if self.x is None
+                                                                        else self.x.shape)
+        for e in ids.unique().tolist():
+            tok = (ids == e).any(-1).nonzero().squeeze(-1)
+            self._add(e, self.x[tok])
+        self.x = None
+
+    def _add(self, e: int, x: torch.Tensor) -> None:
+        s = self.stats
+        accumulate_hessian(s["H1"][e], x)
+        accumulate_hessian(s["H2"][e], self._act(e, x))
+        s["count"][e] += x.shape[0]
+
+    def flush(self) -> None:
+        if self.cur is not None:
+            layer, stats = self.cur, self.stats
+            self.cur, self.stats, self.x = None, {}, None
+            self.on_layer(layer, stats)

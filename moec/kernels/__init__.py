@@ -1,0 +1,1 @@
+"""Triton kernels, one file per kernel with its torch reference beside it (imported lazily)."""

@@ -1,0 +1,41 @@
+"""The per-expert Hessian observer against a direct computation."""
+
+import torch
+import torch.nn.functional as F
+
+from moec.calibrate.hessian import ExpertHessians
+from moec.runtime.config import ModelArgs
+
+
+def test_expert_hessians_match_direct_sums():
+    E, D, I, A = 4, 16, 12, 2
+    args = ModelArgs(arch="mixtral", vocab_size=10, dim=D, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                     n_experts=E, top_k=A, expert_dim=I)
+    g = torch.Generator().manual_seed(0)
+    w1, w3 = torch.randn(E, I, D, generator=g), torch.randn(E, I, D, generator=g)
+    got = {}
+    obs = ExpertHessians(args, {0}, lambda i: {"layers.0.moe.w1": w1, "layers.0.moe.w3": w3},
+                         lambda i, st: got.update({i: st}), all_tokens=True)
+    xs, idss = [], []
+    for _ in range(2):  # two batches accumulate
+        x = torch.randn(2, 5, D, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(10)])
+        ids[:, :] = torch.where(ids == 3, 0, ids)  # expert 3 gets no token
+        ids[:, 1] = torch.where(ids[:, 0] == ids[:, 1], (ids[:, 0] + 1) % 3, ids[:, 1])
+        obs(0, "ffn_in", x)
+        obs(0, "expert_ids", ids)
+        xs.append(x.reshape(-1, D))
+        idss.append(ids)
+    obs.flush()
+    st = got[0]
+    X, ids = torch.cat(xs), torch.cat(idss)
+    for e in range(E):
+        xe = X[(ids == e).any(-1)]
+        ae = F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())
+        assert st["count"][e] == xe.shape[0]
+        torch.testing.assert_close(st["H1"][e], xe.T @ xe, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(st["H2"][e], ae.T @ ae, rtol=1e-5, atol=1e-4)
+        a_all = F.silu(X @ w1[e].t()) * (X @ w3[e].t())
+        torch.testing.assert_close(st["H2_all"][e], a_all.T @ a_all, rtol=1e-5, atol=1e-4)
+    assert st["count"][3] == 0 and torch.count_nonzero(st["H1"][3]) == 0
+    torch.testing.assert_close(st["H1_all"], X.T @ X, rtol=1e-5, atol=1e-4)
