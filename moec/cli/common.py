@@ -58,6 +58,7 @@ def write_json_atomic(path: Path, obj) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp creates files private to the owner
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
