@@ -11,8 +11,8 @@ fp32), at half the cost.
         --recipes recipes/kv-kivi2.yaml recipes/kv-nuq2-outlier.yaml ...
 
 Writes benchmarks/results/kv_quality_<model>.json (a list of records, BENCHMARKS.md fields).
-HF transformers' QuantizedCache peers (quanto / HQQ) are not run: neither optimum-quanto nor hqq
-is installed here; `peer` says so.
+HF transformers' QuantizedCache peers (quanto / HQQ) run in benchmarks/bench_kv_peers.py on the
+same windows and scored positions (needs the `bench` extra; results kv_peers_<model>.json).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def main() -> None:
     ppl_base = tot.result(True)["ppl"]
     common = {"model": a.model, "context": a.window, "batch": a.batch, "windows": wdesc, "mode": a.mode,
               "dtype": "fp32", "data": "ptb", "split": "test", "w_bits": info["w_bits"], "ppl_base": ppl_base,
-              "peer": {"hf_quantized_cache": "not run: optimum-quanto and hqq are not installed here"}}
+              "peer": {"hf_quantized_cache": f"benchmarks/results/kv_peers_{a.model}.json (bench_kv_peers.py)"}}
     records = [base_record("kv_quality", "cpu") | common | {
         "method": "fp16", "recipe": "fp16", "kv_codec": "fp16", "ppl": ppl_base, "delta_pct": 0.0, "kld": 0.0,
         "top1": 1.0, "kv_bits": 16.0, "kv_bits_32k": 16.0}]

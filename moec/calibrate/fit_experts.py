@@ -71,6 +71,7 @@ class ExpertFitter:
         self.tensors: dict[str, torch.Tensor] = {}
         self.report: dict[int, dict] = {}
         self.seconds = 0.0
+        self.tune_report: dict | None = None
 
     def layers(self) -> set[int]:
         return {int(QUANTIZABLE.search(n).group(1)) for n in self.targets}
@@ -85,7 +86,7 @@ class ExpertFitter:
                     H[e] = stats[f"{key}_all"] if stats[f"{key}_all"].dim() == 2 else stats[f"{key}_all"][e]
                     source = "all-tokens"
                 else:
-                    H[e] = torch.eye(H.shape[-1])
+                    H[e] = torch.eye(H.shape[-1], device=H.device)
                     source = "identity"
             Hd, note = regularize(H[e])
             H[e] = Hd
@@ -107,8 +108,8 @@ class ExpertFitter:
             rule = self.targets.get(name)
             if rule is None:
                 continue
-            W = sd[name].float()
             H = H2 if p == "w2" else H1
+            W = sd[name].to(H.device, torch.float32)  # fits run where the statistics are (cpu or cuda)
             stored = hls.quantize(W, H, rule.codec, rule.bits, rule.group_size, gptq=rule.gptq)
             W_hat = hls.dequantize(rule.codec, rule.bits, tuple(W.shape), stored)
             assert torch.isfinite(W_hat).all(), f"{name}: non-finite dequantized weights"
@@ -116,6 +117,21 @@ class ExpertFitter:
             entry[p] = {"codec": rule.codec, "bits": rule.bits, "group_size": rule.group_size, "gptq": rule.gptq,
                         "rel_output_error": [round(x, 6) for x in err.tolist()]}
             for part, t in stored.items():
-                self.tensors[f"fit.{name}.{part}"] = t.contiguous()
+                self.tensors[f"fit.{name}.{part}"] = t.cpu().contiguous()
         self.report[layer] = entry
         self.seconds += time.time() - t0
+
+    def tune(self, args: ModelArgs, state: dict[str, torch.Tensor], tokens: torch.Tensor, steps: int, lr: float,
+             batch: int, seed: int, device: str = "cpu") -> None:
+        """End-to-end tuning of the fitted hls codebooks (tune.py); other codecs are left as fitted."""
+        from .tune import tune_codebooks
+
+        hls_params = {n: r for n, r in self.targets.items() if r.codec == "hls"}
+        if not hls_params:
+            raise UserError("calibration.tune_steps tunes hls codebooks, and no weights rule of this recipe uses "
+                            "codec hls")
+        t0 = time.time()
+        self.tune_report = tune_codebooks(args, state, self.tensors, {n: tuple(state[n].shape) for n in hls_params},
+                                          {n: r.bits for n, r in hls_params.items()}, tokens, steps, lr, batch, seed,
+                                          device)
+        self.tune_report["seconds"] = round(time.time() - t0, 2)

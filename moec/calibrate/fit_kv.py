@@ -7,6 +7,14 @@ Fitted per layer (stored in calib.safetensors, copied by `moec pack` into the ch
                                      outlier_frac of each channel lies beyond it: the outlier candidates
     kv.layers.{i}.k_levels  [2^b]    levels in [-1, 1] for k / k_scale
     kv.layers.{i}.v_levels  [2^b]    levels in [-1, 1] for v / per-token absmax
+    kv.layers.{i}.k_center  [K, d]   (`k_center: true`) per-channel key center: the midpoint of the
+                                     outlier_frac/2 and 1 − outlier_frac/2 quantiles, k_scale then
+                                     being half their distance (asymmetric keys)
+    kv.layers.{i}.k_weight  [K, d]   (`outlier_select: weighted-error`) RMS of the queries of the
+                                     KV head's group per channel, averaged over each RoPE pair
+With `k_scale_fit: mse` the key scale is the multiple (0.4..1.3) of the quantile scale that minimizes,
+per channel, the squared rounding error of the calibration keys outside the largest outlier_frac
+(those are kept as outliers); levels are refitted for it.
 Levels are the seed's fixed grid (`levels: fixed`) or fitted by weighted 1-D k-means (Lloyd) on a
 histogram of the normalized calibration values, the bin counts being the weights (`levels: fitted`).
 Values beyond the scale (|x/scale| > 1, the outliers the runtime keeps in fp16) are left out of the fit.
@@ -20,14 +28,22 @@ from ..runtime.kvquant import FIXED_LEVELS
 
 
 class KVSampler:
-    """Keeps a random subset of up to `max_tokens` token positions per layer of k_pre, k, v: [N, K, d]."""
+    """Keeps a random subset of up to `max_tokens` token positions per layer of k_pre, k, v: [N, K, d],
+    and the sum of squared queries per layer over all tokens ([H, d], for `query_rms`)."""
 
     def __init__(self, max_tokens: int = 4096, seed: int = 0):
         self.max_tokens, self.gen = max_tokens, torch.Generator().manual_seed(seed)
         self.samples: dict[tuple[int, str], list[torch.Tensor]] = {}
         self.count: dict[tuple[int, str], int] = {}
+        self.q_sq: dict[int, torch.Tensor] = {}
+        self.q_n: dict[int, int] = {}
 
     def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
+        if name == "q":  # [B, H, T, d]
+            sq = t.detach().float().pow(2).sum((0, 2)).cpu()
+            self.q_sq[layer] = self.q_sq.get(layer, 0) + sq
+            self.q_n[layer] = self.q_n.get(layer, 0) + t.shape[0] * t.shape[2]
+            return
         if name not in ("k_pre", "k", "v"):
             return
         x = t.detach().float().cpu().permute(0, 2, 1, 3).reshape(-1, t.shape[1], t.shape[3])  # [B·T, K, d]
@@ -51,6 +67,44 @@ def channel_scale(x: torch.Tensor, outlier_frac: float) -> torch.Tensor:
         return a.amax(0)
     k = max(1, min(a.shape[0], int(round((1.0 - outlier_frac) * a.shape[0]))))
     return a.kthvalue(k, dim=0).values.clamp_min(1e-6)
+
+
+def center_scale(x: torch.Tensor, outlier_frac: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [N, K, d] -> (center, scale) [K, d]: midpoint and half-range of the outlier_frac/2 and
+    1 − outlier_frac/2 quantiles over N (min and max when 0)."""
+    x = x.float()
+    n = x.shape[0]
+    lo = x.kthvalue(max(1, min(n, int(round(outlier_frac / 2 * n)))), dim=0).values
+    hi = x.kthvalue(max(1, min(n, int(round((1 - outlier_frac / 2) * n)))), dim=0).values
+    return (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-6)
+
+
+def query_rms(sampler: KVSampler, layer: int, n_kv_heads: int) -> torch.Tensor:
+    """[K, d]: RMS over tokens and the KV head's query group of each query channel, averaged over the
+    RoPE rotation pairs (c, c + d/2), whose energy rotation preserves: the same weight pre- or post-RoPE."""
+    ms = sampler.q_sq[layer] / sampler.q_n[layer]  # [H, d]
+    H, d = ms.shape
+    ms = ms.view(n_kv_heads, H // n_kv_heads, d).mean(1)
+    return ((ms + ms.roll(d // 2, -1)) / 2).sqrt()
+
+
+def mse_scale(x: torch.Tensor, center: torch.Tensor | float, scale: torch.Tensor, levels: torch.Tensor,
+              outlier_frac: float, grid: tuple = tuple(0.4 + 0.05 * i for i in range(19))) -> torch.Tensor:
+    """Per-channel multiple of `scale` [K, d] (from `grid`) minimizing the squared rounding error of
+    x [N, K, d] − center over the samples outside the largest outlier_frac errors (the outliers)."""
+    xc = x.float() - center
+    keep = max(1, int(round((1 - outlier_frac) * xc.shape[0])))
+    best, best_a = None, None
+    for a in grid:
+        s = scale * a
+        idx = torch.bucketize((xc / s).contiguous(), (levels[1:] + levels[:-1]) / 2)
+        err = (levels[idx] * s - xc).pow(2).sort(dim=0).values[:keep].sum(0)  # [K, d]
+        if best is None:
+            best, best_a = err, torch.full_like(err, a)
+        else:
+            better = err < best
+            best, best_a = torch.where(better, err, best), torch.where(better, a, best_a)
+    return scale * best_a
 
 
 def kmeans_1d(x: torch.Tensor, n_levels: int, bins: int = 4096, iters: int = 200) -> torch.Tensor:
@@ -93,14 +147,29 @@ def normalized_values(v: torch.Tensor, outlier_frac: float) -> torch.Tensor:
     return xn[(a <= (thr if outlier_frac > 0 else a.max())).flatten()]
 
 
-def fit_layer(k: torch.Tensor, v: torch.Tensor, bits: int, outlier_frac: float, levels: str) -> dict:
-    """k (pre- or post-RoPE), v: [N, K, d] -> {k_scale [K, d], k_levels [2^b], v_levels [2^b]} in fp32."""
-    scale = channel_scale(k, outlier_frac)
+def fit_layer(k: torch.Tensor, v: torch.Tensor, bits: int, outlier_frac: float, levels: str,
+              k_center: bool = False, k_scale_fit: str = "quantile") -> dict:
+    """k (pre- or post-RoPE), v: [N, K, d] -> {k_scale [K, d], k_levels [2^b], v_levels [2^b]
+    (, k_center [K, d])} in fp32."""
+    if k_center:
+        center, scale = center_scale(k, outlier_frac)
+    else:
+        center, scale = 0.0, channel_scale(k, outlier_frac)
+    kc = k - center
+    grid = torch.tensor(FIXED_LEVELS[bits])
     if levels == "fixed":
-        grid = torch.tensor(FIXED_LEVELS[bits])
-        return {"k_scale": scale, "k_levels": grid.clone(), "v_levels": grid.clone()}
-    return {"k_scale": scale, "k_levels": kmeans_1d(normalized_keys(k, scale), 2**bits),
-            "v_levels": kmeans_1d(normalized_values(v, outlier_frac), 2**bits)}
+        k_lev, v_lev = grid.clone(), grid.clone()
+    else:
+        k_lev, v_lev = kmeans_1d(normalized_keys(kc, scale), 2**bits), kmeans_1d(normalized_values(v, outlier_frac),
+                                                                                 2**bits)
+    if k_scale_fit == "mse":
+        scale = mse_scale(k, center, scale, k_lev, outlier_frac)
+        if levels != "fixed":
+            k_lev = kmeans_1d(normalized_keys(kc, scale), 2**bits)
+    out = {"k_scale": scale, "k_levels": k_lev, "v_levels": v_lev}
+    if k_center:
+        out["k_center"] = center
+    return out
 
 
 def quant_error(x: torch.Tensor, levels: torch.Tensor) -> float:
@@ -125,17 +194,23 @@ def check_kv_recipe(args, kv) -> None:
 def fit_kv_tensors(args, kv, sampler: KVSampler) -> tuple[dict[str, torch.Tensor], dict]:
     """Per-layer nuq-outlier tensors (names `kv.layers.{i}.*`) and a report of normalized-domain MSEs."""
     tensors, report = {}, {"codec": kv.codec, "bits": kv.bits, "rope": kv.rope, "levels": kv.levels,
-                           "outlier_frac": kv.outlier_frac, "layers": []}
+                           "outlier_frac": kv.outlier_frac, "k_center": kv.k_center,
+                           "outlier_select": kv.outlier_select, "k_scale_fit": kv.k_scale_fit, "layers": []}
     for i in range(args.n_layers):
         k = sampler.get(i, "k_pre" if kv.rope == "pre" else "k")
         v = sampler.get(i, "v")
-        fit = fit_layer(k, v, kv.bits, kv.outlier_frac, kv.levels)
+        fit = fit_layer(k, v, kv.bits, kv.outlier_frac, kv.levels, kv.k_center, kv.k_scale_fit)
+        if kv.outlier_select == "weighted-error":
+            if i not in sampler.q_sq:
+                raise ValueError(f"layer {i}: no query statistics were captured for outlier_select weighted-error")
+            fit["k_weight"] = query_rms(sampler, i, args.n_kv_heads)
+        kc = k - fit["k_center"] if "k_center" in fit else k
         for name, t in fit.items():
             tensors[f"kv.layers.{i}.{name}"] = t.float().contiguous()
         report["layers"].append({
             "layer": i, "samples": k.shape[0],
             "k_levels": [round(x, 4) for x in fit["k_levels"].tolist()],
             "v_levels": [round(x, 4) for x in fit["v_levels"].tolist()],
-            "k_mse_norm": quant_error(normalized_keys(k, fit["k_scale"]), fit["k_levels"]),
+            "k_mse_norm": quant_error(normalized_keys(kc, fit["k_scale"]), fit["k_levels"]),
             "v_mse_norm": quant_error(normalized_values(v, kv.outlier_frac), fit["v_levels"])})
     return tensors, report

@@ -67,17 +67,18 @@ class ExpertHessians:
         self.stats: dict = {}
         self.x: torch.Tensor | None = None
 
-    def _start(self, layer: int) -> None:
+    def _start(self, layer: int, device: torch.device) -> None:
         if self.cur is not None and self.cur != layer:
             self.flush()
         if self.cur == layer:
             return
         self.cur = layer
         sd = self.layer_state(layer)
-        self.w1 = sd[f"layers.{layer}.moe.w1"].float()  # [E, I, D]
-        self.w3 = sd[f"layers.{layer}.moe.w3"].float()
+        # statistics live on the device the activations come from (the GPU under --device cuda)
+        self.w1 = sd[f"layers.{layer}.moe.w1"].to(device, torch.float32)  # [E, I, D]
+        self.w3 = sd[f"layers.{layer}.moe.w3"].to(device, torch.float32)
         E, I, D = self.w1.shape
-        z = dict(dtype=torch.float32)
+        z = dict(dtype=torch.float32, device=device)
         self.stats = {"H1": torch.zeros(E, D, D, **z), "H2": torch.zeros(E, I, I, **z),
                       "count": torch.zeros(E, dtype=torch.long)}
         if self.all_tokens:
@@ -89,10 +90,10 @@ class ExpertHessians:
     def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
         if layer not in self.layers or name not in ("ffn_in", "expert_ids"):
             return
-        self._start(layer)
+        self._start(layer, t.device)
         s = self.stats
         if name == "ffn_in":
-            self.x = t.detach().reshape(-1, t.shape[-1]).float().cpu()  # [N, D]
+            self.x = t.detach().reshape(-1, t.shape[-1]).float()  # [N, D]
             if self.args.ffn_kinds[layer] == "dense":  # every token takes the single expert
                 self._add(0, self.x)
             elif self.all_tokens:
@@ -101,7 +102,7 @@ class ExpertHessians:
                 for e in range(self.w1.shape[0]):
                     accumulate_hessian(s["H2_all"][e], self._act(e, self.x))
             return
-        ids = t.detach().cpu()  # [N, A]
+        ids = t.detach().to(self.x.device) if self.x is not None else t.detach()  # [N, A]
         assert self.x is not None and ids.shape[0] == self.x.shape[0], (ids.shape, None if self.x is None
                                                                         else self.x.shape)
         for e in ids.unique().tolist():
@@ -113,7 +114,7 @@ class ExpertHessians:
         s = self.stats
         accumulate_hessian(s["H1"][e], x)
         accumulate_hessian(s["H2"][e], self._act(e, x))
-        s["count"][e] += x.shape[0]
+        s["count"][e] += x.shape[0]  # count stays on the CPU (the report reads it)
 
     def flush(self) -> None:
         if self.cur is not None:

@@ -123,13 +123,13 @@ def gptq_assign(W: torch.Tensor, H: torch.Tensor, lut: torch.Tensor, block: int 
     if act_order:
         perm = torch.argsort(H.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True)  # [E, I]
     else:
-        perm = torch.arange(I).expand(E, I)
+        perm = torch.arange(I, device=W.device).expand(E, I)
     W = W.float().gather(-1, perm[:, None, :].expand(E, O, I)).clone()
     H = H.float().gather(1, perm[:, :, None].expand(E, I, I)).gather(2, perm[:, None, :].expand(E, I, I))
     Hinv = torch.cholesky_inverse(torch.linalg.cholesky(H))
     U = torch.linalg.cholesky(Hinv, upper=True)  # [E, I, I]
     idx = torch.empty(E, O, I, dtype=torch.long, device=W.device)
-    ar = torch.arange(E)
+    ar = torch.arange(E, device=W.device)
     for i1 in range(0, I, block):
         i2 = min(i1 + block, I)
         W1 = W[:, :, i1:i2].clone()  # [E, O, b]
@@ -190,7 +190,7 @@ def int8_codebook(c: torch.Tensor) -> dict:
 
 
 def quantize(W: torch.Tensor, H: torch.Tensor | None, codec: str, bits: int, group_size: int,
-             gptq: bool = True, refit_rounds: int = 1) -> dict:
+             gptq: bool = True, refit_rounds: int = 1, act_order: bool = True) -> dict:
     """Stored tensors for W [E, O, I] under `codec` (see the module docstring).
 
     H [E, I, I] (positive definite) supplies the importances diag(H) and, with `gptq`, the error
@@ -201,15 +201,15 @@ def quantize(W: torch.Tensor, H: torch.Tensor | None, codec: str, bits: int, gro
     if codec == "fp8":
         scale = (W.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)  # [E, O] fp32
         return {"fp8": (W / scale[..., None]).to(torch.float8_e4m3fn), "scale": scale}
-    hdiag = H.diagonal(dim1=-2, dim2=-1) if H is not None else torch.ones(E, I)
+    hdiag = H.diagonal(dim1=-2, dim2=-1) if H is not None else torch.ones(E, I, device=W.device)
     stored = fit_lut(W, hdiag, codec, bits, group_size)
     lut = lut_from_stored(codec, bits, stored)  # [E, O, G, K]
     if gptq and H is not None and codec != "rtn":
-        idx = gptq_assign(W, H, lut)
+        idx = gptq_assign(W, H, lut, act_order=act_order)
         for _ in range(refit_rounds if codec == "hls" else 0):  # codebook values for the GPTQ assignment
             stored = int8_codebook(refit_lut(W, H, idx, lut))
             lut = lut_from_stored(codec, bits, stored)
-            idx = gptq_assign(W, H, lut)
+            idx = gptq_assign(W, H, lut, act_order=act_order)
     else:
         Wg = groups(W, group_size)
         idx = nearest(Wg, lut).reshape(E, O, I)

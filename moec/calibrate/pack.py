@@ -107,3 +107,62 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
     checkpoint.write_packed(out_dir, tensors, info, manifest, ckpt.config, quant, extra_files=extra,
                             extra_texts={"recipe.yaml": recipe.to_yaml()})
     return manifest
+
+
+def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: str = "cpu", seed: int = 0) -> dict:
+    """`moec pack --random SHAPE`: random weights at `args` packed with the recipe's codecs directly.
+
+    No calibration: quantized experts get random codes and plausible codebooks/scales
+    (runtime/latency.random_stored), nuq-outlier KV the seed's fixed levels and unit key scales.
+    Built on `device` (the GPU when there is one), written atomically like any packed checkpoint."""
+    from ..runtime.latency import param_shapes, random_kv_tensors, random_stored
+    from .pack_kv import kv_manifest
+
+    recipe.require_implemented()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = param_shapes(args)
+    tensors, info = {}, {}
+    for name, shape in shapes.items():
+        rule = recipe.rule_for(name)
+        is_expert = ".moe." in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
+        is_attn = ".attn.w" in name and name.endswith(".weight")
+        if rule is not None and rule.codec != WeightCodec.KEEP.value:
+            if not (is_expert or is_attn):
+                raise UserError(f"--random packs quantized experts and attention projections only; recipe rule "
+                                f"{rule.targets} ({rule.codec}) also matches {name!r}")
+            stacked = shape if is_expert else (1, *shape)  # attention parts are stored without the E axis
+            for part, v in random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen).items():
+                tensors[f"{name}.{part}"] = (v if is_expert else v[0]).cpu()
+                info[f"{name}.{part}"] = {"codec": rule.codec, "bits": rule.bits, "param": name,
+                                          "group_size": rule.group_size, "param_shape": list(shape)}
+            continue
+        t = torch.ones(shape, dtype=torch.bfloat16, device=device) if "norm" in name else \
+            torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0, shape[-1] ** -0.5, generator=gen)
+        tensors[name] = t.cpu()
+        info[name] = {"codec": WeightCodec.KEEP.value, "bits": 16, "param": name}
+    meta = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in shapes.items()}
+    bits = effective_bits(meta, tensors, info)
+    kv_section = kv_manifest(recipe, args)
+    if kv_section is not None:
+        if kv_section["codec"] not in ("kivi", "nuq-outlier"):
+            raise UserError(f"--random has no stand-in calibration for KV codec {kv_section['codec']!r} "
+                            "(kivi, nuq-outlier)")
+        if kv_section["codec"] == "nuq-outlier":
+            kvt = random_kv_tensors(args, kv_section["bits"])
+            tensors.update(kvt)
+            info.update({n: {"codec": "kv-calib", "bits": 32, "param": n, "kv_codec": kv_section["codec"],
+                             "kv_bits": kv_section["bits"]} for n in kvt})
+            kv_section["tensors"] = sorted(kvt)
+    bits["kv_bits_nominal"] = float(recipe.kv_or_default().bits)
+    manifest = {"source": {"model": f"random:{shape_name}", "path": None, "seed": seed},
+                "model_args": args.to_dict(), "recipe": recipe.to_dict(),
+                "calibration": {"data": None, "random": True, "seed": seed}, "effective_bits": bits, "kv": kv_section}
+    hf_config = {"model_type": args.arch, "moec_random_shape": shape_name, "vocab_size": args.vocab_size,
+                 "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
+                 "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads}
+    quant = {"quant_method": "moec", "format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION,
+             "config_groups": {f"group_{i}": {"targets": r.targets, "weights": {"codec": r.codec, "num_bits": r.bits}}
+                               for i, r in enumerate(recipe.weights)}, "ignore": [], "w_bits": bits["w_bits"]}
+    checkpoint.write_packed(out_dir, tensors, info, manifest, hf_config, quant,
+                            extra_texts={"recipe.yaml": recipe.to_yaml()})
+    return manifest

@@ -29,6 +29,8 @@ from .capture import ExpertTokenCounts, KVRange, run_layers
 from .data import is_eval_split, load_text, sample_windows
 from .fit_experts import ExpertFitter, plan
 from .fit_kv import KVSampler, check_kv_recipe, fit_kv_tensors
+from .fit_latent import LatentSampler, check_latent_recipe, fit_latent_tensors
+from .fit_rvq import check_rvq_recipe, fit_rvq_tensors
 from .hessian import ExpertHessians
 from .recipe import Recipe
 from .sources import load_tokenizer, tokenize
@@ -58,6 +60,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if seq_len > args.max_seq_len:
         raise UserError(f"--seq-len {seq_len} is longer than the model supports ({args.max_seq_len} tokens)")
     targets = plan(args, recipe)  # weight rules checked against the model before any work
+    if recipe.kv_or_default().codec.startswith("latent-"):
+        check_latent_recipe(args, recipe.kv_or_default())  # ranks / layer groups against the model's shapes
     torch.manual_seed(seed)
     text = load_text(data, split)
     ids = tokenize(load_tokenizer(model_dir), text)
@@ -68,6 +72,11 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     kv_cfg = recipe.kv_or_default()
     check_kv_recipe(args, kv_cfg)
     kv_sampler = KVSampler(seed=seed) if kv_cfg.codec == "nuq-outlier" else None
+    if kv_cfg.codec.startswith("latent-"):  # aligned K/V samples of every layer for the latent PCA
+        kv_sampler = LatentSampler(("k_pre" if kv_cfg.rope == "pre" else "k", "v"))
+    if kv_cfg.codec == "rvq-tiered":  # K/V samples for the residual-VQ codebooks (k-means on `device`)
+        check_rvq_recipe(args, kv_cfg)
+        kv_sampler = KVSampler(max_tokens=kv_cfg.rvq.max_samples, seed=seed)
     if kv_sampler is not None:  # K/V samples for the nuq-outlier scales and levels
         observers.append(kv_sampler)
     cal = recipe.calibration
@@ -81,6 +90,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
                progress=progress)
     if fitter is not None:
         hessians.flush()
+        if cal.tune_steps:  # hls codebooks tuned end to end against the source model (tune.py)
+            fitter.tune(args, ckpt.state_dict(), tokens, cal.tune_steps, cal.tune_lr, cal.tune_batch, seed, device)
         tensors_fit = fitter.tensors
     seconds = time.time() - t0
 
@@ -112,9 +123,15 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if fitter is not None:
         tensors.update(tensors_fit)
         report["fit_seconds"] = round(fitter.seconds, 2)
+        if fitter.tune_report is not None:
+            report["tune"] = fitter.tune_report
 
     if kv_sampler is not None:
-        kv_tensors, report["kv"] = fit_kv_tensors(args, kv_cfg, kv_sampler)
+        fit = fit_latent_tensors if kv_cfg.codec.startswith("latent-") else fit_kv_tensors
+        if kv_cfg.codec == "rvq-tiered":
+            kv_tensors, report["kv"] = fit_rvq_tensors(args, kv_cfg, kv_sampler, device)
+        else:
+            kv_tensors, report["kv"] = fit(args, kv_cfg, kv_sampler)
         tensors.update(kv_tensors)
     _write_dir(out_dir, {"calib.safetensors": tensors, "report.json": report, "recipe.yaml": recipe.to_yaml()})
     return report

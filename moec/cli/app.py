@@ -1,4 +1,4 @@
-"""The `moec` command: calibrate, pack, eval, inspect, models.
+"""The `moec` command: calibrate, pack, eval, inspect, models, generate.
 
 Exit codes: 0 success, 2 bad usage or input (one line naming the problem, no traceback), 1 for
 anything else (one line; MOEC_DEBUG=1 shows the traceback).
@@ -15,7 +15,7 @@ import typer
 from rich.logging import RichHandler
 
 from ..errors import UserError
-from . import calibrate_cmd, eval_cmd, inspect_cmd, models_cmd, pack_cmd
+from . import calibrate_cmd, eval_cmd, generate_cmd, inspect_cmd, models_cmd, pack_cmd
 from .common import console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -25,6 +25,7 @@ app.command("calibrate")(calibrate_cmd.calibrate)
 app.command("pack")(pack_cmd.pack)
 app.command("eval")(eval_cmd.eval_)
 app.command("inspect")(inspect_cmd.inspect)
+app.command("generate")(generate_cmd.generate)
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def eval_(
-    model: str = typer.Argument(..., help="packed checkpoint, HF directory, GGUF file or built-in name"),
+    model: str | None = typer.Argument(None, help="packed checkpoint, HF directory, GGUF file or built-in name"),
     data: str = typer.Option("ptb", help="built-in data set, local text/json file, or hub data set"),
     split: str = typer.Option("test"),
     mode: str = typer.Option("both", help="tf (teacher-forced), dec (token-by-token through the cache) or both"),
@@ -31,6 +31,15 @@ def eval_(
     device: str = typer.Option("cpu", help="cpu or cuda"),
     dtype: str = typer.Option("fp32", help="compute dtype: fp32 (reference numbers) or bf16"),
     latency: bool = typer.Option(False, "--latency", help="decode latency against the HBM floor (GPU)"),
+    random: str | None = typer.Option(None, "--random", help="--latency: random weights at a preset shape, in memory"),
+    recipe: Path | None = typer.Option(None, "--recipe", help="--latency --random: the recipe's codecs"),
+    batches: str = typer.Option("1,16", "--batches", help="--latency: batch sizes"),
+    contexts: str = typer.Option("4k,32k,128k", "--contexts", help="--latency: contexts (k = 1024)"),
+    steps: int = typer.Option(50, "--steps", help="--latency: timed decode steps after warm-up"),
+    prefill_contexts: str = typer.Option("4k", "--prefill-contexts", help="--latency: real prefills to time"),
+    bf16_peer: bool = typer.Option(True, "--bf16-peer/--no-bf16-peer", help="--latency --random: bf16 peer"),
+    breakdown: bool = typer.Option(False, "--breakdown", help="--latency: per-kernel breakdown at batch 1, 32k"),
+    plot: Path | None = typer.Option(None, "--plot", help="--latency: PNG of ms/token against context"),
 ) -> None:
     """Perplexity, KL to a baseline, effective bits (BENCHMARKS.md protocol)."""
     if mode not in ("tf", "dec", "both"):
@@ -40,7 +49,13 @@ def eval_(
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise UserError(f"--device {device!r} is not available here (cpu, or cuda on a GPU machine)")
     if latency:
-        raise UserError("--latency is not implemented in this moec version (it arrives with the GPU runtime)")
+        from .latency_cmd import latency as run_latency
+
+        run_latency(model, random, recipe, batches, contexts, steps, prefill_contexts, bf16_peer, breakdown,
+                    json_out, plot)
+        return
+    if model is None:
+        raise UserError("eval needs MODEL (a packed checkpoint, HF directory, GGUF file or built-in name)")
     if window <= CONTEXT + 1:
         raise UserError(f"--window must exceed the {CONTEXT}-token context, got {window}")
     model_dir = resolve_model(model)
@@ -71,8 +86,9 @@ def eval_(
             "context": window, "batch": batch_size, "mode": m, "dtype": dtype, "data": data, "split": split,
             "windows": f"{len(windows)} windows (0-{len(windows) - 1}) of {window}, scored {CONTEXT}..{window - 1}",
             "ppl": r["ppl"], "ppl_base": r.get("ppl_base"), "delta_pct": r.get("delta_pct"), "kld": r.get("kld"),
-            "top1": r.get("top1"), "kv_bits": r.get("kv_bits", 16.0),
-            "kv_bits_32k": r.get("kv_bits_32k", 16.0), "kv_codec": r.get("kv_codec", "fp16"),
+            # tf mode runs no KV cache at all: no KV bits to report
+            "top1": r.get("top1"), "kv_bits": r.get("kv_bits", 16.0) if m == "dec" else None,
+            "kv_bits_32k": r.get("kv_bits_32k", 16.0) if m == "dec" else None, "kv_codec": r.get("kv_codec", "fp16"),
             "w_bits": info["w_bits"], "scored_tokens": r["scored_tokens"],
             "baseline": baseline, "peer": {},
         }

@@ -21,8 +21,8 @@ def pack(
 ) -> None:
     """Write the packed checkpoint (manifest + safetensors + tokenizer + config)."""
     if random is not None:
-        raise UserError("--random packing is not implemented in this moec version (it arrives with the "
-                        "runtime end-to-end work); pack a real model with MODEL CALIB_DIR")
+        _pack_random(random, recipe, out, model, calib)
+        return
     if model is None or calib is None:
         raise UserError("pack needs MODEL and CALIB_DIR (or --random SHAPE --recipe R.yaml)")
     model_dir = resolve_model(model)
@@ -31,3 +31,25 @@ def pack(
     b = m["effective_bits"]
     out_console.print(f"packed {model} → {out}: {len(m['recipe']['weights'])} weight rules, "
                       f"w_bits {b['w_bits']:.3f}, {b['model_bytes'] / 2**20:.1f} MiB")
+
+
+def _pack_random(shape: str, recipe: Path | None, out: Path, model, calib) -> None:
+    import torch
+
+    from ..calibrate.pack import pack_random
+    from ..calibrate.recipe import load_recipe
+    from ..runtime.config import PRESETS
+
+    if model is not None or calib is not None:
+        raise UserError("--random takes no MODEL or CALIB_DIR (random weights at a preset shape)")
+    if shape not in PRESETS:
+        raise UserError(f"--random: unknown shape {shape!r}; presets: {', '.join(PRESETS)}")
+    if recipe is None:
+        raise UserError("--random needs --recipe R.yaml (the codecs to pack with)")
+    r = load_recipe(recipe)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with console.status(f"packing random {shape} on {device}"):
+        m = pack_random(PRESETS[shape], shape, r, out, device=device)
+    b = m["effective_bits"]
+    out_console.print(f"packed random {shape} ({r.name}) → {out}: w_bits {b['w_bits']:.3f}, "
+                      f"{b['model_bytes'] / 2**30:.2f} GiB")

@@ -1,171 +1,477 @@
 """Fused decode attention over a tiered nuq-outlier KV cache (seed 003), flash-decoding style.
 
 One query token per sequence attends to
-    history: packed 2/3-bit codes (moec/runtime/kvquant.py layout, along head_dim per token), keys
-             k = k_levels[code] · k_scale[channel] (+ sparse residuals), values
-             v = v_levels[code] · v_scale[token] (+ sparse residuals); residuals per block of
-             BLOCK_N tokens: int16 index t·d + c and fp16 value
+    history: packed 2/3-bit codes in the planar layout of moec/runtime/kvquant.py (2-bit: byte i of
+             a token's row holds channels i, i+d/4, i+d/2, i+3d/4), keys k = k_lev[code]·k_scale[c]
+             (+ sparse residuals), values v = v_lev[code]·v_scale[t] (+ sparse residuals); the
+             residuals are kept per cache block of `block` tokens as int16 index t·d + c, fp16 value
     window:  fp16 keys/values of the sinks and the most recent tokens
-Each program (batch row b, KV head, split s) streams its share of the history's blocks (or, for
-the last split, the window), dequantizes each tile in registers (the dequantized history is never
-written to memory), applies the sparse residuals as score/output corrections, and keeps an online
-softmax; it writes partial (max, sum, acc) per split, and `_reduce` combines the splits
-(split-K over the context). GQA: the G = H / K query heads of a KV head share each tile; they are
-padded to 16 rows so scores, p·V and the sparse-residual corrections are tl.dot products (the
-residuals enter as one-hot matrices: scores += (q[c_o]·r_o) · onehot(t_o), acc += (p[t_o]·r_o) ·
-onehot(c_o)). Dots take tf32 inputs on the GPU and exact fp32 in the CPU interpreter.
+Each program (batch row b, KV head, split s) streams its share of the history in tiles of BLOCK_T
+tokens (one or more cache blocks) or, for the last split, the window, and keeps an online softmax; it
+writes partial (max, sum, acc) and a small reduce kernel combines the splits (split-K over the
+context). The dequantized history never leaves registers.
 
-Status (H200, benchmarks/results/kv_attention_h200.json): correct at full size, but slow: ~70 GB/s,
-about 10x slower than SDPA on the fp16 cache. The per-channel code gather (one byte load per
-channel), G padded from 4 to 16 rows and the one-hot residual dots make it compute- and
-latency-bound; launcher + torch reduce cost ~0.3 ms per call at small sizes.
+Why it is shaped this way (the history is 2 bits per element, so the kernel is bound by the
+per-element work, not by bytes, unless that work is a handful of instructions):
+  - planar codes: a contiguous [BLOCK_T, d/4] byte tile unpacks with shifts 0/2/4/6 into four
+    [BLOCK_T, d/4] channel blocks j (channels j·d/4 + i); q·k = sum_j q_j·k_j and acc_j += p·v_j
+    work in that order, so there are no per-channel byte gathers.
+  - the key channel scale is folded into q once per program (q' = q·k_scale·sm_scale·log2 e) and
+    the per-token value scale into p, so a code maps to a level and nothing else.
+  - level lookup on the GPU (DEQ=1): one PTX `prmt` per two codes picks fp16 levels out of a
+    register holding the four levels of the layer; 2-bit codes of four bytes become eight fp16
+    values in ~6 instructions. DEQ=0 (portable, the CPU interpreter and 3-bit): a select tree.
+  - fp16 dot inputs with fp32 accumulation (tensor cores); the G = H/K query heads of a KV head
+    are padded to 16 rows (tl.dot's minimum).
+  - lazy rescaling (LAZY): the running max is only moved when a tile's max exceeds it by more
+    than 8 (log2 units), so the [G, d] accumulator is rarely rescaled; p stays <= 2^8.
+  - sparse residuals: key residuals as a one-hot product per tile, scores += (q[c_o]·r_o)·onehot(t_o)
+    (or, out_mode 2, atomic adds into a per-program [G, BLOCK_T] scratch); value residuals
+    p[t_o]·r_o (p gathered by a one-hot product) are atomically added into a per-program [G, d]
+    scratch, rescaled with the running max and added to acc at the end (out_mode 1, default), or
+    enter as one-hot products over the channels (out_mode 0).
+  - pre-RoPE keys (KVQuant), option `rope`: the key tile is scaled, then each pair (c, c + d/2) =
+    blocks (0, 2), (1, 3) is rotated in registers with cos/sin of the fp32 angle (pos · inv_freq);
+    a key residual adds r·(q[c]·cos ± q[partner]·sin) to its token's score. Its cost is timed by
+    the benchmark (record "pre_rope"); not measured yet when this was written.
 
-Shapes (B batch, H query heads, K KV heads, d head dim, S history capacity in tokens, NB = S / BLOCK_N,
+Status (H200, Mixtral shape, 32 layers per step; benchmarks/results/kv_attention_h200.json): 2-bit,
+1% outliers, 32k context batch 16: 53.9 ms per step (196 GB/s, 4.6% of copy bandwidth; before this
+version 156 ms / 67 GB/s), SDPA flash on the fp16 cache 16.5 ms. Without outliers 16.0 ms (575
+GB/s): the sparse residuals cost ~70% of the time. What bounds it (estimates, no counters): the
+dequantized fp16 tiles reach the tensor cores through a shared-memory layout conversion (~1 KB
+per token and KV head), tl.dot's 16-row minimum pads the G = 4 query heads 4x, and the outlier
+path raises registers from ~94 to 168 per thread (fewer warps in flight).
+
+Shapes (B batch, H query heads, K KV heads, d head dim, S history capacity in tokens, NB = S / block,
 NOUT outliers per block, Wc window capacity):
     q       [B, H, d]           fp16/bf16/fp32
     k_codes [B, K, S, d·bits/8] uint8      v_codes  same
     k_scale [K, d]              fp32       v_scale  [B, K, S] fp16
-    k_lev, v_lev [2^bits]       fp32
+    k_lev, v_lev [2^bits]       fp32 (ascending)
     k_oidx, v_oidx [B, K, NB, NOUT] int16  k_oval, v_oval  [B, K, NB, NOUT] fp16
-    hist_len [B] int32 (a multiple of BLOCK_N), win_k/win_v [B, K, Wc, d] fp16, win_len [B] int32
+    hist_len [B] int32 (a multiple of block), win_k/win_v [B, K, Wc, d] fp16, win_len [B] int32
     -> out [B, H, d] fp32
 """
 
 from __future__ import annotations
 
 import math
+import os
+import weakref
 
 import torch
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634
+NUM_SMS = 132  # H200; only sizes the split count (programs ~ WAVES waves)
+# launch defaults on CUDA: the fastest of benchmarks/bench_kv_attention.py --sweep at 32k batch 16 on
+# the H200 (benchmarks/results/kv_attention_sweep_h200.json)
+CONFIG = {"block_t": 32, "num_warps": 4, "num_stages": 2, "lazy": True, "waves": 4, "out_mode": 1}
+
+
+_LAST: dict = {}  # the last compiled kernel (registers / spills for the benchmark's sweep)
+_STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> device copies (attend_cache)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 @triton.jit
-def _dequant(code, lev_ptr, LEVELS: tl.constexpr):
-    """levels[code] by a chain of selects (no per-element gather)."""
-    val = tl.zeros(code.shape, tl.float32) + tl.load(lev_ptr)
-    for i in tl.static_range(1, LEVELS):
-        val = tl.where(code == i, tl.load(lev_ptr + i), val)
-    return val
+def _levels_select(code, lev_ptr, BITS: tl.constexpr, DT: tl.constexpr):
+    """lev[code] by a select tree on the code bits (portable; no per-element gather)."""
+    l0 = tl.load(lev_ptr).to(DT)
+    l1 = tl.load(lev_ptr + 1).to(DT)
+    l2 = tl.load(lev_ptr + 2).to(DT)
+    l3 = tl.load(lev_ptr + 3).to(DT)
+    b0 = (code & 1) != 0
+    lo = tl.where((code & 2) != 0, tl.where(b0, l3, l2), tl.where(b0, l1, l0))
+    if BITS == 3:
+        l4 = tl.load(lev_ptr + 4).to(DT)
+        l5 = tl.load(lev_ptr + 5).to(DT)
+        l6 = tl.load(lev_ptr + 6).to(DT)
+        l7 = tl.load(lev_ptr + 7).to(DT)
+        hi = tl.where((code & 2) != 0, tl.where(b0, l7, l6), tl.where(b0, l5, l4))
+        lo = tl.where((code & 4) != 0, hi, lo)
+    return lo
 
 
 @triton.jit
-def _online_softmax(s, v, m_i, l_i, acc, PREC: tl.constexpr):
-    """One tile: scores s [G, N] (masked entries -inf), values v [N, D] -> updated (m, l, acc, p)."""
+def _lev_table(lev_ptr):
+    """The four fp16 levels as two 32-bit words (lev0 | lev1 << 16, lev2 | lev3 << 16) for prmt."""
+    w0 = tl.load(lev_ptr).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    w1 = tl.load(lev_ptr + 1).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    w2 = tl.load(lev_ptr + 2).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    w3 = tl.load(lev_ptr + 3).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return w0 | (w1 << 16), w2 | (w3 << 16)
+
+
+@triton.jit
+def _unpack2(b, j: tl.constexpr, lev_ptr, tab_lo, tab_hi, BITS: tl.constexpr, DEQ: tl.constexpr,
+             DT: tl.constexpr):
+    """Byte tile b [N, d/4] uint8 -> levels of its j-th 2-bit field [N, d/4] (channels j·d/4 + i)."""
+    if DEQ == 1:
+        # per 4 bytes: shift, mask, selector = code·0x22 + 0x10 per byte (nibbles 2c, 2c+1: the two
+        # bytes of fp16 level c in {tab_hi, tab_lo}), two prmt -> 4 fp16 levels
+        return tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 r, s, t;
+            shr.b32 r, $2, {2 * j};
+            and.b32 r, r, 0x03030303;
+            mul.lo.u32 s, r, 34;
+            add.u32 s, s, 0x10101010;
+            prmt.b32 $0, $3, $7, s;
+            shr.b32 t, s, 16;
+            prmt.b32 $1, $3, $7, t;
+            }}""",
+            constraints="=r,=r,r,r,r,r,r,r,r,r,r",
+            args=[b, tab_lo, tab_hi], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return _levels_select((b.to(tl.int32) >> (2 * j)) & 3, lev_ptr, BITS, DT)
+
+
+@triton.jit
+def _levels(b, b32, h32, hsh, j: tl.constexpr, lev_ptr, tab_lo, tab_hi, BITS: tl.constexpr, DEQ: tl.constexpr,
+            DT: tl.constexpr):
+    """Levels of channel block j [N, d/4] from the byte tile (3-bit: plus the high-bit plane)."""
+    if BITS == 3:
+        return _levels_select(((b32 >> (2 * j)) & 3) | (((h32 >> (2 * j + hsh)) & 1) << 2), lev_ptr, BITS, DT)
+    else:
+        return _unpack2(b, j, lev_ptr, tab_lo, tab_hi, BITS, DEQ, DT)
+
+
+@triton.jit
+def _read_and_clear(ptr, mask):
+    """Atomic exchange with 0 of fp32 scratch cells (as int32: the interpreter exchanges integers only);
+    an atomic, so the software pipeliner never hoists it above the adds it must see. 0 where masked."""
+    old = tl.atomic_xchg(ptr.to(tl.pointer_type(tl.int32)), tl.zeros(ptr.shape, tl.int32), mask=mask,
+                         sem="relaxed")
+    return tl.where(mask, old.to(tl.float32, bitcast=True), 0.0)
+
+
+@triton.jit
+def _rescale_scratch(sc_ptr, alpha, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr):
+    """scratch[g, :] *= alpha[g] for the value-outlier scratch (a rare event under lazy rescaling)."""
+    offs_g = tl.arange(0, G_P2)
+    offs_c = tl.arange(0, D)
+    ptr = sc_ptr + offs_g[:, None] * D + offs_c[None, :]
+    gm = (offs_g < G)[:, None]
+    tl.debug_barrier()  # every earlier add has landed
+    x = _read_and_clear(ptr, gm)
+    tl.atomic_add(ptr, x * alpha[:, None], mask=gm, sem="relaxed")
+    tl.debug_barrier()  # ... and no later add lands before the rescale
+
+
+@triton.jit
+def _tile(q0, q1, q2, q3, qo_ptr, qscale, m_i, l_i, a0, a1, a2, a3,
+          kc_ptr, vc_ptr, vs_ptr, klev_ptr, vlev_ptr, ktab_lo, ktab_hi, vtab_lo, vtab_hi,
+          koi_ptr, kov_ptr, voi_ptr, vov_ptr, sc_ptr, ks_ptr, inv_ptr, pos0, bk, t0, t_end, S, NB,
+          D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+          BLOCK_T: tl.constexpr, NOUT: tl.constexpr, NOUT_P2: tl.constexpr, DEQ: tl.constexpr, DT: tl.constexpr,
+          PREC: tl.constexpr, LAZY: tl.constexpr, OUT: tl.constexpr, ROPE: tl.constexpr):
+    """One history tile of BLOCK_T tokens starting at t0 (a multiple of BLOCK): online-softmax update."""
+    DQ: tl.constexpr = D // 4
+    DW: tl.constexpr = D * BITS // 8
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_i = tl.arange(0, DQ)
+    tok = t0 + offs_t
+    tmask = tok < t_end
+    row = (bk * S + tok) * DW
+    ptr = row[:, None] + offs_i[None, :]
+    kb = tl.load(kc_ptr + ptr, mask=tmask[:, None], other=0)  # [BLOCK_T, DQ] uint8
+    vb = tl.load(vc_ptr + ptr, mask=tmask[:, None], other=0)
+    if BITS == 3:  # high-bit plane: channel i + j·DQ sits in byte (i % (DQ/2)), bit 2j + i // (DQ/2)
+        hptr = row[:, None] + DQ + (offs_i % (DQ // 2))[None, :]
+        hsh = (offs_i // (DQ // 2))[None, :]
+        kh = tl.load(kc_ptr + hptr, mask=tmask[:, None], other=0).to(tl.int32)
+        vh = tl.load(vc_ptr + hptr, mask=tmask[:, None], other=0).to(tl.int32)
+        kb32 = kb.to(tl.int32)
+        vb32 = vb.to(tl.int32)
+    else:
+        hsh = 0
+        kh = 0
+        vh = 0
+        kb32 = 0
+        vb32 = 0
+    vs = tl.load(vs_ptr + bk * S + tok, mask=tmask, other=0.0).to(tl.float32)  # [BLOCK_T]
+
+    # scores (log2 units) [G_P2, BLOCK_T]
+    if ROPE:  # pre-RoPE keys: scale, then rotate the pairs (c, c + d/2) = blocks (0, 2) and (1, 3)
+        k0 = _levels(kb, kb32, kh, hsh, 0, klev_ptr, ktab_lo, ktab_hi, BITS, DEQ, DT).to(tl.float32)
+        k1 = _levels(kb, kb32, kh, hsh, 1, klev_ptr, ktab_lo, ktab_hi, BITS, DEQ, DT).to(tl.float32)
+        k2 = _levels(kb, kb32, kh, hsh, 2, klev_ptr, ktab_lo, ktab_hi, BITS, DEQ, DT).to(tl.float32)
+        k3 = _levels(kb, kb32, kh, hsh, 3, klev_ptr, ktab_lo, ktab_hi, BITS, DEQ, DT).to(tl.float32)
+        k0 = k0 * tl.load(ks_ptr + offs_i)[None, :]
+        k1 = k1 * tl.load(ks_ptr + DQ + offs_i)[None, :]
+        k2 = k2 * tl.load(ks_ptr + 2 * DQ + offs_i)[None, :]
+        k3 = k3 * tl.load(ks_ptr + 3 * DQ + offs_i)[None, :]
+        pos = (pos0 + tok).to(tl.float32)[:, None]  # [BLOCK_T, 1]
+        ang_a = pos * tl.load(inv_ptr + offs_i)[None, :]  # the angle as torch forms it: fl(pos · inv_freq)
+        ang_b = pos * tl.load(inv_ptr + DQ + offs_i)[None, :]
+        ca = tl.cos(ang_a)
+        sa = tl.sin(ang_a)
+        cb = tl.cos(ang_b)
+        sb = tl.sin(ang_b)
+        s = tl.dot(q0, tl.trans((k0 * ca - k2 * sa).to(DT)), input_precision=PREC)
+        s = tl.dot(q1, tl.trans((k1 * cb - k3 * sb).to(DT)), s, input_precision=PREC)
+        s = tl.dot(q2, tl.trans((k2 * ca + k0 * sa).to(DT)), s, input_precision=PREC)
+        s = tl.dot(q3, tl.trans((k3 * cb + k1 * sb).to(DT)), s, input_precision=PREC)
+    else:
+        s = tl.dot(q0, tl.trans(_levels(kb, kb32, kh, hsh, 0, klev_ptr, ktab_lo, ktab_hi, BITS, DEQ, DT)),
+                   input_precision=PREC)
+        s = tl.dot(q1, tl.trans(_levels(kb, kb32, kh, hsh, 1, klev_ptr, ktab_lo, ktab_hi, BITS, DEQ, DT)), s,
+                   input_precision=PREC)
+        s = tl.dot(q2, tl.trans(_levels(kb, kb32, kh, hsh, 2, klev_ptr, ktab_lo, ktab_hi, BITS, DEQ, DT)), s,
+                   input_precision=PREC)
+        s = tl.dot(q3, tl.trans(_levels(kb, kb32, kh, hsh, 3, klev_ptr, ktab_lo, ktab_hi, BITS, DEQ, DT)), s,
+                   input_precision=PREC)
+
+    if NOUT > 0:  # outliers of the tile's cache blocks
+        NBT: tl.constexpr = BLOCK_T // BLOCK
+        offs_o = tl.arange(0, NBT * NOUT_P2)
+        ob = offs_o // NOUT_P2
+        oo = offs_o % NOUT_P2
+        blk = t0 // BLOCK + ob
+        omask = (oo < NOUT) & (blk * BLOCK < t_end)
+        obase = (bk * NB + blk) * NOUT + oo
+        koi = tl.load(koi_ptr + obase, mask=omask, other=0).to(tl.int32)
+        kov = tl.load(kov_ptr + obase, mask=omask, other=0.0).to(tl.float32)
+        # q·sm_scale·log2e (not scaled by k_scale) at the outlier channels: [G_P2, NO]
+        offs_g = tl.arange(0, G_P2)
+        qo = tl.load(qo_ptr + offs_g[:, None] * D + (koi % D)[None, :], mask=(offs_g < G)[:, None], other=0.0)
+        qo = qo.to(tl.float32) * qscale
+        if ROPE:  # a residual r at channel c rotates into c and its partner c ± d/2
+            c_o = koi % D
+            upper = c_o >= D // 2
+            partner = tl.where(upper, c_o - D // 2, c_o + D // 2)
+            qp = tl.load(qo_ptr + offs_g[:, None] * D + partner[None, :], mask=(offs_g < G)[:, None], other=0.0)
+            ang = (pos0 + t0 + ob * BLOCK + koi // D).to(tl.float32) * tl.load(inv_ptr + (c_o % (D // 2)))
+            sgn = tl.where(upper, -1.0, 1.0)
+            qo = qo * tl.cos(ang)[None, :] + (qp.to(tl.float32) * qscale) * (sgn * tl.sin(ang))[None, :]
+        gm = (offs_g < G)[:, None]
+        if OUT == 2:  # scatter-add into this program's [G, BLOCK_T] scratch, read it back and clear it
+            ksc = sc_ptr + G_P2 * D + offs_g[:, None] * BLOCK_T
+            tl.atomic_add(ksc + (ob * BLOCK + koi // D)[None, :], qo * kov[None, :], mask=gm & omask[None, :],
+                          sem="relaxed")
+            tl.debug_barrier()
+            corr = _read_and_clear(ksc + offs_t[None, :], gm)
+            tl.debug_barrier()  # every read-and-clear is done before the next tile's adds
+            s += corr
+        else:
+            hit = ((ob * BLOCK + koi // D)[:, None] == offs_t[None, :]).to(DT)  # [NO, BLOCK_T]
+            s = tl.dot((qo * kov[None, :]).to(DT), hit, s, input_precision=PREC)
+    s = tl.where(tmask[None, :], s, float("-inf"))
+
+    m_t = tl.max(s, axis=1)
+    if LAZY:
+        grow = tl.max(m_t - m_i, axis=0) > 8.0
+    else:
+        grow = True
+    if grow:
+        m_new = tl.maximum(m_i, m_t)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        a0 = a0 * alpha[:, None]
+        a1 = a1 * alpha[:, None]
+        a2 = a2 * alpha[:, None]
+        a3 = a3 * alpha[:, None]
+        m_i = m_new
+        if OUT >= 1:
+            if NOUT > 0:  # the value-outlier scratch holds accumulator terms too: rescale it
+                _rescale_scratch(sc_ptr, alpha, D, G, G_P2)
+    p = tl.exp2(s - m_i[:, None])  # [G_P2, BLOCK_T]
+    l_i += tl.sum(p, axis=1)
+    pv = (p * vs[None, :]).to(DT)
+    a0 = tl.dot(pv, _levels(vb, vb32, vh, hsh, 0, vlev_ptr, vtab_lo, vtab_hi, BITS, DEQ, DT), a0,
+                input_precision=PREC)
+    a1 = tl.dot(pv, _levels(vb, vb32, vh, hsh, 1, vlev_ptr, vtab_lo, vtab_hi, BITS, DEQ, DT), a1,
+                input_precision=PREC)
+    a2 = tl.dot(pv, _levels(vb, vb32, vh, hsh, 2, vlev_ptr, vtab_lo, vtab_hi, BITS, DEQ, DT), a2,
+                input_precision=PREC)
+    a3 = tl.dot(pv, _levels(vb, vb32, vh, hsh, 3, vlev_ptr, vtab_lo, vtab_hi, BITS, DEQ, DT), a3,
+                input_precision=PREC)
+
+    if NOUT > 0:
+        voi = tl.load(voi_ptr + obase, mask=omask, other=0).to(tl.int32)
+        vov = tl.load(vov_ptr + obase, mask=omask, other=0.0).to(tl.float32)
+        vhit = (offs_t[:, None] == (ob * BLOCK + voi // D)[None, :]).to(DT)  # [BLOCK_T, NO]
+        po = tl.dot(p.to(DT), vhit, input_precision=PREC) * vov[None, :]  # [G_P2, NO]
+        vch = voi % D
+        if OUT >= 1:  # scatter-add p·r into this program's [G, D] scratch (added to acc at the end)
+            tl.atomic_add(sc_ptr + offs_g[:, None] * D + vch[None, :], po, mask=gm & omask[None, :], sem="relaxed")
+        else:  # one-hot products over the channels
+            po = po.to(DT)
+            a0 = tl.dot(po, (vch[:, None] == offs_i[None, :]).to(DT), a0, input_precision=PREC)
+            a1 = tl.dot(po, (vch[:, None] == (DQ + offs_i)[None, :]).to(DT), a1, input_precision=PREC)
+            a2 = tl.dot(po, (vch[:, None] == (2 * DQ + offs_i)[None, :]).to(DT), a2, input_precision=PREC)
+            a3 = tl.dot(po, (vch[:, None] == (3 * DQ + offs_i)[None, :]).to(DT), a3, input_precision=PREC)
+    return m_i, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _win_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk, t0, wlen, WC,
+              D: tl.constexpr, BLOCK_T: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """One tile of the fp16 window (channels in the same four blocks as the history)."""
+    DQ: tl.constexpr = D // 4
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_i = tl.arange(0, DQ)
+    tok = t0 + offs_t
+    tmask = tok < wlen
+    ptr = ((bk * WC + tok) * D)[:, None] + offs_i[None, :]
+    m2 = tmask[:, None]
+    s = tl.dot(q0, tl.trans(tl.load(wk_ptr + ptr, mask=m2, other=0.0).to(DT)), input_precision=PREC)
+    s = tl.dot(q1, tl.trans(tl.load(wk_ptr + ptr + DQ, mask=m2, other=0.0).to(DT)), s, input_precision=PREC)
+    s = tl.dot(q2, tl.trans(tl.load(wk_ptr + ptr + 2 * DQ, mask=m2, other=0.0).to(DT)), s, input_precision=PREC)
+    s = tl.dot(q3, tl.trans(tl.load(wk_ptr + ptr + 3 * DQ, mask=m2, other=0.0).to(DT)), s, input_precision=PREC)
+    s = tl.where(tmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])  # [G, N]
-    alpha = tl.exp(m_i - m_safe)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
-    return m_new, l_i, acc, p
+    p = p.to(DT)
+    a0 = tl.dot(p, tl.load(wv_ptr + ptr, mask=m2, other=0.0).to(DT), a0 * alpha[:, None], input_precision=PREC)
+    a1 = tl.dot(p, tl.load(wv_ptr + ptr + DQ, mask=m2, other=0.0).to(DT), a1 * alpha[:, None],
+                input_precision=PREC)
+    a2 = tl.dot(p, tl.load(wv_ptr + ptr + 2 * DQ, mask=m2, other=0.0).to(DT), a2 * alpha[:, None],
+                input_precision=PREC)
+    a3 = tl.dot(p, tl.load(wv_ptr + ptr + 3 * DQ, mask=m2, other=0.0).to(DT), a3 * alpha[:, None],
+                input_precision=PREC)
+    return m_new, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _load_q(q_ptr, qrow, gmask, ks_ptr, is_hist, qscale, j: tl.constexpr, DQ: tl.constexpr, DT: tl.constexpr,
+            FOLD: tl.constexpr):
+    """Channel block j of the G query heads [G_P2, DQ], times qscale (and k_scale in history programs)."""
+    offs_i = j * DQ + tl.arange(0, DQ)
+    qj = tl.load(q_ptr + qrow[:, None] + offs_i[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    ks = tl.where(is_hist, tl.load(ks_ptr + offs_i), 1.0)
+    if not FOLD:  # pre-RoPE keys: the scale applies before the rotation, so to the key tile
+        ks = tl.full([DQ], 1.0, tl.float32)
+    return (qj * (ks * qscale)[None, :]).to(DT)
 
 
 @triton.jit
 def _kv_decode_attention_kernel(
     # pointers
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, klev_ptr, vlev_ptr, koi_ptr, kov_ptr, voi_ptr, vov_ptr,
-    hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, m_ptr, l_ptr, acc_ptr,
+    hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr, scratch_ptr, inv_ptr,
     # sizes
-    H, K, S, NB, WC, n_splits, blocks_per_split, sm_scale,
+    H, K, S, NB, WC, n_splits, tiles_per_split, qscale, pos0,
     # constexprs
-    D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-    NOUT: tl.constexpr, NOUT_P2: tl.constexpr, PREC: tl.constexpr,
+    D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr, NOUT: tl.constexpr, NOUT_P2: tl.constexpr, DEQ: tl.constexpr, DT: tl.constexpr,
+    PREC: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, OUT: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     bk = tl.program_id(0)  # b·K + kv head
     split = tl.program_id(1)
     b = bk // K
     kh = bk % K
-    DW: tl.constexpr = D * BITS // 8
+    DQ: tl.constexpr = D // 4
     offs_g = tl.arange(0, G_P2)  # query heads of this KV head, padded to >= 16 rows for tl.dot
-    offs_c = tl.arange(0, D)
-    offs_t = tl.arange(0, BLOCK_N)
+    offs_i = tl.arange(0, DQ)
     gmask = offs_g < G
-    heads = kh * G + offs_g
-    q = tl.load(q_ptr + (b * H + heads[:, None]) * D + offs_c[None, :], mask=gmask[:, None], other=0.0)
-    q = q.to(tl.float32) * sm_scale  # [G_P2, D]
+    qrow = (b * H + kh * G + offs_g) * D  # [G_P2]
+    is_hist = split < n_splits - 1
 
     m_i = tl.full([G_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([G_P2], tl.float32)
-    acc = tl.zeros([G_P2, D], tl.float32)
+    a0 = tl.zeros([G_P2, DQ], tl.float32)
+    a1 = tl.zeros([G_P2, DQ], tl.float32)
+    a2 = tl.zeros([G_P2, DQ], tl.float32)
+    a3 = tl.zeros([G_P2, DQ], tl.float32)
+    # q·sm_scale·log2e in four channel blocks; history programs also fold in the key channel scale
+    q0 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 0, DQ, DT, not ROPE)
+    q1 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 1, DQ, DT, not ROPE)
+    q2 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 2, DQ, DT, not ROPE)
+    q3 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 3, DQ, DT, not ROPE)
 
-    if split < n_splits - 1:
+    if is_hist:
         hlen = tl.load(hlen_ptr + b)
-        # where each channel's code lives inside a token's packed row
-        if BITS == 2:
-            byte_c = offs_c // 4
-            shift_c = (offs_c % 4) * 2
+        t_lo = split * tiles_per_split * BLOCK_T
+        t_hi = tl.minimum(t_lo + tiles_per_split * BLOCK_T, hlen)
+        n_it = tl.maximum(tl.cdiv(t_hi - t_lo, BLOCK_T), 0)
+        qo_ptr = q_ptr + (b * H + kh * G) * D  # the outlier corrections gather q by channel
+        # this program's outlier scratch: [G_P2, D] value terms, then [G_P2, BLOCK_T] score terms
+        sc_ptr = scratch_ptr + (bk * n_splits + split) * (G_P2 * (D + BLOCK_T))
+        if OUT >= 1:
+            if NOUT > 0:
+                offs_s = tl.arange(0, G_P2 * D)
+                tl.store(sc_ptr + offs_s, tl.zeros([G_P2 * D], tl.float32))
+                offs_s2 = tl.arange(0, G_P2 * BLOCK_T)
+                tl.store(sc_ptr + G_P2 * D + offs_s2, tl.zeros([G_P2 * BLOCK_T], tl.float32))
+                tl.debug_barrier()
+        if DEQ == 1:
+            ktab_lo, ktab_hi = _lev_table(klev_ptr)
+            vtab_lo, vtab_hi = _lev_table(vlev_ptr)
         else:
-            bit_c = 3 * (offs_c % 8)
-            byte_c = 3 * (offs_c // 8) + bit_c // 8
-            shift_c = bit_c % 8
-        kscale = tl.load(ks_ptr + kh * D + offs_c)  # [D]
-        offs_o = tl.arange(0, NOUT_P2)
-        omask = offs_o < NOUT
-        j = 0
-        while j < blocks_per_split:  # (a while loop: the CPU interpreter rejects range() over a runtime int)
-            blk = split * blocks_per_split + j
-            tok = blk * BLOCK_N + offs_t  # [BLOCK_N]
-            tmask = tok < hlen
-            ptr = ((bk * S + tok) * DW)[:, None] + byte_c[None, :]
-            m2 = tmask[:, None]
-            kb = tl.load(kc_ptr + ptr, mask=m2, other=0).to(tl.int32)
-            vb = tl.load(vc_ptr + ptr, mask=m2, other=0).to(tl.int32)
-            if BITS == 3:  # codes 2 and 5 of each group straddle a byte
-                hm = m2 & (shift_c[None, :] > 5)
-                kb = kb | (tl.load(kc_ptr + ptr + 1, mask=hm, other=0).to(tl.int32) << 8)
-                vb = vb | (tl.load(vc_ptr + ptr + 1, mask=hm, other=0).to(tl.int32) << 8)
-            kcode = (kb >> shift_c[None, :]) & ((1 << BITS) - 1)
-            vcode = (vb >> shift_c[None, :]) & ((1 << BITS) - 1)
-            k = _dequant(kcode, klev_ptr, 1 << BITS) * kscale[None, :]  # [BLOCK_N, D]
-            vs = tl.load(vs_ptr + bk * S + tok, mask=tmask, other=0.0).to(tl.float32)
-            v = _dequant(vcode, vlev_ptr, 1 << BITS) * vs[:, None]
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [G_P2, BLOCK_N]
-            if NOUT > 0:
-                obase = (bk * NB + blk) * NOUT + offs_o
-                kmask = omask & (blk * BLOCK_N < hlen)
-                koi = tl.load(koi_ptr + obase, mask=kmask, other=0).to(tl.int32)
-                kov = tl.load(kov_ptr + obase, mask=kmask, other=0.0).to(tl.float32)
-                # score correction: q[c_o] · residual_o lands on token t_o
-                qo = tl.load(q_ptr + (b * H + heads[:, None]) * D + (koi % D)[None, :],
-                             mask=gmask[:, None] & kmask[None, :], other=0.0).to(tl.float32) * sm_scale
-                hit = ((koi // D)[:, None] == offs_t[None, :]).to(tl.float32)  # [NOUT_P2, BLOCK_N]
-                s += tl.dot(qo * kov[None, :], hit, input_precision=PREC)
-            s = tl.where(tmask[None, :], s, float("-inf"))
-            m_i, l_i, acc, p = _online_softmax(s, v, m_i, l_i, acc, PREC)
-            if NOUT > 0:
-                voi = tl.load(voi_ptr + obase, mask=kmask, other=0).to(tl.int32)
-                vov = tl.load(vov_ptr + obase, mask=kmask, other=0.0).to(tl.float32)
-                vhit = (offs_t[:, None] == (voi // D)[None, :]).to(tl.float32)  # [BLOCK_N, NOUT_P2]
-                po = tl.dot(p, vhit, input_precision=PREC) * vov[None, :]  # [G_P2, NOUT_P2]
-                chit = ((voi % D)[:, None] == offs_c[None, :]).to(tl.float32)  # [NOUT_P2, D]
-                acc += tl.dot(po, chit, input_precision=PREC)
-            j += 1
+            ktab_lo = 0
+            ktab_hi = 0
+            vtab_lo = 0
+            vtab_hi = 0
+        if INTERP:  # the CPU interpreter rejects range() over a runtime bound
+            it = 0
+            while it < n_it:
+                m_i, l_i, a0, a1, a2, a3 = _tile(
+                    q0, q1, q2, q3, qo_ptr, qscale, m_i, l_i, a0, a1, a2, a3, kc_ptr, vc_ptr, vs_ptr, klev_ptr,
+                    vlev_ptr, ktab_lo, ktab_hi, vtab_lo, vtab_hi, koi_ptr, kov_ptr, voi_ptr, vov_ptr, sc_ptr,
+                    ks_ptr + kh * D, inv_ptr, pos0, bk,
+                    t_lo + it * BLOCK_T, t_hi, S, NB, D, G, G_P2, BITS, BLOCK, BLOCK_T, NOUT, NOUT_P2, DEQ, DT, PREC,
+                    LAZY, OUT, ROPE)
+                it += 1
+        else:
+            for it in tl.range(0, n_it, num_stages=STAGES):
+                m_i, l_i, a0, a1, a2, a3 = _tile(
+                    q0, q1, q2, q3, qo_ptr, qscale, m_i, l_i, a0, a1, a2, a3, kc_ptr, vc_ptr, vs_ptr, klev_ptr,
+                    vlev_ptr, ktab_lo, ktab_hi, vtab_lo, vtab_hi, koi_ptr, kov_ptr, voi_ptr, vov_ptr, sc_ptr,
+                    ks_ptr + kh * D, inv_ptr, pos0, bk,
+                    t_lo + it * BLOCK_T, t_hi, S, NB, D, G, G_P2, BITS, BLOCK, BLOCK_T, NOUT, NOUT_P2, DEQ, DT, PREC,
+                    LAZY, OUT, ROPE)
+        if OUT >= 1:
+            if NOUT > 0:  # add the value-outlier terms (channels in natural order)
+                tl.debug_barrier()
+                vrow = sc_ptr + offs_g[:, None] * D + offs_i[None, :]
+                a0 += tl.load(vrow, cache_modifier=".cg")
+                a1 += tl.load(vrow + DQ, cache_modifier=".cg")
+                a2 += tl.load(vrow + 2 * DQ, cache_modifier=".cg")
+                a3 += tl.load(vrow + 3 * DQ, cache_modifier=".cg")
     else:
         wlen = tl.load(wlen_ptr + b)
         t0 = 0
         while t0 < wlen:
-            tok = t0 + offs_t
-            tmask = tok < wlen
-            ptr = (bk * WC + tok)[:, None] * D + offs_c[None, :]
-            k = tl.load(wk_ptr + ptr, mask=tmask[:, None], other=0.0).to(tl.float32)
-            v = tl.load(wv_ptr + ptr, mask=tmask[:, None], other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)
-            s = tl.where(tmask[None, :], s, float("-inf"))
-            m_i, l_i, acc, p = _online_softmax(s, v, m_i, l_i, acc, PREC)
-            t0 += BLOCK_N
+            m_i, l_i, a0, a1, a2, a3 = _win_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr,
+                                                 wv_ptr, bk, t0, wlen, WC, D, 32, DT, PREC)
+            t0 += 32
 
-    out = (b * H + heads) * n_splits + split  # [G_P2]
-    tl.store(m_ptr + out, m_i, mask=gmask)
-    tl.store(l_ptr + out, l_i, mask=gmask)
-    tl.store(acc_ptr + out[:, None] * D + offs_c[None, :], acc, mask=gmask[:, None])
+    # partials [B·H, n_splits, D + 2]: acc (channels in natural order), then m (log2 units), l
+    out = part_ptr + ((b * H + kh * G + offs_g) * n_splits + split) * (D + 2)  # [G_P2]
+    g2 = gmask[:, None]
+    tl.store(out[:, None] + offs_i[None, :], a0, mask=g2)
+    tl.store(out[:, None] + DQ + offs_i[None, :], a1, mask=g2)
+    tl.store(out[:, None] + 2 * DQ + offs_i[None, :], a2, mask=g2)
+    tl.store(out[:, None] + 3 * DQ + offs_i[None, :], a3, mask=g2)
+    tl.store(out + D, m_i, mask=gmask)
+    tl.store(out + D + 1, l_i, mask=gmask)
 
 
-def _reduce(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """Combine per-split partials m, l [B, H, P], acc [B, H, P, d] -> [B, H, d]."""
-    mx = m.amax(-1, keepdim=True)
-    w = torch.exp(m - mx)  # splits with no tokens have m = -inf -> weight 0
-    return (acc * w[..., None]).sum(2) / (l * w).sum(-1, keepdim=True)
+@triton.jit
+def _reduce_kernel(part_ptr, out_ptr, n_splits, D: tl.constexpr, P_P2: tl.constexpr):
+    """out[bh] = sum_s 2^(m_s - M)·acc_s / sum_s 2^(m_s - M)·l_s over the splits of one (b, head)."""
+    bh = tl.program_id(0)
+    offs_p = tl.arange(0, P_P2)
+    offs_c = tl.arange(0, D)
+    pmask = offs_p < n_splits
+    base = part_ptr + (bh * n_splits + offs_p) * (D + 2)
+    m = tl.load(base + D, mask=pmask, other=float("-inf"))
+    l_s = tl.load(base + D + 1, mask=pmask, other=0.0)
+    mx = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))  # splits with no tokens weigh 0
+    acc = tl.load(base[:, None] + offs_c[None, :], mask=pmask[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(out_ptr + bh * D + offs_c, o)
 
 
 def _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval, hist_len,
@@ -174,8 +480,8 @@ def _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, 
     _, K, S, dw = k_codes.shape
     assert bits in (2, 3) and dw == d * bits // 8, (bits, dw, d)
     assert H % K == 0 and S % block == 0, (H, K, S, block)
-    assert d & (d - 1) == 0 and block & (block - 1) == 0 and d >= 16 and block >= 16, ("tl.dot needs "
-        "power-of-two head_dim and block >= 16", d, block)
+    assert d & (d - 1) == 0 and block & (block - 1) == 0 and d >= 64 and block >= 16, ("tl.dot needs "
+        "power-of-two head_dim >= 64 (four blocks of >= 16 channels) and block >= 16", d, block)
     NB = S // block
     assert k_codes.dtype == v_codes.dtype == torch.uint8 and v_codes.shape == k_codes.shape
     assert k_scale.shape == (K, d) and k_scale.dtype == torch.float32, (k_scale.shape, k_scale.dtype)
@@ -195,33 +501,66 @@ def _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, 
 
 def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval,
                         hist_len, win_k, win_v, win_len, bits: int, block: int, sm_scale: float | None = None,
-                        n_splits: int | None = None, precision: str | None = None) -> torch.Tensor:
+                        n_splits: int | None = None, precision: str | None = None, block_t: int | None = None,
+                        num_warps: int | None = None, num_stages: int | None = None, deq: int | None = None,
+                        lazy: bool | None = None, waves: float | None = None, out_mode: int | None = None,
+                        rope: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Decode attention (one query token per row) over packed history + fp16 window -> [B, H, d] fp32.
 
-    precision: tl.dot input precision, "tf32" (tensor cores, ~1e-3 relative) by default on CUDA and
-    "ieee" (exact fp32) elsewhere."""
-    if precision is None:
-        precision = "tf32" if q.is_cuda else "ieee"
+    precision: dot inputs, "fp16" (tensor cores, fp32 accumulation; the CUDA default) or "ieee"
+    (exact fp32; the default elsewhere). n_splits: history splits (default: ~`waves` waves of the
+    SMs). block_t (history tokens per tile, a multiple of `block`), num_warps, num_stages, deq
+    (1: prmt level lookup, CUDA 2-bit only; 0: select tree), lazy, out_mode (sparse residuals: 0
+    one-hot products, 1 value residuals by atomic adds into a per-program scratch, 2 keys too; the
+    atomic modes need lazy rescaling): launch knobs, CONFIG defaults.
+    rope = (inv_freq [d/2] fp32, pos0): the history holds pre-RoPE keys (KVQuant); history token t
+    sits at position pos0 + t and is rotated in registers (half-rotation layout, fp32 angles
+    fl(pos · inv_freq) as moec.runtime.model.rope_cos_sin forms them); the window is post-RoPE.
+    Works under CUDA-graph capture: no host syncs; hist_len/win_len are only read on the device."""
     B, H, d, K, S, NB, nout = _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval,
                                      v_oidx, v_oval, hist_len, win_k, win_v, win_len, bits, block)
+    cuda = q.is_cuda and not _interpreting()
+    precision = precision or ("fp16" if cuda else "ieee")
+    assert precision in ("fp16", "ieee"), precision
+    block_t = block_t or max(block, CONFIG["block_t"] if cuda else block)
+    assert block_t % block == 0 and block_t & (block_t - 1) == 0, (block_t, block)
+    deq = (1 if cuda and bits == 2 else 0) if deq is None else deq
+    assert deq == 0 or (cuda and bits == 2), "the prmt lookup is PTX (CUDA, 2-bit)"
+    lazy = CONFIG["lazy"] if lazy is None else lazy
+    out_mode = CONFIG["out_mode"] if out_mode is None else out_mode
+    assert out_mode in (0, 1, 2) and (lazy or out_mode == 0 or nout == 0), (out_mode, lazy)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    if n_splits is None:  # enough programs to fill the GPU: ~4 waves of 132 SMs
-        n_splits = max(1, min(NB, triton.cdiv(528, B * K)))
-    hist_splits = max(1, min(n_splits, NB))
-    bps = triton.cdiv(NB, hist_splits) if NB else 0
+    n_tiles = triton.cdiv(S, block_t)
+    if n_splits is None:
+        n_splits = max(1, min(n_tiles, triton.cdiv(int((waves or CONFIG["waves"]) * NUM_SMS), B * K)))
+    hist_splits = max(1, min(n_splits, n_tiles))
+    tps = triton.cdiv(n_tiles, hist_splits)
+    hist_splits = triton.cdiv(n_tiles, tps)
     P = hist_splits + 1  # the last split attends the window
-    m = torch.empty(B, H, P, device=q.device, dtype=torch.float32)
-    l = torch.empty_like(m)
-    acc = torch.empty(B, H, P, d, device=q.device, dtype=torch.float32)
     G = H // K
-    _kv_decode_attention_kernel[(B * K, P)](
+    G_P2 = max(16, triton.next_power_of_2(G))
+    part = torch.empty(B * H * P * (d + 2), device=q.device, dtype=torch.float32)
+    if rope is not None:
+        inv_freq, pos0 = rope
+        assert inv_freq.shape == (d // 2,) and inv_freq.dtype == torch.float32 and inv_freq.device == q.device
+    else:
+        inv_freq, pos0 = k_scale, 0  # unused
+    scratch = torch.empty(B * K * P * G_P2 * (d + block_t) if out_mode and nout else 1, device=q.device,
+                          dtype=torch.float32)  # zeroed by the kernel itself
+    _LAST["kernel"] = _kv_decode_attention_kernel[(B * K, P)](
         q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval,
-        hist_len, win_k, win_v, win_len, m, l, acc,
-        H, K, S, NB, win_k.shape[2], P, bps, sm_scale,
-        D=d, G=G, G_P2=max(16, triton.next_power_of_2(G)), BITS=bits, BLOCK_N=block, NOUT=nout,
-        NOUT_P2=max(triton.next_power_of_2(nout), 16), PREC=precision, num_warps=4,
+        hist_len, win_k, win_v, win_len, part, scratch, inv_freq,
+        H, K, S, NB, win_k.shape[2], P, tps, sm_scale * LOG2E, int(pos0),
+        D=d, G=G, G_P2=G_P2, BITS=bits, BLOCK=block, BLOCK_T=block_t, NOUT=nout,
+        NOUT_P2=triton.next_power_of_2(max(nout, 1)), DEQ=deq,
+        DT=tl.float16 if precision == "fp16" else tl.float32, PREC="ieee",
+        LAZY=bool(lazy), STAGES=num_stages or CONFIG["num_stages"], INTERP=not cuda, OUT=out_mode,
+        ROPE=rope is not None,
+        num_warps=num_warps or CONFIG["num_warps"],
     )
-    return _reduce(m, l, acc)
+    out = torch.empty(B, H, d, device=q.device, dtype=torch.float32)
+    _reduce_kernel[(B * H,)](part, out, P, D=d, P_P2=triton.next_power_of_2(P), num_warps=4)
+    return out
 
 
 def dequant_history_ref(codes, scale_k_or_v, lev, oidx, oval, bits: int, block: int, kind: str) -> torch.Tensor:
@@ -239,12 +578,19 @@ def dequant_history_ref(codes, scale_k_or_v, lev, oidx, oval, bits: int, block: 
 
 def kv_decode_attention_ref(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval,
                             hist_len, win_k, win_v, win_len, bits: int, block: int,
-                            sm_scale: float | None = None) -> torch.Tensor:
-    """Torch reference: dequantize the history, concatenate the window, softmax attention in fp32."""
+                            sm_scale: float | None = None, rope: tuple[torch.Tensor, int] | None = None
+                            ) -> torch.Tensor:
+    """Torch reference: dequantize the history (and rotate pre-RoPE keys), concatenate the window,
+    softmax attention in fp32."""
     B, H, d = q.shape
     K = k_codes.shape[1]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     kh = dequant_history_ref(k_codes, k_scale, k_lev, k_oidx, k_oval, bits, block, "k")
+    if rope is not None:  # the formula of moec.runtime.model.rope_cos_sin / apply_rope
+        inv_freq, pos0 = rope
+        ang = torch.arange(pos0, pos0 + kh.shape[2], device=kh.device).float()[:, None] * inv_freq.float()[None, :]
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        kh = kh * cos + torch.cat([-kh[..., d // 2 :], kh[..., : d // 2]], -1) * sin
     vh = dequant_history_ref(v_codes, v_scale, v_lev, v_oidx, v_oval, bits, block, "v")
     out = torch.empty(B, H, d, dtype=torch.float32, device=q.device)
     for b in range(B):
@@ -258,8 +604,9 @@ def kv_decode_attention_ref(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev,
 
 
 def attend_cache(cache, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
-    """One decode step of a TieredKVCache (nuq-outlier, post-RoPE keys) through the kernel.
-    q [B, H, 1, d]; wk, wv [B, K, n, d] fp16 window (sinks first) -> [B, H, 1, d] in q.dtype."""
+    """One decode step of a TieredKVCache (nuq-outlier; pre-RoPE history keys are rotated in the kernel,
+    history token t at position sinks + t). q [B, H, 1, d]; wk, wv [B, K, n, d] fp16 window (sinks
+    first) -> [B, H, 1, d] in q.dtype."""
     codec = cache.codecs[layer]
     hk, hv = cache.hist["k"][layer], cache.hist["v"][layer]
     B = q.shape[0]
@@ -273,7 +620,17 @@ def attend_cache(cache, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch
         kov = vov = z.half()
     hist_len = torch.full((B,), cache.n_blocks[layer] * cache.block, dtype=torch.int32, device=dev)
     win_len = torch.full((B,), wk.shape[2], dtype=torch.int32, device=dev)
-    out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"], hv["codes"], codec.k_scale.to(dev),
-                              hv["scale"], codec.levels["k"].to(dev), codec.levels["v"].to(dev), koi, kov, voi, vov,
-                              hist_len, wk.contiguous(), wv.contiguous(), win_len, codec.bits, cache.block)
+    per = _STATIC.setdefault(codec, {})
+    if str(dev) not in per:  # device copies of the codec's per-layer tensors, made once
+        per[str(dev)] = tuple(t.to(dev).float().contiguous() for t in (codec.k_scale, codec.levels["k"],
+                                                                        codec.levels["v"]))
+    k_scale, k_lev, v_lev = per[str(dev)]
+    rope = None
+    if cache.rope_pre:
+        from ..runtime.model import rope_inv_freq
+
+        rope = (rope_inv_freq(cache.args, dev).float().contiguous(), cache.sinks)
+    out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"], hv["codes"], k_scale, hv["scale"], k_lev, v_lev,
+                              koi, kov, voi, vov, hist_len, wk.contiguous(), wv.contiguous(), win_len, codec.bits,
+                              cache.block, rope=rope)
     return out[:, :, None].to(q.dtype)

@@ -1,189 +1,258 @@
-"""Fused MoE decode with 2-bit codebook experts (seed 000: dequantize in registers inside the GEMV).
+"""Fused MoE decode (few tokens): quantized expert GEMVs with dequantization in registers (seed 000).
 
-Shape legend: N = tokens (few: a decode step), A = experts per token, E = experts, D = model dim,
-I = expert intermediate dim, G = codebook groups per row, K = 4 entries.
+Shape legend: N = tokens (a decode step), A = experts per token, T = N·A token-slots, E = experts,
+D = model dim, I = expert intermediate dim.
 
     out[n] = Σ_a weights[n, a] · W2[e] (silu(W1[e] x_n) ⊙ (W3[e] x_n)),  e = ids[n, a]
 
-with every W given as packed codes (formats/bitpack.py U2X4: four 2-bit indices per byte, index k of
-a row at bits 2·(k % 4) of byte k // 4) and a codebook lut [E, O, G, 4] (fp32): W[o, k] =
-lut[o, k // gs, idx[o, k]] (runtime/experts.py turns hls, rtn and fp3 storage into this form).
-
+Each matrix is a `dequant.QWeight`: 2/3/4-bit codes with a per-group table (hls, fp3) or affine
+levels (rtn), fp8 e4m3 with per-row scales, or plain bf16 (the peer). 2-bit tables that come with
+their cubic coefficients (QWeight.b = runtime/experts.lut_poly(lut)) are decoded on the FMA pipe (q as a
+float from one logic op, then Horner) instead of a bit-test/select tree on the half-rate integer pipe.
 Two launches:
-  1. gate/up: one program per (token-slot, block of I rows). It reads x_n straight from the input
-     (no gathered copy of the activations), loads each code byte once and unpacks all four indices
-     in registers (the seed's sketch unpacks only the first), selects from the row's four codebook
-     entries with `tl.where`, and accumulates both projections in fp32; SiLU·mul on the way out.
-     (Slot s of each byte meets the stride-4 slice of x it multiplies, so no reshape is needed.)
-     The [N·A, I] result is the only intermediate written (vLLM's fused_moe keeps the same one).
-  2. down + combine: one program per (token-slot, block of D rows, slice of I), dequantizing W2 the
-     same way; the routing weight is applied in registers and slices are summed into out[n] with
-     fp32 atomics, so the weighted combine needs no gather/scatter pass.
-No dequantized weight ever reaches memory. `moe_decode_ref` below is the plain-torch reference.
+  1. gate/up: one program per (slot, block of BO rows of I). It reads x_n straight from the input (no
+     gathered copy), streams BO rows of W1 and W3 over the whole D, dequantizes in registers and
+     accumulates into a [BO, BK/C] fp32 register tile (reduced once at the end, not per step), then
+     writes h = weight · silu(g) ⊙ u [T, I] fp32, the only intermediate (routing weight folded in,
+     since W2 is linear).
+  2. down + combine: one program per (token, block of BO rows of D, slice of I); it loops over the
+     token's A slots, so the weighted sum over experts stays in registers and is stored once
+     (SPLIT = 1), or added with fp32 atomics when I is split across programs (small grids).
+2-bit fp16 tables in the word layout take, on CUDA, the PTX prmt path by default (dequant.gemv_prmt:
+~2.5 SASS instructions per code in the gate/up loop against ~7.9 for the cubic path): x goes in as fp16
+pairs in the prmt order (dequant.prmt_pairs) and h is stored as fp16 in that order, products are fp16x2
+with fp32 sums per 16 codes (max rel. error vs the fp32 reference ~1e-3 on the Mixtral/Qwen3 layers);
+prmt=False keeps the previous path, and a prmt compile failure falls back to it with a warning.
+No dequantized weight reaches memory. At more tokens per step the grouped kernel
+(moe_prefill.moe_grouped) reads each expert once instead of once per slot; `moe_forward` picks.
+`moe_decode_ref` is the plain-torch reference.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
-from ..formats import bitpack
+from .dequant import (
+    MODE_FP8,
+    QWeight,
+    codes_per_chunk,
+    dequant_ref,
+    gemv_chunks,
+    gemv_prmt,
+    gemv_prmt2,
+    gemv_words,
+    gemv_words2,
+    pick_block_k,
+    prmt_pairs,
+    prmt_tab,
+    use_prmt,
+    use_words,
+)
+
+log = logging.getLogger(__name__)
+
+# Defaults: block_o rows per program, block_k inputs per loop step, num_warps (hand sweep on the H200:
+# benchmarks/bench_moe_kernel.py --sweep).
+DECODE_CONFIG = {"block_o": 16, "block_k": 1024, "num_warps": 8, "block_o_down": 16, "block_k_down": 1024}
 
 
 @triton.jit
-def _gemv_2bit_block(codes_ptr, lut_ptr, v_ptr, e, offs_o, mask_o, k0, n_in, n_groups,
-                     stride_ce, stride_co, stride_le, stride_lo,
-                     BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """Σ_k W[offs_o, k] · v[k] over k in [k0, k0 + BLOCK_K), W dequantized from 2-bit codes in registers.
-
-    Each code byte is loaded once and all four of its indices are used: slot s of byte j holds input
-    k = 4j + s, so slot s multiplies the stride-4 slice v[k0 + s :: 4]. BLOCK_K never straddles a
-    codebook group (GROUP is a multiple of BLOCK_K, or the whole row), so each row selects among its
-    four entries of one group with `tl.where`.
-    """
-    offs_b = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-    b = tl.load(codes_ptr + e * stride_ce + offs_o[:, None] * stride_co + offs_b[None, :],
-                mask=mask_o[:, None] & (offs_b[None, :] * 4 < n_in), other=0).to(tl.int32)  # [BLOCK_O, BLOCK_K/4]
-    g = tl.minimum(k0 // GROUP, n_groups - 1)
-    lrow = lut_ptr + e * stride_le + offs_o * stride_lo + g * 4
-    c0 = tl.load(lrow + 0, mask=mask_o, other=0.0)[:, None]
-    c1 = tl.load(lrow + 1, mask=mask_o, other=0.0)[:, None]
-    c2 = tl.load(lrow + 2, mask=mask_o, other=0.0)[:, None]
-    c3 = tl.load(lrow + 3, mask=mask_o, other=0.0)[:, None]
-    acc = tl.zeros((BLOCK_O,), dtype=tl.float32)
-    for s in tl.static_range(4):
-        idx = (b >> (2 * s)) & 3
-        w = tl.where(idx == 0, c0, tl.where(idx == 1, c1, tl.where(idx == 2, c2, c3)))
-        offs_v = offs_b * 4 + s
-        v = tl.load(v_ptr + offs_v, mask=offs_v < n_in, other=0.0).to(tl.float32)
-        acc += tl.sum(w * v[None, :], axis=1)
-    return acc
-
-
-@triton.jit
-def _moe_gate_up_kernel(
-    x_ptr, ids_ptr, c1_ptr, l1_ptr, c3_ptr, l3_ptr, h_ptr,  # pointers
-    I, A, row_bytes, n_groups,  # sizes
-    stride_xn, stride_ce, stride_co, stride_le, stride_lo,  # strides (w1 and w3 share them)
-    D: tl.constexpr,  # loop bound: constexpr (Triton 3.6's interpreter cannot loop to a runtime scalar)
-    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-):
-    pid_t = tl.program_id(0)  # token-slot n·A + a
-    pid_i = tl.program_id(1)
-    n = pid_t // A
-    e = tl.load(ids_ptr + pid_t).to(tl.int64)
-    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask_i = offs_i < I
-    acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        acc_g += _gemv_2bit_block(c1_ptr, l1_ptr, x_ptr + n * stride_xn, e, offs_i, mask_i, k0, D, n_groups,
-                                  stride_ce, stride_co, stride_le, stride_lo, BLOCK_I, BLOCK_K, GROUP)
-        acc_u += _gemv_2bit_block(c3_ptr, l3_ptr, x_ptr + n * stride_xn, e, offs_i, mask_i, k0, D, n_groups,
-                                  stride_ce, stride_co, stride_le, stride_lo, BLOCK_I, BLOCK_K, GROUP)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) · up
-    tl.store(h_ptr + pid_t * I + offs_i, h, mask=mask_i)
+def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_ptr, b3_ptr, h_ptr,
+                    I, stride_we, stride_wo, stride_ae, stride_ao,
+                    D: tl.constexpr, A: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
+                    C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
+                    BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr, POLY: tl.constexpr,
+                    PRMT: tl.constexpr = False):
+    t = tl.program_id(0)  # token-slot n·A + a
+    n = t // A
+    e = tl.load(ids_ptr + t).to(tl.int64)
+    offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
+    mask_o = offs_o < I
+    acc_g = tl.zeros((BO, BKC), dtype=tl.float32)
+    acc_u = tl.zeros((BO, BKC), dtype=tl.float32)
+    xr = x_ptr + n * D
+    if PRMT:  # unmasked loads from rows clamped into the matrix (rows past I are dropped at the store)
+        rows = tl.where(mask_o, offs_o, 0)
+        glo, ghi = prmt_tab(a1_ptr + e * stride_ae, rows, stride_ao, 0)
+        ulo, uhi = prmt_tab(a3_ptr + e * stride_ae, rows, stride_ao, 0)
+    for k0 in range(0, D, BKC * C):
+        if PRMT:  # x_ptr: x as prmt_pairs [N, 8, D/16] int32; a*_ptr: fp16 tables viewed as int32
+            if G > 1:
+                glo, ghi = prmt_tab(a1_ptr + e * stride_ae, rows, stride_ao, k0 // GS)
+                ulo, uhi = prmt_tab(a3_ptr + e * stride_ae, rows, stride_ao, k0 // GS)
+            acc_g, acc_u = gemv_prmt2(acc_g, acc_u, w1_ptr + e * stride_we, glo, ghi, w3_ptr + e * stride_we,
+                                      ulo, uhi, x_ptr + n * (D // 2), rows, stride_wo, k0, D // 16, BKC)
+        elif WORDS:
+            acc_g, acc_u = gemv_words2(acc_g, acc_u, w1_ptr + e * stride_we, a1_ptr + e * stride_ae,
+                                       b1_ptr + e * stride_ae, w3_ptr + e * stride_we, a3_ptr + e * stride_ae,
+                                       b3_ptr + e * stride_ae, xr, offs_o, mask_o, stride_wo, stride_ao, k0, D,
+                                       BITS, G, GS, BKC, POLY)
+        else:
+            acc_g = gemv_chunks(acc_g, w1_ptr + e * stride_we, a1_ptr + e * stride_ae, b1_ptr + e * stride_ae, xr,
+                                offs_o, mask_o, stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BKC)
+            acc_u = gemv_chunks(acc_u, w3_ptr + e * stride_we, a3_ptr + e * stride_ae, b3_ptr + e * stride_ae, xr,
+                                offs_o, mask_o, stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BKC)
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    if MODE == 2:  # fp8: per-row scales commute with the row sum
+        g *= tl.load(a1_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
+        u *= tl.load(a3_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
+    wt = tl.load(wts_ptr + t).to(tl.float32)
+    h = g / (1.0 + tl.exp(-g)) * u * wt  # weight · silu(gate) · up
+    if PRMT:  # h as fp16 in prmt_pairs order for the down GEMV: input 16cw + 8q + 4half + j -> pair 2j + q
+        r = offs_o % 16
+        pos = ((2 * (r % 4) + r // 8) * (I // 16) + offs_o // 16) * 2 + (r // 4) % 2
+        tl.store(h_ptr + t * I + pos, h.to(tl.float16), mask=mask_o)
+    else:
+        tl.store(h_ptr + t * I + offs_o, h, mask=mask_o)
 
 
 @triton.jit
-def _moe_down_kernel(
-    h_ptr, ids_ptr, wts_ptr, c2_ptr, l2_ptr, out_ptr,  # pointers
-    D, I, A, row_bytes, n_groups,  # sizes
-    stride_ce, stride_co, stride_le, stride_lo,  # strides of w2
-    I_PER_SPLIT: tl.constexpr,  # slice of I per program (a multiple of BLOCK_K)
-    BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-):
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    n = pid_t // A
-    e = tl.load(ids_ptr + pid_t).to(tl.int64)
-    wt = tl.load(wts_ptr + pid_t).to(tl.float32)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for kk in range(0, I_PER_SPLIT, BLOCK_K):
-        k0 = pid_s * I_PER_SPLIT + kk
-        acc += _gemv_2bit_block(c2_ptr, l2_ptr, h_ptr + pid_t * I, e, offs_d, mask_d, k0, I, n_groups,
-                                stride_ce, stride_co, stride_le, stride_lo, BLOCK_D, BLOCK_K, GROUP)
-    tl.atomic_add(out_ptr + n * D + offs_d, acc * wt, mask=mask_d)
+def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr,
+                 D, stride_we, stride_wo, stride_ae, stride_ao,
+                 I: tl.constexpr, A: tl.constexpr, PER: tl.constexpr, SPLIT: tl.constexpr,
+                 MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
+                 G: tl.constexpr, GS: tl.constexpr, BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr,
+                 POLY: tl.constexpr, PRMT: tl.constexpr = False):
+    n = tl.program_id(0)
+    offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
+    mask_o = offs_o < D
+    k_start = tl.program_id(2) * PER
+    y = tl.zeros((BO,), dtype=tl.float32)
+    for a in range(A):
+        t = n * A + a
+        e = tl.load(ids_ptr + t).to(tl.int64)
+        acc = tl.zeros((BO, BKC), dtype=tl.float32)
+        if PRMT:  # unmasked loads from rows clamped into the matrix (rows past D are dropped at the store)
+            rows = tl.where(mask_o, offs_o, 0)
+            tlo, thi = prmt_tab(a2_ptr + e * stride_ae, rows, stride_ao, k_start // GS)
+        for kk in range(0, PER, BKC * C):
+            if PRMT:  # h_ptr: fp16 h in prmt_pairs order viewed as int32 [T, 8, I/16]
+                if G > 1:
+                    tlo, thi = prmt_tab(a2_ptr + e * stride_ae, rows, stride_ao, (k_start + kk) // GS)
+                acc = gemv_prmt(acc, w2_ptr + e * stride_we, tlo, thi, h_ptr + t * (I // 2), rows, stride_wo,
+                                k_start + kk, I // 16, BKC)
+            elif WORDS:
+                acc = gemv_words(acc, w2_ptr + e * stride_we, a2_ptr + e * stride_ae, b2_ptr + e * stride_ae,
+                                 h_ptr + t * I, offs_o, mask_o, stride_wo, stride_ao, k_start + kk, I,
+                                 BITS, G, GS, BKC, POLY)
+            else:
+                acc = gemv_chunks(acc, w2_ptr + e * stride_we, a2_ptr + e * stride_ae, b2_ptr + e * stride_ae,
+                                  h_ptr + t * I, offs_o, mask_o, stride_wo, stride_ao, k_start + kk, I,
+                                  MODE, BITS, C, BPC, G, GS, BKC)
+        r = tl.sum(acc, axis=1)
+        if MODE == 2:
+            r *= tl.load(a2_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
+        y += r
+    if SPLIT == 1:
+        tl.store(out_ptr + n * D + offs_o, y.to(out_ptr.dtype.element_ty), mask=mask_o)
+    else:
+        tl.atomic_add(out_ptr + n * D + offs_o, y, mask=mask_o)
 
 
-def _block_k(n_in: int, groups: int, cap: int = 128) -> tuple[int, int]:
-    """(BLOCK_K, GROUP): BLOCK_K a power of two ≥ 4 that never straddles a codebook group."""
-    if groups == 1:
-        return max(4, min(cap, triton.next_power_of_2(n_in))), 1 << 30
-    gs = n_in // groups
-    bk = gs & -gs  # largest power of two dividing the group size
-    assert bk >= 4, f"group size {gs} must be a multiple of 4 for the fused kernel"
-    return min(cap, bk), gs
+def _static(w: QWeight, block_k: int, words: bool | None, poly: bool | None = None, prmt: bool = False) -> dict:
+    words = use_words(w) if words is None else words and use_words(w)
+    poly = words and w.bits == 2 and w.b is not None and poly is not False and not prmt  # tables with cubics
+    C, BPC = (16, 4) if prmt else (32, 4 * w.bits) if words else codes_per_chunk(w.mode, w.bits)
+    G = w.groups
+    bk = pick_block_k(w.n_in, w.n_in // G, block_k, C)
+    return dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=w.n_in // G, BKC=bk // C, WORDS=words,
+                POLY=poly, PRMT=prmt)
 
 
-def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-               c1: torch.Tensor, l1: torch.Tensor, c3: torch.Tensor, l3: torch.Tensor,
-               c2: torch.Tensor, l2: torch.Tensor, block_i: int = 16, block_d: int = 32,
-               block_k: int = 512, split_i: int | None = None) -> torch.Tensor:
-    """Fused 2-bit MoE for few tokens. Returns out [N, D] fp32.
+_PRMT_FAILED: list[str] = []  # set when the prmt kernels fail to compile here: the auto choice then falls back
 
-    Default blocks: the best of a hand sweep on the H200 at batch 1 for both benchmark shapes
-    (benchmarks/results/moe_kernel_h200.json).
 
-    x [N, D]; ids [N, A] int; weights [N, A]; c1, c3 [E, I, ceil(D/4)] uint8, l1, l3 [E, I, G1, 4] fp32;
-    c2 [E, D, ceil(I/4)] uint8, l2 [E, D, G2, 4] fp32.
-    """
+def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
+               w2: QWeight, block_o: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+               block_o_down: int | None = None, block_k_down: int | None = None, split: int | None = None,
+               words: bool | None = None, poly: bool | None = None, prmt: bool | None = None,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Fused MoE for few tokens. x [N, D]; ids, weights [N, A]; w1, w3 [E, I, D] and w2 [E, D, I] as
+    QWeight (all of one mode). Returns out [N, D] in out_dtype. prmt (default: where it applies, i.e.
+    CUDA 2-bit fp16 tables in the word layout and words not turned off): the PTX prmt lookup with fp16x2
+    products (dequant.gemv_prmt); False: the previous select-tree / cubic path."""
+    cfg = DECODE_CONFIG
+    block_o, block_k = block_o or cfg["block_o"], block_k or cfg["block_k"]
+    block_o_down, block_k_down = block_o_down or cfg["block_o_down"], block_k_down or cfg["block_k_down"]
+    num_warps = num_warps or cfg["num_warps"]
     N, D = x.shape
     A = ids.shape[1]
-    E, I, rb1 = c1.shape
+    E, I = w1.data.shape[:2]
     assert ids.shape == weights.shape == (N, A), (ids.shape, weights.shape, N, A)
-    assert c3.shape == c1.shape and c2.shape == (E, D, bitpack.packed_row_bytes(I, 2)), (c1.shape, c2.shape)
-    assert rb1 == bitpack.packed_row_bytes(D, 2), (rb1, D)
-    assert l1.shape == l3.shape and l1.shape[:2] == (E, I) and l1.shape[3] == 4 and l2.shape[:2] == (E, D), \
-        (l1.shape, l2.shape)
-    for t in (c1, c3, c2):
-        assert t.dtype == torch.uint8 and t.is_contiguous(), (t.dtype, t.stride())
-    for t in (l1, l3, l2):
-        assert t.dtype == torch.float32 and t.is_contiguous(), (t.dtype, t.stride())
-    x = x.contiguous()
+    assert w1.mode == w3.mode == w2.mode and w1.bits == w3.bits == w2.bits, "one mode for the three matrices"
+    assert w1.n_in == w3.n_in == D and w2.n_in == I, (w1.n_in, w2.n_in, D, I)
+    w1.check(E, I)
+    w3.check(E, I)
+    w2.check(E, D)
+    assert w1.a is None or (w1.a.shape == w3.a.shape and w1.a.stride() == w3.a.stride()), "w1/w3 layouts differ"
+    x = x.float().contiguous()  # fp32 x: the GEMV loads each x element once per slot; no per-use conversion
     ids = ids.to(torch.int32).contiguous()
     weights = weights.float().contiguous()
-    G1, G2 = l1.shape[2], l2.shape[2]
-    bk1, gs1 = _block_k(D, G1, block_k)
-    bk2, gs2 = _block_k(I, G2, block_k)
-    h = torch.empty(N * A, I, dtype=torch.float32, device=x.device)
-    _moe_gate_up_kernel[(N * A, triton.cdiv(I, block_i))](
-        x, ids, c1, l1, c3, l3, h, I, A, rb1, G1,
-        x.stride(0), c1.stride(0), c1.stride(1), l1.stride(0), l1.stride(1), D=D,
-        BLOCK_I=block_i, BLOCK_K=bk1, GROUP=gs1)
-    out = torch.zeros(N, D, dtype=torch.float32, device=x.device)
-    if split_i is None:  # enough programs to fill the GPU at batch 1, a single slice for small I
-        split_i = max(1, min(triton.cdiv(I, 4 * bk2), 132 * 4 // max(1, N * A * triton.cdiv(D, block_d))))
-    per = triton.cdiv(triton.cdiv(I, split_i), bk2) * bk2
-    split_i = triton.cdiv(I, per)
-    _moe_down_kernel[(N * A, triton.cdiv(D, block_d), split_i)](
-        h, ids, weights, c2, l2, out, D, I, A, c2.shape[2], G2,
-        c2.stride(0), c2.stride(1), l2.stride(0), l2.stride(1), I_PER_SPLIT=per,
-        BLOCK_D=block_d, BLOCK_K=bk2, GROUP=gs2)
-    return out
+    T = N * A
+    can = words is not False and all(use_prmt(w) for w in (w1, w3, w2)) and I % 16 == 0
+    if prmt is None:  # the default: prmt where it applies, unless it failed to compile on this machine
+        if can and not _PRMT_FAILED:
+            try:
+                return moe_decode(x, ids, weights, w1, w3, w2, block_o, block_k, num_warps, block_o_down,
+                                  block_k_down, split, words, poly, True, out_dtype)
+            except triton.TritonError as ex:  # inline PTX refused (compile or ptxas error): keep the portable path
+                _PRMT_FAILED.append(f"{type(ex).__name__}: {str(ex)[:200]}")
+                log.warning("prmt MoE decode kernels failed to compile, using the select path: %s", _PRMT_FAILED[0])
+        prmt = False
+    prmt = prmt and can
+    s1, s2 = _static(w1, block_k, words, poly, prmt), _static(w2, block_k_down, words, poly, prmt)
+    h = torch.empty(T, I, dtype=torch.float16 if prmt else torch.float32, device=x.device)
+    (d1, a1, b1), (d3, a3, b3) = w1.ptrs(), w3.ptrs()
+    if s1["WORDS"]:
+        d1, d3 = d1.view(torch.int32), d3.view(torch.int32)
+    if prmt:  # fp16 pairs in the prmt order; tables as two int32 per group
+        x = prmt_pairs(x)  # [N, 8, D/16] int32
+        a1, a3 = a1.view(torch.int32), a3.view(torch.int32)
+    stride_ae1 = a1.stride(0) if w1.a is not None else 0
+    row_a1 = a1.stride(1) if prmt else w1.row_stride_a()
+    _gate_up_kernel[(T, triton.cdiv(I, block_o))](
+        x, ids, weights, d1, a1, b1, d3, a3, b3, h, I,
+        d1.stride(0), d1.stride(1), stride_ae1, row_a1,
+        D=D, A=A, BO=block_o, num_warps=num_warps, **s1)
+    bk2 = s2["BKC"] * s2["C"]
+    n_d = triton.cdiv(D, block_o_down)
+    if split is None:  # split I until the grid has a few programs per SM (132 on the H200)
+        split = max(1, min(triton.cdiv(I, 4 * bk2), (4 * 132) // max(1, N * n_d)))
+    per = triton.cdiv(triton.cdiv(I, split), bk2) * bk2
+    split = triton.cdiv(I, per)
+    if split == 1:
+        out = torch.empty(N, D, dtype=out_dtype, device=x.device)
+    else:
+        out = torch.zeros(N, D, dtype=torch.float32, device=x.device)
+    d2, a2, b2 = w2.ptrs()
+    if s2["WORDS"]:
+        d2 = d2.view(torch.int32)
+    if prmt:
+        a2, h = a2.view(torch.int32), h.view(torch.int32)
+    _down_kernel[(N, n_d, split)](
+        h, ids, d2, a2, b2, out, D, d2.stride(0), d2.stride(1), a2.stride(0) if w2.a is not None else 0,
+        a2.stride(1) if prmt else w2.row_stride_a(), I=I, A=A, PER=per, SPLIT=split, BO=block_o_down,
+        num_warps=num_warps, **s2)
+    return out.to(out_dtype)
 
 
-def _dequant_ref(codes: torch.Tensor, lut: torch.Tensor, n_in: int) -> torch.Tensor:
-    """[E, O, row_bytes] codes + [E, O, G, 4] lut -> W [E, O, n_in] fp32."""
-    E, O, G, _ = lut.shape
-    idx = bitpack.unpack(codes, 2, n_in).view(E, O, G, n_in // G)
-    return lut.float().gather(-1, idx).reshape(E, O, n_in)
-
-
-def moe_decode_ref(x, ids, weights, c1, l1, c3, l3, c2, l2) -> torch.Tensor:
+def moe_decode_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
+                   w2: QWeight) -> torch.Tensor:
     """Plain-torch reference of `moe_decode` (same arguments), out [N, D] fp32."""
-    N, D = x.shape
-    I = c1.shape[1]
-    w1, w3, w2 = _dequant_ref(c1, l1, D), _dequant_ref(c3, l3, D), _dequant_ref(c2, l2, I)
+    W1, W3, W2 = dequant_ref(w1), dequant_ref(w3), dequant_ref(w2)
     xf = x.float()
-    out = torch.zeros(N, D, dtype=torch.float32, device=x.device)
-    for n in range(N):
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for n in range(x.shape[0]):
         for a in range(ids.shape[1]):
             e = int(ids[n, a])
-            h = torch.nn.functional.silu(w1[e] @ xf[n]) * (w3[e] @ xf[n])
-            out[n] += weights[n, a].float() * (w2[e] @ h)
+            h = torch.nn.functional.silu(W1[e] @ xf[n]) * (W3[e] @ xf[n])
+            out[n] += weights[n, a].float() * (W2[e] @ h)
     return out
+
+
+__all__ = ["DECODE_CONFIG", "MODE_FP8", "moe_decode", "moe_decode_ref"]

@@ -1,17 +1,23 @@
-"""Quantized expert weights at run time: one `QuantMatrix` per stored [E, O, I] matrix, and the
-`ExpertWeights` a MoE layer routes through once any of its w1/w3/w2 is quantized.
+"""Quantized weights at run time: one `QuantMatrix` per stored [E, O, I] matrix, the `ExpertWeights` a
+MoE layer routes through once any of its w1/w3/w2 is quantized, and `QLinear` for quantized attention
+projections (stored as E = 1).
 
 Shape legend: E = experts, O = output rows, I = inputs, G = groups per row, K = codebook entries,
 N = tokens, A = experts per token, D = model dim.
 
 The stored parts of each codec are listed in formats/codecs.py (WeightCodec). At load every LUT codec
 (hls, rtn, fp3) becomes codes + lut [E, O, G, K] (fp32), so one dequantization serves them all:
-w[e, o, i] = lut[e, o, i // g, idx[e, o, i]]. `dequant_ref` is the torch reference; on CUDA a
-decode step with all three matrices at 2 bits goes through the fused Triton kernel
-(kernels/moe_decode.py), elsewhere through `dequant_ref` and torch matmuls.
+w[e, o, i] = lut[e, o, i // g, idx[e, o, i]]. `dequant_ref` is the torch reference (the CPU path).
+On CUDA the Triton kernels read what is stored, not the fp32 lut: hls/fp3 an fp16 copy of the table
+(`lut16`, 2·K bytes per group), rtn its fp16 scale and zero (affine levels), fp8 the e4m3 weights and
+row scales (`qweight()` hands them over as kernels/dequant.QWeight). A MoE step on CUDA takes the fused
+decode GEMV (kernels/moe_decode.py) for up to DECODE_MAX_TOKENS tokens and the grouped dequant-GEMM
+(kernels/moe_prefill.py) above; a quantized attention projection the kernels/qlinear.py GEMV/GEMM.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +27,10 @@ from ..formats import bitpack
 
 FP3_GRID = torch.tensor([-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0])
 LUT_CODECS = ("hls", "rtn", "fp3")
-FUSED_MAX_TOKENS = 16  # decode steps (few tokens) take the fused kernel; prefill the per-expert path
+DECODE_MAX_TOKENS = 2  # up to this many tokens: the decode GEMV; above: the grouped kernel (H200 sweep)
+FUSED_MAX_TOKENS = DECODE_MAX_TOKENS  # old name
+KERNEL_MODES = {"hls": 0, "fp3": 0, "rtn": 1, "fp8": 2}  # kernels/dequant.MODE_* of each codec
+ATTN_PARAM = re.compile(r"layers\.(\d+)\.attn\.(w[qkvo])\.weight$")
 
 
 def lut_from_stored(codec: str, bits: int, stored: dict) -> torch.Tensor:
@@ -34,6 +43,16 @@ def lut_from_stored(codec: str, bits: int, stored: dict) -> torch.Tensor:
     if codec == "fp3":
         return stored["scale"].float()[..., None] * FP3_GRID.to(stored["scale"].device)
     raise AssertionError(codec)
+
+
+def lut_poly(lut: torch.Tensor) -> torch.Tensor:
+    """Cubic coefficients [..., 4] (a, b, c, d: p(q) = a + bq + cq² + dq³, fp32) through the four entries
+    of 2-bit tables lut [..., 4] at q = 0..3 (Newton differences): the fused GEMV decodes 2-bit codes
+    through these on the FMA pipe (kernels/dequant.py `_poly_code`)."""
+    L = lut.double()
+    d1, d2 = L[..., 1] - L[..., 0], L[..., 2] - 2 * L[..., 1] + L[..., 0]
+    d3 = L[..., 3] - 3 * L[..., 2] + 3 * L[..., 1] - L[..., 0]
+    return torch.stack([L[..., 0], d1 - d2 / 2 + d3 / 3, d2 / 2 - d3 / 2, d3 / 6], -1).float().contiguous()
 
 
 def dequantize(codec: str, bits: int, shape: tuple[int, int, int], stored: dict) -> torch.Tensor:
@@ -50,8 +69,12 @@ def dequantize(codec: str, bits: int, shape: tuple[int, int, int], stored: dict)
 class QuantMatrix(nn.Module):
     """A stacked matrix [E, O, I] held as codes + lut (LUT codecs) or fp8 + row scales."""
 
-    def __init__(self, codec: str, bits: int, shape: tuple[int, int, int], stored: dict[str, torch.Tensor]):
+    def __init__(self, codec: str, bits: int, shape: tuple[int, ...], stored: dict[str, torch.Tensor]):
         super().__init__()
+        if len(shape) == 2:  # a plain linear weight [O, I] (attention): one "expert"
+            stored = {k: v[None] if v.dim() < 3 or (k == "scale" and codec == "fp8" and v.dim() == 1) else v
+                      for k, v in stored.items()}
+            shape = (1, *shape)
         self.codec, self.bits, self.shape = codec, bits, tuple(shape)
         if codec == "fp8":
             self.register_buffer("fp8", stored["fp8"])
@@ -59,7 +82,32 @@ class QuantMatrix(nn.Module):
         else:
             assert codec in LUT_CODECS, codec
             self.register_buffer("codes", stored["codes"])  # [E, O, row_bytes] uint8
-            self.register_buffer("lut", lut_from_stored(codec, bits, stored))  # [E, O, G, K] fp32
+            self.register_buffer("lut", lut_from_stored(codec, bits, stored))  # [E, O, G, K] fp32 (reference)
+            if codec == "rtn":  # the kernels compute zero + scale · idx from the stored fp16 parts
+                self.register_buffer("scale", stored["scale"].half().contiguous())
+                self.register_buffer("zero", stored["zero"].half().contiguous())
+            else:
+                self.register_buffer("lut16", self.lut.half().contiguous())
+                if bits == 2:  # the GEMV's FMA-pipe decode (lut_poly) of the same fp16 tables
+                    self.register_buffer("poly", lut_poly(self.lut16))
+
+    def kernel_ok(self) -> bool:
+        """Whether the Triton kernels take this matrix (groups of multiples of 16 inputs, or one per row)."""
+        if self.codec == "fp8":
+            return True
+        I, G = self.shape[2], self.lut.shape[2]
+        return self.bits in (2, 3, 4) and (G == 1 or (I // G) % 16 == 0)
+
+    def qweight(self):
+        """The kernels' view (kernels/dequant.QWeight) of the stored parts; no copies."""
+        from ..kernels.dequant import QWeight  # lazy: importing the runtime does not pull Triton
+
+        mode = KERNEL_MODES[self.codec]
+        if self.codec == "fp8":
+            return QWeight(mode, 8, self.shape[2], self.fp8, self.scale)
+        if self.codec == "rtn":
+            return QWeight(mode, self.bits, self.shape[2], self.codes, self.scale, self.zero)
+        return QWeight(mode, self.bits, self.shape[2], self.codes, self.lut16, getattr(self, "poly", None))
 
     def dequant_ref(self, e: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W_hat [O, I] of expert e (or [E, O, I] for all) in `dtype`."""
@@ -98,17 +146,39 @@ class ExpertWeights(nn.Module):
 
     def fused_ok(self, x: torch.Tensor) -> bool:
         ws = (self.w1, self.w3, self.w2)
-        return (x.is_cuda and x.shape[0] <= FUSED_MAX_TOKENS
-                and all(isinstance(w, QuantMatrix) and w.codec in LUT_CODECS and w.bits == 2 for w in ws))
+        return (x.is_cuda and all(isinstance(w, QuantMatrix) and w.kernel_ok() for w in ws)
+                and len({(w.codec, w.bits) for w in ws}) == 1)
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-        """The fused decode kernel on CUDA (x [N, D], weights/ids [N, A]), or None where it does not apply."""
+        """The fused Triton kernels on CUDA (x [N, D], weights/ids [N, A]), or None where they do not apply."""
         if not self.fused_ok(x):
             return None
-        from ..kernels.moe_decode import moe_decode  # lazy: importing the runtime does not pull Triton
+        qs = [w.qweight() for w in (self.w1, self.w3, self.w2)]
+        if x.shape[0] <= DECODE_MAX_TOKENS:
+            from ..kernels.moe_decode import moe_decode
 
-        return moe_decode(x, ids, weights, self.w1.codes, self.w1.lut, self.w3.codes, self.w3.lut,
-                          self.w2.codes, self.w2.lut).to(x.dtype)
+            return moe_decode(x, ids, weights, *qs, out_dtype=x.dtype)
+        from ..kernels.moe_prefill import moe_grouped
+
+        return moe_grouped(x, ids, weights, *qs)
+
+
+class QLinear(nn.Module):
+    """A quantized nn.Linear stand-in (attention projections): Triton kernels on CUDA, dequantized
+    weights and F.linear elsewhere (the reference)."""
+
+    def __init__(self, q: QuantMatrix, bias: torch.Tensor | None):
+        super().__init__()
+        self.q = q
+        self.in_features, self.out_features = q.shape[2], q.shape[1]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.q.kernel_ok():
+            from ..kernels.qlinear import qlinear
+
+            return qlinear(x, self.q.qweight(), self.bias)
+        return F.linear(x, self.q.dequant_ref(0, x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 def is_quant_expert(name: str, entry: dict) -> bool:
@@ -117,29 +187,47 @@ def is_quant_expert(name: str, entry: dict) -> bool:
         and ".moe." in entry.get("param", "") and name.startswith(entry["param"] + ".")
 
 
+def is_quant_attention(name: str, entry: dict) -> bool:
+    """Manifest entry of a stored part of a quantized attention projection (layers.*.attn.w[qkvo].weight)."""
+    return entry["codec"] in (*LUT_CODECS, "fp8") and ATTN_PARAM.search(entry.get("param", "")) is not None \
+        and name.startswith(entry["param"] + ".")
+
+
 def pop_quant_experts(state: dict[str, torch.Tensor], manifest: dict | None) -> dict[str, QuantMatrix]:
-    """Remove the stored parts of quantized matrices from `state`; {param: QuantMatrix}."""
+    """Remove the stored parts of quantized matrices (experts and attention) from `state`; {param: QuantMatrix}."""
     if manifest is None:
         return {}
     parts: dict[str, dict] = {}
     for name, e in manifest["tensors"].items():
-        if is_quant_expert(name, e):
+        if is_quant_expert(name, e) or is_quant_attention(name, e):
             parts.setdefault(e["param"], {"entry": e, "stored": {}})["stored"][name.removeprefix(e["param"] + ".")] = \
                 state.pop(name)
-    return {p: QuantMatrix(v["entry"]["codec"], v["entry"]["bits"], tuple(v["entry"]["param_shape"]), v["stored"])
-            for p, v in parts.items()}
+    out = {}
+    for p, v in parts.items():
+        shape = tuple(v["entry"]["param_shape"])
+        out[p] = QuantMatrix(v["entry"]["codec"], v["entry"]["bits"], shape, v["stored"])
+        out[p].param_shape = shape  # canonical shape ([O, I] for attention), for the build placeholders
+    return out
 
 
 def placeholders(quant: dict[str, QuantMatrix], dtype, device) -> dict[str, torch.Tensor]:
     """Zero-stride stand-ins (no memory) for the quantized params while the model is built; `attach`
     then removes them. dtype/device match the build so build_model's `.to` leaves them as they are."""
-    return {p: torch.zeros((), dtype=dtype or torch.float32, device=device).expand(q.shape) for p, q in quant.items()}
+    return {p: torch.zeros((), dtype=dtype or torch.float32, device=device).expand(getattr(q, "param_shape", q.shape))
+            for p, q in quant.items()}
 
 
 def attach(model: nn.Module, quant: dict[str, QuantMatrix], device) -> None:
-    """Route each MoE layer with a quantized matrix through an ExpertWeights built from it."""
+    """Route each MoE layer with a quantized matrix through an ExpertWeights built from it, and swap
+    each quantized attention projection for a QLinear (its bias, if any, kept)."""
     by_layer: dict[int, dict] = {}
     for p, q in quant.items():
+        m = ATTN_PARAM.search(p)
+        if m:
+            attn = model.layers[int(m.group(1))].attn
+            old = getattr(attn, m.group(2))
+            setattr(attn, m.group(2), QLinear(q.to(device), None if old.bias is None else old.bias.data))
+            continue
         i, name = int(p.split(".")[1]), p.rsplit(".", 1)[-1]
         by_layer.setdefault(i, {})[name] = q.to(device)
     for i, qs in by_layer.items():

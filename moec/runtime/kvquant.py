@@ -8,12 +8,14 @@ A codec encodes one block of tokens leaving the fp16 window, for one layer, keys
 Every field is stored with its token or block axis at dim 2 (`fields()` says which), so the cache
 (moec/runtime/kvtiered.py) can keep preallocated buffers and count stored bytes from them.
 
-Packed code layout (`pack_codes`, along the channel axis d of each token):
-    2-bit: 4 codes per byte, code i in bits 2·(i%4) of byte i//4
-    4-bit: 2 codes per byte, code i in bits 4·(i%2) of byte i//2
-    3-bit: 8 codes per 3 bytes, the 24-bit little-endian word of group g = i//8 holds code i at
-           bits 3·(i%8); so code i starts in byte 3·g + (3·(i%8))//8 at bit (3·(i%8)) % 8, and
-           codes 2 and 5 of a group straddle a byte boundary.
+Packed code layout (`pack_codes`, along the channel axis of each token, n channels; "planar": a
+contiguous run of bytes unpacks with one shift into a contiguous run of channels, so the fused
+kernel (moec/kernels/kv_decode_attention.py) loads whole [tokens, bytes] tiles and never gathers):
+    2-bit: n/4 bytes; byte i holds channel i + m·n/4 in bits 2m..2m+1 (m = 0..3)
+    4-bit: n/2 bytes; byte i holds channel i in bits 0..3 and channel i + n/2 in bits 4..7
+    3-bit: n/4 + n/8 bytes: first the 2-bit layout of the low two bits (code & 3), then a bit
+           plane of the high bit: byte n/4 + i holds bit 2 of channel i + m·n/8 in bit m (m = 0..7)
+q·k is invariant to a permutation of the channels, so a kernel may work in this order.
 
 KIVI (Liu et al. 2024, "KIVI: a tuning-free asymmetric 2bit quantization for KV cache"): keys
 per channel over a group of tokens (here the cache block, so group = block tokens), values per
@@ -50,34 +52,37 @@ def packed_width(n: int, bits: int) -> int:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [..., n] integer in [0, 2^bits) -> uint8 [..., n·bits/8] (layout in the module docstring)."""
+    """codes [..., n] integer in [0, 2^bits) -> uint8 [..., n·bits/8] (planar layout, module docstring)."""
     n = codes.shape[-1]
     packed_width(n, bits)
     c = codes.to(torch.int32)
-    if bits in (2, 4):
-        per = 8 // bits
-        c = c.view(*c.shape[:-1], n // per, per)
-        shifts = torch.arange(per, device=c.device, dtype=torch.int32) * bits
-        return (c << shifts).sum(-1).to(torch.uint8)
-    assert bits == 3, bits
-    c = c.view(*c.shape[:-1], n // 8, 8)
-    word = (c << (torch.arange(8, device=c.device, dtype=torch.int32) * 3)).sum(-1)  # 24-bit words
-    out = torch.stack([(word >> s) & 0xFF for s in (0, 8, 16)], dim=-1)
-    return out.reshape(*c.shape[:-2], n // 8 * 3).to(torch.uint8)
+    if bits == 3:
+        return torch.cat([pack_codes(c & 3, 2), _pack_planes(c >> 2, 1)], dim=-1)
+    assert bits in (2, 4), bits
+    return _pack_planes(c, bits)
+
+
+def _pack_planes(c: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., n] -> [..., n·bits/8]: byte i holds channel i + m·(n·bits/8) in bits m·bits (m < 8/bits)."""
+    per = 8 // bits
+    c = c.reshape(*c.shape[:-1], per, c.shape[-1] // per)  # [..., m, i]
+    shifts = (torch.arange(per, device=c.device, dtype=torch.int32) * bits)[:, None]
+    return (c << shifts).sum(-2).to(torch.uint8)
+
+
+def _unpack_planes(p: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    shifts = (torch.arange(per, device=p.device, dtype=torch.int32) * bits)[:, None]
+    return ((p[..., None, :] >> shifts) & (2**bits - 1)).flatten(-2)  # [..., m·w + i]
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of pack_codes: uint8 [..., n·bits/8] -> int64 codes [..., n]."""
     p = packed.to(torch.int32)
-    if bits in (2, 4):
-        per = 8 // bits
-        shifts = torch.arange(per, device=p.device, dtype=torch.int32) * bits
-        return ((p[..., None] >> shifts) & (2**bits - 1)).reshape(*p.shape[:-1], n).long()
-    assert bits == 3, bits
-    p = p.view(*p.shape[:-1], n // 8, 3)
-    word = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)
-    shifts = torch.arange(8, device=p.device, dtype=torch.int32) * 3
-    return ((word[..., None] >> shifts) & 7).reshape(*p.shape[:-2], n).long()
+    if bits == 3:
+        return (_unpack_planes(p[..., : n // 4], 2) | (_unpack_planes(p[..., n // 4 :], 1) << 2)).long()
+    assert bits in (2, 4), bits
+    return _unpack_planes(p, bits).long()
 
 
 # -- codecs ------------------------------------------------------------------------------------------
@@ -170,7 +175,8 @@ class NUQOutlierCodec:
         else:
             mag = flat.abs()
         if self.n_out:
-            idx = mag.topk(self.n_out, dim=-1).indices  # [B, K, n_out]
+            # [B, K, n_out], ascending (a canonical order: the GPU quantize-pack kernel writes the same)
+            idx = mag.topk(self.n_out, dim=-1).indices.sort(dim=-1).values
         if kind == "v":
             core = flat.abs()
             if self.n_out:
@@ -204,3 +210,64 @@ class NUQOutlierCodec:
     def static_tensors(self) -> dict[str, torch.Tensor]:
         """Per-layer tensors shared by every token (counted once per layer in stored bytes)."""
         return {"k_scale": self.k_scale, "k_levels": self.levels["k"], "v_levels": self.levels["v"]}
+
+
+class NUQCenteredCodec(NUQOutlierCodec):
+    """nuq-outlier with asymmetric keys and, optionally, outliers chosen by query-weighted error.
+
+    Keys: k ≈ k_center + k_lev[code]·k_scale, with an offline per-channel center [K, d] (the midpoint
+    of the calibrated quantile range, so a channel whose values sit off zero uses all its levels;
+    recipe `k_center: true`). Outliers of keys (`outlier_select: weighted-error`): the elements whose
+    rounding error, weighted by the channel's calibrated query RMS k_weight [K, d] (pair-averaged over
+    the RoPE rotation pairs, so equal pre- and post-RoPE), is largest: the greedy choice that most
+    reduces the expected q·k score error, instead of the largest |k / k_scale|. Values as in the
+    parent. Same stored fields as NUQOutlierCodec; k_center and k_weight are per-layer statics. The
+    fused Triton kernels do not add the center, so a cache with this codec runs the torch path.
+    """
+
+    needs_torch = True  # kvtiered.TieredKVCache: no fused decode kernel for this codec
+
+    def __init__(self, bits: int, head_dim: int, block: int, k_levels: torch.Tensor, v_levels: torch.Tensor,
+                 k_scale: torch.Tensor, outlier_frac: float, k_center: torch.Tensor | None = None,
+                 k_weight: torch.Tensor | None = None):
+        super().__init__(bits, head_dim, block, k_levels, v_levels, k_scale, outlier_frac)
+        self.k_center = None if k_center is None else k_center.float()  # [K, d]
+        self.k_weight = None if k_weight is None else k_weight.float()  # [K, d]
+        assert self.k_center is None or self.k_center.shape == self.k_scale.shape, (k_center.shape, k_scale.shape)
+        assert self.k_weight is None or self.k_weight.shape == self.k_scale.shape, (k_weight.shape, k_scale.shape)
+
+    def encode(self, x: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+        if kind == "v":
+            return super().encode(x, kind)
+        B, K, N, d = x.shape
+        assert N == self.block, (N, self.block)
+        if self.k_center is not None:
+            x = x - self.k_center.to(x.device)[None, :, None, :]
+        scale = self.k_scale.to(x.device)[None, :, None, :]  # [1, K, 1, d]
+        codes = self._nearest(x / scale, "k")  # [B, K, N, d]
+        out = {"codes": pack_codes(codes, self.bits)}
+        if self.n_out:
+            deq = self.levels["k"].to(x.device)[codes] * scale
+            if self.k_weight is None:
+                mag = (x / scale).abs()
+            else:
+                mag = (x - deq).abs() * self.k_weight.to(x.device)[None, :, None, :]
+            idx = mag.reshape(B, K, N * d).topk(self.n_out, dim=-1).indices.sort(dim=-1).values
+            resid = x.reshape(B, K, N * d).gather(-1, idx) - deq.reshape(B, K, N * d).gather(-1, idx)
+            out["out_idx"] = idx.to(torch.int16)[:, :, None]
+            out["out_val"] = resid.half()[:, :, None]
+        return out
+
+    def decode(self, f: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
+        x = super().decode(f, kind)
+        if kind == "k" and self.k_center is not None:
+            x = x + self.k_center.to(x.device)[None, :, None, :]
+        return x
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        out = super().static_tensors()
+        if self.k_center is not None:
+            out["k_center"] = self.k_center
+        if self.k_weight is not None:
+            out["k_weight"] = self.k_weight
+        return out

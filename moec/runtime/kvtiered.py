@@ -17,7 +17,8 @@ Attention: the torch reference dequantizes the history and attends (the correctn
 CPU a dequantized mirror of the history is kept so each decode step does not decode the whole
 history again (equal to dequantizing every step; it is a compute cache, not counted as stored).
 On CUDA, decode steps of a post-RoPE nuq-outlier cache go through the fused Triton kernel
-(moec/kernels/kv_decode_attention.py), which reads the packed history directly.
+(moec/kernels/kv_decode_attention.py), which reads the packed history directly, and nuq-outlier
+blocks leaving the window are encoded by moec/kernels/kv_quantize_pack.py (the codec's exact fields).
 
 Stored bytes are summed from the tensors held: window and sinks (fp16), every history field sliced
 to the blocks filled, and each codec's per-layer static tensors (scales, levels).
@@ -51,8 +52,10 @@ class TieredKVCache:
         self.n_blocks = [0] * args.n_layers
         self.length = 0
         if use_kernel is None:
+            # codecs marked needs_torch (kvquant.NUQCenteredCodec: key centers) have no fused kernel
             use_kernel = (self.device.type == "cuda" and self.codec == "nuq-outlier" and not rope_pre
-                          and d >= 16 and d & (d - 1) == 0 and block >= 16 and block & (block - 1) == 0)
+                          and not getattr(codecs[0], "needs_torch", False)
+                          and d >= 64 and d & (d - 1) == 0 and block >= 16 and block & (block - 1) == 0)
         self.use_kernel = use_kernel
         self.mirror = None if use_kernel else {
             kind: [torch.zeros(B, K, self.max_blocks * block, d, device=device) for _ in range(args.n_layers)]
@@ -87,6 +90,15 @@ class TieredKVCache:
             x = self._rope(x, self.sinks, inverse=False)
         return x
 
+    def _encode(self, codec, x: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+        """codec.encode; nuq-outlier blocks on CUDA go through the Triton quantize-pack kernel (same fields)."""
+        if x.is_cuda:
+            from ..kernels.kv_quantize_pack import kv_quantize_pack, supports
+
+            if supports(codec):
+                return kv_quantize_pack(x, kind, codec)
+        return codec.encode(x, kind)
+
     def _encode_block(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         nb = self.n_blocks[layer]
         assert nb < self.max_blocks, (nb, self.max_blocks)
@@ -95,7 +107,7 @@ class TieredKVCache:
         for kind, x in (("k", k.float()), ("v", v.float())):
             if kind == "k" and self.rope_pre:
                 x = self._rope(x, pos0, inverse=True)
-            enc = codec.encode(x, kind)
+            enc = self._encode(codec, x, kind)
             for name, t in enc.items():
                 n = self._axis_len(name, kind, layer, 1)
                 self.hist[kind][layer][name][:, :, nb * n : (nb + 1) * n] = t
@@ -120,9 +132,7 @@ class TieredKVCache:
         wv = torch.cat([self.win["v"][layer], v.half()], dim=2)
         s = min(self.sinks, wk.shape[2])
         if T == 1 and self.use_kernel:
-            from ..kernels.kv_decode_attention import attend_cache
-
-            out = attend_cache(self, layer, q, wk, wv)
+            out = self._attend_kernel(layer, q, wk, wv)
         else:
             if self.mirror is not None:
                 hk, hv = self.mirror["k"][layer][:, :, :h], self.mirror["v"][layer][:, :, :h]
@@ -140,6 +150,12 @@ class TieredKVCache:
         if layer == self.args.n_layers - 1:
             self.length = start_pos + T
         return out
+
+    def _attend_kernel(self, layer: int, q, wk, wv) -> torch.Tensor:
+        """One decode step through the fused kernel (subclasses with other codecs override this)."""
+        from ..kernels.kv_decode_attention import attend_cache
+
+        return attend_cache(self, layer, q, wk, wv)
 
     # -- bytes ------------------------------------------------------------------------------------------
 
@@ -188,7 +204,7 @@ def build_codecs(section: dict, tensors: dict[str, torch.Tensor], args: ModelArg
 
     Raises FormatError when the calibration does not match the model's layer/head shapes."""
     from ..errors import FormatError
-    from .kvquant import KIVICodec, NUQOutlierCodec
+    from .kvquant import KIVICodec, NUQCenteredCodec, NUQOutlierCodec
 
     L, K, d, bits = args.n_layers, args.n_kv_heads, args.head_dim, section["bits"]
     if (section.get("n_layers"), section.get("n_kv_heads"), section.get("head_dim")) != (L, K, d):
@@ -200,6 +216,10 @@ def build_codecs(section: dict, tensors: dict[str, torch.Tensor], args: ModelArg
         raise FormatError(f"KV codec {section['codec']!r} is not one this runtime executes (kivi, nuq-outlier)")
     codecs = []
     want = {"k_scale": (K, d), "k_levels": (2**bits,), "v_levels": (2**bits,)}
+    if section.get("k_center", False):  # the NUQCenteredCodec options (older checkpoints have neither)
+        want["k_center"] = (K, d)
+    if section.get("outlier_select", "magnitude") == "weighted-error":
+        want["k_weight"] = (K, d)
     for i in range(L):
         parts = {}
         for part, shape in want.items():
@@ -210,6 +230,11 @@ def build_codecs(section: dict, tensors: dict[str, torch.Tensor], args: ModelArg
                 raise FormatError(f"KV calibration tensor kv.layers.{i}.{part} has shape {list(t.shape)}, "
                                   f"the model needs {list(shape)} ({L} layers, {K} KV heads, head_dim {d})")
             parts[part] = t
+        if len(want) > 3:
+            codecs.append(NUQCenteredCodec(bits, d, section["block"], parts["k_levels"], parts["v_levels"],
+                                           parts["k_scale"], section["outlier_frac"], parts.get("k_center"),
+                                           parts.get("k_weight")))
+            continue
         codecs.append(NUQOutlierCodec(bits, d, section["block"], parts["k_levels"], parts["v_levels"],
                                       parts["k_scale"], section["outlier_frac"]))
     extra = [n for n in tensors if not n.startswith("kv.layers.") or int(n.split(".")[2]) >= L]

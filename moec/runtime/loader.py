@@ -10,7 +10,7 @@ from ..errors import FormatError
 from ..formats import checkpoint
 from ..formats.codecs import WEIGHT_PATTERN, WeightCodec
 from .config import ModelArgs
-from .experts import attach, is_quant_expert, placeholders, pop_quant_experts
+from .experts import attach, is_quant_attention, is_quant_expert, placeholders, pop_quant_experts
 from .hf_layout import HFCheckpoint
 from .model import Transformer, build_model
 
@@ -31,7 +31,8 @@ def load_state(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], di
         manifest = checkpoint.verify(path)
         args = ModelArgs.from_dict(manifest["model_args"])
         for name, e in manifest["tensors"].items():
-            if e["codec"] != WeightCodec.KEEP.value and not name.startswith("kv.") and not is_quant_expert(name, e):
+            if e["codec"] != WeightCodec.KEEP.value and not name.startswith("kv.") and not is_quant_expert(name, e) \
+                    and not is_quant_attention(name, e):
                 raise FormatError(f"{path}: tensor {name!r} uses codec {e['codec']!r}, which this runtime "
                                   f"version cannot execute")
         state = checkpoint.load_tensors(path, manifest)
@@ -57,9 +58,22 @@ def kv_cache_factory(info: dict, args: ModelArgs):
     """The cache factory `evaluate` takes, for the KV codec a packed checkpoint records (fp16 otherwise).
 
     Checks the checkpoint's KV calibration against the model's layer/head shapes (FormatError)."""
-    from .kvtiered import build_codecs, tiered_cache_factory
-
     section = info.get("kv")
     if not section:
         return None
-    return tiered_cache_factory(section, build_codecs(section, info.get("kv_tensors", {}), args))
+    codec, tensors = section["codec"], info.get("kv_tensors", {})
+    # One module per cache family; each checks its own calibration tensors against `args`.
+    if codec in ("kivi", "nuq-outlier"):
+        from .kvtiered import build_codecs, tiered_cache_factory
+
+        return tiered_cache_factory(section, build_codecs(section, tensors, args))
+    if codec in ("latent-head", "latent-layer"):
+        from .kvlatent import latent_cache_factory
+
+        return latent_cache_factory(section, tensors, args)
+    if codec == "rvq-tiered":
+        from .kvrvq import rvq_cache_factory
+
+        return rvq_cache_factory(section, tensors, args)
+    raise FormatError(f"KV codec {codec!r} is not one this runtime executes "
+                      "(kivi, nuq-outlier, latent-head, latent-layer, rvq-tiered)")

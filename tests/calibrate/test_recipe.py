@@ -43,7 +43,11 @@ def test_rules_first_match_wins():
     assert r.rule_for("layers.3.attn.wq.weight") is None
 
 
-def test_unimplemented_codec_is_refused_by_name():
+def test_unimplemented_codec_is_refused_by_name(monkeypatch):
+    import moec.calibrate.recipe as recipe_mod
+
     r = parse_recipe({"kv": {"codec": "rvq-tiered", "bits": 2}})
+    r.require_implemented()  # every codec the design names is implemented now: pretend one is not
+    monkeypatch.setattr(recipe_mod, "IMPLEMENTED_KV", tuple(c for c in recipe_mod.IMPLEMENTED_KV if c != "rvq-tiered"))
     with pytest.raises(UserError, match="kv codec 'rvq-tiered' is not implemented"):
         r.require_implemented()

@@ -1,4 +1,7 @@
-"""Fused 2-bit MoE decode kernel vs its torch reference (TRITON_INTERPRET=1 on the CPU)."""
+"""Fused MoE decode GEMV vs its torch reference: every storage mode (2/3/4-bit tables, affine rtn, fp8,
+bf16), word and byte paths, top-k 1/2/8, odd token counts, experts with no tokens, grouped tables.
+CPU: Triton's interpreter at toy shapes, plus a torch replay of the 2-bit prmt path's integer arithmetic
+(the interpreter cannot run inline PTX); CUDA: also the prmt path and the Mixtral layer at full size."""
 
 import os
 
@@ -11,98 +14,136 @@ import pytest  # noqa: E402
 
 from moec.calibrate import hls  # noqa: E402
 from moec.formats import bitpack  # noqa: E402
+from moec.kernels.dequant import prmt_decode_emulate, prmt_pairs, use_prmt, use_words  # noqa: E402
 from moec.kernels.moe_decode import moe_decode, moe_decode_ref  # noqa: E402
 from moec.runtime.experts import ExpertWeights, QuantMatrix  # noqa: E402
+from tests.kernels.moe_cases import moe_case  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-
-def _quant(E, O, n_in, G, gen):
-    idx = torch.randint(0, 4, (E, O, n_in), generator=gen)
-    lut = torch.randn(E, O, G, 4, generator=gen).sort(-1).values * 0.1
-    return bitpack.pack(idx, 2).to(DEVICE), lut.to(DEVICE)
-
-
-def _case(N, A, E, D, I, G1, G2, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    c1, l1 = _quant(E, I, D, G1, gen)
-    c3, l3 = _quant(E, I, D, G1, gen)
-    c2, l2 = _quant(E, D, I, G2, gen)
-    x = torch.randn(N, D, generator=gen).to(DEVICE)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:A] for _ in range(N)]).to(DEVICE)
-    wts = torch.softmax(torch.randn(N, A, generator=gen), -1).to(DEVICE)
-    return x, ids, wts, c1, l1, c3, l3, c2, l2
-
-
-# (N tokens, top-k A, experts E, D, I, groups of w1/w3, groups of w2): one-token decode, top-1/2/8,
-# odd token counts, D and I not multiples of the block (and of 4), grouped codebooks. With N·A < E
-# most experts get zero tokens.
-SHAPES = [
-    (1, 1, 4, 64, 48, 1, 1),
-    (1, 2, 8, 256, 160, 1, 1),
-    (3, 2, 5, 40, 24, 1, 1),
-    (5, 1, 3, 96, 64, 3, 2),
-    (3, 2, 6, 70, 36, 1, 1),
-    (2, 8, 16, 64, 32, 2, 1),
+# (kind, N tokens, top-k A, experts E, D, I, groups of w1/w3, groups of w2). With N·A < E most experts
+# get zero tokens. D, I multiples of 32 take the word path (table modes), others the byte path.
+CASES = [
+    ("lut2", 1, 1, 4, 32, 32, 1, 1),  # word path, one table per row
+    ("lut2p", 1, 2, 3, 64, 32, 2, 1),  # word path through the tables' cubics, grouped tables
+    ("lut2", 3, 2, 5, 40, 24, 1, 1),  # byte path, odd sizes (rows not a multiple of the block)
+    ("lut2", 1, 8, 9, 8, 12, 1, 1),  # top-8
+    ("lut3", 1, 1, 3, 32, 32, 1, 1),  # 3-bit words (codes straddle words)
+    ("lut3", 1, 1, 3, 48, 24, 3, 1),  # 3-bit bytes, grouped tables (group 16)
+    ("rtn2", 3, 1, 4, 40, 24, 1, 1),  # affine levels
+    ("rtn4", 1, 2, 4, 64, 32, 2, 1),
+    ("fp8", 5, 2, 6, 40, 24, 1, 1),
+    ("bf16", 3, 2, 4, 40, 24, 1, 1),
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_moe_decode_matches_reference(shape):
-    args = _case(*shape)
-    got = moe_decode(*args, block_i=64, block_d=64, block_k=64)  # big blocks: fewer interpreted programs
-    want = moe_decode_ref(*args)
-    # fp32 everywhere; only the summation order differs (blocked K, split-I atomics), so the error is
-    # a few ulps of the largest partial sums: 1e-4 relative to the output scale.
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_moe_decode_matches_reference(case):
+    kind, *shape = case
+    x, ids, wts, w1, w3, w2 = moe_case(kind, *shape, DEVICE, seed=len(CASES) + sum(shape))
+    # big blocks: fewer programs for the interpreter (the CUDA test below runs the defaults)
+    got = moe_decode(x, ids, wts, w1, w3, w2, block_o=32, block_k=64, block_o_down=64, block_k_down=32, prmt=False)
+    want = moe_decode_ref(x, ids, wts, w1, w3, w2)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    # fp32 everywhere; only the summation order differs, so a few ulps of the output scale
     tol = 1e-4 * want.abs().max().item() + 1e-6
     err = (got - want).abs().max().item()
-    assert err <= tol, f"max abs err {err:.3e} > {tol:.3e} for shape {shape}"
+    assert err <= tol, f"max abs err {err:.3e} > {tol:.3e} for {case}"
 
 
-def test_moe_decode_split_i():
-    args = _case(1, 2, 4, 32, 96, 1, 1, seed=3)
-    want = moe_decode_ref(*args)
-    for split in (1, 3):  # the down projection summed over slices of I with atomics
-        got = moe_decode(*args, block_i=64, block_d=64, block_k=32, split_i=split)
-        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+def test_split_and_paths_agree():
+    """Split-I atomics and the byte path give what the word path gives (same data)."""
+    x, ids, wts, w1, w3, w2 = moe_case("lut2", 1, 1, 2, 32, 64, 1, 1, DEVICE, seed=3)
+    assert use_words(w1) and use_words(w2)
+    kw = dict(block_o=64, block_k=32, block_o_down=32, block_k_down=32)
+    a = moe_decode(x, ids, wts, w1, w3, w2, split=1, **kw)
+    b = moe_decode(x, ids, wts, w1, w3, w2, split=2, words=False, **kw)
+    assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
-def test_moe_decode_routing_weight_and_zero_experts():
-    # Expert outputs are combined with their routing weights: zero weight on slot 1 = top-1 on slot 0.
-    x, ids, wts, *w = _case(3, 2, 4, 32, 16, 1, 1, seed=5)
-    wts = torch.zeros_like(wts)
-    wts[:, 0] = 1.0
-    got = moe_decode(x, ids, wts, *w, block_i=16, block_d=16, block_k=32)
-    top1 = moe_decode(x, ids[:, :1].contiguous(), wts[:, :1].contiguous(), *w, block_i=16, block_d=16, block_k=32)
-    assert torch.allclose(got, top1, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(got, torch.zeros_like(got))
-
-
-def test_moe_decode_rejects_bad_shapes():
-    x, ids, wts, c1, l1, c3, l3, c2, l2 = _case(1, 2, 4, 64, 48, 1, 1)
-    with pytest.raises(AssertionError):
-        moe_decode(x[:, :60], ids, wts, c1, l1, c3, l3, c2, l2)
-    with pytest.raises(AssertionError):
-        moe_decode(x, ids, wts, c1, l1.half(), c3, l3, c2, l2)
-
-
-def test_runtime_routes_decode_through_kernel_on_cuda():
-    # ExpertWeights (what the runtime's MoE layer calls) takes the fused kernel for a 2-bit decode step
-    # on CUDA and declines elsewhere; both agree with its per-expert reference path.
-    E, D, I, N, A = 4, 64, 32, 3, 2
-    g = torch.Generator().manual_seed(7)
+def test_runtime_takes_fused_path_on_cuda_only():
+    g = torch.Generator().manual_seed(0)
+    E, D, I = 4, 64, 32
     qs = [QuantMatrix("hls", 2, (E, o, i), hls.quantize(torch.randn(E, o, i, generator=g), None, "hls", 2, 0, False))
           for o, i in ((I, D), (I, D), (D, I))]
     ew = ExpertWeights(*qs).to(DEVICE)
-    x = torch.randn(N, D, generator=g).to(DEVICE)
-    ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(N)]).to(DEVICE)
-    wts = torch.softmax(torch.randn(N, A, generator=g), -1).to(DEVICE)
-    ref = torch.zeros_like(x)
-    for n in range(N):
-        for a in range(A):
-            ref[n] += wts[n, a] * ew.expert(int(ids[n, a]), x[n : n + 1])[0]
+    x = torch.randn(2, D, generator=g).to(DEVICE)
+    ids = torch.tensor([[0, 3], [1, 3]], device=DEVICE)
+    wts = torch.full((2, 2), 0.5, device=DEVICE)
     out = ew.fused(x, wts, ids)
     if DEVICE == "cpu":
-        assert out is None
-    else:
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        assert out is None  # the CPU keeps the torch reference path
+        return
+    want = torch.zeros_like(x)
+    for n in range(2):
+        for a in range(2):
+            want[n] += 0.5 * ew.expert(int(ids[n, a]), x[n:n + 1])[0]
+    assert (out - want).abs().max() <= 2e-3 * want.abs().max()  # fp16 tables vs fp32 reference
+
+
+def _random_tables(gen, shape):
+    """fp16 tables [..., 4] with every kind of bit pattern (prmt moves bytes: signs, subnormals, inf, nan)."""
+    lut = (torch.randn(*shape, 4, generator=gen) * 0.05).half()
+    special = torch.tensor([0.0, -0.0, 6e-8, -6e-8, 65504.0, float("inf"), float("-inf"), float("nan")]).half()
+    pick = torch.randint(0, 8, lut.shape, generator=gen)
+    return torch.where(torch.rand(lut.shape, generator=gen) < 0.2, special[pick], lut)
+
+
+@pytest.mark.parametrize("O,n,G", [(7, 32, 1), (5, 96, 3), (3, 4096, 2)])
+def test_prmt_selectors_bit_exact(O, n, G):
+    """The prmt path's selector arithmetic (torch replay of the PTX) picks exactly the table entry of each
+    code, in the pair order `prmt_pairs` gives the activations."""
+    gen = torch.Generator().manual_seed(O * n + G)
+    idx = torch.randint(0, 4, (O, n), generator=gen)
+    lut = _random_tables(gen, (O, G))  # [O, G, 4]
+    words = bitpack.pack(idx, 2).view(torch.int32).view(O, G, n // G // 16)  # [O, G, NW/G]
+    got = prmt_decode_emulate(words, lut)  # [O, G, 8, NW/G, 2]
+    ref = lut.gather(-1, idx.view(O, G, n // G))  # [O, G, n/G]
+    want = prmt_pairs(ref).view(torch.float16).reshape(got.shape)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_prmt_pair_order_matches_gemv():
+    """Decoded prmt weights against prmt_pairs(x) sum to W @ x: the two permutations agree."""
+    gen = torch.Generator().manual_seed(5)
+    O, n = 6, 160
+    idx = torch.randint(0, 4, (O, n), generator=gen)
+    lut = (torch.randn(O, 4, generator=gen) * 0.1).half()
+    x = torch.randn(n, generator=gen).half().float()
+    wq = prmt_decode_emulate(bitpack.pack(idx, 2).view(torch.int32), lut).float()  # [O, 8, NW, 2]
+    xp = prmt_pairs(x).view(torch.float16).reshape(8, n // 16, 2).float()
+    want = lut.float().gather(-1, idx) @ x
+    assert torch.allclose((wq * xp).sum((1, 2, 3)), want, rtol=1e-5, atol=1e-5)
+
+
+# prmt path tolerance: x and h are rounded to fp16 (2^-11 relative) and each fp16x2 lane accumulates 8
+# products in fp16 before the fp32 sum; over the gate/up -> silu -> down chain this stays near 1e-3 of the
+# output scale (measured on the H200: benchmarks/results/moe_kernel_h200.json, max_rel_err_vs_ref); the
+# bf16 tensor-core paths sit at ~5e-3 on the same scale.
+PRMT_TOL = 5e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX needs CUDA")
+@pytest.mark.parametrize("case", [("lut2", 1, 1, 4, 32, 32, 1, 1), ("lut2p", 1, 2, 3, 64, 32, 2, 1),
+                                  ("lut2", 2, 2, 5, 96, 160, 3, 5), ("lut2", 1, 8, 9, 64, 4096, 1, 2)],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_prmt_matches_reference_cuda(case):
+    kind, *shape = case
+    x, ids, wts, w1, w3, w2 = moe_case(kind, *shape, "cuda", seed=sum(shape))
+    assert use_prmt(w1) and use_prmt(w2)
+    want = moe_decode_ref(x, ids, wts, w1, w3, w2)
+    for kw in ({}, dict(block_o=32, block_k=64, block_o_down=64, block_k_down=32), dict(split=3)):
+        got = moe_decode(x, ids, wts, w1, w3, w2, prmt=True, **kw)
+        err = (got - want).abs().max().item()
+        assert err <= PRMT_TOL * want.abs().max().item(), (err, kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="full-size check needs CUDA")
+@pytest.mark.parametrize("kind,prmt", [("lut2", None), ("lut2", False), ("lut2p", False), ("lut3", None),
+                                       ("fp8", None)])
+def test_full_size_mixtral_layer_cuda(kind, prmt):
+    x, ids, wts, w1, w3, w2 = moe_case(kind, 1, 2, 8, 4096, 14336, 1, 1, "cuda", seed=1)
+    got = moe_decode(x, ids, wts, w1, w3, w2, prmt=prmt)
+    want = moe_decode_ref(x, ids, wts, w1, w3, w2)
+    tol = PRMT_TOL if prmt is None and kind == "lut2" else 1e-4  # the default 2-bit path is prmt (fp16 products)
+    assert (got - want).abs().max() <= tol * want.abs().max()

@@ -23,9 +23,15 @@ def test_pack_round_trip(bits):
 
 
 def test_pack_layout():
+    # planar: byte i holds channels i, i + n/4, i + n/2, i + 3n/4 (2-bit) / i, i + n/2 (4-bit)
     assert pack_codes(torch.tensor([1, 2, 3, 0]), 2).tolist() == [1 | 2 << 2 | 3 << 4]
-    word = sum(i << (3 * i) for i in range(8))  # codes 0..7 in one 24-bit little-endian word
-    assert pack_codes(torch.arange(8), 3).tolist() == [word & 255, word >> 8 & 255, word >> 16]
+    two = pack_codes(torch.tensor([1, 0, 2, 3, 3, 1, 0, 2]), 2).tolist()
+    assert two == [1 | 2 << 2 | 3 << 4, 3 << 2 | 1 << 4 | 2 << 6]
+    assert pack_codes(torch.tensor([5, 9, 15, 2]), 4).tolist() == [5 | 15 << 4, 9 | 2 << 4]
+    # 3-bit: 2-bit layout of code & 3, then a bit plane of the high bit, byte n/4 + i <- channels i + m·n/8
+    codes = torch.arange(16) % 8  # high bit set on channels 4..7 and 12..15
+    low = pack_codes(codes & 3, 2).tolist()
+    assert pack_codes(codes, 3).tolist() == low + [0b11001100, 0b11001100]  # byte i: channels i + 2m
 
 
 @pytest.mark.parametrize("bits", [2, 4])

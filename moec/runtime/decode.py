@@ -1,0 +1,553 @@
+"""The static decode engine: one decode step over preallocated buffers, captured as a CUDA graph.
+
+Shape legend: B = batch capacity, b = rows in this step (a bucket <= B), L = layers, K = KV heads,
+H = query heads, G = H / K, d = head dim, S = cache capacity in tokens, V = vocab, D = model dim.
+
+Everything a decode step reads or writes lives in buffers allocated once: the input tokens [B],
+the per-row positions [B] (device int64, so RoPE and the cache append index by them without a
+host round trip), the KV cache and the logits. One captured graph per batch-size bucket then
+serves every step: rows advance by updating `pos` in place, never by re-capturing.
+
+Two static caches:
+  StaticFP16Cache   [B, K, S, d] fp16 per layer; the step appends at pos[b] and attends over the
+                    whole buffer with a length mask (SDPA; the G query heads of a KV head become the
+                    query rows, so no GQA expansion copy is made).
+  StaticTieredCache the tiered layout of moec/runtime/kvtiered.py with static buffers: fp16 sinks +
+                    window (a buffer of sinks + window + block slots, kept compact) and a
+                    preallocated packed history. A step appends the new token at slot
+                    pos − hist_len and attends (the fused `kv_decode_attention` kernel with
+                    hist_len / win_len as device int32 tensors, or, without it, SDPA over a
+                    dequantized mirror with a mask). Every `block` steps, outside the graph, the
+                    oldest block of the window is encoded into the history (codec.encode, the same
+                    rule and rounding as TieredKVCache) and the window shifts down.
+
+Prefill takes the plain causal forward (SDPA/flash), reads each layer's post-RoPE K/V through the
+model's observer hook and writes them into the static cache, encoding the blocks older than the
+window as TieredKVCache does. The engine runs on the CPU too (no graphs): the test suite checks
+its ppl_dec against moec/runtime/perplexity.py's reference path.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelArgs
+from .model import MoE, Transformer, apply_rope, rope_cos_sin, route
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket_for(b: int, capacity: int) -> int:
+    """The smallest graph bucket holding b rows (the capacity itself past the last bucket)."""
+    return next((x for x in BUCKETS if b <= x <= capacity), capacity)
+
+
+# -- caches ------------------------------------------------------------------------------------------
+
+SPLIT = 128  # tokens per chunk of the split-K decode attention over the fp16 cache
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Decode attention over a static cache, split along the cache (flash-decoding in plain torch):
+    q [b, K, G, d]; k, v [b, K, S, d] (S a multiple of SPLIT); keys at slots <= pos[b] -> [b, K, G, d].
+
+    SDPA on one query token with a length mask runs one program per (row, KV head), far too few to
+    stream a long cache at bandwidth; here the cache is viewed as n = S / SPLIT chunks, scores and
+    p·V are batched matmuls over (row, head, chunk), and the softmax runs over the whole row."""
+    b, K, S, d = k.shape
+    n = S // SPLIT
+    kc = k.view(b, K, n, SPLIT, d)
+    vc = v.view(b, K, n, SPLIT, d)
+    s = torch.matmul(q[:, :, None], kc.transpose(-1, -2)).float() * d**-0.5  # [b, K, n, G, SPLIT]
+    slots = torch.arange(S, device=k.device).view(1, 1, n, 1, SPLIT)
+    s = s.masked_fill(slots > pos.view(b, 1, 1, 1, 1), float("-inf"))
+    m = s.amax(dim=(2, 4), keepdim=True)
+    p = torch.exp(s - m)
+    den = p.sum(dim=(2, 4))  # [b, K, G]
+    out = torch.matmul(p.to(v.dtype), vc).float().sum(2)  # [b, K, G, d]
+    return out / den[..., None]
+
+class StaticFP16Cache:
+    """Keys/values [B, K, S, d] per layer (fp16), appended at device positions."""
+
+    codec = "fp16"
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, device="cpu", dtype=torch.float16):
+        self.args, self.batch, self.max_len, self.device = args, batch, max_len, torch.device(device)
+        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        self.slots = torch.arange(max_len, device=device)
+        self.rows = torch.arange(batch, device=device)
+        self.pos: torch.Tensor | None = None  # [B] int64, the engine's position buffer
+        self.length = [0] * batch  # host mirror of tokens held per row
+
+    @staticmethod
+    def bytes_per_token(args: ModelArgs) -> int:
+        return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
+
+    def attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
+        """Decode step: q [b, H, 1, d]; k, v [b, K, 1, d] at positions pos[:b] -> [b, H, 1, d]."""
+        b, H, _, d = q.shape
+        K = k.shape[1]
+        pos = self.pos[:b]
+        kc, vc = self.k[layer], self.v[layer]
+        kc[self.rows[:b], :, pos] = k[:, :, 0].to(kc.dtype)
+        vc[self.rows[:b], :, pos] = v[:, :, 0].to(vc.dtype)
+        if q.is_cuda and self.max_len % SPLIT == 0:
+            out = split_attention(q.view(b, K, H // K, d).to(kc.dtype), kc[:b], vc[:b], pos)
+            return out.reshape(b, H, 1, d).to(q.dtype)
+        mask = (self.slots[None, :] <= pos[:, None])[:, None, None, :]  # [b, 1, 1, S]
+        # the query's dtype on the CPU (the fp32 reference)
+        dt = kc.dtype if q.is_cuda else q.dtype
+        out = F.scaled_dot_product_attention(q.view(b, K, H // K, d).to(dt), kc[:b].to(dt), vc[:b].to(dt),
+                                             attn_mask=mask)  # [b, K, G, d]
+        return out.reshape(b, H, 1, d).to(q.dtype)
+
+    def prefill_row(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [K, T, d] of positions 0..T-1 (post-RoPE)."""
+        T = k.shape[1]
+        self.k[layer][row, :, :T] = k
+        self.v[layer][row, :, :T] = v
+
+    def after_step(self, rows: range) -> None:
+        for r in rows:
+            self.length[r] += 1
+
+    def set_length(self, row: int, n: int) -> None:
+        self.length[row] = n
+
+    def bytes_read(self, rows: range) -> int:
+        """KV bytes a decode step reads for `rows` (the tokens held, as stored)."""
+        return sum(self.length[r] + 1 for r in rows) * self.bytes_per_token(self.args)
+
+    def fill_random(self, row: int, n: int, gen: torch.Generator | None = None) -> None:
+        """Stand-in history of n tokens (latency runs; values are irrelevant to the timing)."""
+        for t in (*self.k, *self.v):
+            t[row, :, :n].normal_(0, 1, generator=gen)
+        self.length[row] = n
+
+
+class StaticTieredCache:
+    """sinks + packed history + fp16 window, static buffers (see the module docstring)."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list, window: int = 128,
+                 sinks: int = 4, block: int = 32, rope_pre: bool = False, device="cpu",
+                 use_kernel: bool | None = None, mirror_dtype=torch.float32):
+        assert len(codecs) == args.n_layers, (len(codecs), args.n_layers)
+        self.args, self.batch, self.max_len, self.device = args, batch, max_len, torch.device(device)
+        self.codecs, self.window, self.sinks, self.block, self.rope_pre = codecs, window, sinks, block, rope_pre
+        self.codec, self.bits = codecs[0].name, codecs[0].bits
+        B, K, d = batch, args.n_kv_heads, args.head_dim
+        self.wcap = sinks + window + block  # window slots: the step before an encode holds all of them
+        self.max_blocks = max(math.ceil(max(max_len - sinks - window, 0) / block), 1)
+        self.win = {kind: [torch.zeros(B, K, self.wcap, d, dtype=torch.float16, device=device)
+                           for _ in range(args.n_layers)] for kind in "kv"}
+        self.hist = {kind: [self._alloc(c.fields(kind)) for c in codecs] for kind in "kv"}
+        self.hist_len = torch.zeros(B, dtype=torch.int32, device=device)  # tokens in the history per row
+        self.n_blocks = [0] * B
+        self.length = [0] * B
+        self.rows = torch.arange(B, device=device)
+        self.pos: torch.Tensor | None = None
+        if use_kernel is None:
+            use_kernel = (self.device.type == "cuda" and self.codec == "nuq-outlier" and not rope_pre
+                          and d >= 64 and d & (d - 1) == 0 and block >= 16 and block & (block - 1) == 0)
+        self.use_kernel = use_kernel
+        # blocks leaving the window: the quantize-pack kernel on CUDA (nuq-outlier), else codec.encode
+        self.fast_encode = self.device.type == "cuda" and self.codec == "nuq-outlier" and d >= 16 \
+            and d & (d - 1) == 0 and block & (block - 1) == 0 and block * d < 2**15
+        if use_kernel:
+            dev = self.device
+            self.k_scale = [c.k_scale.to(dev).contiguous() for c in codecs]
+            self.lev = {kind: [c.levels[kind].to(dev).contiguous() for c in codecs] for kind in "kv"}
+            self.mirror = None
+            if not codecs[0].n_out:  # the kernel takes (empty) outlier tensors all the same
+                z = torch.zeros(B, K, self.max_blocks, 0, device=dev)
+                self.no_out = (z.to(torch.int16), z.half())
+        else:  # a dequantized copy of the history (a compute cache, not counted as stored)
+            self.mirror = {kind: [torch.zeros(B, K, self.max_blocks * block, d, dtype=mirror_dtype, device=device)
+                                  for _ in range(args.n_layers)] for kind in "kv"}
+            self.wslots = torch.arange(self.wcap, device=device)
+            self.hslots = torch.arange(self.max_blocks * block, device=device)
+
+    def _alloc(self, fields: dict) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, (axis, trail, dtype) in fields.items():
+            n = self.max_blocks * (self.block if axis == "token" else 1)
+            out[name] = torch.zeros(self.batch, self.args.n_kv_heads, n, *trail, dtype=dtype, device=self.device)
+        return out
+
+    def _per_block(self, name: str, kind: str, layer: int) -> int:
+        return self.block if self.codecs[layer].fields(kind)[name][0] == "token" else 1
+
+    # -- the step (graph-safe: no host reads of device values) -----------------------------------------
+
+    def attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
+        b, H, _, d = q.shape
+        K = k.shape[1]
+        rows = self.rows[:b]
+        slot = self.pos[:b] - self.hist_len[:b]  # [b] window slot of the new token
+        wk, wv = self.win["k"][layer], self.win["v"][layer]
+        wk[rows, :, slot] = k[:, :, 0].half()
+        wv[rows, :, slot] = v[:, :, 0].half()
+        win_len = slot + 1
+        if self.use_kernel:
+            from ..kernels.kv_decode_attention import kv_decode_attention
+
+            hk, hv = self.hist["k"][layer], self.hist["v"][layer]
+            if self.codecs[layer].n_out:
+                koi, kov, voi, vov = hk["out_idx"][:b], hk["out_val"][:b], hv["out_idx"][:b], hv["out_val"][:b]
+            else:
+                koi = voi = self.no_out[0][:b]
+                kov = vov = self.no_out[1][:b]
+            out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"][:b], hv["codes"][:b], self.k_scale[layer],
+                                      hv["scale"][:b], self.lev["k"][layer], self.lev["v"][layer], koi, kov, voi, vov,
+                                      self.hist_len[:b], wk[:b], wv[:b], win_len.to(torch.int32),
+                                      self.codecs[layer].bits, self.block)  # [b, H, d] fp32
+            return out[:, :, None].to(q.dtype)
+        hk, hv = self.mirror["k"][layer][:b], self.mirror["v"][layer][:b]
+        keys = torch.cat([wk[:b].to(q.dtype), hk.to(q.dtype)], dim=2)  # [b, K, wcap + S, d]
+        vals = torch.cat([wv[:b].to(q.dtype), hv.to(q.dtype)], dim=2)
+        mask = torch.cat([self.wslots[None, :] < win_len[:, None],
+                          self.hslots[None, :] < self.hist_len[:b, None]], dim=1)[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.view(b, K, H // K, d), keys, vals, attn_mask=mask)
+        return out.reshape(b, H, 1, d)
+
+    # -- host-side bookkeeping between steps ------------------------------------------------------------
+
+    def _rope(self, x: torch.Tensor, pos0: int, inverse: bool) -> torch.Tensor:
+        pos = torch.arange(pos0, pos0 + x.shape[2], device=x.device)
+        cos, sin = rope_cos_sin(self.args, pos, torch.float32)
+        return apply_rope(x, cos, -sin if inverse else sin)
+
+    def _encode_fields(self, layer: int, kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        codec = self.codecs[layer]
+        if self.fast_encode and not (kind == "k" and self.rope_pre):
+            from ..kernels.kv_quantize_pack import kv_quantize_pack
+
+            return kv_quantize_pack(x.contiguous(), kind, codec)
+        return codec.encode(x.float(), kind)
+
+    def _encode(self, row: int, layer: int, kind: str, x: torch.Tensor, nb0: int) -> None:
+        """Encode x [n, K, block, d] (fp16 window tokens, n consecutive blocks of `row`) as history
+        blocks nb0..nb0+n-1: the blocks go through the codec as a batch (each block is encoded alone)."""
+        codec = self.codecs[layer]
+        n, K = x.shape[0], x.shape[1]
+        pos0 = self.sinks + nb0 * self.block
+        if kind == "k" and self.rope_pre:
+            x = self._rope(x.float().transpose(0, 1).reshape(1, K, n * self.block, -1), pos0, inverse=True)
+            x = x.view(K, n, self.block, -1).transpose(0, 1)
+        enc = self._encode_fields(layer, kind, x)
+        for name, t in enc.items():
+            per = self._per_block(name, kind, layer)  # [n, K, per, ...] -> [K, n·per, ...]
+            t = t.transpose(0, 1).reshape(K, n * per, *t.shape[3:])
+            self.hist[kind][layer][name][row, :, nb0 * per : (nb0 + n) * per] = t
+        if self.mirror is not None:
+            y = codec.decode(enc, kind).transpose(0, 1).reshape(1, K, n * self.block, -1)  # [1, K, n·block, d]
+            if kind == "k" and self.rope_pre:
+                y = self._rope(y, pos0, inverse=False)
+            self.mirror[kind][layer][row, :, nb0 * self.block : (nb0 + n) * self.block] = y[0]
+
+    def _age(self, row: int) -> None:
+        """Move whole blocks of the row's oldest non-sink window tokens into the history (kvtiered's rule)."""
+        s, blk = self.sinks, self.block
+        while self.length[row] >= s and self.length[row] - s - self.n_blocks[row] * blk >= self.window + blk:
+            nb = self.n_blocks[row]
+            assert nb < self.max_blocks, (nb, self.max_blocks)
+            held = self.length[row] - nb * blk  # window slots in use
+            for layer in range(self.args.n_layers):
+                for kind in "kv":
+                    w = self.win[kind][layer]
+                    self._encode(row, layer, kind, w[row : row + 1, :, s : s + blk], nb)
+                    w[row, :, s : held - blk] = w[row, :, s + blk : held].clone()
+            self.n_blocks[row] = nb + 1
+            self.hist_len[row] = (nb + 1) * blk
+
+    def after_step(self, rows: range) -> None:
+        for r in rows:
+            self.length[r] += 1
+            self._age(r)
+
+    def prefill_row(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [K, T, d] (post-RoPE) of positions 0..T-1 into an empty row; encodes older blocks."""
+        assert self.n_blocks[row] == 0 and self.length[row] == 0, "prefill_row needs an empty row"
+        T = k.shape[1]
+        s, blk = min(self.sinks, T), self.block
+        nb = max(0, (T - s - self.window) // blk) if T >= self.sinks else 0
+        for kind, x in (("k", k.half()), ("v", v.half())):
+            w = self.win[kind][layer]
+            w[row, :, :s] = x[:, :s]
+            if nb:
+                hist = x[:, s : s + nb * blk].reshape(x.shape[0], nb, blk, -1).transpose(0, 1)  # [nb, K, blk, d]
+                self._encode(row, layer, kind, hist, 0)
+            rest = x[:, s + nb * blk :]
+            w[row, :, s : s + rest.shape[1]] = rest
+
+    def set_length(self, row: int, n: int) -> None:
+        """After prefill_row of every layer: n tokens held."""
+        s = min(self.sinks, n)
+        nb = max(0, (n - s - self.window) // self.block) if n >= self.sinks else 0
+        self.length[row], self.n_blocks[row] = n, nb
+        self.hist_len[row] = nb * self.block
+
+    # -- bytes --------------------------------------------------------------------------------------------
+
+    def _static_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for c in self.codecs for t in c.static_tensors().values())
+
+    def _row_block_bytes(self) -> int:
+        """Bytes of one history block of one row over all layers, K and V (from the buffers)."""
+        return sum(t.element_size() * t[0].numel() // t.shape[2] * self._per_block(n, kind, layer)
+                   for kind in "kv" for layer in range(self.args.n_layers)
+                   for n, t in self.hist[kind][layer].items())
+
+    def bytes_read(self, rows: range) -> int:
+        """KV bytes a decode step reads: filled history blocks + window tokens (fp16) + static tensors."""
+        tok = StaticFP16Cache.bytes_per_token(self.args)
+        n = sum(self.n_blocks[r] * self._row_block_bytes() + (self.length[r] + 1 - self.n_blocks[r] * self.block)
+                * tok for r in rows)
+        return n + self._static_bytes()
+
+    def fill_random(self, row: int, n: int, gen: torch.Generator | None = None) -> None:
+        """Stand-in state after n tokens: random codes, scales and outliers (latency runs only)."""
+        s = min(self.sinks, n)
+        nb = max(0, (n - s - self.window) // self.block) if n >= self.sinks else 0
+        assert nb <= self.max_blocks, (nb, self.max_blocks)
+        for kind in "kv":
+            for layer in range(self.args.n_layers):
+                self.win[kind][layer][row].normal_(0, 1, generator=gen)
+                for t in self.hist[kind][layer].values():
+                    r = t[row]
+                    if t.dtype == torch.uint8:
+                        r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, device=r.device, generator=gen))
+                    elif t.dtype == torch.int16:  # outlier positions inside a block
+                        r.copy_(torch.randint(0, self.block * self.args.head_dim, r.shape, device=r.device,
+                                              generator=gen).to(torch.int16))
+                    else:
+                        r.uniform_(0.05, 0.5, generator=gen)
+                if self.mirror is not None:
+                    self.mirror[kind][layer][row].normal_(0, 1, generator=gen)
+        self.set_length(row, n)
+
+
+# -- the engine -----------------------------------------------------------------------------------------
+
+def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
+    """The MoE layer without host syncs (for capture). x [N, D].
+
+    Quantized experts and dense MLPs go through MoE.forward (the fused kernel hook; no sync on CUDA).
+    Unquantized (bf16) routed experts: the same fused kernels in their dense mode (kernels/dequant.py
+    MODE_DENSE), which read only the chosen experts; without them, a gather of the chosen experts'
+    matrices ([N·A, I, D] copies: capturable, but the active weights are written and read again)."""
+    if moe.kind == "dense" or moe.codec is not None or not x.is_cuda:
+        return moe(x, layer)
+    a = moe.args
+    _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk)  # [N, A] ×2
+    out = _dense_kernel_moe(moe, x, w, ids)
+    if out is None:
+        out = _gather_moe(moe, x, w, ids)
+    if hasattr(moe, "shared"):
+        s = moe.shared(x)
+        if hasattr(moe, "shared_gate"):
+            s = torch.sigmoid(moe.shared_gate(x)) * s
+        out = out + s
+    return out
+
+
+_DENSE_FAILED: set[str] = set()  # dense-mode kernels that failed here (compile errors): gather instead
+
+
+def _dense_kernel_moe(moe: MoE, x, w, ids) -> torch.Tensor | None:
+    try:
+        from ..kernels.dequant import MODE_DENSE, QWeight
+        from ..kernels.moe_decode import moe_decode
+        from ..kernels.moe_prefill import moe_grouped
+        from .experts import DECODE_MAX_TOKENS
+    except ImportError:
+        return None
+    kind = "decode" if x.shape[0] <= DECODE_MAX_TOKENS else "grouped"
+    if kind in _DENSE_FAILED:
+        return None
+    qs = [QWeight(MODE_DENSE, 16, t.shape[2], t) for t in (moe.w1, moe.w3, moe.w2)]
+    try:
+        if kind == "decode":
+            return moe_decode(x, ids, w, *qs, out_dtype=x.dtype)
+        return moe_grouped(x, ids, w, *qs).to(x.dtype)
+    except Exception as e:  # the warm-up step (outside capture) meets compile errors first
+        if torch.cuda.is_current_stream_capturing():
+            raise
+        log.warning("dense %s MoE kernel failed (%s: %s); gathering the active experts instead", kind,
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        _DENSE_FAILED.add(kind)
+        return None
+
+
+def _gather_moe(moe: MoE, x, w, ids) -> torch.Tensor:
+    N, A = ids.shape
+    flat = ids.reshape(-1)
+    xa = x.repeat_interleave(A, dim=0)[:, :, None]  # [N·A, D, 1]
+    h = F.silu(torch.bmm(moe.w1[flat], xa)) * torch.bmm(moe.w3[flat], xa)  # [N·A, I, 1]
+    y = torch.bmm(moe.w2[flat], h)[:, :, 0].view(N, A, -1)  # [N, A, D]
+    return (y.float() * w[..., None]).sum(1).to(x.dtype)
+
+
+class DecodeEngine:
+    """Prefill + static decode steps for `batch` rows of up to `max_len` tokens each."""
+
+    def __init__(self, model: Transformer, cache, graphs: bool | None = None):
+        self.model, self.args, self.cache = model, model.args, cache
+        dev = model.tok_embeddings.weight.device
+        self.device, self.dtype = dev, model.tok_embeddings.weight.dtype
+        B, S = cache.batch, cache.max_len
+        assert S <= self.args.max_seq_len, (S, self.args.max_seq_len)
+        self.batch, self.max_len = B, S
+        cos, sin = rope_cos_sin(self.args, torch.arange(S, device=dev), self.dtype)  # [S, d]
+        self.cos, self.sin = cos, sin
+        self.tokens = torch.zeros(B, dtype=torch.long, device=dev)  # input of the next step
+        self.pos = torch.zeros(B, dtype=torch.long, device=dev)  # its position per row
+        self.logits = torch.zeros(B, self.args.vocab_size, dtype=torch.float32, device=dev)
+        self.next = torch.zeros(B, dtype=torch.long, device=dev)  # greedy choice of the last step
+        cache.pos = self.pos
+        self.graphs_on = dev.type == "cuda" if graphs is None else graphs
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_error: str | None = None
+
+    # -- prefill -------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, row: int, prompt: torch.Tensor) -> torch.Tensor:
+        """prompt [T] token ids into an empty row; returns the logits [V] (fp32) after its last token."""
+        T = prompt.numel()
+        assert 0 < T < self.max_len, (T, self.max_len)
+        m = self.model
+        x = m.tok_embeddings(prompt.to(self.device)[None])  # [1, T, D]
+        cos, sin = self.cos[:T], self.sin[:T]
+        kv: dict[str, torch.Tensor] = {}
+
+        def grab(layer, name, t):
+            if name in ("k", "v"):
+                kv[name] = t
+
+        for block in m.layers:
+            x = block(x, cos, sin, None, 0, grab)  # causal SDPA over the prompt
+            self.cache.prefill_row(row, block.layer, kv["k"][0], kv["v"][0])
+        self.cache.set_length(row, T)
+        logits = m.lm_head(m.norm(x[:, -1:]))[0, 0].float()
+        self.pos[row] = T
+        self.tokens[row] = logits.argmax()
+        return logits
+
+    # -- decode --------------------------------------------------------------------------------------------
+
+    def _step(self, b: int) -> None:
+        """One decode step for rows [0, b): tokens/pos -> logits, next (no host syncs)."""
+        m = self.model
+        x = m.tok_embeddings(self.tokens[:b, None])  # [b, 1, D]
+        pos = self.pos[:b]
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [b, 1, 1, d]
+        for blk in m.layers:
+            h = blk.attn_norm(x)
+            x = x + blk.attn(h, cos, sin, blk.layer, self.cache, 0)
+            h = blk.ffn_norm(x)
+            x = x + graph_safe_moe(blk.moe, h.view(b, -1), blk.layer).view(b, 1, -1)
+        logits = m.lm_head(m.norm(x))[:, 0]  # [b, V]
+        self.logits[:b] = logits.float()
+        self.next[:b] = logits.argmax(-1)
+
+    def _capture(self, b: int) -> torch.cuda.CUDAGraph | None:
+        pos0 = self.pos.clone()
+        saved = [t.clone() for t in (self.tokens, self.logits, self.next)]
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                self._step(b)  # warm-up (autotuning, lazy init) outside the capture
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self._step(b)
+        except Exception as e:  # a path that syncs cannot be captured: run eagerly, and say why
+            self.graph_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning("CUDA graph capture failed (%s); decoding eagerly", self.graph_error)
+            self.graphs_on = False
+            g = None
+        # the warm-up wrote this step's K/V at pos (the real step overwrites them); restore the rest
+        self.pos.copy_(pos0)
+        for t, v in zip((self.tokens, self.logits, self.next), saved, strict=True):
+            t.copy_(v)
+        return g
+
+    @torch.no_grad()
+    def step(self, b: int | None = None, feed_next: bool = False) -> torch.Tensor:
+        """Decode one token for rows [0, b); `self.tokens` is the input (or, feed_next, the last
+        greedy choice). Returns logits [b, V] fp32 (a view of the static buffer)."""
+        b = self.batch if b is None else b
+        if feed_next:
+            self.tokens[:b] = self.next[:b]
+        for r in range(b):
+            assert self.cache.length[r] < self.max_len, f"row {r} is full ({self.max_len} tokens)"
+        if self.graphs_on:
+            nb = bucket_for(b, self.batch)
+            if nb not in self.graphs:
+                g = self._capture(nb)
+                if g is not None:
+                    self.graphs[nb] = g
+            if self.graphs_on:
+                self.graphs[nb].replay()
+        if not self.graphs_on:
+            self._step(b)
+        self.pos[:b] += 1
+        self.cache.after_step(range(b))
+        return self.logits[:b]
+
+    def replay(self, b: int) -> None:
+        """Timing only: replay the captured step for bucket b without advancing any state."""
+        self.graphs[bucket_for(b, self.batch)].replay()
+
+
+# -- construction ---------------------------------------------------------------------------------------
+
+def make_cache(model: Transformer, batch: int, max_len: int, kv: dict | None = None, codecs: list | None = None,
+               use_kernel: bool | None = None):
+    """The static cache for a checkpoint's KV section (None: fp16). Raises ValueError for codecs the
+    static engine does not hold (callers fall back to the dynamic caches of loader.kv_cache_factory)."""
+    dev = model.tok_embeddings.weight.device
+    if not kv:
+        return StaticFP16Cache(model.args, batch, max_len, device=dev)
+    if kv["codec"] not in ("kivi", "nuq-outlier"):
+        raise ValueError(f"static engine has no {kv['codec']!r} cache")
+    rope_pre = kv["codec"] == "nuq-outlier" and kv.get("rope") == "pre"
+    return StaticTieredCache(model.args, batch, max_len, codecs, window=kv["window"], sinks=kv["sinks"],
+                             block=kv["block"], rope_pre=rope_pre, device=dev, use_kernel=use_kernel,
+                             mirror_dtype=model.tok_embeddings.weight.dtype)
+
+
+@torch.no_grad()
+def evaluate_dec(model: Transformer, windows: torch.Tensor, cache_fn, batch_size: int = 4,
+                 baseline_logits=None) -> dict:
+    """ppl_dec by the BENCHMARKS.md protocol through the static engine (prefill CONTEXT tokens, then one
+    token at a time, teacher forced). cache_fn(batch, max_len) -> static cache."""
+    from .perplexity import CONTEXT, Totals
+
+    n, W = windows.shape
+    tot = Totals()
+    dev = model.tok_embeddings.weight.device
+    for s in range(0, n, batch_size):
+        batch = windows[s : s + batch_size].to(dev)
+        B = batch.shape[0]
+        eng = DecodeEngine(model, cache_fn(B, W))
+        first = torch.stack([eng.prefill(r, batch[r, :CONTEXT]) for r in range(B)])
+        tot.add(first, batch[:, CONTEXT], None)
+        for t in range(CONTEXT, W - 1):
+            eng.tokens[:B] = batch[:, t]
+            logits = eng.step(B)
+            tot.add(logits, batch[:, t + 1], None)
+    out = tot.result(False)
+    out["windows"], out["window_len"] = n, W
+    return out

@@ -1,0 +1,366 @@
+"""Latent KV caches: cross-head latent (seed 000, after Palu) and cross-layer shared latent (seed 001, after
+xKV), on the tiered cache's fp16 sinks + window (moec/runtime/kvtiered.py, whose eviction rule, RoPE
+helpers and byte formula this subclass reuses).
+
+A group is G adjacent layers (G = 1: latent-head). When a block of `block` tokens leaves the fp16
+window, its keys and values of all the group's layers are concatenated per token,
+x = [layer, kv head, channel] (D = G·K·d), and stored as
+    codes    the latent z = W_down (x − mean), r dims, W_down = basis^T (PCA, moec/calibrate/fit_latent.py),
+             at `bits` per latent element: 16 (fp16) or 2/3/4 (uniform mid-rise grid of [−scale, scale]
+             per latent channel, offline scales)
+    out_idx  the ceil(outlier_frac · block · D) largest |x − x̂| of the block (per batch row), as int16
+    out_val  (int32 when block·D > 32767) index t·D + j, and their fp16 residuals (seed 000's sparse term)
+with x̂ = basis · deq(z) + mean. Keys are compressed pre-RoPE (`rope: pre`, ShadowKV: un-rotated before
+encoding, reconstructed and rotated back at attention) or post-RoPE (`rope: post`: scores can be taken
+in latent space with the up-projection absorbed into the query, MLA-style; the fused CUDA kernel
+moec/kernels/latent_decode_attention.py does that). Values always attend in latent space on the
+kernel path: out = W_up_v (p · z_v) + mean_v.
+
+Cross-layer timing: a group's block is encoded when the *last* layer of the group has attended (all
+layers' keys/values of those tokens exist then); until then the tokens stay in every layer's fp16
+window. Eviction happens after the attention of the step, as in TieredKVCache, so every query sees the
+same cache view as with per-layer eviction: query at position p sees blocks_at(p) history blocks.
+
+Multi-token calls (prefill, or the exact chunked evaluation of benchmarks/bench_kv_latent.py) give each
+query its own decode-mode view: blocks the later queries of the chunk already see in compressed form
+are encoded first (their tokens come from earlier calls, so every layer of the group has them) and
+masked per query; this needs chunks of at most window + 1 tokens (asserted).
+
+Latent code layout (2/4 bits, `pack_planar`, chosen for the kernel): W = r·b/8 bytes per token; latent
+channel c lives in byte c % W at bit b·(c // W) (the channels of one bit plane are contiguous);
+3-bit latents use moec/runtime/kvquant.py's pack_codes (torch path only).
+
+Stored bytes: window + sinks (fp16), codes and outliers of the filled blocks, and once per group and
+kind the basis, mean and scale (held in fp16: W_down/W_up counted once, amortized over the tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import FormatError
+from .config import ModelArgs
+from .kvquant import pack_codes, unpack_codes
+from .kvtiered import TieredKVCache
+
+
+def quantize_latent(z: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes in [0, 2^b) of z [..., r] on the uniform mid-rise grid of [-scale, scale] (float)."""
+    n = 2**bits
+    step = 2.0 * scale / n
+    return torch.clamp(torch.floor(z / step) + n // 2, 0, n - 1)
+
+
+def dequantize_latent(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    n = 2**bits
+    return (codes.float() - n // 2 + 0.5) * (2.0 * scale / n)
+
+
+def pack_planar(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [..., r] in [0, 2^b) -> uint8 [..., r·b/8]: channel c in byte c % W at bit b·(c // W)."""
+    r, planes = codes.shape[-1], 8 // bits
+    assert bits in (2, 4) and r % planes == 0, (bits, r)
+    c = codes.to(torch.int32).view(*codes.shape[:-1], planes, r // planes)
+    shifts = (torch.arange(planes, device=c.device, dtype=torch.int32) * bits)[:, None]
+    return (c << shifts).sum(-2).to(torch.uint8)
+
+
+def unpack_planar(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    planes = 8 // bits
+    shifts = (torch.arange(planes, device=packed.device, dtype=torch.int32) * bits)[:, None]
+    c = (packed.to(torch.int32)[..., None, :] >> shifts) & (2**bits - 1)  # [..., planes, W]
+    return c.reshape(*packed.shape[:-1], planes * packed.shape[-1])
+
+
+class LatentCodec:
+    """One group and kind: encode a block x [B, N, D] -> fields; decode fields -> x̂ [B, S, D] (fp32)."""
+
+    def __init__(self, basis: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, bits: int, block: int,
+                 outlier_frac: float, device="cpu"):
+        self.D, self.r = basis.shape
+        self.bits, self.block = bits, block
+        # held (and counted) in fp16; computed with in fp32
+        self.basis16, self.mean16, self.scale16 = (t.to(device, torch.float16).contiguous()
+                                                   for t in (basis, mean, scale))
+        self.basis, self.mean, self.scale = self.basis16.float(), self.mean16.float(), self.scale16.float()
+        self.n_out = math.ceil(outlier_frac * block * self.D - 1e-9) if outlier_frac > 0 else 0
+        self.idx_dtype = torch.int16 if block * self.D <= 32767 else torch.int32
+
+    def fields(self) -> dict[str, tuple[str, tuple, torch.dtype]]:
+        """name -> (axis "token"|"block", trailing shape, dtype)."""
+        if self.bits == 16:
+            f = {"codes": ("token", (self.r,), torch.float16)}
+        else:
+            f = {"codes": ("token", (self.r * self.bits // 8,), torch.uint8)}
+        if self.n_out:
+            f["out_idx"] = ("block", (self.n_out,), self.idx_dtype)
+            f["out_val"] = ("block", (self.n_out,), torch.float16)
+        return f
+
+    def _pack(self, codes):
+        return pack_codes(codes, 3) if self.bits == 3 else pack_planar(codes, self.bits)
+
+    def latent(self, codes: torch.Tensor) -> torch.Tensor:
+        """Stored codes [B, S, w] -> dequantized latent [B, S, r] fp32."""
+        if self.bits == 16:
+            return codes.float()
+        c = unpack_codes(codes, 3, self.r) if self.bits == 3 else unpack_planar(codes, self.bits)
+        return dequantize_latent(c, self.scale, self.bits)
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        B, N, D = x.shape
+        assert D == self.D and N == self.block, (x.shape, self.D, self.block)
+        z = (x - self.mean) @ self.basis  # [B, N, r]
+        out = {"codes": z.half() if self.bits == 16 else self._pack(quantize_latent(z, self.scale, self.bits))}
+        if self.n_out:
+            e = (x - self.decode({"codes": out["codes"]})).reshape(B, 1, N * D)
+            idx = e.abs().topk(self.n_out, dim=-1).indices  # [B, 1, n_out]
+            out["out_idx"] = idx.to(self.idx_dtype)
+            out["out_val"] = e.gather(-1, idx).half()
+        return out
+
+    def decode(self, f: dict[str, torch.Tensor]) -> torch.Tensor:
+        x = self.latent(f["codes"]) @ self.basis.T + self.mean  # [B, S, D]
+        if self.n_out and "out_idx" in f:
+            B, S, D = x.shape
+            x = x.reshape(B, S // self.block, self.block * D)
+            x = x.scatter_add(-1, f["out_idx"].long(), f["out_val"].float()).reshape(B, S, D)
+        return x
+
+    def static_tensors(self) -> dict[str, torch.Tensor]:
+        return {"basis": self.basis16, "mean": self.mean16, "scale": self.scale16}
+
+
+class _NoFields:
+    """Stands in for TieredKVCache's per-layer codecs: the latent history lives in per-group buffers."""
+
+    def __init__(self, name: str, bits: int):
+        self.name, self.bits = name, bits
+
+    def fields(self, kind):
+        return {}
+
+    def static_tensors(self):
+        return {}
+
+
+class LatentKVCache(TieredKVCache):
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, groups: list[list[int]],
+                 codecs: list[dict[str, LatentCodec]], name: str = "latent-head", window: int = 128, sinks: int = 4,
+                 block: int = 32, rope_pre: bool = False, device="cpu", use_kernel: bool | None = None):
+        assert [i for g in groups for i in g] == list(range(args.n_layers)), groups
+        bits = codecs[0]["k"].bits
+        if use_kernel is None:
+            d = args.head_dim  # the fused kernel: post-RoPE, no sparse residual, power-of-two head_dim
+            use_kernel = (torch.device(device).type == "cuda" and not rope_pre and bits in (2, 4, 16)
+                          and d >= 16 and d & (d - 1) == 0 and all(c[k].n_out == 0 for c in codecs for k in "kv"))
+        super().__init__(args, batch, max_len, [_NoFields(name, bits)] * args.n_layers, window, sinks, block,
+                         rope_pre, device, use_kernel=use_kernel)
+        self.groups, self.lcodecs = groups, codecs
+        self.group_of = {i: g for g, layers in enumerate(groups) for i in layers}
+        self.n_dropped = [0] * args.n_layers  # history blocks already cut from each layer's fp16 window
+        self.lhist = [{kind: self._alloc_group(c[kind]) for kind in "kv"} for c in codecs]
+
+    def _alloc_group(self, codec: LatentCodec) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, (axis, trail, dtype) in codec.fields().items():
+            n = self.max_blocks * (self.block if axis == "token" else 1)
+            out[name] = torch.zeros(self.batch, n, *trail, dtype=dtype, device=self.device)
+        return out
+
+    def group_fields(self, g: int, kind: str, blocks: int | None = None) -> dict[str, torch.Tensor]:
+        """The stored fields of group g's filled history blocks (token or block axis at dim 1)."""
+        nb = self.n_blocks[self.groups[g][0]] if blocks is None else blocks
+        fields = self.lcodecs[g][kind].fields()
+        return {n: t[:, : nb * (self.block if fields[n][0] == "token" else 1)] for n, t in self.lhist[g][kind].items()}
+
+    # -- history ----------------------------------------------------------------------------------------
+
+    def _encode_group_block(self, g: int) -> None:
+        """Encode the group's next history block from its layers' fp16 windows (not cut from them here)."""
+        layers, B, K, d, blk = self.groups[g], self.batch, self.args.n_kv_heads, self.args.head_dim, self.block
+        nb = self.n_blocks[layers[0]]
+        assert nb < self.max_blocks, (nb, self.max_blocks)
+        pos0 = self.sinks + nb * blk
+        for kind in "kv":
+            xs = []
+            for i in layers:
+                lo = self.sinks + (nb - self.n_dropped[i]) * blk
+                x = self.win[kind][i][:, :, lo : lo + blk].float()  # [B, K, N, d]
+                assert x.shape[2] == blk, (i, x.shape, lo)
+                if kind == "k" and self.rope_pre:
+                    x = self._rope(x, pos0, inverse=True)
+                xs.append(x.permute(0, 2, 1, 3).reshape(B, blk, K * d))
+            codec = self.lcodecs[g][kind]
+            enc = codec.encode(torch.cat(xs, dim=2))
+            for name, t in enc.items():
+                n = t.shape[1]
+                self.lhist[g][kind][name][:, nb * n : (nb + 1) * n] = t
+            if self.mirror is not None:
+                y = codec.decode(enc).view(B, blk, len(layers), K, d)
+                for j, i in enumerate(layers):
+                    yi = y[:, :, j].permute(0, 2, 1, 3)  # [B, K, N, d]
+                    if kind == "k" and self.rope_pre:
+                        yi = self._rope(yi, pos0, inverse=False)
+                    self.mirror[kind][i][:, :, nb * blk : (nb + 1) * blk] = yi
+        for i in layers:
+            self.n_blocks[i] = nb + 1
+
+    def _history(self, i: int, kind: str, blocks: int) -> torch.Tensor:
+        """Layer i's reconstructed history [B, K, blocks·block, d] fp32 (post-RoPE keys): the CPU mirror, or
+        decoded from the stored fields (kernel caches keep no mirror; used by their multi-token calls)."""
+        if self.mirror is not None:
+            return self.mirror[kind][i][:, :, : blocks * self.block]
+        g, K, d = self.group_of[i], self.args.n_kv_heads, self.args.head_dim
+        j = self.groups[g].index(i)
+        x = self.lcodecs[g][kind].decode(self.group_fields(g, kind, blocks))[:, :, j * K * d : (j + 1) * K * d]
+        x = x.reshape(self.batch, -1, K, d).permute(0, 2, 1, 3)
+        return self._rope(x, self.sinks, inverse=False) if kind == "k" and self.rope_pre and x.shape[2] else x
+
+    def _cut_window(self, i: int) -> None:
+        """Drop from layer i's fp16 window the tokens its history now holds."""
+        s, cut = self.sinks, (self.n_blocks[i] - self.n_dropped[i]) * self.block
+        for kind in "kv":
+            w = self.win[kind][i]
+            self.win[kind][i] = torch.cat([w[:, :, :s], w[:, :, s + cut :]], dim=2)
+        self.n_dropped[i] = self.n_blocks[i]
+
+    def _window_positions(self, i: int, n: int) -> torch.Tensor:
+        s = min(self.sinks, n)
+        start = self.sinks + self.n_dropped[i] * self.block
+        return torch.cat([torch.arange(s), torch.arange(start, start + n - s)]).to(self.device)
+
+    # -- the cache interface ----------------------------------------------------------------------------
+
+    def attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
+        """q: [B, H, T, d]; k, v: [B, K, T, d] at positions start_pos.. -> [B, H, T, d]."""
+        T, s, blk = k.shape[2], self.sinks, self.block
+        g = self.group_of[layer]
+        layers = self.groups[g]
+        held = self.win["k"][layer].shape[2]
+        assert start_pos == held + self.n_dropped[layer] * blk, (start_pos, held, self.n_dropped[layer])
+        assert start_pos + T <= self.max_len, (start_pos, T, self.max_len)
+        self.win["k"][layer] = wk = torch.cat([self.win["k"][layer], k.half()], dim=2)
+        self.win["v"][layer] = wv = torch.cat([self.win["v"][layer], v.half()], dim=2)
+        need = self.blocks_at(start_pos + T - 1)  # history blocks the chunk's last query sees
+        if layer == layers[0]:
+            while self.n_blocks[layer] < need:  # tokens of earlier calls: every layer of the group holds them
+                assert s + (self.n_blocks[layer] + 1) * blk <= start_pos, "chunk longer than window + 1 tokens"
+                self._encode_group_block(g)
+        nb = self.n_blocks[layer]
+        if T == 1 and self.use_kernel:
+            from ..kernels.latent_decode_attention import attend_latent_cache
+
+            assert nb == self.n_dropped[layer], (nb, self.n_dropped[layer])
+            out = attend_latent_cache(self, layer, q, wk, wv)
+        else:
+            hk, hv = self._history(layer, "k", nb).to(q.dtype), self._history(layer, "v", nb).to(q.dtype)
+            keys, vals = torch.cat([wk.to(q.dtype), hk], dim=2), torch.cat([wv.to(q.dtype), hv], dim=2)
+            if T == 1 and nb == self.n_dropped[layer]:  # one query: it sees everything held
+                out = F.scaled_dot_product_attention(q, keys, vals, enable_gqa=True)
+            else:  # per query: fp16 keys outside its history, compressed keys inside it
+                qpos = torch.arange(start_pos, start_pos + T, device=self.device)
+                hend = s + torch.tensor([self.blocks_at(int(p)) for p in qpos], device=self.device) * blk  # [T]
+                pw = self._window_positions(layer, wk.shape[2])
+                ph = torch.arange(s, s + nb * blk, device=self.device)
+                in_hist = (pw[None] >= s) & (pw[None] < hend[:, None])
+                mask = torch.cat([(pw[None] <= qpos[:, None]) & ~in_hist, ph[None] < hend[:, None]], dim=1)
+                out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+        if layer == layers[-1]:  # the group's tokens are complete: cut encoded blocks, age the window
+            for i in layers:
+                self._cut_window(i)
+            while self.win["k"][layer].shape[2] - s >= self.window + blk and self.win["k"][layer].shape[2] > s:
+                self._encode_group_block(g)
+                for i in layers:
+                    self._cut_window(i)
+        if layer == self.args.n_layers - 1:
+            self.length = start_pos + T
+        return out
+
+    # -- bytes ------------------------------------------------------------------------------------------
+
+    def _static_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for c in self.lcodecs for kind in "kv"
+                   for t in c[kind].static_tensors().values())
+
+    def _block_bytes(self) -> int:
+        n = 0
+        for g, c in enumerate(self.lcodecs):
+            for kind in "kv":
+                for name, (axis, trail, _dtype) in c[kind].fields().items():
+                    t = self.lhist[g][kind][name]
+                    n += t.element_size() * math.prod(trail) * (self.block if axis == "token" else 1)
+        return n * self.batch
+
+    def stored_bytes(self) -> int:
+        n = sum(w.numel() * w.element_size() for kind in "kv" for w in self.win[kind])
+        n += sum(t.numel() * t.element_size() for g in range(len(self.groups)) for kind in "kv"
+                 for t in self.group_fields(g, kind).values())
+        return n + self._static_bytes()
+
+
+LATENT_PARTS = ("basis", "mean", "scale")
+
+
+def build_latent_codecs(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs,
+                        device="cpu") -> tuple[list[list[int]], list[dict[str, LatentCodec]]]:
+    """Groups and per-group codecs from a packed checkpoint's `kv` section and `kv.groups.*` tensors.
+
+    Raises FormatError when the calibration does not match the model's shapes."""
+    L, K, d, bits = args.n_layers, args.n_kv_heads, args.head_dim, section["bits"]
+    if (section.get("n_layers"), section.get("n_kv_heads"), section.get("head_dim")) != (L, K, d):
+        raise FormatError(f"KV calibration is for {section.get('n_layers')} layers × {section.get('n_kv_heads')} "
+                          f"KV heads × head_dim {section.get('head_dim')}, the model has {L} × {K} × {d}")
+    G = section.get("group_layers", 0)
+    if not 1 <= G <= L or section.get("n_groups") != -(-L // G):
+        raise FormatError(f"KV latent section: group_layers {G} / n_groups {section.get('n_groups')} do not "
+                          f"fit a {L}-layer model")
+    if bits not in (2, 3, 4, 16):
+        raise FormatError(f"KV latent section: bits {bits} is not one of 2, 3, 4, 16")
+    groups = [list(range(i, min(i + G, L))) for i in range(0, L, G)]
+    codecs = []
+    for g, layers in enumerate(groups):
+        D = len(layers) * K * d
+        parts = {}
+        for kind in "kv":
+            for p in LATENT_PARTS:
+                name = f"kv.groups.{g}.{kind}_{p}"
+                t = tensors.get(name)
+                if t is None:
+                    raise FormatError(f"KV calibration tensor {name} is missing")
+                parts[kind, p] = t
+            basis, mean, scale = (parts[kind, p] for p in LATENT_PARTS)
+            r = basis.shape[-1] if basis.dim() == 2 else -1
+            if basis.dim() != 2 or basis.shape[0] != D or not 0 < r <= D:
+                raise FormatError(f"KV calibration tensor kv.groups.{g}.{kind}_basis has shape {list(basis.shape)}, "
+                                  f"the model needs [{D}, r ≤ {D}] ({len(layers)} layers × {K} KV heads × "
+                                  f"head_dim {d})")
+            if tuple(mean.shape) != (D,) or tuple(scale.shape) != (r,):
+                raise FormatError(f"KV calibration tensors kv.groups.{g}.{kind}_mean/_scale have shapes "
+                                  f"{list(mean.shape)}/{list(scale.shape)}, expected [{D}]/[{r}]")
+            if bits < 16 and r % 8:
+                raise FormatError(f"KV calibration: kv.groups.{g}.{kind} rank {r} does not pack at {bits} bits")
+        codecs.append({kind: LatentCodec(parts[kind, "basis"], parts[kind, "mean"], parts[kind, "scale"], bits,
+                                         section["block"], section["outlier_frac"], device) for kind in "kv"})
+    extra = [n for n in tensors if not n.startswith("kv.groups.") or int(n.split(".")[2]) >= len(groups)]
+    if extra:
+        raise FormatError(f"KV calibration tensor {extra[0]} does not belong to {len(groups)} latent groups")
+    return groups, codecs
+
+
+def latent_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs):
+    """(model, batch, max_len) -> LatentKVCache, the `cache_factory` of moec.runtime.perplexity.evaluate."""
+    groups, codecs = build_latent_codecs(section, tensors, args)
+    per_device = {}
+
+    def make(model, batch: int, max_len: int):
+        dev = model.tok_embeddings.weight.device
+        if dev not in per_device:
+            per_device[dev] = codecs if dev.type == "cpu" else build_latent_codecs(section, tensors, args, dev)[1]
+        return LatentKVCache(model.args, batch, max_len, groups, per_device[dev], section["codec"],
+                             section["window"], section["sinks"], section["block"], section["rope"] == "pre", dev)
+
+    return make

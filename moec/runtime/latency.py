@@ -1,0 +1,337 @@
+"""Decode latency against the HBM floor (BENCHMARKS.md "Speed"), and random models at real shapes.
+
+Random models: the DESIGN.md performance shapes (config.PRESETS) with random weights, built straight
+on the device: matrices a recipe quantizes get random stored parts of their codec (codes, plausible
+codebooks and scales; no fitting: speed does not depend on the values), the rest random bf16.
+`random_stored` is shared with `moec pack --random`, which writes the same tensors to disk.
+
+Floor: bytes one decode step must move over HBM, divided by the device-to-device copy bandwidth
+measured in the same process (read + write counted):
+    active experts as held (codes + codebooks / bf16), expected distinct experts for a batch of b
+        tokens with uniform routing: E·(1 − (1 − A/E)^b) per MoE layer;
+    every non-expert weight (attention, norms, router, shared experts, lm_head; the embedding
+        table only as the lm_head when tied: a step reads b rows of it otherwise);
+    the KV cache as stored (cache.bytes_read: history as packed, window and sinks fp16).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+from ..formats import bitpack
+from .config import ModelArgs
+from .experts import FP3_GRID, LUT_CODECS, QuantMatrix, attach, placeholders
+from .model import Transformer, build_model
+
+EXPERT_PARAM = ("w1", "w2", "w3")
+
+
+# -- random models -------------------------------------------------------------------------------------
+
+def random_stored(codec: str, bits: int, shape: tuple[int, int, int], group_size: int, device,
+                  gen: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Random stored parts of `codec` for a stacked matrix [E, O, I] (formats/codecs.py layouts)."""
+    E, O, I = shape
+    if codec == "fp8":
+        w = (torch.randn(E, O, I, device=device, generator=gen, dtype=torch.bfloat16) * 0.5)
+        return {"fp8": w.to(torch.float8_e4m3fn), "scale": torch.full((E, O), 0.02 / 0.5, device=device)}
+    assert codec in LUT_CODECS, codec
+    G = I // group_size if group_size else 1
+    rb = bitpack.packed_row_bytes(I, bits)
+    codes = torch.randint(0, 256, (E, O, rb), dtype=torch.uint8, device=device, generator=gen)
+    if bits == 3 and I % 8:  # keep padding bits zero, as bitpack writes them
+        codes[..., -1] &= 0x3F
+    K = 1 << bits
+    if codec == "hls":  # sorted int8 entries spanning [-127, 127], scale ~ 0.03 / 127
+        cb = torch.linspace(-127, 127, K, device=device).round().to(torch.int8).expand(E, O, G, K).contiguous()
+        return {"codes": codes, "codebook": cb, "cb_scale": torch.full((E, O, G), 0.03 / 127, device=device,
+                                                                       dtype=torch.float16)}
+    if codec == "rtn":
+        step = 0.06 / (K - 1)
+        return {"codes": codes, "scale": torch.full((E, O, G), step, device=device, dtype=torch.float16),
+                "zero": torch.full((E, O, G), -0.03, device=device, dtype=torch.float16)}
+    return {"codes": codes, "scale": torch.full((E, O, G), 0.03 / float(FP3_GRID.abs().max()), device=device,
+                                                dtype=torch.float16)}
+
+
+def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        m = Transformer(args)
+    return {n: tuple(p.shape) for n, p in m.named_parameters()}
+
+
+@torch.no_grad()
+def random_model(args: ModelArgs, rule_for, device, dtype=torch.bfloat16, seed: int = 0) -> Transformer:
+    """A Transformer at `args` with random weights; rule_for(name) -> rule (codec, bits, group_size) or None
+    (a Recipe's rule_for). Quantized expert matrices and attention projections become QuantMatrix
+    (ExpertWeights / QLinear, as the loader attaches them); anything else stays bf16."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state, quant = {}, {}
+    for name, shape in param_shapes(args).items():
+        rule = rule_for(name)
+        is_expert = ".moe." in name and name.rsplit(".", 1)[-1] in EXPERT_PARAM
+        is_attn = ".attn.w" in name and name.endswith(".weight")
+        if rule is not None and rule.codec != "keep" and (is_expert or is_attn):
+            stacked = shape if is_expert else (1, *shape)  # an attention projection is one "expert"
+            quant[name] = QuantMatrix(rule.codec, rule.bits, shape,
+                                      random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen))
+            quant[name].param_shape = shape
+        elif "norm" in name:
+            state[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            state[name] = t.normal_(0, 1.0 / math.sqrt(shape[-1]), generator=gen)
+    model = build_model(args, state | placeholders(quant, dtype, device), dtype=dtype, device=device)
+    attach(model, quant, device)
+    return model
+
+
+def random_kv_tensors(args: ModelArgs, bits: int, device="cpu") -> dict[str, torch.Tensor]:
+    """Stand-in nuq-outlier calibration (levels of the seed's grid, unit key scales) for random models."""
+    from .kvquant import FIXED_LEVELS
+
+    lev = torch.tensor(FIXED_LEVELS[bits], device=device)
+    out = {}
+    for i in range(args.n_layers):
+        out[f"kv.layers.{i}.k_scale"] = torch.ones(args.n_kv_heads, args.head_dim, device=device)
+        out[f"kv.layers.{i}.k_levels"] = lev.clone()
+        out[f"kv.layers.{i}.v_levels"] = lev.clone()
+    return out
+
+
+# -- bytes and the floor ----------------------------------------------------------------------------------
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def expected_active(E: int, A: int, b: int) -> float:
+    """Expected distinct experts hit by b tokens choosing A of E uniformly."""
+    return E * (1.0 - (1.0 - A / E) ** b)
+
+
+def weight_bytes_per_step(model: Transformer, b: int) -> dict:
+    """{experts, non_expert, total}: bytes of weights a decode step of b rows reads."""
+    a = model.args
+    expert = other = 0
+    for blk in model.layers:
+        moe = blk.moe
+        if moe.codec is not None:  # what the kernels read: codes + fp16 tables/scales, not the fp32 reference lut
+            held = sum(_nbytes(t) for n, t in moe.codec.named_buffers() if not n.endswith(".lut"))
+        else:
+            held = sum(_nbytes(getattr(moe, n)) for n in EXPERT_PARAM)
+        if moe.kind == "moe":
+            expert += held * expected_active(a.n_experts, a.top_k, b) / a.n_experts
+        else:
+            expert += held
+        for n, t in list(blk.named_parameters()) + list(blk.named_buffers()):
+            if not (n.startswith("moe.w") or n.startswith("moe.codec") or n.endswith(".lut")):
+                other += _nbytes(t)
+    other += _nbytes(model.norm.weight)
+    other += _nbytes(model.tok_embeddings.weight if a.tie_embeddings else model.output.weight)
+    return {"experts": int(expert), "non_expert": int(other), "total": int(expert + other)}
+
+
+def copy_bandwidth(device, nbytes: int = 4 << 30, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, read + write counted (BENCHMARKS.md floor)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    t1.record()
+    torch.cuda.synchronize()
+    sec = t0.elapsed_time(t1) / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2.0 * nbytes * iters / sec
+
+
+def percentiles(ms: list[float]) -> dict:
+    s = sorted(ms)
+    q = statistics.quantiles(s, n=10, method="inclusive")
+    return {"ms_median": statistics.median(s), "ms_p10": q[0], "ms_p90": q[-1], "steps": len(s)}
+
+
+def time_replays(fn, steps: int, warmup: int = 5) -> list[float]:
+    """ms per call of fn (a graph replay), each timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in ev]
+
+
+# -- memory planning (before any allocation) ---------------------------------------------------------------
+
+def kv_bytes_per_token(args: ModelArgs, kv: dict | None, codecs: list | None) -> float:
+    """Bytes the static cache allocates per token of capacity (all layers, K and V, one row)."""
+    if not kv:
+        return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
+    n = 0.0
+    for c in codecs:
+        for kind in "kv":
+            for _, (axis, trail, dtype) in c.fields(kind).items():
+                el = math.prod(trail) * torch.empty((), dtype=dtype).element_size() * args.n_kv_heads
+                n += el if axis == "token" else el / kv["block"]
+    return n
+
+
+def largest_context(args: ModelArgs, batch: int, free_bytes: int, per_token: float, reserve: int) -> int:
+    """The largest context whose cache for `batch` rows fits in free_bytes − reserve (multiple of 1024)."""
+    n = int((free_bytes - reserve) / max(per_token * batch, 1))
+    return max(0, min(n, args.max_seq_len) // 1024 * 1024)
+
+
+# -- one configuration --------------------------------------------------------------------------------------
+
+def check_fits(args: ModelArgs, batch: int, context: int, per_token: float, device, reserve: int = 3 << 30) -> None:
+    """Raise ValueError (before any allocation) when `context` exceeds the model maximum or the memory
+    left for a cache of `batch` rows; the message names the largest context that fits."""
+    need = context + 64
+    if need > args.max_seq_len:
+        raise ValueError(f"context {context} (+64 decode steps) exceeds the model maximum of {args.max_seq_len} tokens")
+    if torch.device(device).type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info()
+    if per_token * batch * need + reserve > free:
+        fit = largest_context(args, batch, free, per_token, reserve + 64 * per_token * batch)
+        raise ValueError(f"context {context} at batch {batch} needs {per_token * batch * need / 2**30:.1f} GiB of "
+                         f"KV cache, {max(free - reserve, 0) / 2**30:.1f} GiB free: the largest context that fits "
+                         f"is {fit}")
+
+
+_ENCODE_WARM: dict[str, bool] = {}
+
+
+@torch.no_grad()
+def measure_decode(model: Transformer, cache_fn, batch: int, context: int, steps: int = 50, e2e_steps: int = 16,
+                   bandwidth: float | None = None, seed: int = 0) -> dict:
+    """Decode ms/token at `context` for `batch` rows (history filled with random codes, CUDA graphs),
+    bytes per step and the floor. cache_fn(batch, max_len) -> static cache."""
+    from .decode import DecodeEngine
+
+    max_len = -(-(context + e2e_steps + 128) // 128) * 128  # whole chunks of decode.SPLIT
+    max_len = min(max_len, model.args.max_seq_len)
+    cache = cache_fn(batch, max_len)
+    eng = DecodeEngine(model, cache, graphs=True)
+    gen = torch.Generator(device=eng.device).manual_seed(seed)
+    for r in range(batch):
+        cache.fill_random(r, context, gen)
+    eng.pos[:batch] = context
+    eng.tokens[:batch] = torch.randint(0, model.args.vocab_size, (batch,), device=eng.device, generator=gen)
+    eng.step(batch)  # captures the graph of this bucket
+    if not eng.graphs:
+        raise RuntimeError(f"CUDA graph capture failed: {eng.graph_error}")
+    b = batch
+    kv_bytes = cache.bytes_read(range(b))
+    replay = eng.replay
+    one = time_replays(lambda: replay(b), 1, warmup=2)[0]
+    steps = max(20, min(steps, int(6000 / max(one, 1e-3))))  # slow rows (long context, batch 16): <= ~6 s
+    ms = time_replays(lambda: replay(b), steps)
+    if not _ENCODE_WARM.get(type(cache).__name__):  # untimed: the first block encode compiles its kernel
+        for _ in range(getattr(cache, "block", 1)):
+            eng.step(b, feed_next=True)
+        _ENCODE_WARM[type(cache).__name__] = True
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(e2e_steps):  # real steps: graph + position update + host-side block encoding
+        eng.step(b, feed_next=True)
+    t1.record()
+    torch.cuda.synchronize()
+    w = weight_bytes_per_step(model, b)
+    out = percentiles(ms) | {"ms_e2e": t0.elapsed_time(t1) / e2e_steps, "bytes_per_step": w["total"] + kv_bytes,
+                             "bytes_experts": w["experts"], "bytes_non_expert": w["non_expert"], "bytes_kv": kv_bytes,
+                             "attention_kernel": getattr(cache, "use_kernel", False)}
+    if bandwidth:
+        out["floor_ms"] = 1e3 * out["bytes_per_step"] / bandwidth
+        out["pct_of_floor"] = 100.0 * out["floor_ms"] / out["ms_median"]
+    out["tokens_per_s"] = 1e3 * batch / out["ms_median"]
+    del eng, cache
+    torch.cuda.empty_cache()
+    return out
+
+
+@torch.no_grad()
+def measure_prefill(model: Transformer, cache_fn, context: int, seed: int = 0) -> dict:
+    """Seconds of one real prefill of `context` random tokens (batch 1: causal SDPA forward + cache writes
+    and block encoding)."""
+    from .decode import DecodeEngine
+
+    cache = cache_fn(1, -(-(context + 64) // 128) * 128)
+    eng = DecodeEngine(model, cache, graphs=False)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.args.vocab_size, (context,), generator=g)
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    eng.prefill(0, prompt)
+    t1.record()
+    torch.cuda.synchronize()
+    sec = t0.elapsed_time(t1) / 1e3
+    del eng, cache
+    torch.cuda.empty_cache()
+    return {"prefill_s": sec, "prefill_tokens_per_s": context / sec}
+
+
+@torch.no_grad()
+def kernel_breakdown(model: Transformer, cache_fn, context: int, steps: int = 20) -> dict:
+    """Where a batch-1 decode step's time goes: torch.profiler over eager steps (no graph, so each
+    kernel is visible), device time grouped as attention / moe / rest by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .decode import DecodeEngine
+
+    cache = cache_fn(1, -(-(context + steps + 64) // 128) * 128)
+    eng = DecodeEngine(model, cache, graphs=False)
+    cache.fill_random(0, context)
+    eng.pos[0] = context
+    eng.step(1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng._step(1)
+        torch.cuda.synchronize()
+    groups = {"attention": 0.0, "moe": 0.0, "gemm": 0.0, "rest": 0.0}
+    top = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if not t:
+            continue
+        k = e.key.lower()
+        if "attention" in k or "flash" in k or "fmha" in k or "_reduce" in k or "efficient" in k:
+            g = "attention"
+        elif "moe" in k or "gate_up" in k or "down_kernel" in k or "grouped" in k:
+            g = "moe"
+        elif "gemm" in k or "gemv" in k or "matmul" in k or "cublas" in k or "nvjet" in k or "sm90" in k:
+            g = "gemm"
+        else:
+            g = "rest"
+        groups[g] += t / 1e3 / steps
+        top.append((t / 1e3 / steps, e.key[:80], g))
+    top.sort(reverse=True)
+    del eng, cache
+    torch.cuda.empty_cache()
+    return {"ms_by_group": groups,
+            "top_kernels": [{"ms": round(t, 4), "kernel": k, "group": g} for t, k, g in top[:12]]}
+
+
+def estimate_model_bytes(args: ModelArgs, rule_for) -> int:
+    """Device bytes random_model will hold (quantized matrices at their bits, the rest bf16), before building."""
+    n = 0
+    for name, shape in param_shapes(args).items():
+        rule = rule_for(name)
+        quant = rule is not None and rule.codec != "keep" and (".moe.w" in name or ".attn.w" in name)
+        n += math.prod(shape) * (rule.bits / 8 if quant else 2)
+    return int(n)

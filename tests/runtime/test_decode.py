@@ -1,0 +1,123 @@
+"""The static decode engine (moec/runtime/decode.py) against the reference decode path.
+
+On demo-moe (real trained weights, real PTB text), ppl_dec through the static engine must equal
+moec/runtime/perplexity.py's `evaluate(..., "dec")` with the matching dynamic cache within 0.1%
+relative (issue 5). Both round K/V to fp16 and encode the same blocks with the same codec; what
+differs is summation order (masked SDPA over static buffers vs concatenated tensors) and the prefill
+attention (fp32 K/V in the engine's causal forward vs the cache's fp16 copies), ~1e-5 relative.
+A wrong position, slot or block boundary moves ppl by percents.
+"""
+
+import pytest
+import torch
+
+from moec.runtime.decode import DecodeEngine, StaticFP16Cache, StaticTieredCache, bucket_for, evaluate_dec
+from moec.runtime.kvquant import FIXED_LEVELS, KIVICodec, NUQOutlierCodec
+from moec.runtime.kvtiered import tiered_cache_factory
+from moec.runtime.perplexity import evaluate, make_windows
+
+W = 96  # a shortened window: 32 context + 63 decode steps, 3 history blocks at window 32 / block 16
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from moec.calibrate.data import load_text
+    from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
+    from moec.runtime.loader import load_model
+
+    d = resolve_model("demo-moe")
+    model, _ = load_model(d)
+    ids = tokenize(load_tokenizer(d), load_text("ptb", "test"))
+    return model, make_windows(ids, W, max_windows=2)
+
+
+def test_fp16_engine_matches_reference(demo):
+    model, windows = demo
+    ref = evaluate(model, windows, "dec", batch_size=2)
+    got = evaluate_dec(model, windows, lambda B, n: StaticFP16Cache(model.args, B, n), batch_size=2)
+    assert got["scored_tokens"] == ref["scored_tokens"]
+    assert got["ppl"] == pytest.approx(ref["ppl"], rel=1e-3), (got, ref)
+
+
+@pytest.mark.parametrize("codec,rope", [("nuq-outlier", "pre"), ("kivi", None)])
+def test_tiered_engine_matches_reference(demo, codec, rope):
+    model, windows = demo
+    a = model.args
+    g = torch.Generator().manual_seed(0)
+    if codec == "kivi":
+        codecs = [KIVICodec(2, a.head_dim, 16) for _ in range(a.n_layers)]
+    else:
+        lev = torch.tensor(FIXED_LEVELS[2])
+        codecs = [NUQOutlierCodec(2, a.head_dim, 16, lev, lev, torch.rand(a.n_kv_heads, a.head_dim, generator=g) + 0.5,
+                                  0.01) for _ in range(a.n_layers)]
+    sec = {"codec": codec, "window": 32, "sinks": 4, "block": 16, "rope": rope}
+    ref = evaluate(model, windows, "dec", batch_size=2, cache_factory=tiered_cache_factory(sec, codecs))
+    got = evaluate_dec(model, windows, lambda B, n: StaticTieredCache(a, B, n, codecs, 32, 4, 16, rope == "pre"),
+                       batch_size=2)
+    assert got["ppl"] == pytest.approx(ref["ppl"], rel=1e-3), (got, ref)
+
+
+def test_rows_at_different_lengths(demo):
+    """Two rows with different prompt lengths decode in one step each at its own position: the same
+    logits as decoding each row alone."""
+    model, windows = demo
+    a = model.args
+    lev = torch.tensor(FIXED_LEVELS[2])
+    codecs = [NUQOutlierCodec(2, a.head_dim, 16, lev, lev, torch.ones(a.n_kv_heads, a.head_dim), 0.01)
+              for _ in range(a.n_layers)]
+
+    def cache(B):
+        return StaticTieredCache(a, B, 128, codecs, 32, 4, 16, True)
+
+    both = DecodeEngine(model, cache(2))
+    lens = (37, 60)
+    for r, n in enumerate(lens):
+        both.prefill(r, windows[r, :n])
+    alone = [DecodeEngine(model, cache(1)) for _ in lens]
+    for r, n in enumerate(lens):
+        alone[r].prefill(0, windows[r, :n])
+    # Batched and single-row matmuls sum in another order; the ~1e-6 K/V differences can flip a 2-bit code
+    # near a rounding boundary, which moves logits by ~1e-3. A wrong position or slot moves them by ~1.
+    for t in range(30):  # crosses block boundaries at different steps for the two rows
+        for r, n in enumerate(lens):
+            both.tokens[r] = windows[r, n + t]
+            alone[r].tokens[0] = windows[r, n + t]
+        lb = both.step(2).clone()
+        for r in range(2):
+            la = alone[r].step(1)[0]
+            torch.testing.assert_close(lb[r], la, rtol=1e-2, atol=1e-2)
+    assert both.cache.n_blocks == [alone[0].cache.n_blocks[0], alone[1].cache.n_blocks[0]]
+
+
+def test_buckets_and_random_fill(demo):
+    model, _ = demo
+    assert [bucket_for(b, 16) for b in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    assert bucket_for(3, 3) == 3
+    a = model.args
+    codecs = [NUQOutlierCodec(2, a.head_dim, 32, torch.tensor(FIXED_LEVELS[2]), torch.tensor(FIXED_LEVELS[2]),
+                              torch.ones(a.n_kv_heads, a.head_dim), 0.01) for _ in range(a.n_layers)]
+    c = StaticTieredCache(a, 1, 1024, codecs, 128, 4, 32)
+    c.fill_random(0, 1000)
+    assert c.n_blocks[0] == (1000 - 4 - 128) // 32 and int(c.hist_len[0]) == c.n_blocks[0] * 32
+    fp = StaticFP16Cache(a, 1, 1024)
+    fp.fill_random(0, 1000)
+    # 2-bit codes + fp16 value scales + 1% outliers: ~5x fewer bytes than fp16 over the history
+    assert fp.bytes_read(range(1)) > 4 * (c.bytes_read(range(1)) - 160 * StaticFP16Cache.bytes_per_token(a))
+    eng = DecodeEngine(model, c)  # a step over random history runs and gives finite logits
+    eng.pos[0] = 1000
+    assert torch.isfinite(eng.step(1)).all()
+
+
+def test_split_attention_equals_masked_sdpa():
+    """The GPU's split-K attention over the fp16 cache (plain torch, so it runs here too) vs masked SDPA."""
+    import torch.nn.functional as F
+
+    from moec.runtime.decode import SPLIT, split_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, K, G, S, d = 3, 2, 4, 4 * SPLIT, 64
+    q, k, v = (torch.randn(*s, generator=g) for s in ((b, K, G, d), (b, K, S, d), (b, K, S, d)))
+    pos = torch.tensor([0, SPLIT + 7, S - 1])  # a single key, a partial chunk, the full cache
+    mask = (torch.arange(S)[None] <= pos[:, None])[:, None, None]
+    torch.testing.assert_close(split_attention(q, k, v, pos), F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                               rtol=1e-5, atol=1e-5)
