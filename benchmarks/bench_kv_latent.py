@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +36,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchutil import cli  # noqa: E402
 
 from moec.calibrate.capture import run_layers  # noqa: E402
 from moec.calibrate.data import load_text, sample_windows  # noqa: E402
@@ -91,12 +91,6 @@ GRIDS = {
 }
 
 
-def cli(*args) -> None:
-    env = dict(os.environ, MOEC_PROGRESS="0")
-    r = subprocess.run([sys.executable, "-m", "moec.cli.app", *map(str, args)], cwd=ROOT, env=env,
-                       capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"moec {' '.join(map(str, args))} failed:\n{r.stderr[-3000:]}")
 
 
 @torch.no_grad()

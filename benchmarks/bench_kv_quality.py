@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchutil import cli  # noqa: E402
+
 from moec.calibrate.data import load_text  # noqa: E402
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
@@ -37,14 +37,6 @@ from moec.runtime.kvsim import SimulatedTieredCache  # noqa: E402
 from moec.runtime.kvtiered import build_codecs, tiered_cache_factory  # noqa: E402
 from moec.runtime.loader import load_model  # noqa: E402
 from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, make_windows  # noqa: E402
-
-
-def cli(*args) -> None:
-    env = dict(os.environ, MOEC_PROGRESS="0")
-    r = subprocess.run([sys.executable, "-m", "moec.cli.app", *map(str, args)], cwd=ROOT, env=env,
-                       capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"moec {' '.join(map(str, args))} failed:\n{r.stderr[-3000:]}")
 
 
 @torch.no_grad()

@@ -84,6 +84,22 @@ class QWeight(NamedTuple):
         return self.a.stride(1) if self.a is not None and self.mode in (MODE_LUT, MODE_AFFINE) else 0
 
 
+def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
+                   w2: QWeight) -> tuple[int, int, int, int, int]:
+    """Shape checks shared by the MoE launchers (decode and prefill) -> (N, D, A, E, I)."""
+    N, D = x.shape
+    A = ids.shape[1]
+    E, I = w1.data.shape[:2]
+    assert ids.shape == weights.shape == (N, A), (ids.shape, weights.shape, N, A)
+    assert w1.mode == w3.mode == w2.mode and w1.bits == w3.bits == w2.bits, "one mode for the three matrices"
+    assert w1.n_in == w3.n_in == D and w2.n_in == I, (w1.n_in, w2.n_in, D, I)
+    w1.check(E, I)
+    w3.check(E, I)
+    w2.check(E, D)
+    assert w1.a is None or (w1.a.shape == w3.a.shape and w1.a.stride() == w3.a.stride()), "w1/w3 layouts differ"
+    return N, D, A, E, I
+
+
 def codes_per_chunk(mode: int, bits: int) -> tuple[int, int]:
     """(codes per chunk, bytes per chunk) of a packed row."""
     if mode in (MODE_FP8, MODE_DENSE):

@@ -39,6 +39,7 @@ import triton.language as tl
 from .dequant import (
     MODE_FP8,
     QWeight,
+    check_moe_args,
     codes_per_chunk,
     dequant_ref,
     gemv_chunks,
@@ -180,16 +181,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     block_o, block_k = block_o or cfg["block_o"], block_k or cfg["block_k"]
     block_o_down, block_k_down = block_o_down or cfg["block_o_down"], block_k_down or cfg["block_k_down"]
     num_warps = num_warps or cfg["num_warps"]
-    N, D = x.shape
-    A = ids.shape[1]
-    E, I = w1.data.shape[:2]
-    assert ids.shape == weights.shape == (N, A), (ids.shape, weights.shape, N, A)
-    assert w1.mode == w3.mode == w2.mode and w1.bits == w3.bits == w2.bits, "one mode for the three matrices"
-    assert w1.n_in == w3.n_in == D and w2.n_in == I, (w1.n_in, w2.n_in, D, I)
-    w1.check(E, I)
-    w3.check(E, I)
-    w2.check(E, D)
-    assert w1.a is None or (w1.a.shape == w3.a.shape and w1.a.stride() == w3.a.stride()), "w1/w3 layouts differ"
+    N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     x = x.float().contiguous()  # fp32 x: the GEMV loads each x element once per slot; no per-use conversion
     ids = ids.to(torch.int32).contiguous()
     weights = weights.float().contiguous()

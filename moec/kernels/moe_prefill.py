@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dequant import QWeight, codes_per_chunk, dequant_ref, dequant_tile, pick_block_k
+from .dequant import QWeight, check_moe_args, codes_per_chunk, dequant_ref, dequant_tile, pick_block_k
 
 # Defaults (hand sweep on the H200, benchmarks/bench_moe_kernel.py --sweep): prefill (many slots per
 # expert) and small (decode-size batches: BM = 16, the smallest tl.dot tile).
@@ -167,16 +167,7 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: Q
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Grouped quantized MoE. x [N, D] (bf16/fp16/fp32); ids, weights [N, A]; w1, w3 [E, I, D] and
     w2 [E, D, I] as QWeight of one mode. Returns out [N, D] in out_dtype (default x.dtype)."""
-    N, D = x.shape
-    A = ids.shape[1]
-    E, I = w1.data.shape[:2]
-    assert ids.shape == weights.shape == (N, A), (ids.shape, weights.shape, N, A)
-    assert w1.mode == w3.mode == w2.mode and w1.bits == w3.bits == w2.bits, "one mode for the three matrices"
-    assert w1.n_in == w3.n_in == D and w2.n_in == I, (w1.n_in, w2.n_in, D, I)
-    w1.check(E, I)
-    w3.check(E, I)
-    w2.check(E, D)
-    assert w1.a is None or (w1.a.shape == w3.a.shape and w1.a.stride() == w3.a.stride()), "w1/w3 layouts differ"
+    N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     T = N * A
     cfg = dict(SMALL_CONFIG if (small if small is not None else T <= 4 * E) else PREFILL_CONFIG)
     for k, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps),
