@@ -1,5 +1,9 @@
-"""Decode attention speed on the GPU: fused nuq-outlier kernel (2-bit history + 1% outliers + fp16
+"""Decode attention speed on the GPU: fused nuq-outlier kernel (2-bit history + sparse outliers + fp16
 window) vs torch SDPA on an fp16 cache, Mixtral-8x7B attention shape (32 q heads, 8 KV heads, d 128).
+The grid times recipes/kv-nuq2-outlier.yaml as it runs (its outlier fraction, key centers, and pre-RoPE
+keys rotated in the kernel or post-RoPE keys, read from the recipe); the 32k batch-16 row also times
+pre-RoPE keys (rotated in registers), no centers with 1% outliers (the first kernel's configuration),
+no outliers, and 3-bit codes.
 
 One "step" = attention of one query token per sequence over 32 layers' separate cache buffers (so a
 layer's cache is not served from L2 by the previous iteration), timed with CUDA events, median of
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -37,10 +42,22 @@ from moec.kernels import kv_decode_attention as kda  # noqa: E402
 from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref  # noqa: E402
 
 H, K, D, LAYERS, BLOCK, WIN = 32, 8, 128, 32, 32, 128 + 4 + 16  # window: 4 sinks + 128 recent + a partial block
+RECIPE = ROOT / "recipes" / "kv-nuq2-outlier.yaml"
+_KV = yaml.safe_load(RECIPE.read_text())["kv"]
+FRAC = float(_KV["outlier_frac"])
+PRE_ROPE, CENTER = _KV.get("rope") == "pre", bool(_KV.get("k_center", False))
+
+
+def recipe_kw(t, pre_rope: bool = PRE_ROPE) -> dict:
+    """The recipe's kernel options for one layer: key centers; pre-RoPE keys (Mixtral rope_theta 1e6)."""
+    kw = {"k_center": t["k_center"]} if CENTER else {}
+    if pre_rope:
+        kw["rope"] = (1.0 / 1e6 ** (torch.arange(0, D, 2, device=t["k_scale"].device).float() / D), 4)
+    return kw
 GRID = ((4096, 1), (4096, 16), (32768, 1), (32768, 16), (131072, 1))
 
 
-def make_layer(B, S, bits, frac=0.01, dev="cuda"):
+def make_layer(B, S, bits, frac=FRAC, dev="cuda"):
     """Random packed history of S tokens (codes uniform over all bytes: every level appears) + window."""
     NB = S // BLOCK
     nout = math.ceil(frac * BLOCK * D - 1e-9) if frac > 0 else 0
@@ -49,6 +66,7 @@ def make_layer(B, S, bits, frac=0.01, dev="cuda"):
         "k_codes": torch.randint(0, 256, (B, K, S, dw), dtype=torch.uint8, device=dev),
         "v_codes": torch.randint(0, 256, (B, K, S, dw), dtype=torch.uint8, device=dev),
         "k_scale": torch.rand(K, D, device=dev) + 0.5,
+        "k_center": torch.randn(K, D, device=dev) * 0.3,
         "v_scale": (torch.rand(B, K, S, device=dev) + 0.5).half(),
         "k_lev": torch.linspace(-1, 1, 2**bits, device=dev) ** 3,  # non-uniform
         "v_lev": torch.linspace(-1, 1, 2**bits, device=dev),
@@ -102,10 +120,14 @@ def stats(ts):
     return {"ms_median": statistics.median(ts), "ms_p10": ts[len(ts) // 10], "ms_p90": ts[(9 * len(ts)) // 10]}
 
 
-def time_kernel(layers, q, bits, reps, **kw):
-    """Median step time (32 layers) and GB/s for one launch configuration."""
+def time_kernel(layers, q, bits, reps, recipe=True, pre_rope: bool = PRE_ROPE, **kw):
+    """Median step time (32 layers) and GB/s for one launch configuration (recipe: its rope and centers)."""
     step_bytes = sum(nbytes(t, q) for t in layers)
-    ts = time_step(lambda: [kv_decode_attention(*args_of(t, q), bits=bits, block=BLOCK, **kw) for t in layers], reps)
+    if not (recipe and CENTER):
+        step_bytes -= sum(t["k_center"].numel() * 4 for t in layers)
+    kws = [(recipe_kw(t, pre_rope) if recipe else {}) | kw for t in layers]
+    ts = time_step(lambda: [kv_decode_attention(*args_of(t, q), bits=bits, block=BLOCK, **k)
+                            for t, k in zip(layers, kws, strict=True)], reps)
     ms = statistics.median(ts)
     return stats(ts) | {"bytes_per_step": step_bytes, "GBps": step_bytes / (ms / 1e3) / 1e9}
 
@@ -118,7 +140,8 @@ def bytes_per_token() -> dict[str, float]:
     codecs = {"kivi-2": KIVICodec(2, D, 32), "kivi-4": KIVICodec(4, D, 32)}
     for bits in (2, 3):
         lev = torch.tensor(FIXED_LEVELS[bits])
-        codecs[f"nuq{bits}-outlier"] = NUQOutlierCodec(bits, D, BLOCK, lev, lev, torch.ones(K, D), 0.01)
+        codecs[f"nuq{bits}-outlier"] = NUQOutlierCodec(bits, D, BLOCK, lev, lev, torch.ones(K, D),
+                                                       FRAC if bits == 2 else 0.01)  # the recipes
     for name, c in codecs.items():
         n = 0.0
         for kind in "kv":
@@ -132,13 +155,15 @@ def bytes_per_token() -> dict[str, float]:
 def time_quantize_pack(base, records, save):
     """The quantize-and-pack kernel on one block leaving the window, all batch rows and KV heads of a layer."""
     from moec.kernels.kv_quantize_pack import kv_quantize_pack
-    from moec.runtime.kvquant import FIXED_LEVELS, NUQOutlierCodec
+    from moec.runtime.kvquant import FIXED_LEVELS, NUQCenteredCodec
 
     for bits, B in ((2, 1), (2, 16), (3, 16)):
-        rec = base | {"metric": "quantize_pack_block", "bits": bits, "batch": B, "block": BLOCK, "outlier_frac": 0.01}
+        rec = base | {"metric": "quantize_pack_block", "bits": bits, "batch": B, "block": BLOCK, "outlier_frac": FRAC,
+                      "codec": "NUQCenteredCodec (centers, query-weighted key outliers)"}
         try:
             lev = torch.tensor(FIXED_LEVELS[bits])
-            codec = NUQOutlierCodec(bits, D, BLOCK, lev, lev, torch.rand(K, D) + 0.5, 0.01)
+            codec = NUQCenteredCodec(bits, D, BLOCK, lev, lev, torch.rand(K, D) + 0.5, FRAC, torch.randn(K, D) * 0.3,
+                                     torch.rand(K, D) + 0.1)
             x = torch.randn(B, K, BLOCK, D, device="cuda").half()
             ref = {kind: codec.encode(x.float(), kind) for kind in "kv"}
             same = all(torch.equal(kv_quantize_pack(x, kind, codec)[n], t)
@@ -163,8 +188,8 @@ def check_errors(base, records, save):
             t["hist_len"][0] = 32768 - 5 * BLOCK  # one row with a shorter history
             t["win_len"][-1] = 37
             q = torch.randn(B, H, D, device="cuda").half()
-            out = kv_decode_attention(*args_of(t, q), bits=bits, block=BLOCK)
-            ref = kv_decode_attention_ref(*args_of(t, q), bits=bits, block=BLOCK)
+            out = kv_decode_attention(*args_of(t, q), bits=bits, block=BLOCK, **recipe_kw(t))
+            ref = kv_decode_attention_ref(*args_of(t, q), bits=bits, block=BLOCK, **recipe_kw(t))
             err = (out - ref).abs().max().item()
             rel = ((out - ref).norm() / ref.norm()).item()
             records.append(base | {"metric": "max_abs_err_vs_ref", "bits": bits, "context": 32768, "batch": B,
@@ -189,7 +214,8 @@ def _guard(fn, *args, **kw):
 
 def run_grid(base, records, save, bw, reps):
     for S, B in GRID:
-        rec = base | {"metric": "decode_attention_step", "context": S, "batch": B, "bits": 2, "outlier_frac": 0.01,
+        rec = base | {"metric": "decode_attention_step", "context": S, "batch": B, "bits": 2, "outlier_frac": FRAC,
+                      "rope": "pre (rotated in the kernel)" if PRE_ROPE else "post", "k_center": CENTER,
                       "config": dict(kda.CONFIG)}
         try:
             layers = [make_layer(B, S, 2) for _ in range(LAYERS)]
@@ -198,8 +224,12 @@ def run_grid(base, records, save, bw, reps):
             rec["pct_of_copy_bw"] = 100 * rec["GBps"] / bw
             rec["floor_ms"] = rec["bytes_per_step"] / (bw * 1e9) * 1e3
             if S == 32768 and B == 16:  # what pre-RoPE keys, the outliers and 3-bit codes cost
-                inv = 1.0 / 1e6 ** (torch.arange(0, D, 2, device="cuda").float() / D)  # Mixtral rope_theta
-                rec["pre_rope"] = _guard(time_kernel, layers, q, 2, reps, rope=(inv, 4))
+                rec["pre_rope" if not PRE_ROPE else "post_rope"] = _guard(time_kernel, layers, q, 2, reps,
+                                                                          pre_rope=not PRE_ROPE)
+                del layers
+                torch.cuda.empty_cache()
+                layers = [make_layer(B, S, 2, frac=0.01) for _ in range(LAYERS)]
+                rec["post_rope_no_center_frac001"] = _guard(time_kernel, layers, q, 2, reps, recipe=False)
                 del layers
                 torch.cuda.empty_cache()
                 layers = [make_layer(B, S, 2, frac=0.0) for _ in range(LAYERS)]
@@ -248,7 +278,8 @@ def run_sweep(base, records, save, reps):
     """Launch knobs at the target shapes (32k batch 16 and batch 1); one record per configuration."""
     knobs = [dict(out_mode=m, block_t=bt, num_warps=4) for m in (0, 1, 2) for bt in (32, 64)]
     knobs += [dict(out_mode=m, block_t=128, num_warps=8) for m in (1, 2)] + [dict(out_mode=2, block_t=64, num_warps=8)]
-    for S, B, frac, kset in ((32768, 16, 0.01, knobs), (32768, 1, 0.01, [dict(waves=w) for w in (2, 4)])):
+    b1 = [dict(waves=w, block_t=bt) for w in (4, 8, 16, 32) for bt in (32, 64)]
+    for S, B, frac, kset in ((32768, 16, FRAC, knobs), (32768, 1, FRAC, b1), (4096, 1, FRAC, b1)):
         layers = [make_layer(B, S, 2, frac=frac) for _ in range(LAYERS)]
         q = torch.randn(B, H, D, device="cuda").half()
         for kw in kset:

@@ -5,7 +5,7 @@
 # lanes when two GPUs are present (lane A on GPU 0, lane B on GPU 1); on one GPU a trimmed list runs
 # in turn. Each benchmark writes one JSON file into OUT_DIR (at most 8 files come back from a device
 # call, so the per-step logs are joined into OUT_DIR/sweep.log at the end). A failure is logged and
-# the sweep goes on.
+# the sweep goes on. A subset: LANE_A="kernel_tests 150;kv_attention 90" LANE_B="latency 300" bash ... OUT
 set -uo pipefail
 OUT=${1:?usage: gpu_sweep.sh OUT_DIR}
 LOGS=$(mktemp -d)
@@ -27,6 +27,8 @@ step() {  # step GPU SECONDS NAME CMD...
 
 kernel_tests() { step "$1" "$2" kernel_tests python3 -m pytest -q -rs tests/kernels; }
 kv_attention() { step "$1" "$2" kv_attention python3 benchmarks/bench_kv_attention.py --out "$OUT/kv_attention_h200.json"; }
+kv_sweep() { step "$1" "$2" kv_sweep python3 benchmarks/bench_kv_attention.py --sweep --out "$OUT/kv_attention_sweep_h200.json"; }
+kv_tests() { step "$1" "$2" kv_tests python3 -m pytest -q -rs tests/kernels/test_fused_decode.py tests/kernels/test_kv_decode_attention.py tests/kernels/test_kv_quantize_pack.py tests/kernels/test_moe_decode.py::test_split_and_paths_agree; }
 moe_kernel() { step "$1" "$2" moe_kernel python3 benchmarks/bench_moe_kernel.py --out "$OUT/moe_kernel_h200.json"; }
 runtime_check() { step "$1" "$2" runtime_check python3 benchmarks/check_runtime_gpu.py --out "$OUT/runtime_gpu_check_h200.json"; }
 latency() { step "$1" "$2" latency python3 benchmarks/bench_latency.py --budget $(( $2 - 60 )) --out "$OUT/latency_h200.json"; }
@@ -39,7 +41,12 @@ gpu_fit() {  # k-means (issue 7) and calibration (issue 4) times on the GPU, mer
     "$OUT/fit_gpu_h200.json" "$LOGS/kmeans.json" "$LOGS/calib.json"
 }
 
-if [ "$NGPU" -ge 2 ]; then
+if [ -n "${LANE_A:-}${LANE_B:-}" ]; then  # a chosen subset: LANE_A / LANE_B = "step secs; step secs; ..."
+  run_lane() { local gpu=$1; local IFS=';'; for item in $2; do eval "${item%% *} $gpu ${item#* }"; done; }
+  ( run_lane 0 "${LANE_A:-}" ) &
+  ( run_lane $(( NGPU >= 2 ? 1 : 0 )) "${LANE_B:-}" ) &
+  wait
+elif [ "$NGPU" -ge 2 ]; then
   ( kv_attention 0 60; moe_kernel 0 160; rvq_attention 0 110; latent_attention 0 110; kernel_tests 0 120 ) &
   ( latency 1 260; runtime_check 1 90; gpu_fit 1 80 ) &
   wait

@@ -148,7 +148,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
             raise UserError(f"--random has no stand-in calibration for KV codec {kv_section['codec']!r} "
                             "(kivi, nuq-outlier)")
         if kv_section["codec"] == "nuq-outlier":
-            kvt = random_kv_tensors(args, kv_section["bits"])
+            kvt = random_kv_tensors(args, kv_section)
             tensors.update(kvt)
             info.update({n: {"codec": "kv-calib", "bits": 32, "param": n, "kv_codec": kv_section["codec"],
                              "kv_bits": kv_section["bits"]} for n in kvt})

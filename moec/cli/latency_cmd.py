@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def build_config(model: str | None, random: str | None, recipe: Path | None, dev
             if kv["codec"] not in ("kivi", "nuq-outlier"):
                 raise UserError(f"--latency: the static engine runs kivi and nuq-outlier KV caches, "
                                 f"not {kv['codec']!r}")
-            codecs = build_codecs(kv, random_kv_tensors(args, kv["bits"]), args)
+            codecs = build_codecs(kv, random_kv_tensors(args, kv), args)
         m = random_model(args, r.rule_for, device)
         return m, kv, codecs, {"shape": random, "method": "packed-random", "recipe": r.name}
     from ..calibrate.sources import resolve_model
@@ -101,6 +102,14 @@ def run_config(m, kv, codecs, desc: dict, batches: list[int], contexts: list[int
                 if bb != b:
                     rec["batch_requested"], rec["batch"] = b, bb
                 rec |= measure_decode(m, cache_fn, bb, ctx, steps=steps, bandwidth=bandwidth)
+                rec["fused_step"] = os.environ.get("MOEC_FUSE", "1") != "0"
+                if bb == 1 and ctx == breakdown_context and rec["fused_step"]:  # what the step fusions give
+                    os.environ["MOEC_FUSE"] = "0"
+                    try:
+                        plain = measure_decode(m, cache_fn, bb, ctx, steps=steps, bandwidth=bandwidth)
+                        rec["unfused"] = {k: plain[k] for k in ("ms_median", "ms_p10", "ms_p90") if k in plain}
+                    finally:
+                        del os.environ["MOEC_FUSE"]
             except Exception as e:  # OOM, a context that does not fit, a capture failure: record and go on
                 rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
                 log.warning("%s %s batch %d context %d: %s", desc["shape"], desc["recipe"], b, ctx, rec["error"])
@@ -280,7 +289,7 @@ def _check_memory(shape: str, recipe: Path, context: int) -> None:
 
     args, r = PRESETS[shape], load_recipe(recipe)
     kv = kv_manifest(r, args)
-    codecs = build_codecs(kv, random_kv_tensors(args, kv["bits"]), args) if kv and kv["codec"] in (
+    codecs = build_codecs(kv, random_kv_tensors(args, kv), args) if kv and kv["codec"] in (
         "kivi", "nuq-outlier") else None
     per_tok = kv_bytes_per_token(args, kv if codecs else None, codecs)
     weights = estimate_model_bytes(args, r.rule_for)

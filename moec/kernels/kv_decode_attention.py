@@ -167,10 +167,10 @@ def _rescale_scratch(sc_ptr, alpha, D: tl.constexpr, G: tl.constexpr, G_P2: tl.c
 @triton.jit
 def _tile(q0, q1, q2, q3, qo_ptr, qscale, m_i, l_i, a0, a1, a2, a3,
           kc_ptr, vc_ptr, vs_ptr, klev_ptr, vlev_ptr, ktab_lo, ktab_hi, vtab_lo, vtab_hi,
-          koi_ptr, kov_ptr, voi_ptr, vov_ptr, sc_ptr, ks_ptr, inv_ptr, pos0, bk, t0, t_end, S, NB,
+          koi_ptr, kov_ptr, voi_ptr, vov_ptr, sc_ptr, ks_ptr, kcen_ptr, qc, inv_ptr, pos0, bk, t0, t_end, S, NB,
           D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
           BLOCK_T: tl.constexpr, NOUT: tl.constexpr, NOUT_P2: tl.constexpr, DEQ: tl.constexpr, DT: tl.constexpr,
-          PREC: tl.constexpr, LAZY: tl.constexpr, OUT: tl.constexpr, ROPE: tl.constexpr):
+          PREC: tl.constexpr, LAZY: tl.constexpr, OUT: tl.constexpr, ROPE: tl.constexpr, CENTER: tl.constexpr):
     """One history tile of BLOCK_T tokens starting at t0 (a multiple of BLOCK): online-softmax update."""
     DQ: tl.constexpr = D // 4
     DW: tl.constexpr = D * BITS // 8
@@ -207,6 +207,11 @@ def _tile(q0, q1, q2, q3, qo_ptr, qscale, m_i, l_i, a0, a1, a2, a3,
         k1 = k1 * tl.load(ks_ptr + DQ + offs_i)[None, :]
         k2 = k2 * tl.load(ks_ptr + 2 * DQ + offs_i)[None, :]
         k3 = k3 * tl.load(ks_ptr + 3 * DQ + offs_i)[None, :]
+        if CENTER:  # asymmetric keys: the per-channel center is added before the rotation
+            k0 += tl.load(kcen_ptr + offs_i)[None, :]
+            k1 += tl.load(kcen_ptr + DQ + offs_i)[None, :]
+            k2 += tl.load(kcen_ptr + 2 * DQ + offs_i)[None, :]
+            k3 += tl.load(kcen_ptr + 3 * DQ + offs_i)[None, :]
         pos = (pos0 + tok).to(tl.float32)[:, None]  # [BLOCK_T, 1]
         ang_a = pos * tl.load(inv_ptr + offs_i)[None, :]  # the angle as torch forms it: fl(pos · inv_freq)
         ang_b = pos * tl.load(inv_ptr + DQ + offs_i)[None, :]
@@ -227,6 +232,8 @@ def _tile(q0, q1, q2, q3, qo_ptr, qscale, m_i, l_i, a0, a1, a2, a3,
                    input_precision=PREC)
         s = tl.dot(q3, tl.trans(_levels(kb, kb32, kh, hsh, 3, klev_ptr, ktab_lo, ktab_hi, BITS, DEQ, DT)), s,
                    input_precision=PREC)
+        if CENTER:  # post-RoPE keys: q·center is the same for every history token of this program
+            s += qc[:, None]
 
     if NOUT > 0:  # outliers of the tile's cache blocks
         NBT: tl.constexpr = BLOCK_T // BLOCK
@@ -354,17 +361,25 @@ def _load_q(q_ptr, qrow, gmask, ks_ptr, is_hist, qscale, j: tl.constexpr, DQ: tl
 
 
 @triton.jit
+def _q_dot(q_ptr, qrow, gmask, c_ptr, D: tl.constexpr):
+    """q·c [G_P2] fp32 for the G query heads and a [D] vector c."""
+    offs_c = tl.arange(0, D)
+    qf = tl.load(q_ptr + qrow[:, None] + offs_c[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    return tl.sum(qf * tl.load(c_ptr + offs_c)[None, :], axis=1)
+
+
+@triton.jit
 def _kv_decode_attention_kernel(
     # pointers
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, klev_ptr, vlev_ptr, koi_ptr, kov_ptr, voi_ptr, vov_ptr,
-    hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr, scratch_ptr, inv_ptr,
+    hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr, scratch_ptr, inv_ptr, kcen_ptr,
     # sizes
     H, K, S, NB, WC, n_splits, tiles_per_split, qscale, pos0,
     # constexprs
     D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr, NOUT: tl.constexpr, NOUT_P2: tl.constexpr, DEQ: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, OUT: tl.constexpr,
-    ROPE: tl.constexpr,
+    ROPE: tl.constexpr, CENTER: tl.constexpr,
 ):
     bk = tl.program_id(0)  # b·K + kv head
     split = tl.program_id(1)
@@ -395,6 +410,10 @@ def _kv_decode_attention_kernel(
         t_hi = tl.minimum(t_lo + tiles_per_split * BLOCK_T, hlen)
         n_it = tl.maximum(tl.cdiv(t_hi - t_lo, BLOCK_T), 0)
         qo_ptr = q_ptr + (b * H + kh * G) * D  # the outlier corrections gather q by channel
+        qc = tl.zeros([G_P2], tl.float32)
+        if CENTER:
+            if not ROPE:  # q·k_center·sm_scale·log2e per query head (fp32), added to every history score
+                qc = _q_dot(q_ptr, qrow, gmask, kcen_ptr + kh * D, D) * qscale
         # this program's outlier scratch: [G_P2, D] value terms, then [G_P2, BLOCK_T] score terms
         sc_ptr = scratch_ptr + (bk * n_splits + split) * (G_P2 * (D + BLOCK_T))
         if OUT >= 1:
@@ -418,18 +437,18 @@ def _kv_decode_attention_kernel(
                 m_i, l_i, a0, a1, a2, a3 = _tile(
                     q0, q1, q2, q3, qo_ptr, qscale, m_i, l_i, a0, a1, a2, a3, kc_ptr, vc_ptr, vs_ptr, klev_ptr,
                     vlev_ptr, ktab_lo, ktab_hi, vtab_lo, vtab_hi, koi_ptr, kov_ptr, voi_ptr, vov_ptr, sc_ptr,
-                    ks_ptr + kh * D, inv_ptr, pos0, bk,
+                    ks_ptr + kh * D, kcen_ptr + kh * D, qc, inv_ptr, pos0, bk,
                     t_lo + it * BLOCK_T, t_hi, S, NB, D, G, G_P2, BITS, BLOCK, BLOCK_T, NOUT, NOUT_P2, DEQ, DT, PREC,
-                    LAZY, OUT, ROPE)
+                    LAZY, OUT, ROPE, CENTER)
                 it += 1
         else:
             for it in tl.range(0, n_it, num_stages=STAGES):
                 m_i, l_i, a0, a1, a2, a3 = _tile(
                     q0, q1, q2, q3, qo_ptr, qscale, m_i, l_i, a0, a1, a2, a3, kc_ptr, vc_ptr, vs_ptr, klev_ptr,
                     vlev_ptr, ktab_lo, ktab_hi, vtab_lo, vtab_hi, koi_ptr, kov_ptr, voi_ptr, vov_ptr, sc_ptr,
-                    ks_ptr + kh * D, inv_ptr, pos0, bk,
+                    ks_ptr + kh * D, kcen_ptr + kh * D, qc, inv_ptr, pos0, bk,
                     t_lo + it * BLOCK_T, t_hi, S, NB, D, G, G_P2, BITS, BLOCK, BLOCK_T, NOUT, NOUT_P2, DEQ, DT, PREC,
-                    LAZY, OUT, ROPE)
+                    LAZY, OUT, ROPE, CENTER)
         if OUT >= 1:
             if NOUT > 0:  # add the value-outlier terms (channels in natural order)
                 tl.debug_barrier()
@@ -504,7 +523,8 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
                         n_splits: int | None = None, precision: str | None = None, block_t: int | None = None,
                         num_warps: int | None = None, num_stages: int | None = None, deq: int | None = None,
                         lazy: bool | None = None, waves: float | None = None, out_mode: int | None = None,
-                        rope: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                        rope: tuple[torch.Tensor, int] | None = None,
+                        k_center: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention (one query token per row) over packed history + fp16 window -> [B, H, d] fp32.
 
     precision: dot inputs, "fp16" (tensor cores, fp32 accumulation; the CUDA default) or "ieee"
@@ -516,11 +536,13 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     rope = (inv_freq [d/2] fp32, pos0): the history holds pre-RoPE keys (KVQuant); history token t
     sits at position pos0 + t and is rotated in registers (half-rotation layout, fp32 angles
     fl(pos · inv_freq) as moec.runtime.model.rope_cos_sin forms them); the window is post-RoPE.
+    k_center [K, d] fp32 (kvquant.NUQCenteredCodec): history keys are k_center + k_lev[code]·k_scale
+    (+ residuals), before the rotation when `rope` is given.
     Works under CUDA-graph capture: no host syncs; hist_len/win_len are only read on the device."""
     B, H, d, K, S, NB, nout = _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval,
                                      v_oidx, v_oval, hist_len, win_k, win_v, win_len, bits, block)
     cuda = q.is_cuda and not _interpreting()
-    precision = precision or ("fp16" if cuda else "ieee")
+    precision = precision or CONFIG.get("precision") or ("fp16" if cuda else "ieee")
     assert precision in ("fp16", "ieee"), precision
     block_t = block_t or max(block, CONFIG["block_t"] if cuda else block)
     assert block_t % block == 0 and block_t & (block_t - 1) == 0, (block_t, block)
@@ -545,17 +567,20 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
         assert inv_freq.shape == (d // 2,) and inv_freq.dtype == torch.float32 and inv_freq.device == q.device
     else:
         inv_freq, pos0 = k_scale, 0  # unused
+    if k_center is not None:
+        assert k_center.shape == (K, d) and k_center.dtype == torch.float32 and k_center.device == q.device
+        assert k_center.is_contiguous()
     scratch = torch.empty(B * K * P * G_P2 * (d + block_t) if out_mode and nout else 1, device=q.device,
                           dtype=torch.float32)  # zeroed by the kernel itself
     _LAST["kernel"] = _kv_decode_attention_kernel[(B * K, P)](
         q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval,
-        hist_len, win_k, win_v, win_len, part, scratch, inv_freq,
+        hist_len, win_k, win_v, win_len, part, scratch, inv_freq, k_scale if k_center is None else k_center,
         H, K, S, NB, win_k.shape[2], P, tps, sm_scale * LOG2E, int(pos0),
         D=d, G=G, G_P2=G_P2, BITS=bits, BLOCK=block, BLOCK_T=block_t, NOUT=nout,
         NOUT_P2=triton.next_power_of_2(max(nout, 1)), DEQ=deq,
         DT=tl.float16 if precision == "fp16" else tl.float32, PREC="ieee",
         LAZY=bool(lazy), STAGES=num_stages or CONFIG["num_stages"], INTERP=not cuda, OUT=out_mode,
-        ROPE=rope is not None,
+        ROPE=rope is not None, CENTER=k_center is not None,
         num_warps=num_warps or CONFIG["num_warps"],
     )
     out = torch.empty(B, H, d, device=q.device, dtype=torch.float32)
@@ -563,8 +588,10 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     return out
 
 
-def dequant_history_ref(codes, scale_k_or_v, lev, oidx, oval, bits: int, block: int, kind: str) -> torch.Tensor:
-    """Dequantize a whole history buffer [B, K, S, ·] -> [B, K, S, d] fp32 (the layout of kvquant.py)."""
+def dequant_history_ref(codes, scale_k_or_v, lev, oidx, oval, bits: int, block: int, kind: str,
+                        center: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize a whole history buffer [B, K, S, ·] -> [B, K, S, d] fp32 (the layout of kvquant.py);
+    center [K, d]: added to every token (keys of kvquant.NUQCenteredCodec)."""
     from ..runtime.kvquant import unpack_codes
 
     B, K, S, dw = codes.shape
@@ -573,19 +600,21 @@ def dequant_history_ref(codes, scale_k_or_v, lev, oidx, oval, bits: int, block: 
     x = x * (scale_k_or_v.float()[None, :, None, :] if kind == "k" else scale_k_or_v.float()[..., None])
     if oidx.shape[-1]:
         x = x.reshape(B, K, S // block, block * d).scatter_add(-1, oidx.long(), oval.float()).reshape(B, K, S, d)
+    if center is not None:
+        x = x + center.float()[None, :, None, :]
     return x
 
 
 def kv_decode_attention_ref(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval,
                             hist_len, win_k, win_v, win_len, bits: int, block: int,
-                            sm_scale: float | None = None, rope: tuple[torch.Tensor, int] | None = None
-                            ) -> torch.Tensor:
+                            sm_scale: float | None = None, rope: tuple[torch.Tensor, int] | None = None,
+                            k_center: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference: dequantize the history (and rotate pre-RoPE keys), concatenate the window,
     softmax attention in fp32."""
     B, H, d = q.shape
     K = k_codes.shape[1]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    kh = dequant_history_ref(k_codes, k_scale, k_lev, k_oidx, k_oval, bits, block, "k")
+    kh = dequant_history_ref(k_codes, k_scale, k_lev, k_oidx, k_oval, bits, block, "k", k_center)
     if rope is not None:  # the formula of moec.runtime.model.rope_cos_sin / apply_rope
         inv_freq, pos0 = rope
         ang = torch.arange(pos0, pos0 + kh.shape[2], device=kh.device).float()[:, None] * inv_freq.float()[None, :]
@@ -622,9 +651,10 @@ def attend_cache(cache, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch
     win_len = torch.full((B,), wk.shape[2], dtype=torch.int32, device=dev)
     per = _STATIC.setdefault(codec, {})
     if str(dev) not in per:  # device copies of the codec's per-layer tensors, made once
-        per[str(dev)] = tuple(t.to(dev).float().contiguous() for t in (codec.k_scale, codec.levels["k"],
-                                                                        codec.levels["v"]))
-    k_scale, k_lev, v_lev = per[str(dev)]
+        center = getattr(codec, "k_center", None)  # kvquant.NUQCenteredCodec
+        per[str(dev)] = tuple(None if t is None else t.to(dev).float().contiguous()
+                              for t in (codec.k_scale, codec.levels["k"], codec.levels["v"], center))
+    k_scale, k_lev, v_lev, k_center = per[str(dev)]
     rope = None
     if cache.rope_pre:
         from ..runtime.model import rope_inv_freq
@@ -632,5 +662,5 @@ def attend_cache(cache, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch
         rope = (rope_inv_freq(cache.args, dev).float().contiguous(), cache.sinks)
     out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"], hv["codes"], k_scale, hv["scale"], k_lev, v_lev,
                               koi, kov, voi, vov, hist_len, wk.contiguous(), wv.contiguous(), win_len, codec.bits,
-                              cache.block, rope=rope)
+                              cache.block, rope=rope, k_center=k_center)
     return out[:, :, None].to(q.dtype)

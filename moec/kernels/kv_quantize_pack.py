@@ -1,6 +1,8 @@
 """Quantize-and-pack one KV block leaving the fp16 window (nuq-outlier codec, seed 003) in one kernel.
 
-Produces exactly the fields of moec.runtime.kvquant.NUQOutlierCodec.encode for x [B, K, N, d]:
+Produces exactly the fields of moec.runtime.kvquant.NUQOutlierCodec.encode (and of its subclass
+NUQCenteredCodec: keys minus an offline per-channel center, key outliers by the rounding error
+weighted with the channel's query RMS) for x [B, K, N, d]:
     codes   [B, K, N, d·bits/8] uint8   nearest level of x / scale, planar layout of kvquant.py
     scale   [B, K, N] fp16              (values only) per-token absmax after removing the outliers
     out_idx [B, K, 1, n_out] int16      t·d + c of the n_out largest |x / scale| (keys) or |x| (values)
@@ -48,9 +50,10 @@ def _level(code, lev_ptr, LEVELS: tl.constexpr):
 
 @triton.jit
 def _kv_quantize_pack_kernel(
-    x_ptr, ks_ptr, lev_ptr, mid_ptr, codes_ptr, vs_ptr, oidx_ptr, oval_ptr,
+    x_ptr, ks_ptr, lev_ptr, mid_ptr, codes_ptr, vs_ptr, oidx_ptr, oval_ptr, kc_ptr, kw_ptr,
     K, n_out,
     N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, IS_K: tl.constexpr, HAS_OUT: tl.constexpr,
+    CENTER: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
     bk = tl.program_id(0)
     kh = bk % K
@@ -65,9 +68,15 @@ def _kv_quantize_pack_kernel(
     x = tl.load(x_ptr + bk * N * D + flat).to(tl.float32)
 
     if IS_K:
+        if CENTER:
+            x = x - tl.load(kc_ptr + kh * D + chan)
         scale = tl.load(ks_ptr + kh * D + chan)  # [1, 8, D8] fp32
         xn = tl.math.div_rn(x, scale)
-        mag = tl.abs(xn)
+        if WEIGHTED:  # |x − level·scale| · query RMS of the channel (the codes do not depend on outliers)
+            mag = tl.abs(x - _level(_nearest(xn, mid_ptr, LEVELS), lev_ptr, LEVELS) * scale) \
+                * tl.load(kw_ptr + kh * D + chan)
+        else:
+            mag = tl.abs(xn)
     else:
         mag = tl.abs(x)
 
@@ -141,16 +150,18 @@ def _static(codec, kind: str, dev: torch.device):
     if key not in per:
         lev = codec.levels[kind].to(dev)
         mids = ((lev[1:] + lev[:-1]) / 2).contiguous()  # the codec's bucketize boundaries, same arithmetic
-        per[key] = (lev.contiguous(), mids, codec.k_scale.to(dev).contiguous())
+        extra = [getattr(codec, n, None) for n in ("k_center", "k_weight")]  # NUQCenteredCodec
+        per[key] = (lev.contiguous(), mids, codec.k_scale.to(dev).contiguous(),
+                    *(None if t is None else t.to(dev).float().contiguous() for t in extra))
     return per[key]
 
 
 def supports(codec) -> bool:
-    """Whether this kernel reproduces codec.encode: a plain 2/3-bit NUQOutlierCodec with the fields it
-    writes (a codec with other options or fields keeps its torch encode)."""
-    from ..runtime.kvquant import NUQOutlierCodec
+    """Whether this kernel reproduces codec.encode: a 2/3-bit NUQOutlierCodec or NUQCenteredCodec with
+    the fields it writes (a codec with other options or fields keeps its torch encode)."""
+    from ..runtime.kvquant import NUQCenteredCodec, NUQOutlierCodec
 
-    if type(codec) is not NUQOutlierCodec or codec.bits not in (2, 3):
+    if type(codec) not in (NUQOutlierCodec, NUQCenteredCodec) or codec.bits not in (2, 3):
         return False
     N, d = codec.block, codec.d
     want = {"k": {"codes"}, "v": {"codes", "scale"}}
@@ -171,7 +182,7 @@ def kv_quantize_pack(x: torch.Tensor, kind: str, codec) -> dict[str, torch.Tenso
     assert x.dtype in (torch.float16, torch.float32), x.dtype
     x = x.contiguous()
     dev = x.device
-    lev, mids, ks = _static(codec, kind, dev)
+    lev, mids, ks, kc, kw = _static(codec, kind, dev)
     assert ks.shape == (K, d), (ks.shape, K, d)
     out = {"codes": torch.empty(B, K, N, d * bits // 8, dtype=torch.uint8, device=dev)}
     if kind == "v":
@@ -182,8 +193,9 @@ def kv_quantize_pack(x: torch.Tensor, kind: str, codec) -> dict[str, torch.Tenso
     dummy = out["codes"]
     _kv_quantize_pack_kernel[(B * K,)](
         x, ks, lev, mids, out["codes"], out.get("scale", dummy), out.get("out_idx", dummy),
-        out.get("out_val", dummy), K, n_out,
-        N=N, D=d, BITS=bits, IS_K=kind == "k", HAS_OUT=n_out > 0, num_warps=4,
+        out.get("out_val", dummy), ks if kc is None else kc, ks if kw is None else kw, K, n_out,
+        N=N, D=d, BITS=bits, IS_K=kind == "k", HAS_OUT=n_out > 0, CENTER=kc is not None,
+        WEIGHTED=kw is not None and n_out > 0, num_warps=4,
     )
     return out
 

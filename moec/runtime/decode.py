@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -156,15 +157,23 @@ class StaticTieredCache:
         self.rows = torch.arange(B, device=device)
         self.pos: torch.Tensor | None = None
         if use_kernel is None:
-            use_kernel = (self.device.type == "cuda" and self.codec == "nuq-outlier" and not rope_pre
+            use_kernel = (self.device.type == "cuda" and self.codec == "nuq-outlier"
                           and d >= 64 and d & (d - 1) == 0 and block >= 16 and block & (block - 1) == 0)
         self.use_kernel = use_kernel
         # blocks leaving the window: the quantize-pack kernel on CUDA (nuq-outlier), else codec.encode
-        self.fast_encode = self.device.type == "cuda" and self.codec == "nuq-outlier" and d >= 16 \
-            and d & (d - 1) == 0 and block & (block - 1) == 0 and block * d < 2**15
+        from ..kernels.kv_quantize_pack import supports
+
+        self.fast_encode = self.device.type == "cuda" and all(supports(c) for c in codecs)
         if use_kernel:
             dev = self.device
             self.k_scale = [c.k_scale.to(dev).contiguous() for c in codecs]
+            centers = [getattr(c, "k_center", None) for c in codecs]  # kvquant.NUQCenteredCodec
+            self.k_center = [None if t is None else t.to(dev).float().contiguous() for t in centers]
+            self.rope = None
+            if rope_pre:  # history token t sits at position sinks + t (the kernel rotates in registers)
+                from .model import rope_inv_freq
+
+                self.rope = (rope_inv_freq(args, dev).float().contiguous(), sinks)
             self.lev = {kind: [c.levels[kind].to(dev).contiguous() for c in codecs] for kind in "kv"}
             self.mirror = None
             if not codecs[0].n_out:  # the kernel takes (empty) outlier tensors all the same
@@ -209,7 +218,8 @@ class StaticTieredCache:
             out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"][:b], hv["codes"][:b], self.k_scale[layer],
                                       hv["scale"][:b], self.lev["k"][layer], self.lev["v"][layer], koi, kov, voi, vov,
                                       self.hist_len[:b], wk[:b], wv[:b], win_len.to(torch.int32),
-                                      self.codecs[layer].bits, self.block)  # [b, H, d] fp32
+                                      self.codecs[layer].bits, self.block, rope=self.rope,
+                                      k_center=self.k_center[layer])  # [b, H, d] fp32
             return out[:, :, None].to(q.dtype)
         hk, hv = self.mirror["k"][layer][:b], self.mirror["v"][layer][:b]
         keys = torch.cat([wk[:b].to(q.dtype), hk.to(q.dtype)], dim=2)  # [b, K, wcap + S, d]
@@ -228,7 +238,7 @@ class StaticTieredCache:
 
     def _encode_fields(self, layer: int, kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
         codec = self.codecs[layer]
-        if self.fast_encode and not (kind == "k" and self.rope_pre):
+        if self.fast_encode:
             from ..kernels.kv_quantize_pack import kv_quantize_pack
 
             return kv_quantize_pack(x.contiguous(), kind, codec)
@@ -400,7 +410,7 @@ def _gather_moe(moe: MoE, x, w, ids) -> torch.Tensor:
 class DecodeEngine:
     """Prefill + static decode steps for `batch` rows of up to `max_len` tokens each."""
 
-    def __init__(self, model: Transformer, cache, graphs: bool | None = None):
+    def __init__(self, model: Transformer, cache, graphs: bool | None = None, fuse: bool | None = None):
         self.model, self.args, self.cache = model, model.args, cache
         dev = model.tok_embeddings.weight.device
         self.device, self.dtype = dev, model.tok_embeddings.weight.dtype
@@ -417,6 +427,35 @@ class DecodeEngine:
         self.graphs_on = dev.type == "cuda" if graphs is None else graphs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_error: str | None = None
+        # fused step (moec/kernels/fused_decode.py + one q/k/v projection): on CUDA by default,
+        # MOEC_FUSE=0 turns it off (benchmarks/bench_latency.py measures both)
+        if fuse is None:
+            fuse = dev.type == "cuda" and os.environ.get("MOEC_FUSE", "1") != "0"
+        self.fused = fuse and self.args.qk_norm in ("none", "head") and self.args.clip_qkv is None
+        self.qkv = [self._fuse_qkv(blk.attn) for blk in model.layers] if self.fused else []
+
+    @staticmethod
+    def _fuse_qkv(attn):
+        """One [H·d + 2·K·d, D] projection for q, k, v where they are plain Linear layers of one dtype:
+        wq/wk/wv become views of the concatenated weight (no extra memory); None otherwise."""
+        ws = (attn.wq, attn.wk, attn.wv)
+        if not all(type(w) is torch.nn.Linear for w in ws) or len({w.weight.dtype for w in ws}) != 1:
+            return None
+        if len({w.bias is None for w in ws}) != 1:
+            return None
+        with torch.no_grad():
+            fused = torch.nn.Linear(1, 1, bias=ws[0].bias is not None, device="meta")
+            fused.weight = torch.nn.Parameter(torch.cat([w.weight for w in ws]), requires_grad=False)
+            if ws[0].bias is not None:
+                fused.bias = torch.nn.Parameter(torch.cat([w.bias for w in ws]), requires_grad=False)
+            o = 0
+            for w in ws:
+                n = w.weight.shape[0]
+                w.weight = torch.nn.Parameter(fused.weight[o : o + n], requires_grad=False)
+                if w.bias is not None:
+                    w.bias = torch.nn.Parameter(fused.bias[o : o + n], requires_grad=False)
+                o += n
+        return fused
 
     # -- prefill -------------------------------------------------------------------------------------------
 
@@ -447,6 +486,8 @@ class DecodeEngine:
 
     def _step(self, b: int) -> None:
         """One decode step for rows [0, b): tokens/pos -> logits, next (no host syncs)."""
+        if self.fused:
+            return self._step_fused(b)
         m = self.model
         x = m.tok_embeddings(self.tokens[:b, None])  # [b, 1, D]
         pos = self.pos[:b]
@@ -457,6 +498,38 @@ class DecodeEngine:
             h = blk.ffn_norm(x)
             x = x + graph_safe_moe(blk.moe, h.view(b, -1), blk.layer).view(b, 1, -1)
         logits = m.lm_head(m.norm(x))[:, 0]  # [b, V]
+        self.logits[:b] = logits.float()
+        self.next[:b] = logits.argmax(-1)
+
+    def _step_fused(self, b: int) -> None:
+        """_step with the batch-1 fusions: residual add + RMSNorm in one kernel (twice per layer), q/k/v
+        in one projection, per-head q/k norm + RoPE of q and k in one kernel. Same arithmetic and
+        rounding as _step up to fp32 summation order."""
+        from ..kernels.fused_decode import add_rms_norm, qk_norm_rope
+
+        m, a = self.model, self.args
+        H, K, d = a.n_heads, a.n_kv_heads, a.head_dim
+        x = m.tok_embeddings(self.tokens[:b])  # [b, D]
+        pos = self.pos[:b]
+        cos, sin = self.cos[pos], self.sin[pos]  # [b, d]
+        layers = m.layers
+        x, h = add_rms_norm(x, None, layers[0].attn_norm.weight, layers[0].attn_norm.eps)
+        for i, blk in enumerate(layers):
+            at = blk.attn
+            if self.qkv[i] is not None:
+                qkv = self.qkv[i](h)  # [b, (H + 2K)·d]
+                q, k, v = qkv[:, : H * d], qkv[:, H * d : (H + K) * d], qkv[:, (H + K) * d :]
+            else:  # quantized projections (QLinear) stay separate
+                q, k, v = at.wq(h), at.wk(h), at.wv(h)
+            norm = a.qk_norm == "head"
+            q, k = qk_norm_rope(q, k, cos, sin, H, K, at.q_norm.weight if norm else None,
+                                at.k_norm.weight if norm else None, at.q_norm.eps if norm else 1e-6)
+            o = self.cache.attend(blk.layer, q[:, :, None], k[:, :, None], v.reshape(b, K, 1, d), 0)
+            x, h = add_rms_norm(x, at.wo(o.reshape(b, H * d)), blk.ffn_norm.weight, blk.ffn_norm.eps)
+            y = graph_safe_moe(blk.moe, h, blk.layer)
+            nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else m.norm
+            x, h = add_rms_norm(x, y, nxt.weight, nxt.eps)
+        logits = m.lm_head(h)  # [b, V]
         self.logits[:b] = logits.float()
         self.next[:b] = logits.argmax(-1)
 

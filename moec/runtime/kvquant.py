@@ -222,10 +222,10 @@ class NUQCenteredCodec(NUQOutlierCodec):
     the RoPE rotation pairs, so equal pre- and post-RoPE), is largest: the greedy choice that most
     reduces the expected q·k score error, instead of the largest |k / k_scale|. Values as in the
     parent. Same stored fields as NUQOutlierCodec; k_center and k_weight are per-layer statics. The
-    fused Triton kernels do not add the center, so a cache with this codec runs the torch path.
+    fused kernels take both: kv_decode_attention adds the center (to the key tile before the RoPE
+    rotation, or as q·center on every history score post-RoPE); kv_quantize_pack subtracts it and
+    selects outliers by the weighted error, bit-identical to this encode.
     """
-
-    needs_torch = True  # kvtiered.TieredKVCache: no fused decode kernel for this codec
 
     def __init__(self, bits: int, head_dim: int, block: int, k_levels: torch.Tensor, v_levels: torch.Tensor,
                  k_scale: torch.Tensor, outlier_frac: float, k_center: torch.Tensor | None = None,

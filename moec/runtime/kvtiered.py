@@ -16,8 +16,8 @@ rotation of its positions before encoding and rotates the decoded block back.
 Attention: the torch reference dequantizes the history and attends (the correctness oracle). On the
 CPU a dequantized mirror of the history is kept so each decode step does not decode the whole
 history again (equal to dequantizing every step; it is a compute cache, not counted as stored).
-On CUDA, decode steps of a post-RoPE nuq-outlier cache go through the fused Triton kernel
-(moec/kernels/kv_decode_attention.py), which reads the packed history directly, and nuq-outlier
+On CUDA, decode steps of a nuq-outlier cache (pre- or post-RoPE keys, centered or not) go through the
+fused Triton kernel (moec/kernels/kv_decode_attention.py), which reads the packed history directly, and nuq-outlier
 blocks leaving the window are encoded by moec/kernels/kv_quantize_pack.py (the codec's exact fields).
 
 Stored bytes are summed from the tensors held: window and sinks (fp16), every history field sliced
@@ -52,9 +52,7 @@ class TieredKVCache:
         self.n_blocks = [0] * args.n_layers
         self.length = 0
         if use_kernel is None:
-            # codecs marked needs_torch (kvquant.NUQCenteredCodec: key centers) have no fused kernel
-            use_kernel = (self.device.type == "cuda" and self.codec == "nuq-outlier" and not rope_pre
-                          and not getattr(codecs[0], "needs_torch", False)
+            use_kernel = (self.device.type == "cuda" and self.codec == "nuq-outlier"
                           and d >= 64 and d & (d - 1) == 0 and block >= 16 and block & (block - 1) == 0)
         self.use_kernel = use_kernel
         self.mirror = None if use_kernel else {
@@ -243,9 +241,10 @@ def build_codecs(section: dict, tensors: dict[str, torch.Tensor], args: ModelArg
     return codecs
 
 
-def tiered_cache_factory(section: dict, codecs: list, simulated: bool = False):
+def tiered_cache_factory(section: dict, codecs: list, simulated: bool = False, use_kernel: bool | None = None):
     """(model, batch, max_len) -> TieredKVCache, the `cache_factory` of moec.runtime.perplexity.evaluate
-    (or, `simulated`, the one-forward-per-window SimulatedTieredCache of moec/runtime/kvsim.py)."""
+    (or, `simulated`, the one-forward-per-window SimulatedTieredCache of moec/runtime/kvsim.py);
+    use_kernel=False keeps the dequantize-then-attend torch path on CUDA (the oracle of GPU checks)."""
 
     rope_pre = section["codec"] == "nuq-outlier" and section["rope"] == "pre"
 
@@ -257,6 +256,6 @@ def tiered_cache_factory(section: dict, codecs: list, simulated: bool = False):
             return SimulatedTieredCache(model.args, batch, max_len, codecs, section["window"], section["sinks"],
                                         section["block"], rope_pre)
         return TieredKVCache(model.args, batch, max_len, codecs, window=section["window"], sinks=section["sinks"],
-                             block=section["block"], rope_pre=rope_pre, device=dev)
+                             block=section["block"], rope_pre=rope_pre, device=dev, use_kernel=use_kernel)
 
     return make

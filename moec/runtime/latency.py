@@ -89,16 +89,23 @@ def random_model(args: ModelArgs, rule_for, device, dtype=torch.bfloat16, seed: 
     return model
 
 
-def random_kv_tensors(args: ModelArgs, bits: int, device="cpu") -> dict[str, torch.Tensor]:
-    """Stand-in nuq-outlier calibration (levels of the seed's grid, unit key scales) for random models."""
+def random_kv_tensors(args: ModelArgs, kv: dict, device="cpu") -> dict[str, torch.Tensor]:
+    """Stand-in nuq-outlier calibration for random models, for the options of the `kv` manifest section:
+    levels of the seed's grid, unit key scales; zero key centers (`k_center`) and unit query weights
+    (`outlier_select: weighted-error`), so the runtime takes the same kernel paths as a calibrated one."""
     from .kvquant import FIXED_LEVELS
 
-    lev = torch.tensor(FIXED_LEVELS[bits], device=device)
+    lev = torch.tensor(FIXED_LEVELS[kv["bits"]], device=device)
+    shape = (args.n_kv_heads, args.head_dim)
     out = {}
     for i in range(args.n_layers):
-        out[f"kv.layers.{i}.k_scale"] = torch.ones(args.n_kv_heads, args.head_dim, device=device)
+        out[f"kv.layers.{i}.k_scale"] = torch.ones(shape, device=device)
         out[f"kv.layers.{i}.k_levels"] = lev.clone()
         out[f"kv.layers.{i}.v_levels"] = lev.clone()
+        if kv.get("k_center", False):
+            out[f"kv.layers.{i}.k_center"] = torch.zeros(shape, device=device)
+        if kv.get("outlier_select", "magnitude") == "weighted-error":
+            out[f"kv.layers.{i}.k_weight"] = torch.ones(shape, device=device)
     return out
 
 

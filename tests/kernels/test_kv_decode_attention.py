@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 
 from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref  # noqa: E402
 from moec.runtime.config import ModelArgs  # noqa: E402
-from moec.runtime.kvquant import FIXED_LEVELS, NUQOutlierCodec  # noqa: E402
+from moec.runtime.kvquant import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec  # noqa: E402
 from moec.runtime.kvtiered import TieredKVCache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,12 +107,29 @@ def test_pre_rope_keys(out_mode):
     _close(kv_decode_attention(*args, bits=2, block=32, n_splits=2, out_mode=out_mode, rope=rope), ref)
 
 
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_key_center(pre_rope):
+    """Asymmetric keys (kvquant.NUQCenteredCodec): k = center + level·scale, before the rotation when
+    pre-RoPE; post-RoPE the kernel adds q·center to every history score."""
+    args = _case(2, 8, 2, 64, 2, [96, 64], [40, 9], 0.01, seed=4)
+    center = (torch.randn(2, 64) * 2).to(DEVICE)
+    rope = (_inv_freq(64), 4) if pre_rope else None
+    ref = kv_decode_attention_ref(*args, bits=2, block=32, rope=rope, k_center=center)
+    assert not torch.allclose(ref, kv_decode_attention_ref(*args, bits=2, block=32, rope=rope), atol=1e-2)
+    _close(kv_decode_attention(*args, bits=2, block=32, n_splits=2, rope=rope, k_center=center), ref)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="full-size grid on the GPU only")
-def test_full_size_cuda_pre_rope():
+@pytest.mark.parametrize("center", [False, True])
+def test_full_size_cuda_pre_rope(center):
     args = _case(2, 32, 8, 128, 2, [8192, 2080], [148, 37], 0.01, seed=5)
     rope = (_inv_freq(128, 1e6), 4)
-    ref = kv_decode_attention_ref(*args, bits=2, block=32, rope=rope)
-    _close(kv_decode_attention(*args, bits=2, block=32, rope=rope), ref)
+    kc = torch.randn(8, 128, device=DEVICE) if center else None
+    ref = kv_decode_attention_ref(*args, bits=2, block=32, rope=rope, k_center=kc)
+    _close(kv_decode_attention(*args, bits=2, block=32, rope=rope, k_center=kc), ref)
+    if center:  # post-RoPE centered keys too
+        ref = kv_decode_attention_ref(*args, bits=2, block=32, k_center=kc)
+        _close(kv_decode_attention(*args, bits=2, block=32, k_center=kc), ref)
 
 
 def test_reference_sees_outliers():
@@ -130,15 +147,18 @@ def test_bad_input_is_refused():
         kv_decode_attention(*args, bits=2, block=32)
 
 
-@pytest.mark.parametrize("rope_pre", [False, True])
-def test_cache_kernel_path_matches_reference_path(rope_pre):
+@pytest.mark.parametrize("rope_pre,centered", [(False, False), (True, False), (True, True)])
+def test_cache_kernel_path_matches_reference_path(rope_pre, centered):
     """TieredKVCache decode steps through the kernel equal the dequantize-then-attend path (pre-RoPE
-    keys: rotated in the kernel at their positions)."""
+    keys: rotated in the kernel at their positions; centered: the recipe's NUQCenteredCodec)."""
     args = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64,
                      max_seq_len=256)
     gen = torch.Generator().manual_seed(1)
     lev = torch.tensor(FIXED_LEVELS[2])
-    codecs = [NUQOutlierCodec(2, 64, 32, lev, lev, torch.rand(2, 64, generator=gen) + 0.5, 0.01)]
+    scale = torch.rand(2, 64, generator=gen) + 0.5
+    codecs = [NUQCenteredCodec(2, 64, 32, lev, lev, scale, 0.01, torch.randn(2, 64, generator=gen),
+                               torch.rand(2, 64, generator=gen)) if centered
+              else NUQOutlierCodec(2, 64, 32, lev, lev, scale, 0.01)]
     caches = [TieredKVCache(args, 2, 200, codecs, window=4, sinks=2, device=DEVICE, use_kernel=False,
                             rope_pre=rope_pre) for _ in range(2)]
     for t in range(44):
@@ -150,3 +170,23 @@ def test_cache_kernel_path_matches_reference_path(rope_pre):
         a, b = (c.attend(0, q, k, v, t) for c in caches)
         assert torch.allclose(a, b, atol=max(ATOL, 1e-4), rtol=max(RTOL, 1e-4)), (t, (a - b).abs().max().item())
     assert caches[1].n_blocks[0] == 1  # 44 tokens = 2 sinks + 1 block + 10 in the window
+
+
+def test_static_engine_kernel_path_matches_mirror_path():
+    """The CUDA-graph engine's StaticTieredCache through the fused kernel (pre-RoPE, centered keys: the
+    recipe's codec) gives the ppl_dec of its dequantized-mirror torch path."""
+    from moec.runtime.decode import StaticTieredCache, evaluate_dec
+    from moec.runtime.latency import random_model
+
+    args = ModelArgs(arch="llama", vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64,
+                     max_seq_len=128, dense_dim=96)
+    model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=1)
+    gen = torch.Generator().manual_seed(3)
+    lev = torch.tensor(FIXED_LEVELS[2])
+    codecs = [NUQCenteredCodec(2, 64, 16, lev, lev * 0.8, torch.rand(2, 64, generator=gen) + 0.5, 0.01,
+                               torch.randn(2, 64, generator=gen), torch.rand(2, 64, generator=gen))]
+    windows = torch.randint(0, 64, (1, 56), generator=gen)  # 2 history blocks by the end
+    res = [evaluate_dec(model, windows, lambda B, n, k=kern: StaticTieredCache(
+        args, B, n, codecs, window=4, sinks=2, block=16, rope_pre=True, device=DEVICE, use_kernel=k), batch_size=1)
+        for kern in (False, True)]
+    assert abs(res[1]["ppl"] / res[0]["ppl"] - 1) < (1e-5 if DEVICE == "cpu" else 1e-3), res

@@ -18,29 +18,37 @@ import pytest  # noqa: E402
 
 from moec.kernels.kv_quantize_pack import kv_quantize_pack, kv_quantize_pack_ref  # noqa: E402
 from moec.runtime.config import ModelArgs  # noqa: E402
-from moec.runtime.kvquant import FIXED_LEVELS, NUQOutlierCodec  # noqa: E402
+from moec.runtime.kvquant import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec  # noqa: E402
 from moec.runtime.kvtiered import TieredKVCache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _codec(bits, K, d, block, frac, gen, fitted=True):
+def _codec(bits, K, d, block, frac, gen, fitted=True, centered=False):
     lev = torch.tensor(FIXED_LEVELS[bits])
     if fitted:  # non-uniform, asymmetric levels (as k-means would give)
         lev = torch.sign(lev) * lev.abs() ** 1.5 + 0.03
-    return NUQOutlierCodec(bits, d, block, lev, lev.flip(0) * -0.9, torch.rand(K, d, generator=gen) + 0.25, frac)
+    scale = torch.rand(K, d, generator=gen) + 0.25
+    if centered:  # key centers off zero and query-RMS weights (recipe k_center + outlier_select weighted-error)
+        return NUQCenteredCodec(bits, d, block, lev, lev.flip(0) * -0.9, scale, frac,
+                                torch.randn(K, d, generator=gen), torch.rand(K, d, generator=gen) + 0.1)
+    return NUQOutlierCodec(bits, d, block, lev, lev.flip(0) * -0.9, scale, frac)
 
 
-@pytest.mark.parametrize("B,K,d,block,bits,frac,dtype", [
-    (2, 3, 64, 32, 2, 0.01, torch.float16),
-    (1, 2, 128, 32, 3, 0.01, torch.float16),
-    (3, 1, 64, 16, 2, 0.05, torch.float32),  # fp32 input (pre-RoPE keys are un-rotated in fp32)
-    (1, 2, 64, 32, 3, 0.0, torch.float16),  # no outliers
+@pytest.mark.parametrize("B,K,d,block,bits,frac,dtype,centered", [
+    (2, 3, 64, 32, 2, 0.01, torch.float16, False),
+    (1, 2, 128, 32, 3, 0.01, torch.float16, False),
+    (3, 1, 64, 16, 2, 0.05, torch.float32, False),  # fp32 input (pre-RoPE keys are un-rotated in fp32)
+    (1, 2, 64, 32, 3, 0.0, torch.float16, False),  # no outliers
+    (2, 2, 64, 32, 2, 0.008, torch.float32, True),  # NUQCenteredCodec: centers, query-weighted key outliers
+    (1, 2, 64, 16, 3, 0.0, torch.float16, True),
 ])
-def test_matches_codec(B, K, d, block, bits, frac, dtype):
+def test_matches_codec(B, K, d, block, bits, frac, dtype, centered):
     gen = torch.Generator().manual_seed(bits * 7 + d)
-    codec = _codec(bits, K, d, block, frac, gen)
+    codec = _codec(bits, K, d, block, frac, gen, centered=centered)
     x = torch.randn(B, K, block, d, generator=gen) * codec.k_scale[None, :, None, :]
+    if centered:
+        x = x + codec.k_center[None, :, None, :]
     x[..., 5] *= 8  # an outlier channel
     x = x.to(dtype).to(DEVICE)
     for kind in "kv":

@@ -138,7 +138,7 @@ def _centered_codecs(seed=0):
 def test_tiered_cache_with_centered_codec_is_the_torch_path():
     gen = torch.Generator().manual_seed(4)
     cache = TieredKVCache(ARGS, 2, 200, _centered_codecs(), window=16, sinks=3, rope_pre=True, use_kernel=None)
-    assert cache.use_kernel is False  # needs_torch: the fused kernel does not add key centers
+    assert cache.use_kernel is False  # on the CPU: the torch path (the kernel path is tested in tests/kernels)
     for t in [0, *range(20, 120)]:
         T = 20 if t == 0 else 1
         q, k, v = (torch.randn(2, n, T, 32, generator=gen) for n in (4, 2, 2))

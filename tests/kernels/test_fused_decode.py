@@ -1,0 +1,86 @@
+"""Fused decode-step kernels (moec/kernels/fused_decode.py) against the torch ops they replace, and the
+engine's fused step against its plain step (TRITON_INTERPRET=1 on the CPU).
+
+fp32: equal to 1e-5 (summation order only). bf16: the kernels round where torch rounds (after the
+normalization, after each RoPE product, after the residual add), so outputs agree to one bf16 ulp
+(the fp32 sum of squares may differ in its last bits and flip a rounding). The CPU interpreter casts
+fp32 to bf16 by truncation, not round-to-nearest as the GPU does, so there a rounded value may be one
+ulp off too."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from moec.kernels.fused_decode import add_rms_norm, qk_norm_rope  # noqa: E402
+from moec.runtime.config import ModelArgs  # noqa: E402
+from moec.runtime.decode import DecodeEngine, StaticFP16Cache  # noqa: E402
+from moec.runtime.latency import random_model  # noqa: E402
+from moec.runtime.model import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16: one ulp (2^-7 relative) on the GPU; two on the CPU, where the interpreter truncates twice
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7 if DEVICE == "cuda" else 2 ** -6}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 96])
+def test_add_rms_norm(dtype, D):
+    g = torch.Generator().manual_seed(D)
+    x, delta = (torch.randn(3, D, generator=g).to(DEVICE, dtype) * 3 for _ in range(2))
+    w = (torch.rand(D, generator=g) + 0.5).to(DEVICE, dtype)
+    xo, h = add_rms_norm(x, delta, w, 1e-5)
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(xo, x + delta)
+    assert torch.allclose(xo.float(), (x + delta).float(), rtol=TOL[dtype], atol=0)
+    ref = rms_norm(xo, w, 1e-5)
+    assert torch.allclose(h.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    _, h0 = add_rms_norm(x[:, :D], None, w, 1e-5)
+    assert torch.allclose(h0.float(), rms_norm(x, w, 1e-5).float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+def test_qk_norm_rope(dtype, norm):
+    N, H, K, d = 2, 4, 2, 32
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(N, (H + 2 * K) * d, generator=g).to(DEVICE, dtype)
+    q, k = qkv[:, : H * d], qkv[:, H * d : (H + K) * d]  # strided views, as the engine passes them
+    args = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=1, n_heads=H, n_kv_heads=K, head_dim=d)
+    cos, sin = rope_cos_sin(args, torch.tensor([5, 1000], device=DEVICE), dtype)
+    qw = kw = None
+    qr, kr = q.reshape(N, H, 1, d), k.reshape(N, K, 1, d)
+    if norm:
+        qw, kw = ((torch.rand(d, generator=g) + 0.5).to(DEVICE, dtype) for _ in range(2))
+        qr, kr = rms_norm(qr, qw, 1e-6), rms_norm(kr, kw, 1e-6)
+    ref_q = apply_rope(qr, cos[:, None, None], sin[:, None, None])[:, :, 0]
+    ref_k = apply_rope(kr, cos[:, None, None], sin[:, None, None])[:, :, 0]
+    oq, ok = qk_norm_rope(q, k, cos, sin, H, K, qw, kw, 1e-6)
+    for o, r in ((oq, ref_q), (ok, ref_k)):
+        assert o.shape == r.shape and o.dtype == r.dtype
+        err = (o.float() - r.float()).abs().max()
+        assert torch.allclose(o.float(), r.float(), rtol=TOL[dtype], atol=TOL[dtype]), err
+
+
+@pytest.mark.parametrize("qk_norm", ["none", "head"])
+def test_engine_fused_step_matches_plain_step(qk_norm):
+    """Greedy tokens and logits of the fused step equal the plain step's (fp32 model, fp32 cache)."""
+    args = ModelArgs(arch="qwen3" if qk_norm == "head" else "mixtral", vocab_size=64, dim=64, n_layers=2,
+                     n_heads=4, n_kv_heads=2, head_dim=32, max_seq_len=64, n_experts=4, top_k=2, expert_dim=48,
+                     qk_norm=qk_norm)
+    model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=2)
+    prompt = torch.tensor([3, 9, 27, 17, 51])
+    out = []
+    for fuse in (False, True):
+        eng = DecodeEngine(model, StaticFP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32), graphs=False,
+                           fuse=fuse)
+        assert eng.fused == fuse
+        logits = [eng.prefill(0, prompt)]
+        for _ in range(4):
+            logits.append(eng.step(1, feed_next=True)[0].clone())
+        out.append(torch.stack(logits))
+    assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
