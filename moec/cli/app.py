@@ -28,6 +28,19 @@ app.command("inspect")(inspect_cmd.inspect)
 app.command("generate")(generate_cmd.generate)
 
 
+def _click_errors(name: str) -> tuple[type, ...]:
+    """click's exception class `name`, and typer's vendored copy of it (typer >= 0.2x ships its own click,
+    whose usage errors are not subclasses of the installed click's)."""
+    import importlib
+
+    out = [getattr(click.exceptions, name)]
+    try:
+        out.append(getattr(importlib.import_module("typer._click.exceptions"), name))
+    except (ImportError, AttributeError):
+        pass
+    return tuple(out)
+
+
 def main() -> None:
     logging.basicConfig(level=os.environ.get("MOEC_LOG", "INFO"), format="%(message)s",
                         handlers=[RichHandler(console=console, show_path=False, show_time=False)])
@@ -36,16 +49,16 @@ def main() -> None:
     try:
         rc = app(standalone_mode=False)
         sys.exit(rc if isinstance(rc, int) else 0)
-    except click.exceptions.UsageError as e:
+    except _click_errors("UsageError") as e:
         print(f"moec: error: {e.format_message()}", file=sys.stderr)
         sys.exit(2)
     except UserError as e:
         print(f"moec: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (*_click_errors("Abort"), KeyboardInterrupt):
         print("moec: interrupted", file=sys.stderr)
         sys.exit(130)
-    except click.exceptions.Exit as e:
+    except _click_errors("Exit") as e:
         sys.exit(e.exit_code)
     except Exception as e:
         if os.environ.get("MOEC_DEBUG"):

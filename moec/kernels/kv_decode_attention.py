@@ -30,18 +30,24 @@ per-element work, not by bytes, unless that work is a handful of instructions):
     p[t_o]·r_o (p gathered by a one-hot product) are atomically added into a per-program [G, d]
     scratch, rescaled with the running max and added to acc at the end (out_mode 1, default), or
     enter as one-hot products over the channels (out_mode 0).
-  - pre-RoPE keys (KVQuant), option `rope`: the key tile is scaled, then each pair (c, c + d/2) =
-    blocks (0, 2), (1, 3) is rotated in registers with cos/sin of the fp32 angle (pos · inv_freq);
-    a key residual adds r·(q[c]·cos ± q[partner]·sin) to its token's score. Its cost is timed by
-    the benchmark (record "pre_rope"); not measured yet when this was written.
+  - pre-RoPE keys (KVQuant), option `rope`: the key tile is scaled (and centered), then each pair
+    (c, c + d/2) = blocks (0, 2), (1, 3) is rotated in registers with cos/sin of the fp32 angle
+    (pos · inv_freq); a key residual adds r·(q[c]·cos ± q[partner]·sin) to its token's score.
+  - key centers (kvquant.NUQCenteredCodec, option `k_center`): pre-RoPE they are added to the key
+    tile before the rotation; post-RoPE q·center is one scalar per query head, added to every
+    history score of the program.
 
-Status (H200, Mixtral shape, 32 layers per step; benchmarks/results/kv_attention_h200.json): 2-bit,
-1% outliers, 32k context batch 16: 53.9 ms per step (196 GB/s, 4.6% of copy bandwidth; before this
-version 156 ms / 67 GB/s), SDPA flash on the fp16 cache 16.5 ms. Without outliers 16.0 ms (575
-GB/s): the sparse residuals cost ~70% of the time. What bounds it (estimates, no counters): the
-dequantized fp16 tiles reach the tensor cores through a shared-memory layout conversion (~1 KB
-per token and KV head), tl.dot's 16-row minimum pads the G = 4 query heads 4x, and the outlier
-path raises registers from ~94 to 168 per thread (fewer warps in flight).
+Status (H200, Mixtral shape, 32 layers per step; benchmarks/results/kv_attention_h200.json, the
+recipe's codec: post-RoPE centered keys, 0.8% outliers): 32k context batch 16 50.4 ms (204 GB/s of
+the bytes it must read, 4.9% of copy bandwidth), SDPA flash on the fp16 cache 16.5 ms; batch 1 4.4
+ms vs 1.6 ms. Without outliers 16.1 ms (570 GB/s): the sparse residuals cost ~70% of the time, and
+neither atomics nor one-hot products (out_mode) nor a power-of-two outlier count (32 instead of 33:
+44.9 ms at batch 16, 4.8 ms at batch 1) changes that much. Pre-RoPE keys rotated in registers cost
+3.3x (167.8 ms: sin/cos per element). More splits at batch 1 are slower (waves 4 -> 32: 4.4 -> 12.8
+ms), so the per-program fixed cost (scratch zeroing, partial writes) matters too. What bounds it
+(estimates, no counters): the dequantized fp16 tiles reach the tensor cores through a shared-memory
+layout conversion (~1 KB per token and KV head), tl.dot's 16-row minimum pads the G = 4 query heads
+4x, and the outlier path raises registers from ~94 to 168 per thread (fewer warps in flight).
 
 Shapes (B batch, H query heads, K KV heads, d head dim, S history capacity in tokens, NB = S / block,
 NOUT outliers per block, Wc window capacity):
@@ -546,8 +552,8 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     assert precision in ("fp16", "ieee"), precision
     block_t = block_t or max(block, CONFIG["block_t"] if cuda else block)
     assert block_t % block == 0 and block_t & (block_t - 1) == 0, (block_t, block)
-    deq = (1 if cuda and bits == 2 else 0) if deq is None else deq
-    assert deq == 0 or (cuda and bits == 2), "the prmt lookup is PTX (CUDA, 2-bit)"
+    deq = (1 if cuda and bits == 2 and precision == "fp16" else 0) if deq is None else deq
+    assert deq == 0 or (cuda and bits == 2 and precision == "fp16"), "the prmt lookup is PTX (CUDA, 2-bit, fp16)"
     lazy = CONFIG["lazy"] if lazy is None else lazy
     out_mode = CONFIG["out_mode"] if out_mode is None else out_mode
     assert out_mode in (0, 1, 2) and (lazy or out_mode == 0 or nout == 0), (out_mode, lazy)

@@ -140,3 +140,11 @@ def test_pack_with_wrong_model_leaves_nothing(tiny_moe_dir, packed, tmp_path):
     out = tmp_path / "p2"
     r = moec("pack", other, packed.parent / "calib", "-o", out)
     assert_clean_failure(r, "calibrated on another model", outputs=[out])
+
+
+@pytest.mark.parametrize("args,needle", [(("eval", "--nonsense"), "--nonsense"),
+                                         (("eval", "demo-moe", "--baseline"), "--baseline")])
+def test_usage_errors_are_one_line(args, needle):
+    """Unknown options and missing option values: click's usage error (typer ships its own click copy,
+    whose errors must not surface as an internal error)."""
+    assert_clean_failure(moec(*args), needle)
