@@ -42,8 +42,9 @@ KVCodecName = Literal["fp16", "kivi", "nuq-outlier", "latent-head", "latent-laye
 WeightCodecName = Literal["keep", "hls", "rtn", "fp8", "fp3"]
 IMPLEMENTED_KV = ("fp16", "kivi", "nuq-outlier", "latent-head", "latent-layer", "rvq-tiered")
 # bits each implemented KV codec supports (fp16: 16 only; latent codecs: the bits of the latent codes)
-KV_CODEC_BITS = {"fp16": (16,), "kivi": (2, 4), "nuq-outlier": (2, 3), "latent-head": (2, 3, 4, 16),
-                 "latent-layer": (2, 3, 4, 16), "rvq-tiered": (1, 2, 3, 4)}  # rvq: a nominal label
+KV_CODEC_BITS = {"fp16": (16,), "kivi": (2, 4), "nuq-outlier": (2, 3), "latent-head": (1, 2, 3, 4, 16),
+                 "latent-layer": (1, 2, 3, 4, 16), "rvq-tiered": (1, 2, 3, 4)}  # rvq: a nominal label
+# latent bits 1 = ternary latent codes (three levels, five per byte: 1.6 bits per latent element)
 
 
 @dataclass

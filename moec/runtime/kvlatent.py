@@ -6,8 +6,9 @@ A group is G adjacent layers (G = 1: latent-head). When a block of `block` token
 window, its keys and values of all the group's layers are concatenated per token,
 x = [layer, kv head, channel] (D = G·K·d), and stored as
     codes    the latent z = W_down (x − mean), r dims, W_down = basis^T (PCA, moec/calibrate/fit_latent.py),
-             at `bits` per latent element: 16 (fp16) or 2/3/4 (uniform mid-rise grid of [−scale, scale]
-             per latent channel, offline scales)
+             at `bits` per latent element: 16 (fp16), 2/3/4 (uniform mid-rise grid of [−scale, scale]
+             per latent channel, offline scales) or 1 = ternary (seed 001's sub-2-bit option: levels
+             {−scale, 0, +scale}, five trits per byte, 1.6 bits per element)
     out_idx  the ceil(outlier_frac · block · D) largest |x − x̂| of the block (per batch row), as int16
     out_val  (int32 when block·D > 32767) index t·D + j, and their fp16 residuals (seed 000's sparse term)
 with x̂ = basis · deq(z) + mean. Keys are compressed pre-RoPE (`rope: pre`, ShadowKV: un-rotated before
@@ -28,7 +29,8 @@ masked per query; this needs chunks of at most window + 1 tokens (asserted).
 
 Latent code layout (2/4 bits, `pack_planar`, chosen for the kernel): W = r·b/8 bytes per token; latent
 channel c lives in byte c % W at bit b·(c // W) (the channels of one bit plane are contiguous);
-3-bit latents use moec/runtime/kvquant.py's pack_codes (torch path only).
+3-bit latents use moec/runtime/kvquant.py's pack_codes, ternary latents `pack_trits` (byte i holds
+channels 5i..5i+4 as Σ c·3^j; r padded to a multiple of 5): torch path only.
 
 Stored bytes: window + sinks (fp16), codes and outliers of the filled blocks, and once per group and
 kind the basis, mean and scale (held in fp16: W_down/W_up counted once, amortized over the tokens).
@@ -46,15 +48,22 @@ from .config import ModelArgs
 from .kvquant import pack_codes, unpack_codes
 from .kvtiered import TieredKVCache
 
+TERNARY = 1  # `bits` value of the ternary latent
+
 
 def quantize_latent(z: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integer codes in [0, 2^b) of z [..., r] on the uniform mid-rise grid of [-scale, scale] (float)."""
+    """Integer codes in [0, 2^b) of z [..., r] on the uniform mid-rise grid of [-scale, scale] (float);
+    ternary (bits 1): codes 0, 1, 2 for the levels -scale, 0, +scale (nearest)."""
+    if bits == TERNARY:
+        return torch.clamp(torch.round(z / scale) + 1, 0, 2)
     n = 2**bits
     step = 2.0 * scale / n
     return torch.clamp(torch.floor(z / step) + n // 2, 0, n - 1)
 
 
 def dequantize_latent(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == TERNARY:
+        return (codes.float() - 1.0) * scale
     n = 2**bits
     return (codes.float() - n // 2 + 0.5) * (2.0 * scale / n)
 
@@ -75,6 +84,24 @@ def unpack_planar(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return c.reshape(*packed.shape[:-1], planes * packed.shape[-1])
 
 
+def trit_width(r: int) -> int:
+    return -(-r // 5)
+
+
+def pack_trits(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., r] in {0, 1, 2} -> uint8 [..., ceil(r/5)]: byte i = Σ_j codes[5i + j]·3^j (3^5 = 243)."""
+    r = codes.shape[-1]
+    c = F.pad(codes.to(torch.int32), (0, trit_width(r) * 5 - r)).view(*codes.shape[:-1], -1, 5)
+    w = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32, device=codes.device)
+    return (c * w).sum(-1).to(torch.uint8)
+
+
+def unpack_trits(packed: torch.Tensor, r: int) -> torch.Tensor:
+    p = packed.to(torch.int32)[..., None]
+    w = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32, device=packed.device)
+    return ((p // w) % 3).flatten(-2)[..., :r]
+
+
 class LatentCodec:
     """One group and kind: encode a block x [B, N, D] -> fields; decode fields -> x̂ [B, S, D] (fp32)."""
 
@@ -93,6 +120,8 @@ class LatentCodec:
         """name -> (axis "token"|"block", trailing shape, dtype)."""
         if self.bits == 16:
             f = {"codes": ("token", (self.r,), torch.float16)}
+        elif self.bits == TERNARY:
+            f = {"codes": ("token", (trit_width(self.r),), torch.uint8)}
         else:
             f = {"codes": ("token", (self.r * self.bits // 8,), torch.uint8)}
         if self.n_out:
@@ -101,13 +130,18 @@ class LatentCodec:
         return f
 
     def _pack(self, codes):
+        if self.bits == TERNARY:
+            return pack_trits(codes)
         return pack_codes(codes, 3) if self.bits == 3 else pack_planar(codes, self.bits)
 
     def latent(self, codes: torch.Tensor) -> torch.Tensor:
         """Stored codes [B, S, w] -> dequantized latent [B, S, r] fp32."""
         if self.bits == 16:
             return codes.float()
-        c = unpack_codes(codes, 3, self.r) if self.bits == 3 else unpack_planar(codes, self.bits)
+        if self.bits == TERNARY:
+            c = unpack_trits(codes, self.r)
+        else:
+            c = unpack_codes(codes, 3, self.r) if self.bits == 3 else unpack_planar(codes, self.bits)
         return dequantize_latent(c, self.scale, self.bits)
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -318,8 +352,8 @@ def build_latent_codecs(section: dict, tensors: dict[str, torch.Tensor], args: M
     if not 1 <= G <= L or section.get("n_groups") != -(-L // G):
         raise FormatError(f"KV latent section: group_layers {G} / n_groups {section.get('n_groups')} do not "
                           f"fit a {L}-layer model")
-    if bits not in (2, 3, 4, 16):
-        raise FormatError(f"KV latent section: bits {bits} is not one of 2, 3, 4, 16")
+    if bits not in (TERNARY, 2, 3, 4, 16):
+        raise FormatError(f"KV latent section: bits {bits} is not one of 1 (ternary), 2, 3, 4, 16")
     groups = [list(range(i, min(i + G, L))) for i in range(0, L, G)]
     codecs = []
     for g, layers in enumerate(groups):
@@ -341,7 +375,7 @@ def build_latent_codecs(section: dict, tensors: dict[str, torch.Tensor], args: M
             if tuple(mean.shape) != (D,) or tuple(scale.shape) != (r,):
                 raise FormatError(f"KV calibration tensors kv.groups.{g}.{kind}_mean/_scale have shapes "
                                   f"{list(mean.shape)}/{list(scale.shape)}, expected [{D}]/[{r}]")
-            if bits < 16 and r % 8:
+            if bits not in (TERNARY, 16) and r % 8:
                 raise FormatError(f"KV calibration: kv.groups.{g}.{kind} rank {r} does not pack at {bits} bits")
         codecs.append({kind: LatentCodec(parts[kind, "basis"], parts[kind, "mean"], parts[kind, "scale"], bits,
                                          section["block"], section["outlier_frac"], device) for kind in "kv"})

@@ -43,3 +43,25 @@ def test_latent_rank_too_large_is_one_line(tmp_path):
              "--seq-len", "16", "-o", tmp_path / "c")
     assert r.returncode == 2 and "kv.latent.rank_k 72 exceeds the 64 dims" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_ternary_latent_pipeline_on_demo_moe(tmp_path):
+    """Seed 001's sub-2-bit option (latent bits 1 = ternary, five trits per byte) end to end."""
+    recipe = tmp_path / "tern.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "tern", "kv": {
+        "codec": "latent-layer", "bits": 1, "window": 32, "sinks": 2, "block": 16, "rope": "post",
+        "latent": {"rank_k": 48, "rank_v": 48, "group_layers": 2, "outlier_frac": 0.005}}}))
+    calib, packed, out = tmp_path / "c", tmp_path / "p", tmp_path / "e.json"
+    r = moec("calibrate", "demo-moe", "--recipe", recipe, "--data", "ptb", "--split", "valid", "--samples", "2",
+             "--seq-len", "64", "-o", calib)
+    assert r.returncode == 0, r.stderr
+    r = moec("pack", "demo-moe", calib, "-o", packed)
+    assert r.returncode == 0, r.stderr
+    r = moec("eval", packed, "--mode", "dec", "--max-windows", "1", "--window", "128", "--baseline", "demo-moe",
+             "--json", out)
+    assert r.returncode == 0, r.stderr
+    (rec,) = json.loads(out.read_text())
+    # at 32k: 48 trits = 10 bytes per token, group (2 layers × 2 heads × 32 = 128 dims) and kind: 0.625 bits,
+    # + outliers 0.005 × 32 bits = 0.16, + the fp16 window and the fp16 bases (~0.1)
+    assert 0.75 < rec["kv_bits_32k"] < 1.0, rec
+    assert 0 < rec["kld"] < 0.3 and rec["top1"] > 0.6, rec

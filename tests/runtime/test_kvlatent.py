@@ -6,7 +6,15 @@ import torch
 from moec.errors import FormatError
 from moec.runtime.config import ModelArgs
 from moec.runtime.kvcache import DenseKVCache
-from moec.runtime.kvlatent import LatentCodec, LatentKVCache, build_latent_codecs, pack_planar, unpack_planar
+from moec.runtime.kvlatent import (
+    LatentCodec,
+    LatentKVCache,
+    build_latent_codecs,
+    pack_planar,
+    pack_trits,
+    unpack_planar,
+    unpack_trits,
+)
 
 ARGS = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
                  max_seq_len=512)
@@ -35,6 +43,32 @@ def test_planar_round_trip(bits):
     assert packed.dtype == torch.uint8 and packed.shape[-1] == 24 * bits // 8
     assert torch.equal(unpack_planar(packed, bits), codes)
     assert pack_planar(torch.tensor([1, 2, 3, 0]), 2).tolist() == [1 | 2 << 2 | 3 << 4]  # channel c: bit 2c
+
+
+@pytest.mark.parametrize("r", [5, 24, 27])
+def test_trit_round_trip(r):
+    codes = torch.randint(0, 3, (3, 4, r))
+    packed = pack_trits(codes)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == -(-r // 5)  # 1.6 bits per element
+    assert torch.equal(unpack_trits(packed, r), codes)
+
+
+def test_ternary_latent_codec():
+    """Ternary latent (bits 1): stored at ceil(r/5) bytes per token; the reconstruction equals the basis
+    times the nearest of {-s, 0, s} per latent channel; the rounding error is at most s/2 per channel."""
+    D, r = 32, 16
+    basis = _orth(D, r, 3)
+    scale = torch.full((r,), 0.7)
+    c = LatentCodec(basis, torch.zeros(D), scale, 1, 8, 0.0)
+    assert c.fields()["codes"][1] == (4,)
+    z = torch.randn(2, 8, r)
+    x = z @ basis.T
+    y = c.decode(c.encode(x))
+    zq = (y @ basis)  # the dequantized latent (basis orthonormal)
+    lev = torch.round(torch.clamp(z / 0.7, -1, 1)) * 0.7
+    assert torch.allclose(zq, lev, atol=2e-3)  # basis, mean and scale are held in fp16
+    inside = z.abs() <= 0.7
+    assert ((zq - z).abs()[inside] <= 0.35 + 2e-3).all()
 
 
 def test_codec_low_rank_exact_and_outliers():
