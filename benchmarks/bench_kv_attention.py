@@ -42,14 +42,23 @@ from moec.kernels import kv_decode_attention as kda  # noqa: E402
 from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref  # noqa: E402
 
 H, K, D, LAYERS, BLOCK, WIN = 32, 8, 128, 32, 32, 128 + 4 + 16  # window: 4 sinks + 128 recent + a partial block
-RECIPE = ROOT / "recipes" / "kv-nuq2-outlier.yaml"
-_KV = yaml.safe_load(RECIPE.read_text())["kv"]
-FRAC = float(_KV["outlier_frac"])
-PRE_ROPE, CENTER = _KV.get("rope") == "pre", bool(_KV.get("k_center", False))
+RECIPE = ROOT / "recipes" / "kv-nuq2-outlier.yaml"  # --recipe: e.g. kv-nuq2-outlier-post.yaml (latency recipes)
 
 
-def recipe_kw(t, pre_rope: bool = PRE_ROPE) -> dict:
+def use_recipe(path: Path) -> None:
+    """The outlier fraction, key centers and RoPE placement the grid times, from a nuq-outlier recipe."""
+    global RECIPE, FRAC, PRE_ROPE, CENTER
+    kv = yaml.safe_load(path.read_text())["kv"]
+    RECIPE, FRAC = path, float(kv["outlier_frac"])
+    PRE_ROPE, CENTER = kv.get("rope") == "pre", bool(kv.get("k_center", False))
+
+
+use_recipe(RECIPE)
+
+
+def recipe_kw(t, pre_rope: bool | None = None) -> dict:
     """The recipe's kernel options for one layer: key centers; pre-RoPE keys (Mixtral rope_theta 1e6)."""
+    pre_rope = PRE_ROPE if pre_rope is None else pre_rope
     kw = {"k_center": t["k_center"]} if CENTER else {}
     if pre_rope:
         kw["rope"] = (1.0 / 1e6 ** (torch.arange(0, D, 2, device=t["k_scale"].device).float() / D), 4)
@@ -57,8 +66,9 @@ def recipe_kw(t, pre_rope: bool = PRE_ROPE) -> dict:
 GRID = ((4096, 1), (4096, 16), (32768, 1), (32768, 16), (131072, 1))
 
 
-def make_layer(B, S, bits, frac=FRAC, dev="cuda"):
+def make_layer(B, S, bits, frac=None, dev="cuda"):
     """Random packed history of S tokens (codes uniform over all bytes: every level appears) + window."""
+    frac = FRAC if frac is None else frac
     NB = S // BLOCK
     nout = math.ceil(frac * BLOCK * D - 1e-9) if frac > 0 else 0
     dw = D * bits // 8
@@ -120,7 +130,7 @@ def stats(ts):
     return {"ms_median": statistics.median(ts), "ms_p10": ts[len(ts) // 10], "ms_p90": ts[(9 * len(ts)) // 10]}
 
 
-def time_kernel(layers, q, bits, reps, recipe=True, pre_rope: bool = PRE_ROPE, **kw):
+def time_kernel(layers, q, bits, reps, recipe=True, pre_rope: bool | None = None, **kw):
     """Median step time (32 layers) and GB/s for one launch configuration (recipe: its rope and centers)."""
     step_bytes = sum(nbytes(t, q) for t in layers)
     if not (recipe and CENTER):
@@ -304,10 +314,12 @@ def run_sweep(base, records, save, reps):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--recipe", type=Path, default=RECIPE, help="the nuq-outlier recipe whose codec the grid times")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="sweep launch knobs instead of the target grid")
     ap.add_argument("--config-from", type=Path, help="a --sweep result: launch with its fastest 32k batch-16 knobs")
     a = ap.parse_args()
+    use_recipe(a.recipe)
     if a.config_from:
         sweep = [r for r in json.loads(a.config_from.read_text()) if r.get("context") == 32768
                  and r.get("batch") == 16 and "ms_median" in r]
@@ -320,7 +332,7 @@ def main():
                          text=True).stdout.strip() or None
     base = {"bench": "kv_attention", "git_sha": sha, "date": time.strftime("%Y-%m-%d"), "device": dev,
             "shape": f"mixtral-8x7b attention: {H} q heads, {K} KV heads, head_dim {D}, {LAYERS} layers",
-            "method": "nuq-outlier 2-bit fused decode attention", "recipe": "kv-nuq2-outlier"}
+            "method": "nuq-outlier 2-bit fused decode attention", "recipe": RECIPE.stem}
     records = []
 
     def save():
