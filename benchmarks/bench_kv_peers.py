@@ -75,13 +75,17 @@ def decode_window(model, x: torch.Tensor, cache) -> torch.Tensor:
     return torch.stack(out).float()
 
 
+AXIS = 0  # --axis: QuantizedCache's axis_key / axis_value (transformers' default 0)
+
+
 def make_cache(model, cfg):
     from transformers import DynamicCache, QuantizedCache
 
     if cfg is None:
         return DynamicCache(config=model.config)
     backend, nbits = cfg
-    return QuantizedCache(backend, model.config, nbits=nbits, q_group_size=64, residual_length=128)
+    return QuantizedCache(backend, model.config, nbits=nbits, axis_key=AXIS, axis_value=AXIS, q_group_size=64,
+                          residual_length=128)
 
 
 def summarize(per: list[dict], n: int) -> dict:
@@ -100,7 +104,10 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--axis", type=int, choices=(0, 1), default=0, help="axis_key = axis_value of QuantizedCache")
     a = ap.parse_args()
+    global AXIS
+    AXIS = a.axis
     from transformers import AutoModelForCausalLM
 
     torch.set_grad_enabled(False)
@@ -154,10 +161,11 @@ def main() -> None:
         s8, s6 = summarize(per, n), summarize(per, min(6, n))
         cfg = CONFIGS[name]
         rec = base_record("kv_peers", "cpu") | {
-            "model": a.model, "method": name, "recipe": "hf-quantized-cache" if cfg else "hf-dynamic-cache",
+            "model": a.model, "method": name if AXIS == 0 or not cfg else f"{name}-axis1",
+            "recipe": "hf-quantized-cache" if cfg else "hf-dynamic-cache",
             "peer": {"impl": "transformers QuantizedCache" if cfg else "transformers DynamicCache",
                      "backend": cfg and cfg[0], "nbits": cfg and cfg[1], "q_group_size": 64,
-                     "residual_length": 128, "axis_key": 0, "axis_value": 0},
+                     "residual_length": 128, "axis_key": AXIS, "axis_value": AXIS},
             "context": a.window, "batch": 1, "mode": "dec", "dtype": "fp32", "data": "ptb", "split": "test",
             "windows": f"{n} windows (0-{n - 1}) of {a.window}, scored {CONTEXT}..{a.window - 1}",
             "ppl": s8["ppl"], "ppl_base": s8["ppl_base"], "delta_pct": s8["delta_pct"], "kld": s8["kld"],
