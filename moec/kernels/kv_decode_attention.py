@@ -78,7 +78,7 @@ CONFIG = {"block_t": 32, "num_warps": 4, "num_stages": 2, "lazy": True, "waves":
 
 
 _LAST: dict = {}  # the last compiled kernel (registers / spills for the benchmark's sweep)
-_STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> device copies (attend_cache)
+_STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> device copies (codec_statics)
 
 
 def _interpreting() -> bool:
@@ -638,6 +638,24 @@ def kv_decode_attention_ref(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev,
     return out
 
 
+def codec_statics(codec, dev) -> tuple:
+    """(k_scale, k_levels, v_levels, k_center or None) of a nuq-outlier codec as contiguous fp32 tensors on
+    `dev`, copied once per codec and device (the caches pass them to the kernel every step)."""
+    per = _STATIC.setdefault(codec, {})
+    if str(dev) not in per:
+        center = getattr(codec, "k_center", None)  # kvquant.NUQCenteredCodec
+        per[str(dev)] = tuple(None if t is None else t.to(dev).float().contiguous()
+                              for t in (codec.k_scale, codec.levels["k"], codec.levels["v"], center))
+    return per[str(dev)]
+
+
+def rope_table(args, sinks: int, dev) -> tuple[torch.Tensor, int]:
+    """The kernel's `rope` argument for a pre-RoPE history whose token t sits at position sinks + t."""
+    from ..runtime.model import rope_inv_freq
+
+    return rope_inv_freq(args, dev).float().contiguous(), sinks
+
+
 def attend_cache(cache, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
     """One decode step of a TieredKVCache (nuq-outlier; pre-RoPE history keys are rotated in the kernel,
     history token t at position sinks + t). q [B, H, 1, d]; wk, wv [B, K, n, d] fp16 window (sinks
@@ -655,17 +673,12 @@ def attend_cache(cache, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch
         kov = vov = z.half()
     hist_len = torch.full((B,), cache.n_blocks[layer] * cache.block, dtype=torch.int32, device=dev)
     win_len = torch.full((B,), wk.shape[2], dtype=torch.int32, device=dev)
-    per = _STATIC.setdefault(codec, {})
-    if str(dev) not in per:  # device copies of the codec's per-layer tensors, made once
-        center = getattr(codec, "k_center", None)  # kvquant.NUQCenteredCodec
-        per[str(dev)] = tuple(None if t is None else t.to(dev).float().contiguous()
-                              for t in (codec.k_scale, codec.levels["k"], codec.levels["v"], center))
-    k_scale, k_lev, v_lev, k_center = per[str(dev)]
+    k_scale, k_lev, v_lev, k_center = codec_statics(codec, dev)
     rope = None
     if cache.rope_pre:
-        from ..runtime.model import rope_inv_freq
-
-        rope = (rope_inv_freq(cache.args, dev).float().contiguous(), cache.sinks)
+        if cache.rope_table is None:  # made once per cache, not every step
+            cache.rope_table = rope_table(cache.args, cache.sinks, dev)
+        rope = cache.rope_table
     out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"], hv["codes"], k_scale, hv["scale"], k_lev, v_lev,
                               koi, kov, voi, vov, hist_len, wk.contiguous(), wv.contiguous(), win_len, codec.bits,
                               cache.block, rope=rope, k_center=k_center)

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelArgs
+from .kvtiered import alloc_fields, kernel_path
 from .model import MoE, Transformer, apply_rope, rope_cos_sin, route
 
 log = logging.getLogger(__name__)
@@ -156,25 +157,17 @@ class StaticTieredCache:
         self.length = [0] * B
         self.rows = torch.arange(B, device=device)
         self.pos: torch.Tensor | None = None
-        if use_kernel is None:
-            use_kernel = (self.device.type == "cuda" and self.codec == "nuq-outlier"
-                          and d >= 64 and d & (d - 1) == 0 and block >= 16 and block & (block - 1) == 0)
-        self.use_kernel = use_kernel
+        self.use_kernel = kernel_path(device, self.codec, d, block) if use_kernel is None else use_kernel
         # blocks leaving the window: the quantize-pack kernel on CUDA (nuq-outlier), else codec.encode
         from ..kernels.kv_quantize_pack import supports
 
         self.fast_encode = self.device.type == "cuda" and all(supports(c) for c in codecs)
         if use_kernel:
-            dev = self.device
-            self.k_scale = [c.k_scale.to(dev).contiguous() for c in codecs]
-            centers = [getattr(c, "k_center", None) for c in codecs]  # kvquant.NUQCenteredCodec
-            self.k_center = [None if t is None else t.to(dev).float().contiguous() for t in centers]
-            self.rope = None
-            if rope_pre:  # history token t sits at position sinks + t (the kernel rotates in registers)
-                from .model import rope_inv_freq
+            from ..kernels.kv_decode_attention import codec_statics, rope_table
 
-                self.rope = (rope_inv_freq(args, dev).float().contiguous(), sinks)
-            self.lev = {kind: [c.levels[kind].to(dev).contiguous() for c in codecs] for kind in "kv"}
+            dev = self.device
+            self.statics = [codec_statics(c, dev) for c in codecs]  # (k_scale, k_lev, v_lev, k_center) per layer
+            self.rope = rope_table(args, sinks, dev) if rope_pre else None  # history token t at sinks + t
             self.mirror = None
             if not codecs[0].n_out:  # the kernel takes (empty) outlier tensors all the same
                 z = torch.zeros(B, K, self.max_blocks, 0, device=dev)
@@ -186,11 +179,7 @@ class StaticTieredCache:
             self.hslots = torch.arange(self.max_blocks * block, device=device)
 
     def _alloc(self, fields: dict) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, (axis, trail, dtype) in fields.items():
-            n = self.max_blocks * (self.block if axis == "token" else 1)
-            out[name] = torch.zeros(self.batch, self.args.n_kv_heads, n, *trail, dtype=dtype, device=self.device)
-        return out
+        return alloc_fields(fields, self.batch, self.args.n_kv_heads, self.max_blocks, self.block, self.device)
 
     def _per_block(self, name: str, kind: str, layer: int) -> int:
         return self.block if self.codecs[layer].fields(kind)[name][0] == "token" else 1
@@ -215,11 +204,12 @@ class StaticTieredCache:
             else:
                 koi = voi = self.no_out[0][:b]
                 kov = vov = self.no_out[1][:b]
-            out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"][:b], hv["codes"][:b], self.k_scale[layer],
-                                      hv["scale"][:b], self.lev["k"][layer], self.lev["v"][layer], koi, kov, voi, vov,
+            k_scale, k_lev, v_lev, k_center = self.statics[layer]
+            out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"][:b], hv["codes"][:b], k_scale,
+                                      hv["scale"][:b], k_lev, v_lev, koi, kov, voi, vov,
                                       self.hist_len[:b], wk[:b], wv[:b], win_len.to(torch.int32),
                                       self.codecs[layer].bits, self.block, rope=self.rope,
-                                      k_center=self.k_center[layer])  # [b, H, d] fp32
+                                      k_center=k_center)  # [b, H, d] fp32
             return out[:, :, None].to(q.dtype)
         hk, hv = self.mirror["k"][layer][:b], self.mirror["v"][layer][:b]
         keys = torch.cat([wk[:b].to(q.dtype), hk.to(q.dtype)], dim=2)  # [b, K, wcap + S, d]

@@ -33,6 +33,22 @@ from .kvcache import causal_attention
 from .model import apply_rope, rope_cos_sin
 
 
+def kernel_path(device, codec: str, head_dim: int, block: int) -> bool:
+    """Whether decode steps of a nuq-outlier cache go through the fused kernel by default (its shape limits:
+    power-of-two head_dim >= 64 and block >= 16; CUDA only)."""
+    d = head_dim
+    return (torch.device(device).type == "cuda" and codec == "nuq-outlier" and d >= 64 and d & (d - 1) == 0
+            and block >= 16 and block & (block - 1) == 0)
+
+
+def alloc_fields(fields: dict, batch: int, n_kv_heads: int, max_blocks: int, block: int, device) -> dict:
+    """Zeroed history buffers [batch, K, n, *trail] for a codec's `fields()`: n = max_blocks · block for
+    token fields, max_blocks for block fields."""
+    return {name: torch.zeros(batch, n_kv_heads, max_blocks * (block if axis == "token" else 1), *trail,
+                              dtype=dtype, device=device)
+            for name, (axis, trail, dtype) in fields.items()}
+
+
 class TieredKVCache:
     def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list, window: int = 128,
                  sinks: int = 4, block: int = 32, rope_pre: bool = False, device="cpu",
@@ -51,20 +67,14 @@ class TieredKVCache:
         self.hist = {kind: [self._alloc(c.fields(kind)) for c in codecs] for kind in "kv"}
         self.n_blocks = [0] * args.n_layers
         self.length = 0
-        if use_kernel is None:
-            use_kernel = (self.device.type == "cuda" and self.codec == "nuq-outlier"
-                          and d >= 64 and d & (d - 1) == 0 and block >= 16 and block & (block - 1) == 0)
-        self.use_kernel = use_kernel
+        self.use_kernel = kernel_path(device, self.codec, d, block) if use_kernel is None else use_kernel
+        self.rope_table = None  # the kernel's `rope` argument for pre-RoPE keys (kv_decode_attention.attend_cache)
         self.mirror = None if use_kernel else {
             kind: [torch.zeros(B, K, self.max_blocks * block, d, device=device) for _ in range(args.n_layers)]
             for kind in "kv"}
 
     def _alloc(self, fields: dict) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, (axis, trail, dtype) in fields.items():
-            n = self.max_blocks * (self.block if axis == "token" else 1)
-            out[name] = torch.zeros(self.batch, self.args.n_kv_heads, n, *trail, dtype=dtype, device=self.device)
-        return out
+        return alloc_fields(fields, self.batch, self.args.n_kv_heads, self.max_blocks, self.block, self.device)
 
     def _axis_len(self, name: str, kind: str, layer: int, blocks: int) -> int:
         axis = self.codecs[layer].fields(kind)[name][0]
