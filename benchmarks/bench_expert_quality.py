@@ -1,4 +1,5 @@
-"""Expert / MLP weight quantization quality: calibrate → pack → ppl_tf on PTB test (BENCHMARKS.md).
+"""Weight quantization quality (experts / MLPs / attention projections): calibrate → pack → ppl_tf on
+PTB test (BENCHMARKS.md).
 
     python3 benchmarks/bench_expert_quality.py --model demo-moe \
         --recipes recipes/experts-hls2.yaml recipes/experts-rtn2.yaml ... [--windows 8] [--samples 32]
@@ -9,7 +10,9 @@ perplexity of the packed model over the first N windows of 1024 tokens of PTB te
 (whose logits are computed once and reused). Records are merged into
 benchmarks/results/expert_quality_<model>.json (a record with the same model and recipe is
 replaced). `w_bits` covers every decoder-layer matrix; `q_bits` only the quantized ones, both from
-the bytes stored in the packed checkpoint.
+the bytes stored in the packed checkpoint. `method`, `targets` and `group_size` describe the first
+weights rule, `rules` every rule of the recipe. The HQQ peer (`--hqq`) quantizes the expert/MLP
+matrices only (benchmarks/bench_hls_study.py --scope all has HQQ on attention too, by fake quant).
 """
 
 from __future__ import annotations
@@ -88,7 +91,10 @@ def main() -> None:
         rec = base_record("expert-quality", "cpu") | {
             "model": a.model, "method": f"{rule.codec}{rule.bits}" if rule else "keep", "recipe": recipe.name,
             "targets": rule.targets if rule else [], "group_size": rule.group_size if rule else None,
-            "gptq": rule.gptq if rule else None, "context": W, "batch": 1, "mode": "tf", "dtype": "fp32",
+            "gptq": rule.gptq if rule else None,
+            "rules": [{"targets": x.targets, "codec": x.codec, "bits": x.bits, "group_size": x.group_size,
+                       "gptq": x.gptq} for x in recipe.weights],
+            "context": W, "batch": 1, "mode": "tf", "dtype": "fp32",
             "data": "ptb/test", "windows": f"{windows.shape[0]} windows (0-{windows.shape[0] - 1}) of {W}, "
                                           f"scored {CONTEXT}..{W - 1}",
             "ppl": r["ppl"], "ppl_base": r["ppl_base"], "delta_pct": r["delta_pct"], "kld": r["kld"],

@@ -9,9 +9,9 @@ layer with the original weights (as `moec calibrate` does): H = XᵀX of the inp
 matrix, per expert for MoE layers with the recipe's starved-expert policy (fit_experts.ExpertFitter).
 Each method then quantizes every targeted matrix with the pure functions of moec/calibrate/hls.py
 (HQQ through PyPI `hqq`), writes the dequantized weights into a copy of the model and is scored with
-ppl_tf against the source model's logits (computed once). This path evaluates attention projections,
-which the packed runtime does not load yet; its expert/MLP rows reproduce the calibrate → pack path
-(same quantizers, same statistics).
+ppl_tf against the source model's logits (computed once). Its rows reproduce the calibrate → pack
+path (same quantizers, same statistics; `moec calibrate` fits attention projections too, with the
+same q/k/v and o Hessians as `capture` below).
 
 Method spec: `<codec><bits>[:g<group>][:nogptq][:refit<N>][:noact]`, codec in hls, rtn, fp3, hqq,
 fp8 (no bits). Bits per weight are from the bytes of the stored parts (codes, codebooks, scales)

@@ -1,10 +1,14 @@
-"""Expert/MLP weight fitting during `moec calibrate`: which tensors a recipe quantizes, the starved-
-expert policy, Hessian regularization, and the call into the pure quantizers (hls.py).
+"""Weight fitting during `moec calibrate`: which tensors a recipe quantizes (experts, dense MLPs and
+attention projections), the starved-expert policy, Hessian regularization, and the call into the pure
+quantizers (hls.py).
 
 For each targeted layer the capture observer (hessian.ExpertHessians) hands over H1 [E, D, D] (input
 of w1/w3), H2 [E, I, I] (input of w2) and token counts; `ExpertFitter.on_layer` picks each expert's
 Hessian (routed, all-tokens or identity), damps it, quantizes the layer's targeted matrices and keeps
-only the stored tensors (`fit.<param>.<part>`) and a report entry.
+only the stored tensors (`fit.<param>.<part>`) and a report entry. Attention projections take the
+same path with E = 1: hessian.AttentionHessians hands over Hqkv [D, D] (input of wq/wk/wv) and Ho
+[H·d, H·d] (input of wo) to `ExpertFitter.on_attention_layer`, and their parts are stored without
+the E axis ([O, ...], as the runtime loads a quantized attention projection: runtime/experts.py).
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import torch
 
 from ..errors import UserError
 from ..runtime.config import ModelArgs
+from ..runtime.experts import ATTN_PARAM
 from ..runtime.model import Transformer
 from . import hls
 from .hessian import regularize
 from .recipe import Recipe, WeightRule
 
-QUANTIZABLE = re.compile(r"layers\.(\d+)\.moe\.(w[123])$")
+EXPERT_PARAM = re.compile(r"layers\.(\d+)\.moe\.(w[123])$")
+QUANTIZABLE = re.compile(rf"{EXPERT_PARAM.pattern}|{ATTN_PARAM.pattern}")
 
 
 def canonical_names(args: ModelArgs) -> dict[str, tuple]:
@@ -46,13 +52,14 @@ def plan(args: ModelArgs, recipe: Recipe) -> dict[str, WeightRule]:
         if not hit:
             raise UserError(f"weights rule {ri} (targets {rule.targets}, codec {rule.codec}) selects no tensor of "
                             f"this model ({args.arch}: {'MoE' if args.is_moe else 'dense'} layers); "
-                            f"targets that exist here: {'experts' if args.is_moe else 'mlp'}")
+                            f"targets that exist here: {'experts' if args.is_moe else 'mlp'}, attention")
         for n in hit:
             m = QUANTIZABLE.search(n)
             if not m:
                 raise UserError(f"weights rule {ri}: codec {rule.codec!r} on {n!r}: this moec version quantizes "
-                                f"only expert and dense-MLP matrices (layers.*.moe.w1/w2/w3)")
-            I = names[n][2]
+                                f"only expert, dense-MLP and attention matrices (layers.*.moe.w1/w2/w3, "
+                                f"layers.*.attn.wq/wk/wv/wo.weight)")
+            I = names[n][-1]  # experts [E, O, I], attention [O, I]
             if rule.group_size and I % rule.group_size:
                 divs = [d for d in range(8, I + 1, 8) if I % d == 0]
                 raise UserError(f"weights rule {ri}: group_size {rule.group_size} does not divide the input dim "
@@ -74,7 +81,27 @@ class ExpertFitter:
         self.tune_report: dict | None = None
 
     def layers(self) -> set[int]:
-        return {int(QUANTIZABLE.search(n).group(1)) for n in self.targets}
+        """Layers with a targeted expert/MLP matrix (for ExpertHessians)."""
+        return {int(m.group(1)) for n in self.targets if (m := EXPERT_PARAM.search(n))}
+
+    def attention_layers(self) -> set[int]:
+        """Layers with a targeted attention projection (for AttentionHessians)."""
+        return {int(m.group(1)) for n in self.targets if (m := ATTN_PARAM.search(n))}
+
+    def _fit(self, name: str, W: torch.Tensor, H: torch.Tensor, rule: WeightRule) -> dict:
+        """Quantize W [E, O, I] (or [O, I] with H [I, I]: an attention projection, one "expert") under
+        `rule`, keep its stored parts as `fit.<name>.<part>` (a 2-D parameter's without the E axis)
+        and return the report entry."""
+        flat = W.dim() == 2
+        W3, H3 = (W[None], H[None]) if flat else (W, H)
+        stored = hls.quantize(W3, H3, rule.codec, rule.bits, rule.group_size, gptq=rule.gptq)
+        W_hat = hls.dequantize(rule.codec, rule.bits, tuple(W3.shape), stored)
+        assert torch.isfinite(W_hat).all(), f"{name}: non-finite dequantized weights"
+        err = hls.output_error(W3, W_hat, H3)
+        for part, t in stored.items():
+            self.tensors[f"fit.{name}.{part}"] = (t[0] if flat else t).cpu().contiguous()
+        return {"codec": rule.codec, "bits": rule.bits, "group_size": rule.group_size, "gptq": rule.gptq,
+                "rel_output_error": [round(x, 6) for x in err.tolist()]}
 
     def _hessians(self, stats: dict, key: str) -> tuple[torch.Tensor, list[dict]]:
         H = stats[key].clone()  # [E, n, n]
@@ -110,15 +137,28 @@ class ExpertFitter:
                 continue
             H = H2 if p == "w2" else H1
             W = sd[name].to(H.device, torch.float32)  # fits run where the statistics are (cpu or cuda)
-            stored = hls.quantize(W, H, rule.codec, rule.bits, rule.group_size, gptq=rule.gptq)
-            W_hat = hls.dequantize(rule.codec, rule.bits, tuple(W.shape), stored)
-            assert torch.isfinite(W_hat).all(), f"{name}: non-finite dequantized weights"
-            err = hls.output_error(W, W_hat, H)
-            entry[p] = {"codec": rule.codec, "bits": rule.bits, "group_size": rule.group_size, "gptq": rule.gptq,
-                        "rel_output_error": [round(x, 6) for x in err.tolist()]}
-            for part, t in stored.items():
-                self.tensors[f"fit.{name}.{part}"] = t.cpu().contiguous()
-        self.report[layer] = entry
+            entry[p] = self._fit(name, W, H, rule)
+        self.report.setdefault(layer, {}).update(entry)
+        self.seconds += time.time() - t0
+
+    def on_attention_layer(self, layer: int, stats: dict) -> None:
+        """The `on_layer` callback of AttentionHessians: Hqkv / Ho damped (regularize), the layer's
+        targeted projections fitted with them, statistics dropped by the caller."""
+        t0 = time.time()
+        sd = self.layer_state(layer)
+        entry: dict = {"tokens": stats["count"]}
+        Hs = {}
+        for key, tag in (("Hqkv", "qkv"), ("Ho", "o")):
+            Hs[key], note = regularize(stats[key])
+            entry[f"status_{tag}"] = note["status"]  # non-finite / zero / singular: identity (least squares)
+        for p in ("wq", "wk", "wv", "wo"):
+            name = f"layers.{layer}.attn.{p}.weight"
+            rule = self.targets.get(name)
+            if rule is None:
+                continue
+            H = Hs["Ho" if p == "wo" else "Hqkv"]
+            entry[p] = self._fit(name, sd[name].to(H.device, torch.float32), H, rule)
+        self.report.setdefault(layer, {})["attention"] = entry
         self.seconds += time.time() - t0
 
     def tune(self, args: ModelArgs, state: dict[str, torch.Tensor], tokens: torch.Tensor, steps: int, lr: float,
@@ -131,7 +171,8 @@ class ExpertFitter:
             raise UserError("calibration.tune_steps tunes hls codebooks, and no weights rule of this recipe uses "
                             "codec hls")
         t0 = time.time()
-        self.tune_report = tune_codebooks(args, state, self.tensors, {n: tuple(state[n].shape) for n in hls_params},
+        shapes = {n: tuple(state[n].shape) if state[n].dim() == 3 else (1, *state[n].shape) for n in hls_params}
+        self.tune_report = tune_codebooks(args, state, self.tensors, shapes,
                                           {n: r.bits for n, r in hls_params.items()}, tokens, steps, lr, batch, seed,
                                           device)
         self.tune_report["seconds"] = round(time.time() - t0, 2)

@@ -11,6 +11,11 @@ over every calibration token (outputs of the layer still use the true routing: t
 reads activations), which replace the routed sums of experts that got fewer than `min_expert_tokens`
 tokens. Statistics use the original weights layer by layer (capture.py); quantized outputs are not
 propagated to later layers.
+
+`AttentionHessians` does the same for the attention projections from the 'attn_in' / 'attn_out'
+events: per layer Hqkv = Σ x xᵀ over the normed hidden states entering attention [D, D] (one H
+shared by wq, wk and wv, which read the same input) and Ho = Σ a aᵀ over the attention outputs
+entering wo [H·d, H·d]; every token passes through attention, so there is no routing or policy.
 """
 
 from __future__ import annotations
@@ -120,4 +125,38 @@ class ExpertHessians:
         if self.cur is not None:
             layer, stats = self.cur, self.stats
             self.cur, self.stats, self.x = None, {}, None
+            self.on_layer(layer, stats)
+
+
+class AttentionHessians:
+    """Capture observer accumulating Hqkv [D, D] (input of wq/wk/wv), Ho [H·d, H·d] (input of wo) and
+    the token count for the attention of the `layers` asked for; like ExpertHessians, `on_layer(i,
+    stats)` is called once layer i is complete (at the first event of a later layer, or `flush()`),
+    so only one layer's statistics are held."""
+
+    def __init__(self, args: ModelArgs, layers: set[int], on_layer: Callable[[int, dict], None]):
+        self.args, self.layers, self.on_layer = args, layers, on_layer
+        self.cur: int | None = None
+        self.stats: dict = {}
+
+    def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
+        if layer not in self.layers or name not in ("attn_in", "attn_out"):
+            return
+        if self.cur != layer:
+            self.flush()
+            self.cur = layer
+            D, Dh = self.args.dim, self.args.n_heads * self.args.head_dim
+            z = dict(dtype=torch.float32, device=t.device)  # where the activations are (cpu or cuda)
+            self.stats = {"Hqkv": torch.zeros(D, D, **z), "Ho": torch.zeros(Dh, Dh, **z), "count": 0}
+        x = t.detach().reshape(-1, t.shape[-1])  # [N, D] or [N, H·d]
+        if name == "attn_in":
+            accumulate_hessian(self.stats["Hqkv"], x)
+            self.stats["count"] += x.shape[0]
+        else:
+            accumulate_hessian(self.stats["Ho"], x)
+
+    def flush(self) -> None:
+        if self.cur is not None:
+            layer, stats = self.cur, self.stats
+            self.cur, self.stats = None, {}
             self.on_layer(layer, stats)

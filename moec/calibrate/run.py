@@ -31,7 +31,7 @@ from .fit_experts import ExpertFitter, plan
 from .fit_kv import KVSampler, check_kv_recipe, fit_kv_tensors
 from .fit_latent import LatentSampler, check_latent_recipe, fit_latent_tensors
 from .fit_rvq import check_rvq_recipe, fit_rvq_tensors
-from .hessian import ExpertHessians
+from .hessian import AttentionHessians, ExpertHessians
 from .recipe import Recipe
 from .sources import load_tokenizer, tokenize
 
@@ -81,15 +81,20 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         observers.append(kv_sampler)
     cal = recipe.calibration
     fitter = ExpertFitter(targets, ckpt.layer_state, cal.expert_policy, cal.min_expert_tokens) if targets else None
-    if fitter is not None:  # per-expert Hessians, fitted and dropped layer by layer
-        hessians = ExpertHessians(args, fitter.layers(), ckpt.layer_state, fitter.on_layer, all_tokens=(
-            cal.expert_policy == "all-experts-for-stats" and cal.min_expert_tokens > 0))
-        observers.append(hessians)
+    hessians: list = []
+    if fitter is not None:  # per-expert and attention Hessians, fitted and dropped layer by layer
+        if fitter.layers():
+            hessians.append(ExpertHessians(args, fitter.layers(), ckpt.layer_state, fitter.on_layer, all_tokens=(
+                cal.expert_policy == "all-experts-for-stats" and cal.min_expert_tokens > 0)))
+        if fitter.attention_layers():
+            hessians.append(AttentionHessians(args, fitter.attention_layers(), fitter.on_attention_layer))
+        observers += hessians
     t0 = time.time()
     run_layers(args, ckpt.global_state(), ckpt.layer_state, tokens, observers, device=device,
                progress=progress)
     if fitter is not None:
-        hessians.flush()
+        for hs in hessians:
+            hs.flush()
         if cal.tune_steps:  # hls codebooks tuned end to end against the source model (tune.py)
             fitter.tune(args, ckpt.state_dict(), tokens, cal.tune_steps, cal.tune_lr, cal.tune_batch, seed, device)
         tensors_fit = fitter.tensors

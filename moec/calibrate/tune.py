@@ -31,7 +31,8 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
                    batch: int, seed: int, device: str = "cpu") -> dict:
     """Tune the hls codebooks in `fitted` (`fit.<param>.codebook` / `.cb_scale`, replaced in place).
 
-    state: source model tensors (canonical names); shapes/bits: [E, O, I] and bits of each hls param;
+    state: source model tensors (canonical names); shapes/bits: [E, O, I] and bits of each hls param
+    (E = 1 for a 2-D param, an attention projection, whose fitted parts carry no E axis);
     tokens [N, L] calibration sequences. Returns a report {steps, kl_first, kl_last}."""
     dev = torch.device(device)
     st = {k: v.to(dev, torch.float32) for k, v in state.items()}
@@ -41,7 +42,9 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
         p.requires_grad_(False)
     lut0, idx, scale, delta = {}, {}, {}, {}
     for name, (E, O, I) in shapes.items():
-        parts = {"codebook": fitted[f"fit.{name}.codebook"].to(dev), "cb_scale": fitted[f"fit.{name}.cb_scale"].to(dev)}
+        parts = {p: fitted[f"fit.{name}.{p}"].to(dev) for p in ("codebook", "cb_scale")}
+        if state[name].dim() == 2:  # attention: parts stored without the E axis
+            parts = {p: v[None] for p, v in parts.items()}
         lut0[name] = hls.lut_from_stored("hls", bits[name], parts)  # [E, O, G, K]
         G = lut0[name].shape[2]
         codes = bitpack.unpack(fitted[f"fit.{name}.codes"].to(dev), bits[name], I)
@@ -70,7 +73,7 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
             lut = lut0[n] + scale[n] * delta[n]
             assert torch.isfinite(lut).all(), f"{n}: non-finite codebook after tuning"
             for part, t in hls.int8_codebook(lut).items():
-                fitted[f"fit.{n}.{part}"] = t.cpu().contiguous()
+                fitted[f"fit.{n}.{part}"] = (t if state[n].dim() == 3 else t[0]).cpu().contiguous()
     k = max(1, min(10, steps // 5))  # KL averaged over the first and the last k steps
     return {"steps": steps, "lr": lr, "batch": batch, "kl_first": _mean(kls[:k]),
             "kl_last": _mean(kls[-k:])}

@@ -9,9 +9,10 @@ Experts are stacked tensors `w1, w3: [E, I, D]` (gate, up) and `w2: [E, D, I]` (
 the same module with E = 1 and no router. The forward is plain torch: it is the reference the Triton
 kernels are compared against, and the path `moec eval` takes on a CPU.
 
-An optional `observer(layer, name, tensor)` sees internal activations (attention input, pre- and
-post-RoPE keys, values, router logits, per-token expert choices, FFN input); calibration capture
-uses it so the layer loop lives in one place (moec/calibrate/capture.py).
+An optional `observer(layer, name, tensor)` sees internal activations: 'attn_in' (normed input of
+wq/wk/wv), 'k_pre' (keys before RoPE), 'q', 'k', 'v' (after RoPE), 'attn_out' (input of wo),
+'ffn_in', 'router_logits', 'expert_ids'; calibration capture uses it so the layer loop lives in one
+place (moec/calibrate/capture.py).
 """
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             out = cache.attend(layer, q, k, v, start_pos)  # [B, H, T, d]
-        return self.wo(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+        out = out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)  # [B, T, H·d]
+        if observer is not None:
+            observer(layer, "attn_out", out)  # the input of wo
+        return self.wo(out)
 
 
 class FFN(nn.Module):

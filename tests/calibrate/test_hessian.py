@@ -39,3 +39,37 @@ def test_expert_hessians_match_direct_sums():
         torch.testing.assert_close(st["H2_all"][e], a_all.T @ a_all, rtol=1e-5, atol=1e-4)
     assert st["count"][3] == 0 and torch.count_nonzero(st["H1"][3]) == 0
     torch.testing.assert_close(st["H1_all"], X.T @ X, rtol=1e-5, atol=1e-4)
+
+
+def test_attention_hessians_match_projection_inputs():
+    """'attn_in' / 'attn_out' sums equal XᵀX of what wq (and wk, wv) and wo actually read; a later
+    layer's event hands the finished layer over."""
+    from moec.calibrate.hessian import AttentionHessians
+    from moec.runtime.model import Block, rope_cos_sin
+
+    args = ModelArgs(arch="mixtral", vocab_size=10, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=6,
+                     n_experts=2, top_k=1, expert_dim=8)
+    torch.manual_seed(0)
+    block = Block(args, 0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    seen = {"wq": [], "wk": [], "wo": []}
+    for name in seen:
+        getattr(block.attn, name).register_forward_pre_hook(
+            lambda _m, a, name=name: seen[name].append(a[0].reshape(-1, a[0].shape[-1])))
+    got = {}
+    obs = AttentionHessians(args, {0, 1}, lambda i, st: got.update({i: st}))
+    cos, sin = rope_cos_sin(args, torch.arange(7), torch.float32)
+    with torch.no_grad():
+        for _ in range(2):  # two batches accumulate
+            block(torch.randn(3, 7, 16), cos, sin, observer=obs)
+    assert not got
+    obs(1, "attn_in", torch.zeros(1, 1, 16))  # layer 1 starts: layer 0 is complete
+    st = got[0]
+    X, A = torch.cat(seen["wq"]), torch.cat(seen["wo"])
+    assert st["count"] == 42 and A.shape[1] == 4 * 6
+    torch.testing.assert_close(torch.cat(seen["wk"]), X)  # wq, wk, wv read one input: one Hessian
+    torch.testing.assert_close(st["Hqkv"], X.T @ X, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(st["Ho"], A.T @ A, rtol=1e-5, atol=1e-4)
+    obs.flush()
+    assert got[1]["count"] == 1
