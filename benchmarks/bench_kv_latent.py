@@ -72,6 +72,14 @@ GRIDS = {
         ("latent-layer", "post", 4, 64, 128, 2, 0.005),
         ("latent-head", "post", 2, 32, 64, 1, 0.005),
     ],
+    "smollm2-pre": [  # the cross-layer configs of the frontier with pre-RoPE keys, and sub-1.25-bit ones
+        ("latent-layer", "pre", 4, 64, 128, 2, 0.005),
+        ("latent-layer", "pre", 4, 192, 384, 4, 0.005),
+        ("latent-layer", "pre", 4, 96, 192, 2, 0.005),
+        ("latent-layer", "pre", 4, 96, 96, 4, 0.005),
+        ("latent-head", "pre", 2, 32, 64, 1, 0.005),
+        ("latent-head", "pre", 4, 32, 64, 1, 0.0),
+    ],
     "demo-moe": [  # 4 layers, 2 KV heads × head_dim 32: 64 dims per layer
         ("latent-head", "post", 4, 16, 32, 1, 0.005),
         ("latent-head", "pre", 4, 16, 32, 1, 0.005),
@@ -89,9 +97,6 @@ GRIDS = {
         ("latent-layer", "post", 4, 32, 64, 2, 0.005),
     ],
 }
-
-
-
 
 @torch.no_grad()
 def run_windows(model, windows: torch.Tensor, factory, batch: int, chunk: int | None):

@@ -13,6 +13,8 @@
    against transformers' generate (bf16, sdpa, static cache) on the same prompt, token for token.
    Where they part, HF's own top-2 logit margin at that step (teacher-forced on the common prefix) says
    whether it was a near-tie that bf16 rounding can flip.
+3. (--rvq-packed, --latent-packed) demo-moe checkpoints packed on the CPU with RVQ / latent KV recipes:
+   ppl_dec through their fused kernels against the torch path of the same cache.
 """
 
 from __future__ import annotations
@@ -111,36 +113,62 @@ def ppl_check(recs: list) -> None:
             print(recs[-1], flush=True)
 
 
-def rvq_check(recs: list, packed: Path) -> None:
-    """demo-moe packed with a tiered RVQ recipe (calibrated on the CPU, carried here): ppl_dec through the
-    LUT kernel (moec/kernels/rvq_lut_attention.py) against the torch path of the same cache, 2 windows of
-    1024 tokens the model samples itself, the archive boundary moved to 512 so all three tiers are used."""
-    import copy
-
+def _packed_kernel_check(recs: list, packed: Path, make_factory, describe) -> None:
+    """ppl_dec of a packed demo-moe checkpoint through its cache's fused kernel against the torch path of the
+    same cache, 2 windows of 1024 tokens the model samples itself. make_factory(info, model, use_kernel);
+    describe(info) -> the record's `check`."""
     from moec.runtime.generate import generate
-    from moec.runtime.kvrvq import rvq_cache_factory
     from moec.runtime.loader import load_model
     from moec.runtime.perplexity import evaluate
 
     model, info = load_model(packed, torch.float32, "cuda")
-    sec = copy.deepcopy(info["kv"])
-    sec["rvq"]["archive_after"] = min(sec["rvq"]["archive_after"] or 512, 512)
     win = torch.stack([torch.tensor([1 + r] + generate(model, [1 + r], 1023, temperature=1.0, seed=r))
                        for r in range(2)])
     res = {}
     for kern in (False, None):
         t0 = time.time()
-        f = rvq_cache_factory(sec, info["kv_tensors"], model.args, use_kernel=kern)
+        f = make_factory(info, model, kern)
         res[kern] = (evaluate(model, win, "dec", batch_size=2, cache_factory=f), f(model, 1, 8).use_kernel,
                      time.time() - t0)
     rel = abs(res[None][0]["ppl"] / res[False][0]["ppl"] - 1)
     recs.append(base_record("runtime-gpu-check", "cuda") | {
-        "model": "demo-moe", "recipe": info["manifest"]["recipe"]["name"],
-        "check": "ppl_dec through the RVQ LUT kernel vs the torch path (archive after 512)", "dtype": "fp32",
+        "model": "demo-moe", "recipe": info["manifest"]["recipe"]["name"], "check": describe(info), "dtype": "fp32",
         "windows": "2 windows of 1024 (the model's own samples), scored 32..1023", "ppl_kernel": res[None][0]["ppl"],
         "ppl_reference": res[False][0]["ppl"], "rel_diff": rel, "pass": rel < 1e-3, "fused_kernel": res[None][1],
         "seconds": res[None][2] + res[False][2], "peer": {}})
     print(recs[-1], flush=True)
+
+
+def rvq_check(recs: list, packed: Path) -> None:
+    """Tiered RVQ recipe through the LUT kernel (moec/kernels/rvq_lut_attention.py), the archive boundary
+    moved to 512 so all three tiers are used."""
+    import copy
+
+    from moec.runtime.kvrvq import rvq_cache_factory
+
+    def factory(info, model, kern):
+        sec = copy.deepcopy(info["kv"])
+        sec["rvq"]["archive_after"] = min(sec["rvq"]["archive_after"] or 512, 512)
+        return rvq_cache_factory(sec, info["kv_tensors"], model.args, use_kernel=kern)
+
+    _packed_kernel_check(recs, packed, factory,
+                         lambda info: "ppl_dec through the RVQ LUT kernel vs the torch path (archive after 512)")
+
+
+def latent_check(recs: list, packed: Path) -> None:
+    """Latent KV recipe through the fused latent kernel (moec/kernels/latent_decode_attention.py: pre- or
+    post-RoPE keys, sparse residual)."""
+    from moec.runtime.kvlatent import latent_cache_factory
+
+    def factory(info, model, kern):
+        return latent_cache_factory(info["kv"], info["kv_tensors"], model.args, use_kernel=kern)
+
+    def describe(info):
+        sec = info["kv"]
+        return (f"ppl_dec through the latent kernel vs the torch path ({sec['codec']}, rope {sec['rope']}, "
+                f"residual {sec['outlier_frac']})")
+
+    _packed_kernel_check(recs, packed, factory, describe)
 
 
 def greedy_check(recs: list) -> None:
@@ -185,11 +213,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rvq-packed", type=Path, default=None, help="a demo-moe checkpoint packed with an RVQ recipe")
+    ap.add_argument("--latent-packed", type=Path, nargs="*", action="extend", default=[],
+                    help="demo-moe checkpoints packed with latent KV recipes")
+    ap.add_argument("--only-packed", action="store_true", help="skip the ppl and greedy checks")
     a = ap.parse_args()
     recs: list[dict] = []
-    checks = [ppl_check, greedy_check]
+    checks = [] if a.only_packed else [ppl_check, greedy_check]
     if a.rvq_packed is not None:
         checks.append(lambda recs: rvq_check(recs, a.rvq_packed))
+    for p in a.latent_packed:
+        checks.append(lambda recs, p=p: latent_check(recs, p))
     for fn in checks:
         try:
             fn(recs)

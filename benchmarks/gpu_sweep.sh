@@ -30,9 +30,11 @@ kv_attention() { step "$1" "$2" kv_attention python3 benchmarks/bench_kv_attenti
 kv_sweep() { step "$1" "$2" kv_sweep python3 benchmarks/bench_kv_attention.py --sweep --out "$OUT/kv_attention_sweep_h200.json"; }
 kv_tests() { step "$1" "$2" kv_tests python3 -m pytest -q -rs tests/kernels/test_fused_decode.py tests/kernels/test_kv_decode_attention.py tests/kernels/test_kv_quantize_pack.py tests/kernels/test_moe_decode.py::test_split_and_paths_agree; }
 moe_kernel() { step "$1" "$2" moe_kernel python3 benchmarks/bench_moe_kernel.py --out "$OUT/moe_kernel_h200.json"; }
-# packed_gpu/kv-rvq-tiered: demo-moe packed with recipes/kv-rvq-tiered.yaml on the CPU, carried in (no PTB here)
+# packed_gpu/kv-rvq-tiered, packed_gpu/kv-latent-*: demo-moe packed with those recipes on the CPU, carried in
+# (no PTB here); their fused-kernel checks run when present
 runtime_check() { step "$1" "$2" runtime_check python3 benchmarks/check_runtime_gpu.py --out "$OUT/runtime_gpu_check_h200.json" \
-  $([ -d packed_gpu/kv-rvq-tiered ] && echo --rvq-packed packed_gpu/kv-rvq-tiered); }
+  $([ -d packed_gpu/kv-rvq-tiered ] && echo --rvq-packed packed_gpu/kv-rvq-tiered) \
+  $(ls -d packed_gpu/kv-latent-* 2>/dev/null | sed 's/^/--latent-packed /' | tr '\n' ' '); }
 latency() { step "$1" "$2" latency python3 benchmarks/bench_latency.py --budget $(( $2 - 60 )) --out "$OUT/latency_h200.json"; }
 latent_attention() { step "$1" "$2" latent_attention python3 benchmarks/bench_latent_attention.py --out "$OUT/latent_attention_h200.json"; }
 rvq_attention() { step "$1" "$2" rvq_attention python3 benchmarks/bench_rvq_attention.py --out "$OUT/rvq_attention_h200.json"; }

@@ -13,9 +13,9 @@ x = [layer, kv head, channel] (D = G·K·d), and stored as
     out_val  (int32 when block·D > 32767) index t·D + j, and their fp16 residuals (seed 000's sparse term)
 with x̂ = basis · deq(z) + mean. Keys are compressed pre-RoPE (`rope: pre`, ShadowKV: un-rotated before
 encoding, reconstructed and rotated back at attention) or post-RoPE (`rope: post`: scores can be taken
-in latent space with the up-projection absorbed into the query, MLA-style; the fused CUDA kernel
-moec/kernels/latent_decode_attention.py does that). Values always attend in latent space on the
-kernel path: out = W_up_v (p · z_v) + mean_v.
+in latent space with the up-projection absorbed into the query, MLA-style). The fused CUDA kernel
+moec/kernels/latent_decode_attention.py takes both placements and the sparse residual. Values always
+attend in latent space on the kernel path: out = W_up_v (p · z_v) + mean_v.
 
 Cross-layer timing: a group's block is encoded when the *last* layer of the group has attended (all
 layers' keys/values of those tokens exist then); until then the tokens stay in every layer's fp16
@@ -187,10 +187,12 @@ class LatentKVCache(TieredKVCache):
                  block: int = 32, rope_pre: bool = False, device="cpu", use_kernel: bool | None = None):
         assert [i for g in groups for i in g] == list(range(args.n_layers)), groups
         bits = codecs[0]["k"].bits
-        if use_kernel is None:
-            d = args.head_dim  # the fused kernel: post-RoPE, no sparse residual, power-of-two head_dim
-            use_kernel = (torch.device(device).type == "cuda" and not rope_pre and bits in (2, 4, 16)
-                          and d >= 16 and d & (d - 1) == 0 and all(c[k].n_out == 0 for c in codecs for k in "kv"))
+        if use_kernel is None:  # the fused kernel's conditions (moec/kernels/latent_decode_attention.py)
+            from ..kernels.latent_decode_attention import kernel_supports
+
+            has_out = any(c[k].n_out for c in codecs for k in "kv")
+            use_kernel = (torch.device(device).type == "cuda"
+                          and kernel_supports(bits, args.head_dim, rope_pre, block, has_out))
         super().__init__(args, batch, max_len, [_NoFields(name, bits)] * args.n_layers, window, sinks, block,
                          rope_pre, device, use_kernel=use_kernel)
         self.groups, self.lcodecs = groups, codecs
@@ -385,8 +387,10 @@ def build_latent_codecs(section: dict, tensors: dict[str, torch.Tensor], args: M
     return groups, codecs
 
 
-def latent_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs):
-    """(model, batch, max_len) -> LatentKVCache, the `cache_factory` of moec.runtime.perplexity.evaluate."""
+def latent_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs,
+                         use_kernel: bool | None = None):
+    """(model, batch, max_len) -> LatentKVCache, the `cache_factory` of moec.runtime.perplexity.evaluate.
+    use_kernel=False keeps the torch path on CUDA (the oracle of GPU checks)."""
     groups, codecs = build_latent_codecs(section, tensors, args)
     per_device = {}
 
@@ -395,6 +399,7 @@ def latent_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: 
         if dev not in per_device:
             per_device[dev] = codecs if dev.type == "cpu" else build_latent_codecs(section, tensors, args, dev)[1]
         return LatentKVCache(model.args, batch, max_len, groups, per_device[dev], section["codec"],
-                             section["window"], section["sinks"], section["block"], section["rope"] == "pre", dev)
+                             section["window"], section["sinks"], section["block"], section["rope"] == "pre", dev,
+                             use_kernel=use_kernel)
 
     return make

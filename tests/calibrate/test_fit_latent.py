@@ -109,3 +109,9 @@ def test_shipped_recipes_parse():
     assert head.codec == "latent-head" and head.latent.group_layers == 1 and head.latent.outlier_frac <= 0.005
     assert layer.codec == "latent-layer" and layer.latent.group_layers == 4 and layer.latent.rank_k == 48
     assert parse_recipe({"kv": {"codec": "latent-layer", "bits": 16}}).kv.latent.group_layers == 4  # default G
+    from pathlib import Path
+
+    variants = sorted(Path("recipes").glob("kv-latent-*.yaml"))
+    assert len(variants) >= 6
+    for p in variants:  # every shipped variant parses, and its name is its file name
+        assert load_recipe(str(p)).name == p.stem
