@@ -47,6 +47,7 @@ from moec.kernels.latent_decode_attention import (  # noqa: E402
     CONFIG,
     latent_decode_attention,
     latent_decode_attention_ref,
+    latent_statics,
 )
 from moec.runtime.kvlatent import pack_planar  # noqa: E402
 
@@ -185,7 +186,9 @@ def main() -> None:
         bits = VARIANTS[name][0]
         args = make_inputs(B, H, K, d, R, S, Wc, bits, dev)
         kw = variant_kwargs(name, B, K, d, S, dev)
-        fn = functools.partial(latent_decode_attention, *args, config=config, **kw)
+        # the codec's per-layer forms made once, as LatentKVCache does (attend_latent_cache)
+        statics = latent_statics(*args[3:10], H // K, VARIANTS[name][2], config)
+        fn = functools.partial(latent_decode_attention, *args, config=config, statics=statics, **kw)
         rec = {}
         if check:  # correctness at this size before timing it
             ref = latent_decode_attention_ref(*args, **kw)

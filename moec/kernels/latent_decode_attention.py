@@ -334,16 +334,45 @@ def kernel_supports(bits: int, head_dim: int, rope_pre: bool, block: int, has_ou
     return ok
 
 
+def _dot_types(dev, cfg: dict) -> tuple[str, tl.dtype]:
+    """(input precision of fp32 dots, dtype of the main dot operands): tf32 / fp16 on the GPU, exact fp32 in
+    the CPU interpreter."""
+    gpu = not _interpreting() and torch.device(dev).type != "cpu"
+    return ("tf32" if gpu else "ieee"), (tl.float16 if gpu and cfg["fp16"] else tl.float32)
+
+
+def latent_statics(u_k, mean_k, step_k, u_v, mean_v, step_v, bits: int, G: int, rope_pre: bool,
+                   config: dict | None = None) -> dict[str, torch.Tensor]:
+    """What the launcher derives from a layer's codec tensors: the head-expanded bases of the absorbed
+    query (U_k ⊙ step) and of the output up-projection, or for pre-RoPE keys the rebuild matrix U_k ⊙ step
+    in the dot dtype and its offset. attend_latent_cache makes it once per cache and layer, so a decode
+    step does not redo it."""
+    off = 0.0 if bits == 16 else 2 ** (bits - 1) - 0.5
+    _prec, dt = _dot_types(u_k.device, CONFIG | (config or {}))
+    uks = u_k.float() * step_k.float()  # [K, d, RK]
+    st = {"uv_h": u_v.float().repeat_interleave(G, 0).contiguous(),  # [H, d, RV]
+          "mv_h": mean_v.float().repeat_interleave(G, 0).contiguous(), "step_v": step_v.float().contiguous()}
+    if rope_pre:
+        st["uks"] = uks.to(torch.float16 if dt == tl.float16 else torch.float32).contiguous()
+        st["kb"] = (mean_k.float() - off * st["uks"].float().sum(-1)).contiguous()  # [K, d]
+    else:
+        st["uk_h"] = uks.repeat_interleave(G, 0).contiguous()  # [H, d, RK]
+        st["mk_h"] = mean_k.float().repeat_interleave(G, 0).contiguous()  # [H, d]
+    return st
+
+
 def latent_decode_attention(q, codes_k, codes_v, u_k, mean_k, step_k, u_v, mean_v, step_v, bits: int,
                             hist_len, win_k, win_v, win_len, splits: int | None = None, *,
                             k_out=None, v_out=None, block: int = 0, group_dim: int = 0, layer_off: int = 0,
-                            rope: tuple[torch.Tensor, int] | None = None, config: dict | None = None) -> torch.Tensor:
+                            rope: tuple[torch.Tensor, int] | None = None, config: dict | None = None,
+                            statics: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over latent history + fp16 window -> out [B, H, d] fp32.
 
     step_*: the per-channel quantization step (2·scale/2^bits; ones for a 16-bit latent).
     k_out / v_out: the sparse residual (idx, val) per history block of `block` tokens; idx = t·group_dim + j,
     this layer's rows j in [layer_off, layer_off + K·d). rope = (inv_freq [d/2], pos0): pre-RoPE keys,
-    history token t at position pos0 + t (moec.runtime.model.rope_cos_sin's formula)."""
+    history token t at position pos0 + t (moec.runtime.model.rope_cos_sin's formula). statics: this
+    layer's latent_statics (made here when not given)."""
     B, H, d = q.shape
     K, d2, RK = u_k.shape
     RV = u_v.shape[2]
@@ -366,17 +395,17 @@ def latent_decode_attention(q, codes_k, codes_v, u_k, mean_k, step_k, u_v, mean_
     assert codes_k.is_contiguous() and codes_v.is_contiguous() and win_k.is_contiguous() and win_v.is_contiguous()
     k_out, v_out = (None if o is None or o[0].shape[-1] == 0 else o for o in (k_out, v_out))
     cfg = CONFIG | (config or {})
-    has_res = not (k_out is None or k_out[0].shape[-1] == 0) or not (v_out is None or v_out[0].shape[-1] == 0)
+    has_res = k_out is not None or v_out is not None
     BLOCK = cfg["block_res"] if has_res and "block" not in (config or {}) else cfg["block"]
-    assert kernel_supports(bits, d, rope is not None, block or BLOCK, k_out is not None or v_out is not None, BLOCK)
+    assert kernel_supports(bits, d, rope is not None, block or BLOCK, has_res, BLOCK)
     dev, G = q.device, H // K
     off = 0.0 if bits == 16 else 2 ** (bits - 1) - 0.5
     qf = q.float().contiguous()
     hist_len, win_len = hist_len.to(torch.int32).contiguous(), win_len.to(torch.int32).contiguous()
     sm_scale = 1.0 / math.sqrt(d)
-    gpu = not _interpreting() and dev.type != "cpu"
-    prec = "tf32" if gpu else "ieee"
-    dt = tl.float16 if gpu and cfg["fp16"] else tl.float32
+    prec, dt = _dot_types(dev, cfg)
+    st = statics if statics is not None else latent_statics(u_k, mean_k, step_k, u_v, mean_v, step_v, bits, G,
+                                                            rope is not None, config)
 
     # the sparse residual: dummies when absent (never read: KOUT / VOUT are constexpr)
     nblk = nok = nov = 0
@@ -411,9 +440,8 @@ def latent_decode_attention(q, codes_k, codes_v, u_k, mean_k, step_k, u_v, mean_
     a_h = torch.empty(B, splits, H, RV, device=dev)
     a_d = torch.zeros(B, splits, H, d, device=dev) if v_out is not None else torch.zeros(1, device=dev)
     if rope is None:
-        uk_h = u_k.float().repeat_interleave(G, 0)  # [H, d, RK]
-        qlat = torch.einsum("bhd,hdr->bhr", qf, uk_h) * step_k.float()  # [B, H, RK]
-        bias = (qf * mean_k.float().repeat_interleave(G, 0)).sum(-1) - off * qlat.sum(-1)  # [B, H]
+        qlat = torch.einsum("bhd,hdr->bhr", qf, st["uk_h"])  # [B, H, RK]: step_k ⊙ (U_k^T q)
+        bias = (qf * st["mk_h"]).sum(-1) - off * qlat.sum(-1)  # [B, H]
         _latent_hist_kernel[(B, splits)](
             qlat.contiguous(), bias.contiguous(), qf, codes_k, codes_v, hist_len, *out_args, m_h, l_h, a_h, a_d,
             H, S, RK, RV, WK, WV, splits, tps, sm_scale, G, *out_sizes,
@@ -421,10 +449,9 @@ def latent_decode_attention(q, codes_k, codes_v, u_k, mean_k, step_k, u_v, mean_
             num_warps=cfg["warps_res"] if has_res and "warps_post" not in (config or {}) else cfg["warps_post"])
     else:
         inv_freq, pos0 = rope
-        uks = (u_k.float() * step_k.float()).to(torch.float16 if dt == tl.float16 else torch.float32).contiguous()
-        kb = (mean_k.float() - off * uks.float().sum(-1)).contiguous()  # [K, d]
         _latent_hist_pre_kernel[(B, K, splits)](
-            qf, uks, kb, inv_freq.float().contiguous(), codes_k, codes_v, hist_len, *out_args, m_h, l_h, a_h, a_d,
+            qf, st["uks"], st["kb"], inv_freq.float().contiguous(), codes_k, codes_v, hist_len, *out_args,
+            m_h, l_h, a_h, a_d,
             H, K, S, RK, RV, WK, WV, splits, tps, sm_scale, pos0, *out_sizes,
             BITS=bits, G=G, G_P2=_p2(G), RK_P2=_p2(RK), RV_P2=_p2(RV), BLOCK=BLOCK, PREC=prec, DT=dt, **out_const,
             RC=min(cfg["rank_chunk"], _p2(RK)), num_warps=cfg["warps_pre"])
@@ -442,9 +469,8 @@ def latent_decode_attention(q, codes_k, codes_v, u_k, mean_k, step_k, u_v, mean_
     a_wf = torch.exp2(m_w - m)
     p_h = (a_s * l_h).sum(1)  # [B, H]
     lat = (a_s[..., None] * a_h).sum(1)  # [B, H, RV]
-    lat = (lat - off * p_h[..., None]) * step_v.float()
-    uv_h = u_v.float().repeat_interleave(G, 0)  # [H, d, RV]
-    out = torch.einsum("hdr,bhr->bhd", uv_h, lat) + mean_v.float().repeat_interleave(G, 0) * p_h[..., None]
+    lat = (lat - off * p_h[..., None]) * st["step_v"]
+    out = torch.einsum("hdr,bhr->bhd", st["uv_h"], lat) + st["mv_h"] * p_h[..., None]
     if v_out is not None:
         out = out + (a_s[..., None] * a_d).sum(1)
     out = out + a_wf[..., None] * a_w
@@ -508,17 +534,21 @@ def attend_latent_cache(cache, layer: int, q: torch.Tensor, wk: torch.Tensor, wv
     g = cache.group_of[layer]
     j = cache.groups[g].index(layer)
     B, K, d = cache.batch, cache.args.n_kv_heads, cache.args.head_dim
-    rows = slice(j * K * d, (j + 1) * K * d)  # this layer's rows of the group basis
-    parts, outs = [], {}
+    bits = cache.lcodecs[g]["k"].bits
+    if layer not in cache.kernel_statics:  # the codec tensors in the kernel's forms, once per cache and layer
+        rows = slice(j * K * d, (j + 1) * K * d)  # this layer's rows of the group basis
+        parts = []
+        for kind in "kv":
+            c = cache.lcodecs[g][kind]
+            step = torch.ones_like(c.scale) if c.bits == 16 else 2.0 * c.scale / 2**c.bits
+            parts += [c.basis[rows].reshape(K, d, c.r), c.mean[rows].reshape(K, d), step]
+        cache.kernel_statics[layer] = (parts, latent_statics(*parts, bits, cache.args.n_heads // K, cache.rope_pre))
+    (uk, mk, sk, uv, mv, sv), statics = cache.kernel_statics[layer]
     nb = cache.n_blocks[layer]
+    outs = {}
     for kind in "kv":
-        c = cache.lcodecs[g][kind]
-        u = c.basis[rows].reshape(K, d, c.r)
-        step = torch.ones_like(c.scale) if c.bits == 16 else 2.0 * c.scale / 2**c.bits
         hist = cache.lhist[g][kind]
-        parts += [hist["codes"], u, c.mean[rows].reshape(K, d), step]
-        outs[kind] = (hist["out_idx"][:, :nb], hist["out_val"][:, :nb]) if c.n_out else None
-    ck, uk, mk, sk, cv, uv, mv, sv = parts
+        outs[kind] = (hist["out_idx"][:, :nb], hist["out_val"][:, :nb]) if cache.lcodecs[g][kind].n_out else None
     rope = None
     if cache.rope_pre:
         if cache.rope_table is None:  # made once per cache, not every step
@@ -526,8 +556,9 @@ def attend_latent_cache(cache, layer: int, q: torch.Tensor, wk: torch.Tensor, wv
         rope = cache.rope_table
     hist_len = torch.full((B,), nb * cache.block, dtype=torch.int32, device=q.device)
     wlen = torch.full((B,), wk.shape[2], dtype=torch.int32, device=q.device)
-    out = latent_decode_attention(q[:, :, 0], ck, cv, uk, mk, sk, uv, mv, sv, cache.lcodecs[g]["k"].bits, hist_len,
+    ck, cv = cache.lhist[g]["k"]["codes"], cache.lhist[g]["v"]["codes"]
+    out = latent_decode_attention(q[:, :, 0], ck, cv, uk, mk, sk, uv, mv, sv, bits, hist_len,
                                   wk.contiguous(), wv.contiguous(), wlen, k_out=outs["k"], v_out=outs["v"],
                                   block=cache.block, group_dim=cache.lcodecs[g]["k"].D, layer_off=j * K * d,
-                                  rope=rope)
+                                  rope=rope, statics=statics)
     return out[:, :, None].to(q.dtype)

@@ -199,6 +199,7 @@ class LatentKVCache(TieredKVCache):
         self.group_of = {i: g for g, layers in enumerate(groups) for i in layers}
         self.n_dropped = [0] * args.n_layers  # history blocks already cut from each layer's fp16 window
         self.lhist = [{kind: self._alloc_group(c[kind]) for kind in "kv"} for c in codecs]
+        self.kernel_statics: dict[int, tuple] = {}  # layer -> the kernel's forms of its codec tensors
 
     def _alloc_group(self, codec: LatentCodec) -> dict[str, torch.Tensor]:
         out = {}
