@@ -113,7 +113,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     """`moec pack --random SHAPE`: random weights at `args` packed with the recipe's codecs directly.
 
     No calibration: quantized experts get random codes and plausible codebooks/scales
-    (runtime/latency.random_stored), nuq-outlier KV the seed's fixed levels and unit key scales.
+    (runtime/latency.random_stored), KV codecs their stand-in calibration (runtime/latency.random_kv_tensors).
     Built on `device` (the GPU when there is one), written atomically like any packed checkpoint."""
     from ..runtime.latency import param_shapes, random_kv_tensors, random_stored
     from .pack_kv import kv_manifest
@@ -144,11 +144,8 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     bits = effective_bits(meta, tensors, info)
     kv_section = kv_manifest(recipe, args)
     if kv_section is not None:
-        if kv_section["codec"] not in ("kivi", "nuq-outlier"):
-            raise UserError(f"--random has no stand-in calibration for KV codec {kv_section['codec']!r} "
-                            "(kivi, nuq-outlier)")
-        if kv_section["codec"] == "nuq-outlier":
-            kvt = random_kv_tensors(args, kv_section)
+        kvt = random_kv_tensors(args, kv_section)
+        if kvt:
             tensors.update(kvt)
             info.update({n: {"codec": "kv-calib", "bits": 32, "param": n, "kv_codec": kv_section["codec"],
                              "kv_bits": kv_section["bits"]} for n in kvt})

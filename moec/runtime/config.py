@@ -71,4 +71,15 @@ PRESETS: dict[str, ModelArgs] = {
         norm_eps=1e-6, max_seq_len=131072, rope_theta=1e6, qk_norm="head", n_experts=128, top_k=8,
         expert_dim=768,
     ),
+    # The GPU smoke's model (benchmarks/gpu_smoke.py): every code path of the big shapes at a size that
+    # builds and compiles in seconds. head_dim 128 as in both big shapes; one dense MLP layer then MoE
+    # layers (so `mlp` and `experts` recipe targets both match); dim, heads·head_dim and the FFN widths are
+    # multiples of 384, so every group size the shipped recipes use (64, 128, 192) divides them; four
+    # layers hold one cross-layer latent group of 4; vocab 8192 is demo-moe's tokenizer, which the smoke
+    # copies in so `moec generate` can run on the packed random model.
+    "smoke-moe": ModelArgs(
+        arch="qwen3_moe", vocab_size=8192, dim=768, n_layers=4, n_heads=6, n_kv_heads=2, head_dim=128,
+        norm_eps=1e-6, max_seq_len=4096, rope_theta=1e6, qk_norm="head", ffn_kinds=["dense", "moe", "moe", "moe"],
+        dense_dim=768, n_experts=4, top_k=2, expert_dim=768,
+    ),
 }

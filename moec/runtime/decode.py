@@ -36,6 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .backend import kernels_enabled
 from .config import ModelArgs
 from .kvtiered import alloc_fields, kernel_path
 from .model import MoE, Transformer, apply_rope, rope_cos_sin, route
@@ -161,8 +162,8 @@ class StaticTieredCache:
         # blocks leaving the window: the quantize-pack kernel on CUDA (nuq-outlier), else codec.encode
         from ..kernels.kv_quantize_pack import supports
 
-        self.fast_encode = self.device.type == "cuda" and all(supports(c) for c in codecs)
-        if use_kernel:
+        self.fast_encode = kernels_enabled(self.device) and all(supports(c) for c in codecs)
+        if self.use_kernel:
             from ..kernels.kv_decode_attention import codec_statics, rope_table
 
             dev = self.device
@@ -345,7 +346,7 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
     Unquantized (bf16) routed experts: the same fused kernels in their dense mode (kernels/dequant.py
     MODE_DENSE), which read only the chosen experts; without them, a gather of the chosen experts'
     matrices ([N·A, I, D] copies: capturable, but the active weights are written and read again)."""
-    if moe.kind == "dense" or moe.codec is not None or not x.is_cuda:
+    if moe.kind == "dense" or moe.codec is not None or not kernels_enabled(x.device):
         return moe(x, layer)
     a = moe.args
     _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk)  # [N, A] ×2
@@ -417,10 +418,10 @@ class DecodeEngine:
         self.graphs_on = dev.type == "cuda" if graphs is None else graphs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_error: str | None = None
-        # fused step (moec/kernels/fused_decode.py + one q/k/v projection): on CUDA by default,
-        # MOEC_FUSE=0 turns it off (benchmarks/bench_latency.py measures both)
+        # fused step (moec/kernels/fused_decode.py + one q/k/v projection): wherever the kernels run
+        # (backend.kernels_enabled), MOEC_FUSE=0 turns it off (benchmarks/bench_latency.py measures both)
         if fuse is None:
-            fuse = dev.type == "cuda" and os.environ.get("MOEC_FUSE", "1") != "0"
+            fuse = kernels_enabled(dev) and os.environ.get("MOEC_FUSE", "1") != "0"
         self.fused = fuse and self.args.qk_norm in ("none", "head") and self.args.clip_qkv is None
         self.qkv = [self._fuse_qkv(blk.attn) for blk in model.layers] if self.fused else []
 

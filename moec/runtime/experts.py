@@ -17,6 +17,7 @@ decode GEMV (kernels/moe_decode.py) for up to DECODE_MAX_TOKENS tokens and the g
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -24,6 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import bitpack
+from .backend import kernels_enabled
+
+log = logging.getLogger(__name__)
 
 FP3_GRID = torch.tensor([-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0])
 LUT_CODECS = ("hls", "rtn", "fp3")
@@ -146,11 +150,12 @@ class ExpertWeights(nn.Module):
 
     def fused_ok(self, x: torch.Tensor) -> bool:
         ws = (self.w1, self.w3, self.w2)
-        return (x.is_cuda and all(isinstance(w, QuantMatrix) and w.kernel_ok() for w in ws)
+        return (kernels_enabled(x.device) and all(isinstance(w, QuantMatrix) and w.kernel_ok() for w in ws)
                 and len({(w.codec, w.bits) for w in ws}) == 1)
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-        """The fused Triton kernels on CUDA (x [N, D], weights/ids [N, A]), or None where they do not apply."""
+        """The fused Triton kernels (backend.kernels_enabled: CUDA by default; x [N, D], weights/ids [N, A]),
+        or None where they do not apply."""
         if not self.fused_ok(x):
             return None
         qs = [w.qweight() for w in (self.w1, self.w3, self.w2)]
@@ -174,11 +179,22 @@ class QLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and self.q.kernel_ok():
+        key = (self.q.codec, self.q.bits, tuple(self.q.shape), x.shape[0] > 1, x.dtype)
+        if kernels_enabled(x.device) and self.q.kernel_ok() and key not in _QLINEAR_FAILED:
             from ..kernels.qlinear import qlinear
 
-            return qlinear(x, self.q.qweight(), self.bias)
+            try:
+                return qlinear(x, self.q.qweight(), self.bias)
+            except Exception as e:  # a configuration Triton cannot compile here (met outside graph capture)
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                log.warning("qlinear kernel failed for %s %d-bit %s (%s: %s); torch path for it", self.q.codec,
+                            self.q.bits, list(self.q.shape), type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                _QLINEAR_FAILED.add(key)
         return F.linear(x, self.q.dequant_ref(0, x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
+_QLINEAR_FAILED: set[tuple] = set()  # quantized-projection configurations whose kernel failed to compile here
 
 
 def is_quant_expert(name: str, entry: dict) -> bool:

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import FormatError
+from .backend import kernels_enabled
 from .config import ModelArgs
 from .kvquant import pack_codes, unpack_codes
 from .kvtiered import TieredKVCache
@@ -191,8 +192,8 @@ class LatentKVCache(TieredKVCache):
             from ..kernels.latent_decode_attention import kernel_supports
 
             has_out = any(c[k].n_out for c in codecs for k in "kv")
-            use_kernel = (torch.device(device).type == "cuda"
-                          and kernel_supports(bits, args.head_dim, rope_pre, block, has_out))
+            use_kernel = (kernel_supports(bits, args.head_dim, rope_pre, block, has_out)
+                          and kernels_enabled(device))
         super().__init__(args, batch, max_len, [_NoFields(name, bits)] * args.n_layers, window, sinks, block,
                          rope_pre, device, use_kernel=use_kernel)
         self.groups, self.lcodecs = groups, codecs
@@ -284,8 +285,10 @@ class LatentKVCache(TieredKVCache):
         self.win["v"][layer] = wv = torch.cat([self.win["v"][layer], v.half()], dim=2)
         need = self.blocks_at(start_pos + T - 1)  # history blocks the chunk's last query sees
         if layer == layers[0]:
-            while self.n_blocks[layer] < need:  # tokens of earlier calls: every layer of the group holds them
-                assert s + (self.n_blocks[layer] + 1) * blk <= start_pos, "chunk longer than window + 1 tokens"
+            # Only blocks of earlier calls' tokens can be encoded here (every layer of the group holds them).
+            # A chunk's own tokens (a prompt longer than the window) are seen in fp16, as TieredKVCache's
+            # prefill sees them, and encoded when the group's last layer ages the window below.
+            while self.n_blocks[layer] < need and s + (self.n_blocks[layer] + 1) * blk <= start_pos:
                 self._encode_group_block(g)
         nb = self.n_blocks[layer]
         if T == 1 and self.use_kernel:
@@ -300,7 +303,7 @@ class LatentKVCache(TieredKVCache):
                 out = F.scaled_dot_product_attention(q, keys, vals, enable_gqa=True)
             else:  # per query: fp16 keys outside its history, compressed keys inside it
                 qpos = torch.arange(start_pos, start_pos + T, device=self.device)
-                hend = s + torch.tensor([self.blocks_at(int(p)) for p in qpos], device=self.device) * blk  # [T]
+                hend = s + torch.tensor([min(self.blocks_at(int(p)), nb) for p in qpos], device=self.device) * blk
                 pw = self._window_positions(layer, wk.shape[2])
                 ph = torch.arange(s, s + nb * blk, device=self.device)
                 in_hist = (pw[None] >= s) & (pw[None] < hend[:, None])

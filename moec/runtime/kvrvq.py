@@ -33,6 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .backend import kernels_enabled
 from .config import ModelArgs
 from .kvtiered import TieredKVCache
 
@@ -145,7 +146,7 @@ class RVQTieredCache(TieredKVCache):
                  sinks: int = 4, block: int = 32, archive_after: int = 4096, rope_pre: bool = False, device="cpu",
                  use_kernel: bool | None = None):
         if use_kernel is None:  # the LUT kernel needs post-RoPE keys (tables of q·centroid)
-            use_kernel = torch.device(device).type == "cuda" and not rope_pre
+            use_kernel = not rope_pre and kernels_enabled(device)
         super().__init__(args, batch, max_len, codecs, window, sinks, block, rope_pre, device, use_kernel)
         self.archive_after = archive_after if codecs[0].arch is not None else 0
         self.n_arch = [0] * args.n_layers

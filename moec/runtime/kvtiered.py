@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from .backend import kernels_enabled
 from .config import ModelArgs
 from .kvcache import causal_attention
 from .model import apply_rope, rope_cos_sin
@@ -35,10 +36,10 @@ from .model import apply_rope, rope_cos_sin
 
 def kernel_path(device, codec: str, head_dim: int, block: int) -> bool:
     """Whether decode steps of a nuq-outlier cache go through the fused kernel by default (its shape limits:
-    power-of-two head_dim >= 64 and block >= 16; CUDA only)."""
+    power-of-two head_dim >= 64 and block >= 16; where backend.kernels_enabled says so: CUDA by default)."""
     d = head_dim
-    return (torch.device(device).type == "cuda" and codec == "nuq-outlier" and d >= 64 and d & (d - 1) == 0
-            and block >= 16 and block & (block - 1) == 0)
+    return (codec == "nuq-outlier" and d >= 64 and d & (d - 1) == 0 and block >= 16 and block & (block - 1) == 0
+            and kernels_enabled(device))
 
 
 def alloc_fields(fields: dict, batch: int, n_kv_heads: int, max_blocks: int, block: int, device) -> dict:
@@ -69,7 +70,7 @@ class TieredKVCache:
         self.length = 0
         self.use_kernel = kernel_path(device, self.codec, d, block) if use_kernel is None else use_kernel
         self.rope_table = None  # the kernel's `rope` argument for pre-RoPE keys (kv_decode_attention.attend_cache)
-        self.mirror = None if use_kernel else {
+        self.mirror = None if self.use_kernel else {
             kind: [torch.zeros(B, K, self.max_blocks * block, d, device=device) for _ in range(args.n_layers)]
             for kind in "kv"}
 
@@ -100,7 +101,7 @@ class TieredKVCache:
 
     def _encode(self, codec, x: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
         """codec.encode; nuq-outlier blocks on CUDA go through the Triton quantize-pack kernel (same fields)."""
-        if x.is_cuda:
+        if kernels_enabled(x.device):
             from ..kernels.kv_quantize_pack import kv_quantize_pack, supports
 
             if supports(codec):

@@ -89,24 +89,67 @@ def random_model(args: ModelArgs, rule_for, device, dtype=torch.bfloat16, seed: 
     return model
 
 
-def random_kv_tensors(args: ModelArgs, kv: dict, device="cpu") -> dict[str, torch.Tensor]:
-    """Stand-in nuq-outlier calibration for random models, for the options of the `kv` manifest section:
-    levels of the seed's grid, unit key scales; zero key centers (`k_center`) and unit query weights
-    (`outlier_select: weighted-error`), so the runtime takes the same kernel paths as a calibrated one."""
+def random_kv_tensors(args: ModelArgs, kv: dict, device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Stand-in calibration for a random model's KV cache, for the codec of the `kv` manifest section (the
+    tensors `moec pack` would copy from a calibration; speed and kernel-vs-reference checks do not depend
+    on fitted values, only on every field being there so the runtime takes a calibrated cache's path):
+      kivi           none;
+      nuq-outlier    the seed's fixed levels; key scales, key centers (`k_center`) and query weights
+                     (`outlier_select: weighted-error`) drawn around 1, 0 and 1 (not constant: with
+                     constant weights the errors of equal fp16 inputs tie, and the kernel's and torch's
+                     outlier choices part on ties);
+      latent-*       per group, an orthonormal random basis [D, r], zero mean, latent scale 3 (the codes
+                     of unit-variance inputs then span the grid);
+      rvq-tiered     random codebooks [heads, d / sub_dim, C, sub_dim], each stage finer than the last."""
+    codec = kv["codec"]
+    if codec == "kivi":
+        return {}
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if codec == "nuq-outlier":
+        return _random_nuq(args, kv, gen, device)
+    if codec in ("latent-head", "latent-layer"):
+        out = {}
+        G = kv["group_layers"]
+        for g in range(kv["n_groups"]):
+            D = min(G, args.n_layers - g * G) * args.n_kv_heads * args.head_dim
+            for kind in "kv":
+                r = kv.get(f"rank_{kind}") or D // 32 * 8  # a recipe that sizes ranks by energy: D / 4
+                basis = torch.linalg.qr(torch.randn(D, min(r, D), generator=gen)).Q
+                out[f"kv.groups.{g}.{kind}_basis"] = basis.to(device)
+                out[f"kv.groups.{g}.{kind}_mean"] = torch.zeros(D, device=device)
+                out[f"kv.groups.{g}.{kind}_scale"] = torch.full((basis.shape[1],), 3.0, device=device)
+        return out
+    if codec == "rvq-tiered":
+        from .kvrvq import tensor_names
+
+        rvq = kv["rvq"]
+        heads = 1 if rvq["shared_heads"] else args.n_kv_heads
+        dims = {"mid": (rvq["mid_sizes"], rvq["mid_dim"]), "arch": (rvq["arch_sizes"], rvq["arch_dim"])}
+        out = {}
+        for name in tensor_names(rvq, args.n_layers):
+            tier, stage = name.split(".")[-2], int(name.split(".")[-1])
+            sizes, sub = dims[tier]
+            cb = torch.randn(heads, args.head_dim // sub, sizes[stage], sub, generator=gen) * 0.5**stage
+            out[name] = cb.to(device)
+        return out
+    raise ValueError(f"no random stand-in for KV codec {codec!r}")
+
+
+def _random_nuq(args: ModelArgs, kv: dict, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
     from .kvquant import FIXED_LEVELS
 
-    lev = torch.tensor(FIXED_LEVELS[kv["bits"]], device=device)
+    lev = torch.tensor(FIXED_LEVELS[kv["bits"]])
     shape = (args.n_kv_heads, args.head_dim)
     out = {}
     for i in range(args.n_layers):
-        out[f"kv.layers.{i}.k_scale"] = torch.ones(shape, device=device)
+        out[f"kv.layers.{i}.k_scale"] = torch.rand(shape, generator=gen) + 0.5
         out[f"kv.layers.{i}.k_levels"] = lev.clone()
         out[f"kv.layers.{i}.v_levels"] = lev.clone()
         if kv.get("k_center", False):
-            out[f"kv.layers.{i}.k_center"] = torch.zeros(shape, device=device)
+            out[f"kv.layers.{i}.k_center"] = torch.randn(shape, generator=gen) * 0.1
         if kv.get("outlier_select", "magnitude") == "weighted-error":
-            out[f"kv.layers.{i}.k_weight"] = torch.ones(shape, device=device)
-    return out
+            out[f"kv.layers.{i}.k_weight"] = torch.rand(shape, generator=gen) + 0.5
+    return {n: t.to(device) for n, t in out.items()}
 
 
 # -- bytes and the floor ----------------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""Which path a decode step takes: the fused Triton kernels or the torch reference.
+
+By default the kernels run on CUDA and the torch reference everywhere else. `MOEC_KERNELS` overrides
+that choice for every cache and codec at once, so the CPU test suite can drive the *default* kernel
+path (the one a user gets on the GPU) under `TRITON_INTERPRET=1`, and a GPU run can take the torch
+oracle without touching any constructor argument:
+
+    MOEC_KERNELS=auto   (or unset) kernels on CUDA only
+    MOEC_KERNELS=1      kernels wherever a codec has one; on the CPU this needs TRITON_INTERPRET=1
+    MOEC_KERNELS=0      the torch reference, CUDA included
+
+A cache's own conditions (shapes a kernel supports) still apply on top of this switch.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+_CHOICES = ("auto", "1", "0")
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get("MOEC_KERNELS", "auto").strip().lower() or "auto"
+    mode = {"on": "1", "true": "1", "off": "0", "false": "0"}.get(mode, mode)
+    if mode not in _CHOICES:
+        raise ValueError(f"MOEC_KERNELS={os.environ['MOEC_KERNELS']!r}: expected auto, 1 or 0")
+    return mode
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernels_enabled(device) -> bool:
+    """Whether the fused kernels are the default path for tensors on `device`."""
+    mode = kernel_mode()
+    if mode == "0":
+        return False
+    cuda = torch.device(device).type == "cuda"
+    if mode == "auto":
+        return cuda
+    if not cuda and not interpreting():
+        raise ValueError("MOEC_KERNELS=1 on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
+    return True
+
+
+@contextmanager
+def kernels_forced(mode: str):
+    """Run a block with MOEC_KERNELS=mode ("1" or "0"), restoring the caller's setting after."""
+    assert mode in _CHOICES, mode
+    old = os.environ.get("MOEC_KERNELS")
+    os.environ["MOEC_KERNELS"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MOEC_KERNELS"]
+        else:
+            os.environ["MOEC_KERNELS"] = old

@@ -1,0 +1,78 @@
+"""The default decode path of every KV codec that has a kernel, on the CPU (issue 13).
+
+A one-word slip once made the static engine crash on its first decode step whenever its cache was built
+with default arguments, and no test saw it: every test passed `use_kernel=` explicitly and the CPU never
+takes the kernel path by default. Here MOEC_KERNELS=1 makes the default the kernel path (Triton's
+interpreter runs the kernels, TRITON_INTERPRET=1 as in CI), the caches are built exactly as
+`moec generate` / `eval` build them (decode.make_cache, loader.kv_cache_factory, no path arguments),
+and their logits are compared with the torch reference (MOEC_KERNELS=0) on a random model.
+
+Tolerance: both paths run in fp32 and encode the same blocks into the same codes (the quantize-pack
+kernel writes the codec's exact fields), so they differ by summation order only, ~1e-6 relative; a
+wrong slot, position, rotation or block moves the logits by far more than 1e-3 (the bound).
+"""
+
+import os
+
+import pytest
+import torch
+
+from moec.calibrate.pack_kv import kv_manifest
+from moec.calibrate.recipe import load_recipe
+from moec.runtime.backend import kernels_enabled, kernels_forced
+from moec.runtime.config import ModelArgs
+from moec.runtime.latency import random_kv_tensors, random_model
+from moec.runtime.pathcheck import compare_paths
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the kernels run on the CPU only under TRITON_INTERPRET=1")
+
+RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
+# dense MLPs: the experts' kernels are not what this file checks (tests/kernels does), and under the
+# interpreter they would triple its time
+ARGS = ModelArgs(arch="llama", vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64,
+                 max_seq_len=512, dense_dim=32)
+# (recipe, kernel expected by default) for every KV codec family. Window 32, block 16, 4 sinks: the 83-token
+# prompt leaves 2 history blocks and 47 window tokens, so the first of the 5 decode steps encodes a third
+# block (through the quantize-pack kernel where there is one) and the later ones read it.
+CASES = [("kv-nuq2-outlier", True), ("kv-nuq2-outlier-post", True), ("kv-kivi2", False),
+         ("kv-latent-head", True), ("kv-latent-head-post", True), ("kv-latent-layer-g2", True),
+         ("kv-rvq-tiered", True)]
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return random_model(ARGS, lambda name: None, "cpu", dtype=torch.float32)
+
+
+def _section(recipe: str) -> tuple[dict, dict]:
+    kv = kv_manifest(load_recipe(os.path.join(RECIPES, f"{recipe}.yaml")), ARGS)
+    kv |= {"window": 32, "sinks": 4, "block": 16}
+    if "rvq" in kv:
+        kv["rvq"] = kv["rvq"] | {"archive_after": 48}  # the archive tier too
+    return kv, random_kv_tensors(ARGS, kv)
+
+
+@pytest.mark.parametrize("recipe,kernel", CASES)
+def test_default_path_matches_torch_reference(model, recipe, kernel):
+    section, tensors = _section(recipe)
+    ids = torch.randint(0, ARGS.vocab_size, (88,), generator=torch.Generator().manual_seed(1))
+    with kernels_forced("1"):
+        res = compare_paths(model, section, tensors, ids, n_prompt=83)
+    static = section["codec"] in ("kivi", "nuq-outlier")
+    assert set(res) == ({"static", "dynamic"} if static else {"dynamic"}), res
+    for engine, r in res.items():
+        assert r["kernel"] == kernel, (engine, r)
+        assert r["steps"] == 6
+        assert r["rel_l2_err"] < TOL, (engine, r)
+
+
+def test_switch():
+    with kernels_forced("0"):
+        assert not kernels_enabled("cpu") and not kernels_enabled("cuda")
+    with kernels_forced("1"):
+        assert kernels_enabled("cpu")
+    with kernels_forced("auto"):
+        assert not kernels_enabled("cpu") and kernels_enabled("cuda")
