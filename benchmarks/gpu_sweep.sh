@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU benchmark sweep in one device call (../.library/device: few, full calls).
 # Usage on the GPU machine, from the repo root:  bash benchmarks/gpu_sweep.sh OUT_DIR
-# Runs the kernel tests at full size, then every GPU benchmark, each under its own time limit, in two
+# Runs the GPU smoke (benchmarks/gpu_smoke.sh; stops here if it fails), the kernel tests at full size, then
+# every GPU benchmark, each under its own time limit, in two
 # lanes when two GPUs are present (lane A on GPU 0, lane B on GPU 1); on one GPU a trimmed list runs
 # in turn. Each benchmark writes one JSON file into OUT_DIR (at most 8 files come back from a device
 # call, so the per-step logs are joined into OUT_DIR/sweep.log at the end). A failure is logged and
@@ -16,6 +17,13 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   echo "sweep: $(date -u +%FT%TZ) gpus=$NGPU $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 } | tee "$LOGS/00-head.log"
+
+# The smoke gate first (issue 13): if any shipped GPU path fails its check, nothing else runs.
+if ! bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" 2>&1 | tee "$LOGS/01-smoke.log"; then
+  echo "sweep stopped: the GPU smoke failed ($OUT/gpu_smoke_h200.json)" | tee -a "$LOGS/01-smoke.log"
+  cat "$LOGS"/*.log > "$OUT/sweep.log"
+  exit 1
+fi
 
 step() {  # step GPU SECONDS NAME CMD...
   local gpu=$1 secs=$2 name=$3; shift 3

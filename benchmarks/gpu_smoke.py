@@ -1,0 +1,223 @@
+"""GPU smoke: every shipped recipe's GPU path, with default arguments, against the torch reference.
+
+    bash benchmarks/gpu_smoke.sh [OUT.json]        (on the GPU machine; about 2-3 minutes on one H200)
+
+CI runs on a CPU, where the runtime takes the torch path, so a slip in the GPU path lands silently (one
+did: the static engine crashed on its first decode step with default arguments). This script is the gate
+before anything else runs on the GPU (benchmarks/gpu_sweep.sh starts with it). For each shipped recipe
+(`shipped_gpu_recipes`: every recipe under recipes/ but the identity and the ablations) on the
+`smoke-moe` preset (head_dim 128 as in the big shapes, one dense and three MoE layers; random weights):
+
+  pack      `moec pack --random smoke-moe --recipe R` (stand-in calibration for every codec), plus
+            demo-moe's tokenizer so the CLI can generate;
+  static    the static CUDA-graph engine, built as `moec generate` builds it, on a 256-token prompt and
+            24 teacher-forced steps (bf16);
+  dynamic   the same through the dynamic cache `moec eval` builds (every KV codec);
+  generate  `moec generate PACKED --device cuda` on a prompt long enough to fill the compressed history;
+  latency   `moec eval PACKED --latency --json` at 1k context: every row timed, none in error; for KV
+            codecs the static engine does not hold yet (latent, RVQ), the one-line refusal with exit code
+            2 is what is checked.
+
+The logit checks (pathcheck.compare_paths) measure three paths by the relative L2 distance of their
+logits: the default path in bf16 (kernels, graphs), the torch reference in bf16 (MOEC_KERNELS=0) and
+the torch reference in fp32 (`exact`). bf16 alone moves logits by a few percent here: 2-bit codes near
+a rounding boundary flip under one rounding and not the other, and random weights amplify it. So a
+check passes when the default path is no further from fp32 than the bf16 reference is, with slack:
+rel_l2_exact ≤ 2·rel_l2_floor + 0.01. A wrong slot, position, rotation or codec field gives distances
+of order 1. Greedy tokens are not compared: near-flat random logits make their argmax a coin flip.
+
+Records (one per check): recipe, check, ok, error, and for logit checks max_abs_err, rel_l2_err, kernel
+(whether the default path took the fused kernel), graphs; every record carries `source_tree`, the content
+hash of moec/ (scripts/source_tree.sh), which the submitter compares with the landed tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import multiprocessing
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+SHAPE = "smoke-moe"
+SLACK_FACTOR, SLACK_ABS = 2.0, 0.01  # rel_l2_exact <= SLACK_FACTOR * rel_l2_floor + SLACK_ABS
+PROMPT_TOKENS, STEPS = 256, 24  # prompt > sinks + window + 2 blocks: the history is encoded at prefill
+STATIC_CODECS = ("fp16", "kivi", "nuq-outlier")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+PROMPT = ("The committee met on Tuesday to review the budget for the coming year. Members discussed the cost "
+          "of new equipment, the salaries of the staff and the plans for a second building near the river. ")
+
+
+def shipped_gpu_recipes(recipes_dir: Path = RECIPES) -> list[str]:
+    """The recipes the smoke must cover: every recipe file but the identity (no codec, nothing on the GPU
+    path to check) and ablations (a description starting "ablation of")."""
+    import yaml
+
+    out = []
+    for p in sorted(recipes_dir.glob("*.yaml")):
+        d = yaml.safe_load(p.read_text())
+        if not d.get("kv") and not d.get("weights"):
+            continue
+        if str(d.get("description", "")).startswith("ablation of"):
+            continue
+        out.append(p.stem)
+    return out
+
+
+def source_tree() -> str:
+    return subprocess.run(["bash", str(REPO / "scripts" / "source_tree.sh")], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    """`moec ARGV` in this process (the CLI's own entry point and error handling); (exit code, output)."""
+    from moec.cli.app import main
+
+    buf = io.StringIO()
+    old = sys.argv
+    sys.argv = ["moec", *argv]
+    rc = 0
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            main()
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = old
+    return rc, buf.getvalue()
+
+
+def _tail(text: str, n: int = 300) -> str:
+    return " ".join(text.split())[-n:]
+
+
+def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda") -> list[dict]:
+    from moec.runtime.loader import load_model
+    from moec.runtime.pathcheck import compare_paths
+
+    recs = []
+    packed = work / name
+
+    def record(check: str, t0: float, **kw) -> None:
+        recs.append({"recipe": name, "check": check, "wall_s": round(time.time() - t0, 2)} | kw)
+
+    t0 = time.time()
+    rc, out = run_cli("pack", "--random", SHAPE, "--recipe", str(RECIPES / f"{name}.yaml"), "-o", str(packed))
+    record("pack", t0, ok=rc == 0, error=None if rc == 0 else _tail(out))
+    if rc != 0:
+        return recs
+    for f in TOKENIZER_FILES:
+        if (tokenizer_dir / f).exists():
+            shutil.copy(tokenizer_dir / f, packed / f)
+
+    model, info = load_model(packed, torch.bfloat16, device)
+    exact, _ = load_model(packed, torch.float32, device)
+    codec = (info.get("kv") or {}).get("codec", "fp16")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.args.vocab_size, (PROMPT_TOKENS + STEPS,), generator=gen)
+    t0 = time.time()
+    try:
+        res = compare_paths(model, info.get("kv"), info.get("kv_tensors", {}), ids, PROMPT_TOKENS, exact=exact)
+        for engine, r in res.items():
+            bound = SLACK_FACTOR * r["rel_l2_floor"] + SLACK_ABS
+            ok = r["rel_l2_exact"] <= bound
+            recs.append({"recipe": name, "check": engine, "ok": ok, "bound": bound, "kv_codec": codec,
+                         "error": None if ok else f"rel_l2_exact {r['rel_l2_exact']:.4g} > bound {bound:.4g}",
+                         "wall_s": round(time.time() - t0, 2)} | r)
+    except Exception as e:
+        record("paths", t0, ok=False, error=f"{type(e).__name__}: {e}"[:300], trace=traceback.format_exc()[-1500:])
+    del model, exact
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    t0 = time.time()
+    rc, out = run_cli("generate", str(packed), "--prompt", PROMPT * 6, "--max-new-tokens", "48", "--device", device,
+                      "--no-stop-at-eos")
+    tps = None
+    for word, nxt in zip(out.split(), out.split()[1:], strict=False):
+        if nxt == "tok/s,":
+            tps = float(word.strip("("))
+    record("generate", t0, ok=rc == 0 and tps is not None, tokens_per_s=tps, error=None if rc == 0 else _tail(out))
+
+    t0 = time.time()
+    lat_json = work / f"{name}.latency.json"
+    rc, out = run_cli("eval", str(packed), "--latency", "--batches", "1", "--contexts", "1k", "--steps", "10",
+                      "--prefill-contexts", "1k", "--json", str(lat_json))
+    if codec in STATIC_CODECS:
+        rows = json.loads(lat_json.read_text()) if lat_json.is_file() else []
+        bad = [r.get("error") for r in rows
+               if r.get("error") or (r["bench"] == "moec-latency" and "ms_median" not in r)]
+        ok = rc == 0 and rows and not bad
+        record("latency", t0, ok=bool(ok), expect="ms/token rows, none in error",
+               ms_median=[r.get("ms_median") for r in rows], error=None if ok else (bad[0] if bad else _tail(out)))
+    else:  # not held by the static engine yet: a clean one-line refusal, exit 2
+        ok = rc == 2 and "static engine" in out and "Traceback" not in out
+        record("latency", t0, ok=ok, expect="refusal (exit 2): the static engine does not hold this KV codec",
+               error=None if ok else _tail(out))
+    shutil.rmtree(packed, ignore_errors=True)
+    return recs
+
+
+def _checked(name: str, work: Path, tokenizer_dir: Path, device: str) -> tuple[list[dict], float]:
+    """check_recipe in a worker process; a check that could not even start is a failed record."""
+    t0 = time.time()
+    try:
+        recs = check_recipe(name, work, tokenizer_dir, device)
+    except Exception as e:
+        recs = [{"recipe": name, "check": "setup", "ok": False, "error": f"{type(e).__name__}: {e}"[:300],
+                 "trace": traceback.format_exc()[-1500:]}]
+    return recs, time.time() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_smoke_h200.json")
+    ap.add_argument("--recipes", nargs="*", default=None, help="a subset (default: every shipped recipe)")
+    ap.add_argument("--jobs", type=int, default=4, help="worker processes (one GPU; compiles run in parallel)")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (torch paths on both "
+                    "sides, no latency), for checking it before a GPU call")
+    a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_smoke: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from moec.calibrate.sources import resolve_model
+    from moec.cli.common import base_record, write_json_atomic
+
+    tree = source_tree()
+    tokenizer_dir = resolve_model("demo-moe")
+    names = a.recipes or shipped_gpu_recipes()
+    t_start = time.time()
+    records = []
+    # Triton compiles (CPU-bound) dominate: recipes run in `--jobs` processes on the one GPU
+    with tempfile.TemporaryDirectory(prefix="moec-smoke-") as tmp, ProcessPoolExecutor(
+            a.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_checked, name, Path(tmp), tokenizer_dir, a.device): name for name in names}
+        for fut in as_completed(futures):
+            name, (recs, secs) = futures[fut], fut.result()
+            for r in recs:
+                records.append(base_record("gpu-smoke", a.device) | {"shape": SHAPE, "source_tree": tree} | r)
+            bad = [r for r in recs if not r["ok"]]
+            print(f"[{name}] {'ok' if not bad else 'FAILED'} in {secs:.1f} s"
+                  + "".join(f"\n   {r['check']}: {r['error']}" for r in bad), flush=True)
+            records.sort(key=lambda r: (names.index(r["recipe"]), r["check"]))
+            write_json_atomic(a.out, records)
+    n_bad = sum(not r["ok"] for r in records)
+    print(f"gpu smoke: {len(records) - n_bad}/{len(records)} checks ok over {len(names)} recipes in "
+          f"{time.time() - t_start:.0f} s; source_tree {tree}; wrote {a.out}")
+    return 1 if n_bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
