@@ -19,6 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ..errors import UserError
+
 _CHOICES = ("auto", "1", "0")
 
 
@@ -26,7 +28,7 @@ def kernel_mode() -> str:
     mode = os.environ.get("MOEC_KERNELS", "auto").strip().lower() or "auto"
     mode = {"on": "1", "true": "1", "off": "0", "false": "0"}.get(mode, mode)
     if mode not in _CHOICES:
-        raise ValueError(f"MOEC_KERNELS={os.environ['MOEC_KERNELS']!r}: expected auto, 1 or 0")
+        raise UserError(f"MOEC_KERNELS={os.environ['MOEC_KERNELS']!r}: expected auto, 1 or 0")
     return mode
 
 
@@ -43,7 +45,7 @@ def kernels_enabled(device) -> bool:
     if mode == "auto":
         return cuda
     if not cuda and not interpreting():
-        raise ValueError("MOEC_KERNELS=1 on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
+        raise UserError("MOEC_KERNELS=1 on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
     return True
 
 

@@ -19,6 +19,7 @@ import torch
 
 from moec.calibrate.pack_kv import kv_manifest
 from moec.calibrate.recipe import load_recipe
+from moec.errors import UserError
 from moec.runtime.backend import kernels_enabled, kernels_forced
 from moec.runtime.config import ModelArgs
 from moec.runtime.latency import random_kv_tensors, random_model
@@ -76,3 +77,14 @@ def test_switch():
         assert kernels_enabled("cpu")
     with kernels_forced("auto"):
         assert not kernels_enabled("cpu") and kernels_enabled("cuda")
+
+
+def test_switch_bad_values(monkeypatch):
+    """A bad value is a usage error (the CLI's one line and exit 2), not an internal one."""
+    monkeypatch.setenv("MOEC_KERNELS", "fast")
+    with pytest.raises(UserError, match="expected auto, 1 or 0"):
+        kernels_enabled("cpu")
+    monkeypatch.setenv("MOEC_KERNELS", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(UserError, match="TRITON_INTERPRET=1"):
+        kernels_enabled("cpu")
