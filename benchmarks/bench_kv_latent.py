@@ -42,8 +42,9 @@ from benchutil import cli  # noqa: E402
 from moec.calibrate.capture import run_layers  # noqa: E402
 from moec.calibrate.data import load_text, sample_windows  # noqa: E402
 from moec.calibrate.fit_latent import LatentSampler, fit_latent_tensors  # noqa: E402
+from moec.calibrate.kvconfig import LatentConfig, LatentKVConfig  # noqa: E402
 from moec.calibrate.pack_kv import kv_manifest  # noqa: E402
-from moec.calibrate.recipe import KVConfig, LatentConfig, Recipe  # noqa: E402
+from moec.calibrate.recipe import Recipe  # noqa: E402
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
 from moec.runtime.hf_layout import HFCheckpoint  # noqa: E402
@@ -123,8 +124,8 @@ def score(model, windows, factory, base, batch, chunk):
     return r, sum(bits) / len(bits), cache.bits_at(32768)
 
 
-def kv_config(codec, rope, bits, rank_k, rank_v, group, frac, window=128) -> KVConfig:
-    return KVConfig(codec=codec, bits=bits, window=window, sinks=4, block=32, rope=rope,
+def kv_config(codec, rope, bits, rank_k, rank_v, group, frac, window=128) -> LatentKVConfig:
+    return LatentKVConfig(codec=codec, bits=bits, window=window, sinks=4, block=32, rope=rope,
                     latent=LatentConfig(rank_k=rank_k, rank_v=rank_v, group_layers=group, outlier_frac=frac))
 
 

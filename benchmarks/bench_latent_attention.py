@@ -43,13 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
+from moec.formats.bitpack import pack_planar  # noqa: E402
 from moec.kernels.latent_decode_attention import (  # noqa: E402
     CONFIG,
     latent_decode_attention,
     latent_decode_attention_ref,
     latent_statics,
 )
-from moec.runtime.kvlatent import pack_planar  # noqa: E402
 
 
 def make_inputs(B, H, K, d, R, S, Wc, bits, dev, seed=0):
@@ -186,7 +186,7 @@ def main() -> None:
         bits = VARIANTS[name][0]
         args = make_inputs(B, H, K, d, R, S, Wc, bits, dev)
         kw = variant_kwargs(name, B, K, d, S, dev)
-        # the codec's per-layer forms made once, as LatentKVCache does (attend_latent_cache)
+        # the codec's per-layer forms made once, as LatentKVCache does (LatentKVCache._kernel_layer)
         statics = latent_statics(*args[3:10], H // K, VARIANTS[name][2], config)
         fn = functools.partial(latent_decode_attention, *args, config=config, statics=statics, **kw)
         rec = {}

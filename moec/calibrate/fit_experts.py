@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import UserError
+from ..registry import WEIGHT_CODECS, weight_codec
 from ..runtime.config import ModelArgs
 from ..runtime.experts import ATTN_PARAM
 from ..runtime.model import Transformer
@@ -94,8 +95,9 @@ class ExpertFitter:
         and return the report entry."""
         flat = W.dim() == 2
         W3, H3 = (W[None], H[None]) if flat else (W, H)
-        stored = hls.quantize(W3, H3, rule.codec, rule.bits, rule.group_size, gptq=rule.gptq)
-        W_hat = hls.dequantize(rule.codec, rule.bits, tuple(W3.shape), stored)
+        spec = weight_codec(rule.codec)
+        stored = spec.hook("quantize")(W3, H3, rule)
+        W_hat = spec.hook("dequantize")(rule.bits, tuple(W3.shape), stored)
         assert torch.isfinite(W_hat).all(), f"{name}: non-finite dequantized weights"
         err = hls.output_error(W3, W_hat, H3)
         for part, t in stored.items():
@@ -166,10 +168,11 @@ class ExpertFitter:
         """End-to-end tuning of the fitted hls codebooks (tune.py); other codecs are left as fitted."""
         from .tune import tune_codebooks
 
-        hls_params = {n: r for n, r in self.targets.items() if r.codec == "hls"}
+        hls_params = {n: r for n, r in self.targets.items() if weight_codec(r.codec).tunable}
         if not hls_params:
-            raise UserError("calibration.tune_steps tunes hls codebooks, and no weights rule of this recipe uses "
-                            "codec hls")
+            tunable = ", ".join(n for n, s in WEIGHT_CODECS.items() if s.tunable)
+            raise UserError(f"calibration.tune_steps tunes codebooks end to end, and no weights rule of this recipe "
+                            f"uses a codec that has them ({tunable})")
         t0 = time.time()
         shapes = {n: tuple(state[n].shape) if state[n].dim() == 3 else (1, *state[n].shape) for n in hls_params}
         self.tune_report = tune_codebooks(args, state, self.tensors, shapes,

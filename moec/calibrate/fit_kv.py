@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UserError
 from ..runtime.kvquant import FIXED_LEVELS
 
 
@@ -178,20 +179,32 @@ def quant_error(x: torch.Tensor, levels: torch.Tensor) -> float:
     return (levels[idx] - x).pow(2).mean().item()
 
 
-def check_kv_recipe(args, kv) -> None:
-    """Refuse KV settings the model's shapes cannot take (UserError naming the field)."""
-    from ..errors import UserError
-
+def _check_packs(args, kv) -> None:
     d = args.head_dim
-    if kv.codec == "kivi" and d % kv.group_size:
-        raise UserError(f"kv.group_size {kv.group_size} does not divide the model's head_dim {d}")
-    if kv.codec in ("kivi", "nuq-outlier") and (d * kv.bits) % 8 or (kv.bits == 3 and d % 8):
+    if (d * kv.bits) % 8 or (kv.bits == 3 and d % 8):
         raise UserError(f"kv.bits {kv.bits}: head_dim {d} does not pack into whole bytes")
-    if kv.codec == "nuq-outlier" and kv.block * d > 32767:
+
+
+def check_kivi(args, kv) -> None:
+    """Refuse kivi settings the model's shapes cannot take (UserError naming the field)."""
+    if args.head_dim % kv.group_size:
+        raise UserError(f"kv.group_size {kv.group_size} does not divide the model's head_dim {args.head_dim}")
+    _check_packs(args, kv)
+
+
+def check_kv_recipe(args, kv) -> None:
+    """Refuse nuq-outlier settings the model's shapes cannot take (UserError naming the field)."""
+    _check_packs(args, kv)
+    if kv.block * args.head_dim > 32767:
         raise UserError(f"kv.block {kv.block}: block × head_dim must fit int16 outlier indices (≤ 32767)")
 
 
-def fit_kv_tensors(args, kv, sampler: KVSampler) -> tuple[dict[str, torch.Tensor], dict]:
+def nuq_sampler(kv, seed: int) -> KVSampler:
+    """K/V samples (and query statistics) for the nuq-outlier scales and levels."""
+    return KVSampler(seed=seed)
+
+
+def fit_kv_tensors(args, kv, sampler: KVSampler, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
     """Per-layer nuq-outlier tensors (names `kv.layers.{i}.*`) and a report of normalized-domain MSEs."""
     tensors, report = {}, {"codec": kv.codec, "bits": kv.bits, "rope": kv.rope, "levels": kv.levels,
                            "outlier_frac": kv.outlier_frac, "k_center": kv.k_center,

@@ -52,6 +52,11 @@ class LatentSampler:
         return torch.cat(self.samples[(layer, name)])
 
 
+def latent_sampler(kv, seed: int) -> LatentSampler:
+    """Aligned K/V samples of every layer for the latent PCA (pre- or post-RoPE keys)."""
+    return LatentSampler(("k_pre" if kv.rope == "pre" else "k", "v"))
+
+
 def layer_groups(n_layers: int, group_layers: int) -> list[list[int]]:
     """Adjacent layers in groups of `group_layers`; the last group holds what remains."""
     return [list(range(i, min(i + group_layers, n_layers))) for i in range(0, n_layers, group_layers)]
@@ -124,7 +129,7 @@ def fit_group(x: torch.Tensor, rank: int, energy: float, bits: int) -> tuple[dic
     return {"basis": u, "mean": mean, "scale": scale.float()}, rep
 
 
-def fit_latent_tensors(args, kv, sampler: LatentSampler) -> tuple[dict[str, torch.Tensor], dict]:
+def fit_latent_tensors(args, kv, sampler: LatentSampler, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
     """All groups' tensors (`kv.groups.{g}.*`) and a report (rank, energy kept, relative MSE per group)."""
     lat = kv.latent
     check_latent_recipe(args, kv)

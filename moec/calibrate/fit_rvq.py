@@ -24,6 +24,13 @@ from ..runtime.kvrvq import RVQTier
 from .kmeans import kmeans
 
 
+def rvq_sampler(kv, seed: int):
+    """K/V samples for the residual-VQ codebooks (k-means runs on the calibration device)."""
+    from .fit_kv import KVSampler
+
+    return KVSampler(max_tokens=kv.rvq.max_samples, seed=seed)
+
+
 def check_rvq_recipe(args, kv) -> None:
     """Refuse rvq settings the model's head_dim cannot take (UserError naming the field)."""
     d, rvq = args.head_dim, kv.rvq

@@ -28,9 +28,10 @@ from __future__ import annotations
 import torch
 
 from ..formats import bitpack
-from ..runtime.experts import FP3_GRID, dequantize, lut_from_stored
+from ..runtime.experts import dequantize, lut_from_stored
+from ..runtime.weightcodecs import FP3_GRID
 
-# FP3_GRID (runtime/experts.py), seed 000's "asymmetric FP3": a 1-sign/1-exponent/1-mantissa float
+# FP3_GRID (runtime/weightcodecs.py), seed 000's "asymmetric FP3": a 1-sign/1-exponent/1-mantissa float
 # with subnormals has magnitudes {0, 0.5, 1, 1.5}; its redundant −0 code is spent on one more positive level, 2. The
 # per-group scale is signed, so the extra level falls on whichever side holds the group's extreme.
 __all__ = ["FP3_GRID", "dequantize", "lut_from_stored", "quantize", "gptq_assign", "weighted_lloyd"]
@@ -215,6 +216,18 @@ def quantize(W: torch.Tensor, H: torch.Tensor | None, codec: str, bits: int, gro
         idx = nearest(Wg, lut).reshape(E, O, I)
     stored["codes"] = bitpack.pack(idx, bits)
     return stored
+
+
+def _quantizer(codec: str):
+    def quantize_codec(W: torch.Tensor, H: torch.Tensor | None, rule) -> dict:
+        """The registry's `quantize` hook (moec/registry.py) for this codec under a recipe rule."""
+        return quantize(W, H, codec, rule.bits, rule.group_size, gptq=rule.gptq)
+
+    quantize_codec.__name__ = f"quantize_{codec}"
+    return quantize_codec
+
+
+quantize_hls, quantize_rtn, quantize_fp3, quantize_fp8 = (_quantizer(c) for c in ("hls", "rtn", "fp3", "fp8"))
 
 
 def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from ..errors import UserError
 from ..formats import checkpoint
-from ..formats.codecs import WEIGHT_PATTERN, WeightCodec
+from ..formats.codecs import KEEP, WEIGHT_PATTERN
 from ..runtime.hf_layout import HFCheckpoint
 from .pack_kv import encode_kv_tensors
 from .recipe import Recipe, load_recipe
@@ -41,18 +41,18 @@ def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe,
     fitted = fitted or {}
     for name, t in state.items():
         rule = recipe.rule_for(name)
-        codec = WeightCodec(rule.codec) if rule else WeightCodec.KEEP
-        if codec is WeightCodec.KEEP:
+        codec = rule.codec if rule else KEEP
+        if codec == KEEP:
             tensors[name] = t
-            info[name] = {"codec": codec.value, "bits": 8 * t.element_size(), "param": name}
+            info[name] = {"codec": KEEP, "bits": 8 * t.element_size(), "param": name}
             continue
         parts = {k.removeprefix(f"fit.{name}."): v for k, v in fitted.items() if k.startswith(f"fit.{name}.")}
         if not parts:
-            raise UserError(f"calibration has no fitted tensors for {name!r} (codec {codec.value}); "
+            raise UserError(f"calibration has no fitted tensors for {name!r} (codec {codec}); "
                             f"re-run `moec calibrate` with this recipe")
         for part, v in parts.items():
             tensors[f"{name}.{part}"] = v
-            info[f"{name}.{part}"] = {"codec": codec.value, "bits": rule.bits, "param": name,
+            info[f"{name}.{part}"] = {"codec": codec, "bits": rule.bits, "param": name,
                                       "group_size": rule.group_size, "param_shape": list(t.shape)}
     return tensors, info
 
@@ -64,7 +64,7 @@ def effective_bits(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
     numel = sum(state[n].numel() for n in params)
     total_stored = sum(t.numel() * t.element_size() for t in tensors.values())
     total_numel = sum(t.numel() for t in state.values())
-    qparams = {i["param"] for i in info.values() if i["codec"] != WeightCodec.KEEP.value}
+    qparams = {i["param"] for i in info.values() if i["codec"] != KEEP}
     q_stored = sum(t.numel() * t.element_size() for n, t in tensors.items() if info[n]["param"] in qparams)
     q_numel = sum(state[n].numel() for n in qparams)
     return {"w_bits": 8.0 * stored / max(numel, 1), "w_params": numel,
@@ -74,7 +74,6 @@ def effective_bits(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
 
 def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> dict:
     recipe, report = read_calib(calib_dir)
-    recipe.require_implemented()
     ckpt = HFCheckpoint(model_dir)
     fp = ckpt.fingerprint()
     if fp["weights_sha256"] != report.get("weights_sha256"):
@@ -116,9 +115,8 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     (runtime/latency.random_stored), KV codecs their stand-in calibration (runtime/latency.random_kv_tensors).
     Built on `device` (the GPU when there is one), written atomically like any packed checkpoint."""
     from ..runtime.latency import param_shapes, random_kv_tensors, random_stored
-    from .pack_kv import kv_manifest
+    from .pack_kv import kv_manifest, kv_tensor_info
 
-    recipe.require_implemented()
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = param_shapes(args)
     tensors, info = {}, {}
@@ -126,7 +124,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
         rule = recipe.rule_for(name)
         is_expert = ".moe." in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
         is_attn = ".attn.w" in name and name.endswith(".weight")
-        if rule is not None and rule.codec != WeightCodec.KEEP.value:
+        if rule is not None and rule.codec != KEEP:
             if not (is_expert or is_attn):
                 raise UserError(f"--random packs quantized experts and attention projections only; recipe rule "
                                 f"{rule.targets} ({rule.codec}) also matches {name!r}")
@@ -139,7 +137,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
         t = torch.ones(shape, dtype=torch.bfloat16, device=device) if "norm" in name else \
             torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0, shape[-1] ** -0.5, generator=gen)
         tensors[name] = t.cpu()
-        info[name] = {"codec": WeightCodec.KEEP.value, "bits": 16, "param": name}
+        info[name] = {"codec": KEEP, "bits": 16, "param": name}
     meta = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in shapes.items()}
     bits = effective_bits(meta, tensors, info)
     kv_section = kv_manifest(recipe, args)
@@ -147,8 +145,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
         kvt = random_kv_tensors(args, kv_section)
         if kvt:
             tensors.update(kvt)
-            info.update({n: {"codec": "kv-calib", "bits": 32, "param": n, "kv_codec": kv_section["codec"],
-                             "kv_bits": kv_section["bits"]} for n in kvt})
+            info.update(kv_tensor_info(kv_section, kvt))
             kv_section["tensors"] = sorted(kvt)
     bits["kv_bits_nominal"] = float(recipe.kv_or_default().bits)
     manifest = {"source": {"model": f"random:{shape_name}", "path": None, "seed": seed},

@@ -1,14 +1,13 @@
 """Recipes: YAML files parsed into typed configs; unknown keys and wrong types are errors.
 
+    version: 2                # optional; 1 = a resolved recipe of an older moec (read, upgraded)
     kv:                       # omit for an uncompressed (fp16) cache
-      codec: fp16             # fp16 | kivi | nuq-outlier | latent-head | latent-layer | rvq-tiered
-      bits: 16
-      window: 128             # recent tokens kept in fp16
-      sinks: 4                # first tokens kept in fp16
-      latent: {rank_k: 32, rank_v: 64, group_layers: 1, outlier_frac: 0.005}   # latent-head/-layer only
+      codec: nuq-outlier      # a registered KV codec (moec/registry.py); its config class
+      bits: 2                 # (calibrate/kvconfig.py) says which keys it takes: any other is an error
+      window: 128
     weights:                  # rules, first match wins; unmatched tensors stay as they are
       - targets: [experts, shared_experts, mlp]   # or attention, router, lm_head, or a regex
-        codec: keep           # keep | hls | rtn | fp8 | fp3
+        codec: keep           # a registered weight codec: keep | hls | rtn | fp8 | fp3
         bits: 16
         group_size: 64        # must divide the input dim of every targeted matrix (checked at calibrate)
         gptq: true            # hls/fp3: GPTQ error feedback (act-order) after the codebook fit
@@ -18,9 +17,9 @@
       seed: 0
       tune_steps: 0           # > 0: hls codebooks tuned end to end (KL to the source model), tune.py
 
-The resolved recipe (every default filled in) is written beside every output (`recipe.yaml`).
-Codecs named by the design but not yet implemented parse, and are refused by `require_implemented`
-when a command would have to execute them, naming what is implemented.
+The resolved recipe (every default filled in) is written beside every output (`recipe.yaml`). An
+empty recipe is an error (the identity recipe is recipes/fp16.yaml); YAML errors keep their line
+and column.
 """
 
 from __future__ import annotations
@@ -37,143 +36,22 @@ import yaml
 
 from ..errors import UserError
 from ..formats.codecs import TARGET_PATTERNS
+from ..registry import kv_codec, resolve, weight_codec
+from .kvconfig import FP16Config, TieredConfig
 
-KVCodecName = Literal["fp16", "kivi", "nuq-outlier", "latent-head", "latent-layer", "rvq-tiered"]
-WeightCodecName = Literal["keep", "hls", "rtn", "fp8", "fp3"]
-IMPLEMENTED_KV = ("fp16", "kivi", "nuq-outlier", "latent-head", "latent-layer", "rvq-tiered")
-# bits each implemented KV codec supports (fp16: 16 only; latent codecs: the bits of the latent codes)
-KV_CODEC_BITS = {"fp16": (16,), "kivi": (2, 4), "nuq-outlier": (2, 3), "latent-head": (1, 2, 3, 4, 16),
-                 "latent-layer": (1, 2, 3, 4, 16), "rvq-tiered": (1, 2, 3, 4)}  # rvq: a nominal label
-# latent bits 1 = ternary latent codes (three levels, five per byte: 1.6 bits per latent element)
-
-
-@dataclass
-class LatentConfig:
-    """Low-rank latent KV (seeds 000/001; Palu, xKV): keys and values of a group of `group_layers`
-    adjacent layers (1 for latent-head) projected by a PCA basis fitted on calibration activations
-    to `rank_k` / `rank_v` dims (0: the smallest multiple of 8 reaching `energy` of the variance,
-    per group), the latent stored at kv.bits with an offline per-channel scale, plus the largest
-    `outlier_frac` of each block's reconstruction residual in fp16 (moec/calibrate/fit_latent.py)."""
-
-    rank_k: int = 0
-    rank_v: int = 0
-    energy: float = 0.99
-    group_layers: int = 1
-    outlier_frac: float = 0.005
-
-    def __post_init__(self):
-        for name in ("rank_k", "rank_v"):
-            r = getattr(self, name)
-            if r < 0 or r % 8:
-                raise UserError(f"kv.latent.{name} must be a positive multiple of 8 (0: by energy), got {r}")
-        if not 0.0 < self.energy <= 1.0:
-            raise UserError(f"kv.latent.energy must be in (0, 1], got {self.energy}")
-        if self.group_layers < 1:
-            raise UserError(f"kv.latent.group_layers must be >= 1, got {self.group_layers}")
-        if not 0.0 <= self.outlier_frac <= 0.1:
-            raise UserError(f"kv.latent.outlier_frac must be in [0, 0.1], got {self.outlier_frac}")
-IMPLEMENTED_WEIGHTS = ("keep", "hls", "rtn", "fp8", "fp3")
-
-
-@dataclass
-class RVQConfig:
-    """Tiered residual VQ KV (seed 002; moec/runtime/kvrvq.py): the middle tier (blocks leaving the fp16
-    window) is a residual VQ with `mid_sizes` centroids per stage over sub-vectors of `mid_dim` channels
-    (Σ log2(size) / dim bits per element); blocks whose tokens are all `archive_after` or more tokens
-    back are re-encoded into the archive tier (`arch_sizes`, `arch_dim`); archive_after 0: one tier.
-    Codebooks per layer, per sub-vector position, per KV head (or `shared_heads`), fitted by k-means on
-    post- or pre-RoPE keys (`rope`) and values (moec/calibrate/fit_rvq.py)."""
-
-    mid_sizes: list[int] = field(default_factory=lambda: [64, 64])
-    mid_dim: int = 4
-    archive_after: int = 4096
-    arch_sizes: list[int] = field(default_factory=lambda: [128])
-    arch_dim: int = 4
-    rope: Literal["pre", "post"] = "post"
-    shared_heads: bool = False
-    iters: int = 10  # Lloyd iterations per stage (at most; stops when the error stops falling)
-    max_samples: int = 4096  # calibration tokens per layer the codebooks are fitted on
-
-    def __post_init__(self):
-        for name in ("mid_sizes", "arch_sizes"):
-            sizes = getattr(self, name)
-            if not sizes and (name == "mid_sizes" or self.archive_after):
-                raise UserError(f"kv.rvq.{name} must list at least one codebook size")
-            for c in sizes:
-                if c < 2 or c > 2**16 or c & (c - 1):
-                    raise UserError(f"kv.rvq.{name}: codebook size {c} is not a power of two in 2..65536")
-        for name in ("mid_dim", "arch_dim"):
-            if getattr(self, name) < 1:
-                raise UserError(f"kv.rvq.{name} must be >= 1, got {getattr(self, name)}")
-        if self.archive_after < 0:
-            raise UserError(f"kv.rvq.archive_after must be >= 0 (0: no archive tier), got {self.archive_after}")
-        if self.iters < 1 or self.max_samples < 16:
-            raise UserError(f"kv.rvq.iters must be >= 1 and kv.rvq.max_samples >= 16, got {self.iters}, "
-                            f"{self.max_samples}")
-
-
-@dataclass
-class KVConfig:
-    codec: KVCodecName = "fp16"
-    bits: int = 16
-    window: int = 128
-    sinks: int = 4
-    # Tiered caches (kivi, nuq-outlier): tokens leave the window in blocks of `block` tokens, each
-    # encoded once (KIVI's key group is the block; outliers are selected per block).
-    block: int = 32
-    group_size: int = 32  # kivi: channels per value group (must divide head_dim)
-    outlier_frac: float = 0.01  # nuq-outlier: fraction of each block's elements kept as fp16 residuals
-    levels: Literal["fixed", "fitted"] = "fitted"  # nuq-outlier: seed grid, or weighted k-means on calibration
-    rope: Literal["pre", "post"] = "pre"  # nuq-outlier, latent-*: quantize keys before or after RoPE
-    # nuq-outlier options (kvquant.NUQCenteredCodec; the defaults are the plain seed-003 codec):
-    k_center: bool = False  # per-channel key center calibrated offline (asymmetric keys)
-    outlier_select: Literal["magnitude", "weighted-error"] = "magnitude"  # key outliers: largest |k/scale|,
-    # or largest rounding error weighted by the channel's calibrated query RMS
-    k_scale_fit: Literal["quantile", "mse"] = "quantile"  # key scale: quantile of |k|, or MSE-searched multiple
-    latent: LatentConfig | None = None  # latent-head / latent-layer settings (defaults when omitted)
-    rvq: RVQConfig | None = None  # rvq-tiered settings (defaults when omitted)
-
-    def __post_init__(self):
-        if self.window < 0:
-            raise UserError(f"kv.window must be >= 0, got {self.window}")
-        if self.sinks < 0:
-            raise UserError(f"kv.sinks must be >= 0, got {self.sinks}")
-        if not 1 <= self.bits <= 16:
-            raise UserError(f"kv.bits must be in 1..16, got {self.bits}")
-        allowed = KV_CODEC_BITS.get(self.codec)
-        if allowed is not None and self.bits not in allowed:
-            raise UserError(f"kv.bits: codec {self.codec!r} supports bits {' or '.join(map(str, allowed))}, "
-                            f"got {self.bits}")
-        if not 0.0 <= self.outlier_frac <= 0.1:
-            raise UserError(f"kv.outlier_frac must be in [0, 0.1], got {self.outlier_frac}")
-        if self.block < 8 or self.block % 8:
-            raise UserError(f"kv.block must be a positive multiple of 8, got {self.block}")
-        if self.group_size < 1:
-            raise UserError(f"kv.group_size must be >= 1, got {self.group_size}")
-        for name, default in (("k_center", False), ("outlier_select", "magnitude"), ("k_scale_fit", "quantile")):
-            if self.codec != "nuq-outlier" and getattr(self, name) != default:
-                raise UserError(f"kv.{name}: only the nuq-outlier codec takes it, not {self.codec!r}")
-        if self.codec.startswith("latent-"):
-            if self.latent is None:
-                self.latent = LatentConfig(group_layers=4 if self.codec == "latent-layer" else 1)
-            if self.codec == "latent-head" and self.latent.group_layers != 1:
-                raise UserError(f"kv.latent.group_layers: codec 'latent-head' shares nothing across layers "
-                                f"(1), got {self.latent.group_layers}; use codec 'latent-layer'")
-        elif self.latent is not None:
-            raise UserError(f"kv.latent: only the latent-head / latent-layer codecs take it, not {self.codec!r}")
-        if self.codec == "rvq-tiered":
-            self.rvq = self.rvq or RVQConfig()
-            if self.rvq.archive_after and self.rvq.archive_after <= self.window + self.block:
-                raise UserError(f"kv.rvq.archive_after {self.rvq.archive_after} must exceed kv.window + kv.block "
-                                f"({self.window} + {self.block}): tier boundaries out of order")
-        elif self.rvq is not None:
-            raise UserError(f"kv.rvq: only the rvq-tiered codec takes it, not {self.codec!r}")
+RECIPE_VERSION = 2  # 2: one config class per KV codec (kvconfig.py); 1: one flat KV class
+# keys every v1 resolved recipe carried in `kv:` whatever its codec, with their v1 defaults: a v1
+# recipe (a CALIB_DIR/recipe.yaml written by moec before format 2) may carry them for codecs that
+# do not use them, and they are dropped when they hold the default
+_V1_KV_DEFAULTS = {"bits": 16, "window": 128, "sinks": 4, "block": 32, "group_size": 32, "outlier_frac": 0.01,
+                   "levels": "fitted", "rope": "pre", "k_center": False, "outlier_select": "magnitude",
+                   "k_scale_fit": "quantile", "latent": None, "rvq": None}
 
 
 @dataclass
 class WeightRule:
     targets: list[str]
-    codec: WeightCodecName = "keep"
+    codec: str = "keep"  # a registered weight codec (moec/registry.py)
     bits: int = 16
     group_size: int = 0  # 0: one group per output row
     gptq: bool = True  # hls/fp3: GPTQ error feedback with the full Hessian after fitting the codebooks
@@ -192,7 +70,7 @@ class WeightRule:
             raise UserError(f"weights rule: bits must be in 1..16, got {self.bits}")
         if self.group_size < 0:
             raise UserError(f"weights rule: group_size must be >= 0, got {self.group_size}")
-        allowed = {"keep": None, "hls": (2, 3, 4), "rtn": (2, 3, 4), "fp3": (3,), "fp8": (8,)}[self.codec]
+        allowed = None if self.codec == "keep" else weight_codec(self.codec).bits
         if allowed is not None and self.bits not in allowed:
             raise UserError(f"weights rule: codec {self.codec!r} takes bits in {{{', '.join(map(str, allowed))}}}, "
                             f"got {self.bits} (weight bits must be one of 2, 3, 4, 8)")
@@ -222,29 +100,19 @@ class CalibrationConfig:
 class Recipe:
     name: str = "unnamed"
     description: str = ""
-    kv: KVConfig | None = None
+    kv: TieredConfig | FP16Config | None = None  # the codec's config class (kvconfig.py), by `codec`
     weights: list[WeightRule] = field(default_factory=list)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
-    version: int = 1
+    version: int = RECIPE_VERSION
 
-    def kv_or_default(self) -> KVConfig:
-        return self.kv or KVConfig()
+    def kv_or_default(self) -> TieredConfig | FP16Config:
+        return self.kv or FP16Config()
 
     def rule_for(self, tensor_name: str) -> WeightRule | None:
         for rule in self.weights:
             if any(p.search(tensor_name) for p in rule.patterns()):
                 return rule
         return None
-
-    def require_implemented(self) -> None:
-        kv = self.kv_or_default()
-        if kv.codec not in IMPLEMENTED_KV:
-            raise UserError(f"kv codec {kv.codec!r} is not implemented in this moec version "
-                            f"(implemented: {', '.join(IMPLEMENTED_KV)})")
-        for rule in self.weights:
-            if rule.codec not in IMPLEMENTED_WEIGHTS:
-                raise UserError(f"weights codec {rule.codec!r} is not implemented in this moec version "
-                                f"(implemented: {', '.join(IMPLEMENTED_WEIGHTS)})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -286,23 +154,58 @@ def _convert(value, tp, where: str):
     return value
 
 
-def _build(cls, data, where: str):
+def _build(cls, data, where: str, codec: str | None = None):
     if not isinstance(data, dict):
         raise UserError(f"{where}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in known:
-            raise UserError(f"{where}: unknown key {key!r} (known keys: {', '.join(sorted(known))})")
-    kwargs = {k: _convert(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+            whose = f" for codec {codec!r}" if codec else ""
+            raise UserError(f"{where}: unknown key {key!r}{whose} (known keys: {', '.join(sorted(known))})")
+    kwargs = {k: _parse_kv(v, f"{where}.{k}") if cls is Recipe and k == "kv" else _convert(v, hints[k], f"{where}.{k}")
+              for k, v in data.items()}
     try:
         return cls(**kwargs)
     except TypeError as e:  # a required key is missing
         raise UserError(f"{where}: {e}") from None
 
 
+def _parse_kv(data, where: str):
+    """The `kv:` mapping as its codec's config class (registry lookup by `codec`, default fp16)."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: expected a mapping, got {type(data).__name__}")
+    codec = data.get("codec", "fp16")
+    if not isinstance(codec, str):
+        raise UserError(f"{where}.codec: expected a codec name, got {type(codec).__name__} {codec!r}")
+    return _build(resolve(kv_codec(codec).config), data, where, codec=codec)
+
+
+def _upgrade_v1(data: dict) -> dict:
+    """A version-1 resolved recipe: drop the flat KV keys its codec does not use while they hold the
+    v1 default (they were filled in by resolution, not chosen); anything else is parsed strictly."""
+    kv = data.get("kv")
+    if not isinstance(kv, dict):
+        return data
+    known = {f.name for f in dataclasses.fields(resolve(kv_codec(kv.get("codec", "fp16")).config))}
+    kv = {k: v for k, v in kv.items() if k in known or k not in _V1_KV_DEFAULTS or v != _V1_KV_DEFAULTS[k]}
+    return {**data, "kv": kv, "version": RECIPE_VERSION}
+
+
 def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
-    return _build(Recipe, data or {}, where)
+    if not data:
+        raise UserError(f"{where}: the recipe is empty (the identity recipe is recipes/fp16.yaml: `name: fp16`)")
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: expected a mapping, got {type(data).__name__}")
+    version = data.get("version", RECIPE_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= RECIPE_VERSION:
+        raise UserError(f"{where}.version: {version!r} is not a recipe version this moec reads "
+                        f"(1..{RECIPE_VERSION}; a newer moec wrote it?)")
+    if version == 1:
+        data = _upgrade_v1(data)
+    return _build(Recipe, data, where)
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -312,7 +215,10 @@ def load_recipe(path: str | Path) -> Recipe:
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
-        raise UserError(f"recipe {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"recipe {p}: not valid YAML{at}: {what}") from None
     recipe = parse_recipe(data, where=p.name)
     if recipe.name == "unnamed":
         recipe.name = p.stem

@@ -24,13 +24,11 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..errors import UserError
 from ..formats.checkpoint import is_packed
+from ..registry import kv_codec
 from ..runtime.hf_layout import HFCheckpoint
 from .capture import ExpertTokenCounts, KVRange, run_layers
 from .data import is_eval_split, load_text, sample_windows
 from .fit_experts import ExpertFitter, plan
-from .fit_kv import KVSampler, check_kv_recipe, fit_kv_tensors
-from .fit_latent import LatentSampler, check_latent_recipe, fit_latent_tensors
-from .fit_rvq import check_rvq_recipe, fit_rvq_tensors
 from .hessian import AttentionHessians, ExpertHessians
 from .recipe import Recipe
 from .sources import load_tokenizer, tokenize
@@ -48,7 +46,6 @@ def load_balance(counts: torch.Tensor, top_k: int) -> dict:
 
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,
               seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None) -> dict:
-    recipe.require_implemented()
     if is_packed(model_dir):
         raise UserError(f"{model_dir}: is a packed checkpoint; calibrate the source model instead")
     if is_eval_split(data, split):
@@ -60,8 +57,10 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if seq_len > args.max_seq_len:
         raise UserError(f"--seq-len {seq_len} is longer than the model supports ({args.max_seq_len} tokens)")
     targets = plan(args, recipe)  # weight rules checked against the model before any work
-    if recipe.kv_or_default().codec.startswith("latent-"):
-        check_latent_recipe(args, recipe.kv_or_default())  # ranks / layer groups against the model's shapes
+    kv_cfg = recipe.kv_or_default()
+    kv_spec = kv_codec(kv_cfg.codec)
+    if kv_spec.check is not None:  # the KV settings against the model's shapes, before any work
+        kv_spec.hook("check")(args, kv_cfg)
     torch.manual_seed(seed)
     text = load_text(data, split)
     ids = tokenize(load_tokenizer(model_dir), text)
@@ -69,15 +68,9 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
 
     counts, kv = ExpertTokenCounts(args), KVRange()
     observers: list = [counts, kv]
-    kv_cfg = recipe.kv_or_default()
-    check_kv_recipe(args, kv_cfg)
-    kv_sampler = KVSampler(seed=seed) if kv_cfg.codec == "nuq-outlier" else None
-    if kv_cfg.codec.startswith("latent-"):  # aligned K/V samples of every layer for the latent PCA
-        kv_sampler = LatentSampler(("k_pre" if kv_cfg.rope == "pre" else "k", "v"))
-    if kv_cfg.codec == "rvq-tiered":  # K/V samples for the residual-VQ codebooks (k-means on `device`)
-        check_rvq_recipe(args, kv_cfg)
-        kv_sampler = KVSampler(max_tokens=kv_cfg.rvq.max_samples, seed=seed)
-    if kv_sampler is not None:  # K/V samples for the nuq-outlier scales and levels
+    # the KV codec's capture observer (K/V samples its fit needs), None: nothing to calibrate
+    kv_sampler = kv_spec.hook("sampler")(kv_cfg, seed) if kv_spec.sampler is not None else None
+    if kv_sampler is not None:
         observers.append(kv_sampler)
     cal = recipe.calibration
     fitter = ExpertFitter(targets, ckpt.layer_state, cal.expert_policy, cal.min_expert_tokens) if targets else None
@@ -131,12 +124,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         if fitter.tune_report is not None:
             report["tune"] = fitter.tune_report
 
-    if kv_sampler is not None:
-        fit = fit_latent_tensors if kv_cfg.codec.startswith("latent-") else fit_kv_tensors
-        if kv_cfg.codec == "rvq-tiered":
-            kv_tensors, report["kv"] = fit_rvq_tensors(args, kv_cfg, kv_sampler, device)
-        else:
-            kv_tensors, report["kv"] = fit(args, kv_cfg, kv_sampler)
+    if kv_spec.fit is not None:
+        kv_tensors, report["kv"] = kv_spec.hook("fit")(args, kv_cfg, kv_sampler, device)
         tensors.update(kv_tensors)
     _write_dir(out_dir, {"calib.safetensors": tensors, "report.json": report, "recipe.yaml": recipe.to_yaml()})
     return report

@@ -32,6 +32,16 @@ class _Keep:
     codec = "keep"
 
 
+def _require_static(kv: dict) -> None:
+    from ..runtime.loader import kv_codec_spec
+
+    if not kv_codec_spec(kv).tiered:
+        from ..registry import KV_CODECS
+
+        held = ", ".join(n for n, s in KV_CODECS.items() if s.tiered)
+        raise UserError(f"--latency: the static engine runs the tiered block codecs ({held}), not {kv['codec']!r}")
+
+
 def build_config(model: str | None, random: str | None, recipe: Path | None, device: str, bf16_peer: bool = False):
     """(model, kv section, codecs, description) for a packed/HF model or a random shape + recipe."""
     from ..runtime.config import PRESETS
@@ -52,9 +62,7 @@ def build_config(model: str | None, random: str | None, recipe: Path | None, dev
         kv = kv_manifest(r, args)
         codecs = None
         if kv is not None:
-            if kv["codec"] not in ("kivi", "nuq-outlier"):
-                raise UserError(f"--latency: the static engine runs kivi and nuq-outlier KV caches, "
-                                f"not {kv['codec']!r}")
+            _require_static(kv)
             codecs = build_codecs(kv, random_kv_tensors(args, kv), args)
         m = random_model(args, r.rule_for, device)
         return m, kv, codecs, {"shape": random, "method": "packed-random", "recipe": r.name}
@@ -64,8 +72,7 @@ def build_config(model: str | None, random: str | None, recipe: Path | None, dev
     m, info = load_model(resolve_model(model), torch.bfloat16, device)
     kv, codecs = info.get("kv"), None
     if kv:
-        if kv["codec"] not in ("kivi", "nuq-outlier"):
-            raise UserError(f"--latency: the static engine runs kivi and nuq-outlier KV caches, not {kv['codec']!r}")
+        _require_static(kv)
         codecs = build_codecs(kv, info.get("kv_tensors", {}), m.args)
     recipe_name = info["manifest"]["recipe"]["name"] if info["kind"] == "packed" else "source"
     return m, kv, codecs, {"shape": model, "method": info["kind"], "recipe": recipe_name}
@@ -289,8 +296,9 @@ def _check_memory(shape: str, recipe: Path, context: int) -> None:
 
     args, r = PRESETS[shape], load_recipe(recipe)
     kv = kv_manifest(r, args)
-    codecs = build_codecs(kv, random_kv_tensors(args, kv), args) if kv and kv["codec"] in (
-        "kivi", "nuq-outlier") else None
+    from ..runtime.loader import kv_codec_spec
+
+    codecs = build_codecs(kv, random_kv_tensors(args, kv), args) if kv and kv_codec_spec(kv).tiered else None
     per_tok = kv_bytes_per_token(args, kv if codecs else None, codecs)
     weights = estimate_model_bytes(args, r.rule_for)
     free, _ = torch.cuda.mem_get_info()

@@ -1,4 +1,4 @@
-"""The packed checkpoint, format `moec-packed` version 1.
+"""The packed checkpoint, format `moec-packed` version 2 (version 1 is read: formats/kvsection.upgrade).
 
 A directory:
     moec.json               manifest (below); readers check `format` and `format_version` first
@@ -9,7 +9,8 @@ A directory:
 Manifest fields: format, format_version, moec_version, created, source {model, path, config_sha256,
 weights_sha256}, model_args (moec.runtime.config.ModelArgs as a dict), recipe (resolved),
 calibration (provenance: data, split, samples, seq_len, seed, token counts), tensors {name: {shard,
-codec, bits, shape, dtype, bytes}}, shards {file: {sha256, bytes}}, effective_bits.
+codec, bits, shape, dtype, bytes}}, shards {file: {sha256, bytes}}, effective_bits, kv (the KV codec's
+section, formats/kvsection.py; null for an fp16 cache). Version 2 changed only the `kv` section.
 
 Writes go to a temporary sibling directory that is renamed into place only when complete, so a
 failed pack never leaves a half-written checkpoint. The reader verifies version, presence and sha256
@@ -33,9 +34,10 @@ from safetensors.torch import save_file
 
 from .. import __version__
 from ..errors import FormatError, UserError
+from . import kvsection
 
 FORMAT = "moec-packed"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "moec.json"
 SHARD_BYTES = 2 << 30
 
@@ -128,9 +130,13 @@ def read_manifest(path: str | Path) -> dict:
     if manifest.get("format") != FORMAT:
         raise FormatError(f"{mf}: format {manifest.get('format')!r}, expected {FORMAT!r}")
     version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise FormatError(f"{mf}: format_version {version!r} is not a version number")
+    if version > FORMAT_VERSION:
         raise FormatError(f"{mf}: format_version {version!r} is newer than this moec reads "
                           f"({FORMAT_VERSION}); upgrade moec")
+    if manifest.get("kv") is not None:
+        manifest["kv"] = kvsection.check(kvsection.upgrade(manifest["kv"], version))
     return manifest
 
 

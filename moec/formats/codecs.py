@@ -5,9 +5,12 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 
+KEEP = "keep"  # the `codec` of a tensor stored as the source has it
+
 
 class WeightCodec(StrEnum):
-    """How a weight tensor is stored.
+    """The stored layouts of the built-in weight codecs (each registered in moec/registry.py, which code
+    looks codecs up in; a registered codec outside this list documents its own parts).
 
     KEEP: the tensor as-is, in its source dtype and canonical shape (the identity recipe), so a
     packed copy reproduces the source bit for bit.

@@ -1,7 +1,7 @@
 """Fused decode attention over a tiered nuq-outlier KV cache (seed 003), flash-decoding style.
 
 One query token per sequence attends to
-    history: packed 2/3-bit codes in the planar layout of moec/runtime/kvquant.py (2-bit: byte i of
+    history: packed 2/3-bit codes in moec/formats/bitpack.py's Layout.PLANAR (2-bit: byte i of
              a token's row holds channels i, i+d/4, i+d/2, i+3d/4), keys k = k_lev[code]·k_scale[c]
              (+ sparse residuals), values v = v_lev[code]·v_scale[t] (+ sparse residuals); the
              residuals are kept per cache block of `block` tokens as int16 index t·d + c, fp16 value
@@ -64,11 +64,12 @@ from __future__ import annotations
 
 import math
 import os
-import weakref
 
 import torch
 import triton
 import triton.language as tl
+
+from ..formats.bitpack import unpack_planar
 
 LOG2E = 1.4426950408889634
 NUM_SMS = 132  # H200; only sizes the split count (programs ~ WAVES waves)
@@ -78,7 +79,6 @@ CONFIG = {"block_t": 32, "num_warps": 4, "num_stages": 2, "lazy": True, "waves":
 
 
 _LAST: dict = {}  # the last compiled kernel (registers / spills for the benchmark's sweep)
-_STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> device copies (codec_statics)
 
 
 def _interpreting() -> bool:
@@ -596,13 +596,11 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
 
 def dequant_history_ref(codes, scale_k_or_v, lev, oidx, oval, bits: int, block: int, kind: str,
                         center: torch.Tensor | None = None) -> torch.Tensor:
-    """Dequantize a whole history buffer [B, K, S, ·] -> [B, K, S, d] fp32 (the layout of kvquant.py);
+    """Dequantize a whole history buffer [B, K, S, ·] -> [B, K, S, d] fp32 (codes in bitpack's Layout.PLANAR);
     center [K, d]: added to every token (keys of kvquant.NUQCenteredCodec)."""
-    from ..runtime.kvquant import unpack_codes
-
     B, K, S, dw = codes.shape
     d = dw * 8 // bits
-    x = lev.float()[unpack_codes(codes, bits, d)]
+    x = lev.float()[unpack_planar(codes, bits, d)]
     x = x * (scale_k_or_v.float()[None, :, None, :] if kind == "k" else scale_k_or_v.float()[..., None])
     if oidx.shape[-1]:
         x = x.reshape(B, K, S // block, block * d).scatter_add(-1, oidx.long(), oval.float()).reshape(B, K, S, d)
@@ -636,50 +634,3 @@ def kv_decode_attention_ref(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev,
         p = torch.softmax(qb @ keys.transpose(1, 2) * sm_scale, dim=-1)  # [K, G, n]
         out[b] = (p @ vals).reshape(H, d)
     return out
-
-
-def codec_statics(codec, dev) -> tuple:
-    """(k_scale, k_levels, v_levels, k_center or None) of a nuq-outlier codec as contiguous fp32 tensors on
-    `dev`, copied once per codec and device (the caches pass them to the kernel every step)."""
-    per = _STATIC.setdefault(codec, {})
-    if str(dev) not in per:
-        center = getattr(codec, "k_center", None)  # kvquant.NUQCenteredCodec
-        per[str(dev)] = tuple(None if t is None else t.to(dev).float().contiguous()
-                              for t in (codec.k_scale, codec.levels["k"], codec.levels["v"], center))
-    return per[str(dev)]
-
-
-def rope_table(args, sinks: int, dev) -> tuple[torch.Tensor, int]:
-    """The kernel's `rope` argument for a pre-RoPE history whose token t sits at position sinks + t."""
-    from ..runtime.model import rope_inv_freq
-
-    return rope_inv_freq(args, dev).float().contiguous(), sinks
-
-
-def attend_cache(cache, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
-    """One decode step of a TieredKVCache (nuq-outlier; pre-RoPE history keys are rotated in the kernel,
-    history token t at position sinks + t). q [B, H, 1, d]; wk, wv [B, K, n, d] fp16 window (sinks
-    first) -> [B, H, 1, d] in q.dtype."""
-    codec = cache.codecs[layer]
-    hk, hv = cache.hist["k"][layer], cache.hist["v"][layer]
-    B = q.shape[0]
-    dev = q.device
-    nout = codec.n_out
-    if nout:
-        koi, kov, voi, vov = hk["out_idx"], hk["out_val"], hv["out_idx"], hv["out_val"]
-    else:
-        z = torch.zeros(B, wk.shape[1], cache.max_blocks, 0, device=dev)
-        koi = voi = z.to(torch.int16)
-        kov = vov = z.half()
-    hist_len = torch.full((B,), cache.n_blocks[layer] * cache.block, dtype=torch.int32, device=dev)
-    win_len = torch.full((B,), wk.shape[2], dtype=torch.int32, device=dev)
-    k_scale, k_lev, v_lev, k_center = codec_statics(codec, dev)
-    rope = None
-    if cache.rope_pre:
-        if cache.rope_table is None:  # made once per cache, not every step
-            cache.rope_table = rope_table(cache.args, cache.sinks, dev)
-        rope = cache.rope_table
-    out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"], hv["codes"], k_scale, hv["scale"], k_lev, v_lev,
-                              koi, kov, voi, vov, hist_len, wk.contiguous(), wv.contiguous(), win_len, codec.bits,
-                              cache.block, rope=rope, k_center=k_center)
-    return out[:, :, None].to(q.dtype)

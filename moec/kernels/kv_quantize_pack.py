@@ -3,7 +3,7 @@
 Produces exactly the fields of moec.runtime.kvquant.NUQOutlierCodec.encode (and of its subclass
 NUQCenteredCodec: keys minus an offline per-channel center, key outliers by the rounding error
 weighted with the channel's query RMS) for x [B, K, N, d]:
-    codes   [B, K, N, d·bits/8] uint8   nearest level of x / scale, planar layout of kvquant.py
+    codes   [B, K, N, d·bits/8] uint8   nearest level of x / scale, moec/formats/bitpack.py Layout.PLANAR
     scale   [B, K, N] fp16              (values only) per-token absmax after removing the outliers
     out_idx [B, K, 1, n_out] int16      t·d + c of the n_out largest |x / scale| (keys) or |x| (values)
                                         of the block, ascending
@@ -24,7 +24,7 @@ exactly). Divisions are IEEE round-to-nearest (div_rn), as in torch, so codes ma
 
 from __future__ import annotations
 
-import weakref
+from typing import NamedTuple
 
 import torch
 import triton
@@ -140,50 +140,38 @@ def _excl_prefix(v):
     return c0[:, None, None] + c1[:, :, None] + c2 - v
 
 
-_STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # codec -> device copies of its tensors
+class NUQView(NamedTuple):
+    """A nuq-outlier codec (moec.runtime.kvquant.NUQOutlierCodec / NUQCenteredCodec) on one device, in the
+    forms the kernels take (made once per codec and device by its `kernel_view`). Tensors are contiguous."""
+
+    bits: int  # 2 or 3
+    block: int  # tokens per encoded block (N)
+    n_out: int  # outliers per (batch row, KV head) block; 0: none
+    k_scale: torch.Tensor  # [K, d] fp32, the offline per-channel key scale
+    k_levels: torch.Tensor  # [2^bits] fp32, ascending
+    v_levels: torch.Tensor  # [2^bits] fp32, ascending
+    k_mids: torch.Tensor  # [2^bits - 1] fp32, (lev[1:] + lev[:-1]) / 2: the codec's bucketize boundaries
+    v_mids: torch.Tensor
+    k_center: torch.Tensor | None  # [K, d] fp32 (NUQCenteredCodec) or None
+    k_weight: torch.Tensor | None  # [K, d] fp32, query RMS for weighted-error key outliers, or None
 
 
-def _static(codec, kind: str, dev: torch.device):
-    """(levels, bucketize midpoints, k_scale) on `dev`, copied once per codec (no host copies per block)."""
-    per = _STATIC.setdefault(codec, {})
-    key = (kind, str(dev))
-    if key not in per:
-        lev = codec.levels[kind].to(dev)
-        mids = ((lev[1:] + lev[:-1]) / 2).contiguous()  # the codec's bucketize boundaries, same arithmetic
-        extra = [getattr(codec, n, None) for n in ("k_center", "k_weight")]  # NUQCenteredCodec
-        per[key] = (lev.contiguous(), mids, codec.k_scale.to(dev).contiguous(),
-                    *(None if t is None else t.to(dev).float().contiguous() for t in extra))
-    return per[key]
-
-
-def supports(codec) -> bool:
-    """Whether this kernel reproduces codec.encode: a 2/3-bit NUQOutlierCodec or NUQCenteredCodec with
-    the fields it writes (a codec with other options or fields keeps its torch encode)."""
-    from ..runtime.kvquant import NUQCenteredCodec, NUQOutlierCodec
-
-    if type(codec) not in (NUQOutlierCodec, NUQCenteredCodec) or codec.bits not in (2, 3):
-        return False
-    N, d = codec.block, codec.d
-    want = {"k": {"codes"}, "v": {"codes", "scale"}}
-    if codec.n_out:
-        want = {kind: f | {"out_idx", "out_val"} for kind, f in want.items()}
-    return (N & (N - 1) == 0 and d & (d - 1) == 0 and d >= 16 and N * d < 2**15
-            and all(set(codec.fields(kind)) == want[kind] for kind in "kv"))
-
-
-def kv_quantize_pack(x: torch.Tensor, kind: str, codec) -> dict[str, torch.Tensor]:
-    """NUQOutlierCodec.encode(x, kind) on the GPU (or under TRITON_INTERPRET): x [B, K, N, d] fp16/fp32."""
+def kv_quantize_pack(x: torch.Tensor, kind: str, view: NUQView) -> dict[str, torch.Tensor]:
+    """The nuq-outlier encode of x [B, K, N, d] fp16/fp32 (keys or values) on the GPU (or under
+    TRITON_INTERPRET): the fields of NUQOutlierCodec.encode(x, kind), bit for bit away from ties.
+    view: the codec's tensors on x's device (codec.kernel_view(x.device))."""
     B, K, N, d = x.shape
-    bits, n_out = codec.bits, codec.n_out
+    bits, n_out = view.bits, view.n_out
     assert kind in ("k", "v") and bits in (2, 3), (kind, bits)
-    assert N == codec.block and d == codec.d, (N, d, codec.block, codec.d)
+    assert N == view.block and (K, d) == tuple(view.k_scale.shape), (N, K, d, view.block, view.k_scale.shape)
     assert N & (N - 1) == 0 and d & (d - 1) == 0 and d >= 16, ("power-of-two block and head_dim >= 16", N, d)
     assert N * d < 2**15, "out_idx is int16"
     assert x.dtype in (torch.float16, torch.float32), x.dtype
     x = x.contiguous()
     dev = x.device
-    lev, mids, ks, kc, kw = _static(codec, kind, dev)
-    assert ks.shape == (K, d), (ks.shape, K, d)
+    lev, mids = (view.k_levels, view.k_mids) if kind == "k" else (view.v_levels, view.v_mids)
+    ks, kc, kw = view.k_scale, view.k_center, view.k_weight
+    assert ks.device == dev, (ks.device, dev)
     out = {"codes": torch.empty(B, K, N, d * bits // 8, dtype=torch.uint8, device=dev)}
     if kind == "v":
         out["scale"] = torch.empty(B, K, N, dtype=torch.float16, device=dev)
@@ -198,8 +186,3 @@ def kv_quantize_pack(x: torch.Tensor, kind: str, codec) -> dict[str, torch.Tenso
         WEIGHTED=kw is not None and n_out > 0, num_warps=4,
     )
     return out
-
-
-def kv_quantize_pack_ref(x: torch.Tensor, kind: str, codec) -> dict[str, torch.Tensor]:
-    """The reference: the codec's own torch encode, in fp32."""
-    return codec.encode(x.float(), kind)

@@ -2,7 +2,7 @@
 
 The history of a layer is a latent per token shared by all KV heads (cross-head, seed 000; and, for
 cross-layer groups, by several layers, seed 001): keys k = U_k z_k + mean_k and values v = U_v z_v + mean_v,
-with z stored as 2/4-bit codes (moec/runtime/kvlatent.py planar layout: channel c in byte c % W at bit
+with z stored as 2/4-bit codes (moec/formats/bitpack.py Layout.PLANAR: channel c in byte c % W at bit
 b·(c // W)) on a uniform mid-rise grid with per-channel steps, or as fp16, plus seed 000's sparse fp16
 residual: per history block of `block` tokens, n_out (index, value) pairs over the group's rows
 (index t·DG + j, t the token in the block, j = [layer, kv head, channel] of the group width DG).
@@ -38,10 +38,13 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from ..formats.bitpack import unpack_planar
 
 BLOCK_N = 32  # history tokens per tile with a sparse residual (CONFIG["block_res"]; the block must divide it)
 BLOCK_W = 32  # window tokens per tile
@@ -321,6 +324,27 @@ def _window_kernel(
     tl.store(acc_ptr + out[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
 
 
+class LatentView(NamedTuple):
+    """A latent codec (one layer group's keys or values, moec.runtime.kvlatent.LatentCodec) on one device, in
+    the forms the launcher's per-layer arguments are cut from (made once per codec and device by its
+    `kernel_view`): layer j of the group, K KV heads of head_dim d, takes u = basis[j·K·d : (j+1)·K·d]
+    viewed [K, d, r], mean likewise [K, d], and step."""
+
+    bits: int  # 2, 4 or 16 on the kernel path (kernel_supports)
+    block: int  # tokens per history block (the sparse residual's unit)
+    n_out: int  # sparse-residual entries per block; 0: none
+    group_dim: int  # D = rows of the group: [layer, kv head, channel]
+    basis: torch.Tensor  # [D, r] fp32
+    mean: torch.Tensor  # [D] fp32
+    step: torch.Tensor  # [r] fp32: the quantization step 2·scale/2^bits (ones for a 16-bit latent)
+
+
+def layer_parts(view: LatentView, j: int, K: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(u [K, d, r], mean [K, d], step [r]) of layer j of the group (views of the codec's tensors, no copy)."""
+    rows = slice(j * K * d, (j + 1) * K * d)
+    return view.basis[rows].reshape(K, d, view.basis.shape[1]), view.mean[rows].reshape(K, d), view.step
+
+
 def _p2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
@@ -348,8 +372,8 @@ def latent_statics(u_k, mean_k, step_k, u_v, mean_v, step_v, bits: int, G: int, 
                    config: dict | None = None) -> dict[str, torch.Tensor]:
     """What the launcher derives from a layer's codec tensors: the head-expanded bases of the absorbed
     query (U_k ⊙ step) and of the output up-projection, or for pre-RoPE keys the rebuild matrix U_k ⊙ step
-    in the dot dtype and its offset. attend_latent_cache makes it once per cache and layer, so a decode
-    step does not redo it."""
+    in the dot dtype and its offset. LatentKVCache makes it once per layer (from its codecs' LatentView), so
+    a decode step does not redo it."""
     off = 0.0 if bits == 16 else 2 ** (bits - 1) - 0.5
     _prec, dt = _dot_types(u_k.device, CONFIG | (config or {}))
     uks = u_k.float() * step_k.float()  # [K, d, RK]
@@ -496,8 +520,6 @@ def latent_decode_attention_ref(q, codes_k, codes_v, u_k, mean_k, step_k, u_v, m
                                 rope: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Plain torch: reconstruct every key/value (k = U_k deq(z) + mean + residual, rotated for pre-RoPE
     keys), then softmax attention per row."""
-    from ..runtime.kvlatent import unpack_planar
-
     B, H, d = q.shape
     K = u_k.shape[0]
     S = codes_k.shape[1]
@@ -505,7 +527,7 @@ def latent_decode_attention_ref(q, codes_k, codes_v, u_k, mean_k, step_k, u_v, m
     off = 0.0 if bits == 16 else 2 ** (bits - 1) - 0.5
 
     def deq(codes, step):
-        c = codes.float() if bits == 16 else unpack_planar(codes, bits).float()
+        c = codes.float() if bits == 16 else unpack_planar(codes, bits, step.shape[0]).float()
         return (c - off) * step.float()  # [B, S, R]
 
     kh = torch.einsum("kdr,bsr->bksd", u_k.float(), deq(codes_k, step_k)) + mean_k.float()[None, :, None]
@@ -527,41 +549,3 @@ def latent_decode_attention_ref(q, codes_k, codes_v, u_k, mean_k, step_k, u_v, m
         s = torch.einsum("hd,hnd->hn", q[b].float(), keys) / math.sqrt(d)
         out[b] = torch.einsum("hn,hnd->hd", s.softmax(-1), vals)
     return out
-
-
-def attend_latent_cache(cache, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
-    """Decode-step attention of a LatentKVCache (moec/runtime/kvlatent.py): q [B, H, 1, d] -> [B, H, 1, d];
-    wk/wv: this layer's fp16 sinks + window [B, K, n, d] (the new token included)."""
-    from .kv_decode_attention import rope_table
-
-    g = cache.group_of[layer]
-    j = cache.groups[g].index(layer)
-    B, K, d = cache.batch, cache.args.n_kv_heads, cache.args.head_dim
-    bits = cache.lcodecs[g]["k"].bits
-    if layer not in cache.kernel_statics:  # the codec tensors in the kernel's forms, once per cache and layer
-        rows = slice(j * K * d, (j + 1) * K * d)  # this layer's rows of the group basis
-        parts = []
-        for kind in "kv":
-            c = cache.lcodecs[g][kind]
-            step = torch.ones_like(c.scale) if c.bits == 16 else 2.0 * c.scale / 2**c.bits
-            parts += [c.basis[rows].reshape(K, d, c.r), c.mean[rows].reshape(K, d), step]
-        cache.kernel_statics[layer] = (parts, latent_statics(*parts, bits, cache.args.n_heads // K, cache.rope_pre))
-    (uk, mk, sk, uv, mv, sv), statics = cache.kernel_statics[layer]
-    nb = cache.n_blocks[layer]
-    outs = {}
-    for kind in "kv":
-        hist = cache.lhist[g][kind]
-        outs[kind] = (hist["out_idx"][:, :nb], hist["out_val"][:, :nb]) if cache.lcodecs[g][kind].n_out else None
-    rope = None
-    if cache.rope_pre:
-        if cache.rope_table is None:  # made once per cache, not every step
-            cache.rope_table = rope_table(cache.args, cache.sinks, q.device)
-        rope = cache.rope_table
-    hist_len = torch.full((B,), nb * cache.block, dtype=torch.int32, device=q.device)
-    wlen = torch.full((B,), wk.shape[2], dtype=torch.int32, device=q.device)
-    ck, cv = cache.lhist[g]["k"]["codes"], cache.lhist[g]["v"]["codes"]
-    out = latent_decode_attention(q[:, :, 0], ck, cv, uk, mk, sk, uv, mv, sv, bits, hist_len,
-                                  wk.contiguous(), wv.contiguous(), wlen, k_out=outs["k"], v_out=outs["v"],
-                                  block=cache.block, group_dim=cache.lcodecs[g]["k"].D, layer_off=j * K * d,
-                                  rope=rope, statics=statics)
-    return out[:, :, None].to(q.dtype)

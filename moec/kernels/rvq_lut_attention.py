@@ -1,7 +1,7 @@
 """Decode attention over a residual-VQ KV cache (seed 002) by lookup tables, flash-decoding style.
 
 One query token per sequence attends to
-    coded segments: tokens stored as bit-packed residual-VQ codes (moec/runtime/kvrvq.py layout: code
+    coded segments: tokens stored as bit-packed residual-VQ codes (moec/formats/bitpack.py Layout.BITSTREAM: code
               j = s·P + p of stage s, sub-vector p, log2(C_s) bits at bit offset Σ_{j'<j} width_j'),
               one segment per cache tier (archive, middle), each with its own codebooks;
     window:   fp16 keys/values of the sinks and the most recent tokens.
@@ -33,10 +33,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from ..formats.bitpack import unpack_bits
 
 
 @triton.jit
@@ -145,6 +148,13 @@ def _rvq_lut_attention_kernel(
     tl.store(acc_ptr + out[:, None] * D + offs_c[None, :], acc, mask=gmask[:, None])
 
 
+class RVQTierView(NamedTuple):
+    """One residual-VQ tier (moec.runtime.kvrvq.RVQTier) on one device, as CodeSegment takes it (made once per
+    tier and device by its `kernel_view`)."""
+
+    codebooks: list[torch.Tensor]  # per stage [Gc, P, C_s, dim] fp16
+
+
 _LAYOUTS: dict = {}
 
 
@@ -161,8 +171,9 @@ class CodeSegment:
     cb_v: list[torch.Tensor]
 
     def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-        """(bit_off, width, base) [NJ] int32, TOT centroids, P: the code layout of moec/runtime/kvrvq.py
-        (memoized per codebook shapes and device, so a step makes no host-to-device copies: CUDA graphs)."""
+        """(bit_off, width, base) [NJ] int32, TOT centroids, P: the Layout.BITSTREAM offsets of the codes
+        (moec/formats/bitpack.py; memoized per codebook shapes and device, so a step makes no host-to-device
+        copies: CUDA graphs)."""
         key = (tuple(tuple(c.shape) for c in self.cb_k), str(self.codes_k.device))
         if key not in _LAYOUTS:
             _LAYOUTS[key] = self._layout()
@@ -262,12 +273,27 @@ def rvq_lut_attention(q: torch.Tensor, segments: list[CodeSegment], win_k: torch
     return _reduce(m, l, acc)
 
 
-def dequant_segment_ref(seg: CodeSegment, kind: str) -> torch.Tensor:
-    """All rows of the segment's code buffer dequantized: [B, K, S, d] fp32 (torch, for the reference)."""
-    from ..runtime.kvrvq import RVQTier
+def _gather_centroids(c: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """c [K, P, C, dim], i [B, K, N, P] -> [B, K, N, P, dim]: centroid i[b, k, n, p] of c[k, p]."""
+    B, K, N, P = i.shape
+    idx = i.permute(1, 3, 0, 2).reshape(K, P, B * N, 1).expand(-1, -1, -1, c.shape[-1])
+    return c.gather(2, idx).view(K, P, B, N, c.shape[-1]).permute(2, 0, 3, 1, 4)
 
-    tier = RVQTier(seg.cb_k if kind == "k" else seg.cb_v)
-    return tier.decode(seg.codes_k if kind == "k" else seg.codes_v)
+
+def dequant_segment_ref(seg: CodeSegment, kind: str) -> torch.Tensor:
+    """All rows of the segment's code buffer dequantized: [B, K, S, d] fp32 (torch, for the reference): the
+    codes unpacked (moec/formats/bitpack.py Layout.BITSTREAM), then Σ_s C_s[p, code] with the fp16 codebooks
+    in fp32 (the decode of moec.runtime.kvrvq.RVQTier)."""
+    cbs = [c.half() for c in (seg.cb_k if kind == "k" else seg.cb_v)]
+    packed = seg.codes_k if kind == "k" else seg.codes_v
+    P, dim = cbs[0].shape[1], cbs[0].shape[3]
+    codes = unpack_bits(packed, [int(math.log2(c.shape[2])) for c in cbs for _ in range(P)])
+    B, K, N, _ = codes.shape
+    x = torch.zeros(B, K, N, P, dim, device=codes.device)
+    for s, cb in enumerate(cbs):
+        c = cb.float().to(codes.device).expand(K, -1, -1, -1)
+        x += _gather_centroids(c, codes[..., s * P : (s + 1) * P])
+    return x.reshape(B, K, N, P * dim)
 
 
 def rvq_lut_attention_ref(q: torch.Tensor, segments: list[CodeSegment], win_k: torch.Tensor, win_v: torch.Tensor,
@@ -291,22 +317,3 @@ def rvq_lut_attention_ref(q: torch.Tensor, segments: list[CodeSegment], win_k: t
         p = torch.softmax(q[b].float().view(K, H // K, d) @ kb.transpose(1, 2) * sm_scale, dim=-1)
         out[b] = (p @ vb).reshape(H, d)
     return out
-
-
-def attend_rvq_cache(cache, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
-    """One decode step of an RVQTieredCache (post-RoPE keys) through the kernel.
-    q [B, H, 1, d]; wk, wv [B, K, n, d] fp16 window (sinks first) -> [B, H, 1, d] in q.dtype."""
-    codec, B, dev, blk = cache.codecs[layer], q.shape[0], q.device, cache.block
-    nb, na = cache.n_blocks[layer], cache.n_arch[layer]
-    full = lambda n: torch.full((B,), n, dtype=torch.int32, device=dev)  # noqa: E731
-    segs = []
-    if na:
-        segs.append(CodeSegment(cache.arch["k"][layer], cache.arch["v"][layer], full(0), full(na * blk),
-                                [c.to(dev) for c in codec.arch["k"].cb], [c.to(dev) for c in codec.arch["v"].cb]))
-    if nb > na:
-        segs.append(CodeSegment(cache.hist["k"][layer]["codes"], cache.hist["v"][layer]["codes"], full(na * blk),
-                                full((nb - na) * blk), [c.to(dev) for c in codec.mid["k"].cb],
-                                [c.to(dev) for c in codec.mid["v"].cb]))
-    out = rvq_lut_attention(q[:, :, 0].contiguous(), segs, wk.contiguous(), wv.contiguous(), full(wk.shape[2]),
-                            max_len=max([na * blk, (nb - na) * blk, 1]))
-    return out[:, :, None].to(q.dtype)

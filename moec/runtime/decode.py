@@ -30,7 +30,6 @@ its ppl_dec against moec/runtime/perplexity.py's reference path.
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 import torch
@@ -38,8 +37,8 @@ import torch.nn.functional as F
 
 from .backend import kernels_enabled
 from .config import ModelArgs
-from .kvtiered import alloc_fields, kernel_path
-from .model import MoE, Transformer, apply_rope, rope_cos_sin, route
+from .kvtiered import HistoryStore, TierPolicy, kernel_path, rope_table
+from .model import MoE, Transformer, rope_cos_sin, route
 
 log = logging.getLogger(__name__)
 
@@ -147,43 +146,33 @@ class StaticTieredCache:
         self.args, self.batch, self.max_len, self.device = args, batch, max_len, torch.device(device)
         self.codecs, self.window, self.sinks, self.block, self.rope_pre = codecs, window, sinks, block, rope_pre
         self.codec, self.bits = codecs[0].name, codecs[0].bits
+        self.policy = TierPolicy(sinks, window, block)
         B, K, d = batch, args.n_kv_heads, args.head_dim
-        self.wcap = sinks + window + block  # window slots: the step before an encode holds all of them
-        self.max_blocks = max(math.ceil(max(max_len - sinks - window, 0) / block), 1)
+        self.wcap = self.policy.window_slots()
+        self.max_blocks = self.policy.capacity(max_len)
         self.win = {kind: [torch.zeros(B, K, self.wcap, d, dtype=torch.float16, device=device)
                            for _ in range(args.n_layers)] for kind in "kv"}
-        self.hist = {kind: [self._alloc(c.fields(kind)) for c in codecs] for kind in "kv"}
         self.hist_len = torch.zeros(B, dtype=torch.int32, device=device)  # tokens in the history per row
         self.n_blocks = [0] * B
         self.length = [0] * B
         self.rows = torch.arange(B, device=device)
         self.pos: torch.Tensor | None = None
         self.use_kernel = kernel_path(device, self.codec, d, block) if use_kernel is None else use_kernel
-        # blocks leaving the window: the quantize-pack kernel on CUDA (nuq-outlier), else codec.encode
-        from ..kernels.kv_quantize_pack import supports
-
-        self.fast_encode = kernels_enabled(self.device) and all(supports(c) for c in codecs)
+        # the history (and, on the torch path, its dequantized mirror): kvtiered.HistoryStore
+        self.store = HistoryStore(args, codecs, self.policy, self.max_blocks, batch, rope_pre, device,
+                                  mirror_dtype=None if self.use_kernel else mirror_dtype)
+        self.hist, self.mirror = self.store.hist, self.store.mirror
         if self.use_kernel:
-            from ..kernels.kv_decode_attention import codec_statics, rope_table
-
             dev = self.device
-            self.statics = [codec_statics(c, dev) for c in codecs]  # (k_scale, k_lev, v_lev, k_center) per layer
+            # the codecs' device tensors (codec.kernel_view, made once per codec), taken here, outside any capture
+            self.views = [c.kernel_view(dev) for c in codecs]
             self.rope = rope_table(args, sinks, dev) if rope_pre else None  # history token t at sinks + t
-            self.mirror = None
             if not codecs[0].n_out:  # the kernel takes (empty) outlier tensors all the same
                 z = torch.zeros(B, K, self.max_blocks, 0, device=dev)
                 self.no_out = (z.to(torch.int16), z.half())
-        else:  # a dequantized copy of the history (a compute cache, not counted as stored)
-            self.mirror = {kind: [torch.zeros(B, K, self.max_blocks * block, d, dtype=mirror_dtype, device=device)
-                                  for _ in range(args.n_layers)] for kind in "kv"}
+        else:
             self.wslots = torch.arange(self.wcap, device=device)
             self.hslots = torch.arange(self.max_blocks * block, device=device)
-
-    def _alloc(self, fields: dict) -> dict[str, torch.Tensor]:
-        return alloc_fields(fields, self.batch, self.args.n_kv_heads, self.max_blocks, self.block, self.device)
-
-    def _per_block(self, name: str, kind: str, layer: int) -> int:
-        return self.block if self.codecs[layer].fields(kind)[name][0] == "token" else 1
 
     # -- the step (graph-safe: no host reads of device values) -----------------------------------------
 
@@ -205,12 +194,12 @@ class StaticTieredCache:
             else:
                 koi = voi = self.no_out[0][:b]
                 kov = vov = self.no_out[1][:b]
-            k_scale, k_lev, v_lev, k_center = self.statics[layer]
-            out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"][:b], hv["codes"][:b], k_scale,
-                                      hv["scale"][:b], k_lev, v_lev, koi, kov, voi, vov,
+            view = self.views[layer]
+            out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"][:b], hv["codes"][:b], view.k_scale,
+                                      hv["scale"][:b], view.k_levels, view.v_levels, koi, kov, voi, vov,
                                       self.hist_len[:b], wk[:b], wv[:b], win_len.to(torch.int32),
                                       self.codecs[layer].bits, self.block, rope=self.rope,
-                                      k_center=k_center)  # [b, H, d] fp32
+                                      k_center=view.k_center)  # [b, H, d] fp32
             return out[:, :, None].to(q.dtype)
         hk, hv = self.mirror["k"][layer][:b], self.mirror["v"][layer][:b]
         keys = torch.cat([wk[:b].to(q.dtype), hk.to(q.dtype)], dim=2)  # [b, K, wcap + S, d]
@@ -222,43 +211,15 @@ class StaticTieredCache:
 
     # -- host-side bookkeeping between steps ------------------------------------------------------------
 
-    def _rope(self, x: torch.Tensor, pos0: int, inverse: bool) -> torch.Tensor:
-        pos = torch.arange(pos0, pos0 + x.shape[2], device=x.device)
-        cos, sin = rope_cos_sin(self.args, pos, torch.float32)
-        return apply_rope(x, cos, -sin if inverse else sin)
-
-    def _encode_fields(self, layer: int, kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        codec = self.codecs[layer]
-        if self.fast_encode:
-            from ..kernels.kv_quantize_pack import kv_quantize_pack
-
-            return kv_quantize_pack(x.contiguous(), kind, codec)
-        return codec.encode(x.float(), kind)
-
     def _encode(self, row: int, layer: int, kind: str, x: torch.Tensor, nb0: int) -> None:
         """Encode x [n, K, block, d] (fp16 window tokens, n consecutive blocks of `row`) as history
         blocks nb0..nb0+n-1: the blocks go through the codec as a batch (each block is encoded alone)."""
-        codec = self.codecs[layer]
-        n, K = x.shape[0], x.shape[1]
-        pos0 = self.sinks + nb0 * self.block
-        if kind == "k" and self.rope_pre:
-            x = self._rope(x.float().transpose(0, 1).reshape(1, K, n * self.block, -1), pos0, inverse=True)
-            x = x.view(K, n, self.block, -1).transpose(0, 1)
-        enc = self._encode_fields(layer, kind, x)
-        for name, t in enc.items():
-            per = self._per_block(name, kind, layer)  # [n, K, per, ...] -> [K, n·per, ...]
-            t = t.transpose(0, 1).reshape(K, n * per, *t.shape[3:])
-            self.hist[kind][layer][name][row, :, nb0 * per : (nb0 + n) * per] = t
-        if self.mirror is not None:
-            y = codec.decode(enc, kind).transpose(0, 1).reshape(1, K, n * self.block, -1)  # [1, K, n·block, d]
-            if kind == "k" and self.rope_pre:
-                y = self._rope(y, pos0, inverse=False)
-            self.mirror[kind][layer][row, :, nb0 * self.block : (nb0 + n) * self.block] = y[0]
+        self.store.put(layer, kind, x, nb0, row=row)
 
     def _age(self, row: int) -> None:
         """Move whole blocks of the row's oldest non-sink window tokens into the history (kvtiered's rule)."""
         s, blk = self.sinks, self.block
-        while self.length[row] >= s and self.length[row] - s - self.n_blocks[row] * blk >= self.window + blk:
+        while self.n_blocks[row] < self.policy.blocks_at(self.length[row]):
             nb = self.n_blocks[row]
             assert nb < self.max_blocks, (nb, self.max_blocks)
             held = self.length[row] - nb * blk  # window slots in use
@@ -280,7 +241,7 @@ class StaticTieredCache:
         assert self.n_blocks[row] == 0 and self.length[row] == 0, "prefill_row needs an empty row"
         T = k.shape[1]
         s, blk = min(self.sinks, T), self.block
-        nb = max(0, (T - s - self.window) // blk) if T >= self.sinks else 0
+        nb = self.policy.blocks_at(T)
         for kind, x in (("k", k.half()), ("v", v.half())):
             w = self.win[kind][layer]
             w[row, :, :s] = x[:, :s]
@@ -292,33 +253,29 @@ class StaticTieredCache:
 
     def set_length(self, row: int, n: int) -> None:
         """After prefill_row of every layer: n tokens held."""
-        s = min(self.sinks, n)
-        nb = max(0, (n - s - self.window) // self.block) if n >= self.sinks else 0
+        nb = self.policy.blocks_at(n)
         self.length[row], self.n_blocks[row] = n, nb
         self.hist_len[row] = nb * self.block
 
     # -- bytes --------------------------------------------------------------------------------------------
 
     def _static_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for c in self.codecs for t in c.static_tensors().values())
+        return self.store.static_bytes()
 
     def _row_block_bytes(self) -> int:
         """Bytes of one history block of one row over all layers, K and V (from the buffers)."""
-        return sum(t.element_size() * t[0].numel() // t.shape[2] * self._per_block(n, kind, layer)
-                   for kind in "kv" for layer in range(self.args.n_layers)
-                   for n, t in self.hist[kind][layer].items())
+        return self.store.row_block_bytes()
 
     def bytes_read(self, rows: range) -> int:
         """KV bytes a decode step reads: filled history blocks + window tokens (fp16) + static tensors."""
         tok = StaticFP16Cache.bytes_per_token(self.args)
         n = sum(self.n_blocks[r] * self._row_block_bytes() + (self.length[r] + 1 - self.n_blocks[r] * self.block)
-                * tok for r in rows)
+                * tok for r in rows)  # the step reads the held tokens plus the one it appends
         return n + self._static_bytes()
 
     def fill_random(self, row: int, n: int, gen: torch.Generator | None = None) -> None:
         """Stand-in state after n tokens: random codes, scales and outliers (latency runs only)."""
-        s = min(self.sinks, n)
-        nb = max(0, (n - s - self.window) // self.block) if n >= self.sinks else 0
+        nb = self.policy.blocks_at(n)
         assert nb <= self.max_blocks, (nb, self.max_blocks)
         for kind in "kv":
             for layer in range(self.args.n_layers):
@@ -584,11 +541,13 @@ def make_cache(model: Transformer, batch: int, max_len: int, kv: dict | None = N
     dev = model.tok_embeddings.weight.device
     if not kv:
         return StaticFP16Cache(model.args, batch, max_len, device=dev)
-    if kv["codec"] not in ("kivi", "nuq-outlier"):
+    from .kvtiered import rope_pre
+    from .loader import kv_codec_spec
+
+    if not kv_codec_spec(kv).tiered:
         raise ValueError(f"static engine has no {kv['codec']!r} cache")
-    rope_pre = kv["codec"] == "nuq-outlier" and kv.get("rope") == "pre"
     return StaticTieredCache(model.args, batch, max_len, codecs, window=kv["window"], sinks=kv["sinks"],
-                             block=kv["block"], rope_pre=rope_pre, device=dev, use_kernel=use_kernel,
+                             block=kv["block"], rope_pre=rope_pre(kv), device=dev, use_kernel=use_kernel,
                              mirror_dtype=model.tok_embeddings.weight.dtype)
 
 

@@ -5,7 +5,8 @@ projections (stored as E = 1).
 Shape legend: E = experts, O = output rows, I = inputs, G = groups per row, K = codebook entries,
 N = tokens, A = experts per token, D = model dim.
 
-The stored parts of each codec are listed in formats/codecs.py (WeightCodec). At load every LUT codec
+The stored parts of each codec are listed in formats/codecs.py; each codec is a spec in moec/registry.py
+(its hooks in runtime/weightcodecs.py). At load every LUT codec
 (hls, rtn, fp3) becomes codes + lut [E, O, G, K] (fp32), so one dequantization serves them all:
 w[e, o, i] = lut[e, o, i // g, idx[e, o, i]]. `dequant_ref` is the torch reference (the CPU path).
 On CUDA the Triton kernels read what is stored, not the fp32 lut: hls/fp3 an fp16 copy of the table
@@ -25,28 +26,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import bitpack
+from ..registry import WEIGHT_CODECS, weight_codec
 from .backend import kernels_enabled
 
 log = logging.getLogger(__name__)
 
-FP3_GRID = torch.tensor([-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0])
-LUT_CODECS = ("hls", "rtn", "fp3")
 DECODE_MAX_TOKENS = 2  # up to this many tokens: the decode GEMV; above: the grouped kernel (H200 sweep)
 FUSED_MAX_TOKENS = DECODE_MAX_TOKENS  # old name
-KERNEL_MODES = {"hls": 0, "fp3": 0, "rtn": 1, "fp8": 2}  # kernels/dequant.MODE_* of each codec
 ATTN_PARAM = re.compile(r"layers\.(\d+)\.attn\.(w[qkvo])\.weight$")
 
 
 def lut_from_stored(codec: str, bits: int, stored: dict) -> torch.Tensor:
-    """lut [E, O, G, K] fp32 from the stored parts of a LUT codec."""
-    if codec == "hls":
-        return stored["codebook"].float() * stored["cb_scale"].float()[..., None]
-    if codec == "rtn":
-        k = torch.arange(1 << bits, dtype=torch.float32, device=stored["scale"].device)
-        return stored["zero"].float()[..., None] + stored["scale"].float()[..., None] * k
-    if codec == "fp3":
-        return stored["scale"].float()[..., None] * FP3_GRID.to(stored["scale"].device)
-    raise AssertionError(codec)
+    """lut [E, O, G, K] fp32 from the stored parts of a LUT codec (its registered `lut` hook)."""
+    return weight_codec(codec).hook("lut")(bits, stored)
 
 
 def lut_poly(lut: torch.Tensor) -> torch.Tensor:
@@ -61,13 +53,12 @@ def lut_poly(lut: torch.Tensor) -> torch.Tensor:
 
 def dequantize(codec: str, bits: int, shape: tuple[int, int, int], stored: dict) -> torch.Tensor:
     """W_hat [E, O, I] fp32 from the stored parts (the reference the kernels are checked against)."""
-    if codec == "fp8":
-        return stored["fp8"].float() * stored["scale"].float()[..., None]
-    E, O, I = shape
-    lut = lut_from_stored(codec, bits, stored)
-    G = lut.shape[2]
-    idx = bitpack.unpack(stored["codes"], bits, I).view(E, O, G, I // G)
-    return lut.gather(-1, idx).reshape(E, O, I)
+    return weight_codec(codec).hook("dequantize")(bits, shape, stored)
+
+
+def is_quantized(codec: str) -> bool:
+    """A registered weight codec other than keep (its parts are stored under `param`)."""
+    return codec in WEIGHT_CODECS and codec != "keep"
 
 
 class QuantMatrix(nn.Module):
@@ -80,11 +71,13 @@ class QuantMatrix(nn.Module):
                       for k, v in stored.items()}
             shape = (1, *shape)
         self.codec, self.bits, self.shape = codec, bits, tuple(shape)
-        if codec == "fp8":
+        spec = weight_codec(codec)
+        self.kernel_mode = spec.kernel_mode
+        self.lut_codec = spec.lut is not None
+        if codec == "fp8":  # the kernels read the e4m3 weights and fp32 row scales
             self.register_buffer("fp8", stored["fp8"])
             self.register_buffer("scale", stored["scale"].float())
-        else:
-            assert codec in LUT_CODECS, codec
+        elif self.lut_codec:
             self.register_buffer("codes", stored["codes"])  # [E, O, row_bytes] uint8
             self.register_buffer("lut", lut_from_stored(codec, bits, stored))  # [E, O, G, K] fp32 (reference)
             if codec == "rtn":  # the kernels compute zero + scale · idx from the stored fp16 parts
@@ -94,10 +87,17 @@ class QuantMatrix(nn.Module):
                 self.register_buffer("lut16", self.lut.half().contiguous())
                 if bits == 2:  # the GEMV's FMA-pipe decode (lut_poly) of the same fp16 tables
                     self.register_buffer("poly", lut_poly(self.lut16))
+        else:  # any other registered codec: its stored parts, dequantized by its hook (no kernel)
+            self.kernel_mode = None
+            self.parts = list(stored)
+            for k, v in stored.items():
+                self.register_buffer(f"part_{k}", v)
 
     def kernel_ok(self) -> bool:
         """Whether the Triton kernels take this matrix (groups of multiples of 16 inputs, or one per row)."""
-        if self.codec == "fp8":
+        if self.kernel_mode is None:
+            return False
+        if not self.lut_codec:
             return True
         I, G = self.shape[2], self.lut.shape[2]
         return self.bits in (2, 3, 4) and (G == 1 or (I // G) % 16 == 0)
@@ -106,7 +106,7 @@ class QuantMatrix(nn.Module):
         """The kernels' view (kernels/dequant.QWeight) of the stored parts; no copies."""
         from ..kernels.dequant import QWeight  # lazy: importing the runtime does not pull Triton
 
-        mode = KERNEL_MODES[self.codec]
+        mode = self.kernel_mode
         if self.codec == "fp8":
             return QWeight(mode, 8, self.shape[2], self.fp8, self.scale)
         if self.codec == "rtn":
@@ -119,6 +119,9 @@ class QuantMatrix(nn.Module):
         sl = slice(None) if e is None else slice(e, e + 1)
         if self.codec == "fp8":
             w = self.fp8[sl].float() * self.scale[sl][..., None]
+        elif not self.lut_codec:
+            parts = {k: getattr(self, f"part_{k}") for k in self.parts}
+            w = dequantize(self.codec, self.bits, self.shape, parts)[sl]
         else:
             lut = self.lut[sl]
             G = lut.shape[2]
@@ -199,13 +202,13 @@ _QLINEAR_FAILED: set[tuple] = set()  # quantized-projection configurations whose
 
 def is_quant_expert(name: str, entry: dict) -> bool:
     """Manifest entry of a stored part of a quantized expert/MLP matrix (layers.*.moe.w1/w2/w3)."""
-    return entry["codec"] in (*LUT_CODECS, "fp8") and entry.get("param", "").rsplit(".", 1)[-1] in ("w1", "w2", "w3") \
+    return is_quantized(entry["codec"]) and entry.get("param", "").rsplit(".", 1)[-1] in ("w1", "w2", "w3") \
         and ".moe." in entry.get("param", "") and name.startswith(entry["param"] + ".")
 
 
 def is_quant_attention(name: str, entry: dict) -> bool:
     """Manifest entry of a stored part of a quantized attention projection (layers.*.attn.w[qkvo].weight)."""
-    return entry["codec"] in (*LUT_CODECS, "fp8") and ATTN_PARAM.search(entry.get("param", "")) is not None \
+    return is_quantized(entry["codec"]) and ATTN_PARAM.search(entry.get("param", "")) is not None \
         and name.startswith(entry["param"] + ".")
 
 

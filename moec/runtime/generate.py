@@ -77,9 +77,9 @@ def runtime_generate(model: Transformer, info: dict, prompt, max_new_tokens: int
     section = info.get("kv")
     if not section:
         return generate(model, prompt, max_new_tokens, **kw)
-    from .loader import kv_cache_factory
+    from .loader import kv_cache_factory, kv_codec_spec
 
-    if section["codec"] in ("kivi", "nuq-outlier"):
+    if kv_codec_spec(section).tiered:  # block codecs run in the static engine
         from .kvtiered import build_codecs
 
         codecs = build_codecs(section, info.get("kv_tensors", {}), model.args)

@@ -27,10 +27,10 @@ query its own decode-mode view: blocks the later queries of the chunk already se
 are encoded first (their tokens come from earlier calls, so every layer of the group has them) and
 masked per query; this needs chunks of at most window + 1 tokens (asserted).
 
-Latent code layout (2/4 bits, `pack_planar`, chosen for the kernel): W = r·b/8 bytes per token; latent
-channel c lives in byte c % W at bit b·(c // W) (the channels of one bit plane are contiguous);
-3-bit latents use moec/runtime/kvquant.py's pack_codes, ternary latents `pack_trits` (byte i holds
-channels 5i..5i+4 as Σ c·3^j; r padded to a multiple of 5): torch path only.
+Latent code layout (moec/formats/bitpack.py; `LatentCodec.layout`): 2/3/4 bits Layout.PLANAR, chosen for the
+kernel: W = r·b/8 bytes per token; at 2/4 bits latent channel c lives in byte c % W at bit b·(c // W) (the
+channels of one bit plane are contiguous); ternary latents Layout.TRITS (byte i holds channels 5i..5i+4 as
+Σ c·3^j; r padded to a multiple of 5). The kernel reads 2/4-bit codes; 3-bit and ternary: torch path only.
 
 Stored bytes: window + sinks (fp16), codes and outliers of the filled blocks, and once per group and
 kind the basis, mean and scale (held in fp16: W_down/W_up counted once, amortized over the tokens).
@@ -39,15 +39,20 @@ kind the basis, mean and scale (held in fp16: W_down/W_up counted once, amortize
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import FormatError
+from ..formats.bitpack import LAYOUTS, Layout
+from ..formats.kvsection import group_tensor
 from .backend import kernels_enabled
 from .config import ModelArgs
-from .kvquant import pack_codes, unpack_codes
 from .kvtiered import TieredKVCache
+
+if TYPE_CHECKING:
+    from ..kernels.latent_decode_attention import LatentView
 
 TERNARY = 1  # `bits` value of the ternary latent
 
@@ -69,40 +74,6 @@ def dequantize_latent(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> to
     return (codes.float() - n // 2 + 0.5) * (2.0 * scale / n)
 
 
-def pack_planar(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [..., r] in [0, 2^b) -> uint8 [..., r·b/8]: channel c in byte c % W at bit b·(c // W)."""
-    r, planes = codes.shape[-1], 8 // bits
-    assert bits in (2, 4) and r % planes == 0, (bits, r)
-    c = codes.to(torch.int32).view(*codes.shape[:-1], planes, r // planes)
-    shifts = (torch.arange(planes, device=c.device, dtype=torch.int32) * bits)[:, None]
-    return (c << shifts).sum(-2).to(torch.uint8)
-
-
-def unpack_planar(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    planes = 8 // bits
-    shifts = (torch.arange(planes, device=packed.device, dtype=torch.int32) * bits)[:, None]
-    c = (packed.to(torch.int32)[..., None, :] >> shifts) & (2**bits - 1)  # [..., planes, W]
-    return c.reshape(*packed.shape[:-1], planes * packed.shape[-1])
-
-
-def trit_width(r: int) -> int:
-    return -(-r // 5)
-
-
-def pack_trits(codes: torch.Tensor) -> torch.Tensor:
-    """codes [..., r] in {0, 1, 2} -> uint8 [..., ceil(r/5)]: byte i = Σ_j codes[5i + j]·3^j (3^5 = 243)."""
-    r = codes.shape[-1]
-    c = F.pad(codes.to(torch.int32), (0, trit_width(r) * 5 - r)).view(*codes.shape[:-1], -1, 5)
-    w = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32, device=codes.device)
-    return (c * w).sum(-1).to(torch.uint8)
-
-
-def unpack_trits(packed: torch.Tensor, r: int) -> torch.Tensor:
-    p = packed.to(torch.int32)[..., None]
-    w = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32, device=packed.device)
-    return ((p // w) % 3).flatten(-2)[..., :r]
-
-
 class LatentCodec:
     """One group and kind: encode a block x [B, N, D] -> fields; decode fields -> x̂ [B, S, D] (fp32)."""
 
@@ -116,33 +87,30 @@ class LatentCodec:
         self.basis, self.mean, self.scale = self.basis16.float(), self.mean16.float(), self.scale16.float()
         self.n_out = math.ceil(outlier_frac * block * self.D - 1e-9) if outlier_frac > 0 else 0
         self.idx_dtype = torch.int16 if block * self.D <= 32767 else torch.int32
+        # the packed-code layout (moec/formats/bitpack.py) and its parameters; fp16 latents are not packed
+        self.layout = None if bits == 16 else Layout.TRITS if bits == TERNARY else Layout.PLANAR
+        self.layout_params = {} if bits in (16, TERNARY) else {"bits": bits}
+        self._kernel_views: dict[str, LatentView] = {}  # device -> kernel_view(device)
 
     def fields(self) -> dict[str, tuple[str, tuple, torch.dtype]]:
         """name -> (axis "token"|"block", trailing shape, dtype)."""
         if self.bits == 16:
             f = {"codes": ("token", (self.r,), torch.float16)}
-        elif self.bits == TERNARY:
-            f = {"codes": ("token", (trit_width(self.r),), torch.uint8)}
         else:
-            f = {"codes": ("token", (self.r * self.bits // 8,), torch.uint8)}
+            f = {"codes": ("token", (LAYOUTS[self.layout].width(n=self.r, **self.layout_params),), torch.uint8)}
         if self.n_out:
             f["out_idx"] = ("block", (self.n_out,), self.idx_dtype)
             f["out_val"] = ("block", (self.n_out,), torch.float16)
         return f
 
     def _pack(self, codes):
-        if self.bits == TERNARY:
-            return pack_trits(codes)
-        return pack_codes(codes, 3) if self.bits == 3 else pack_planar(codes, self.bits)
+        return LAYOUTS[self.layout].pack(codes, **self.layout_params)
 
     def latent(self, codes: torch.Tensor) -> torch.Tensor:
         """Stored codes [B, S, w] -> dequantized latent [B, S, r] fp32."""
         if self.bits == 16:
             return codes.float()
-        if self.bits == TERNARY:
-            c = unpack_trits(codes, self.r)
-        else:
-            c = unpack_codes(codes, 3, self.r) if self.bits == 3 else unpack_planar(codes, self.bits)
+        c = LAYOUTS[self.layout].unpack(codes, n=self.r, **self.layout_params)
         return dequantize_latent(c, self.scale, self.bits)
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -167,6 +135,18 @@ class LatentCodec:
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
         return {"basis": self.basis16, "mean": self.mean16, "scale": self.scale16}
+
+    def kernel_view(self, device) -> LatentView:
+        """This codec's tensors on `device` as moec/kernels/latent_decode_attention.py takes them (fp32 basis,
+        mean and quantization step), made once per device and kept on the codec."""
+        key = str(device)
+        if key not in self._kernel_views:
+            from ..kernels.latent_decode_attention import LatentView
+
+            step = torch.ones_like(self.scale) if self.bits == 16 else 2.0 * self.scale / 2**self.bits
+            self._kernel_views[key] = LatentView(self.bits, self.block, self.n_out, self.D, self.basis.to(device),
+                                                 self.mean.to(device), step.to(device))
+        return self._kernel_views[key]
 
 
 class _NoFields:
@@ -200,7 +180,7 @@ class LatentKVCache(TieredKVCache):
         self.group_of = {i: g for g, layers in enumerate(groups) for i in layers}
         self.n_dropped = [0] * args.n_layers  # history blocks already cut from each layer's fp16 window
         self.lhist = [{kind: self._alloc_group(c[kind]) for kind in "kv"} for c in codecs]
-        self.kernel_statics: dict[int, tuple] = {}  # layer -> the kernel's forms of its codec tensors
+        self._kernel_layers: dict[int, tuple] = {}  # layer -> its kernel arguments (_kernel_layer)
 
     def _alloc_group(self, codec: LatentCodec) -> dict[str, torch.Tensor]:
         out = {}
@@ -292,10 +272,8 @@ class LatentKVCache(TieredKVCache):
                 self._encode_group_block(g)
         nb = self.n_blocks[layer]
         if T == 1 and self.use_kernel:
-            from ..kernels.latent_decode_attention import attend_latent_cache
-
             assert nb == self.n_dropped[layer], (nb, self.n_dropped[layer])
-            out = attend_latent_cache(self, layer, q, wk, wv)
+            out = self._attend_kernel(layer, q, wk, wv)
         else:
             hk, hv = self._history(layer, "k", nb).to(q.dtype), self._history(layer, "v", nb).to(q.dtype)
             keys, vals = torch.cat([wk.to(q.dtype), hk], dim=2), torch.cat([wv.to(q.dtype), hv], dim=2)
@@ -319,6 +297,44 @@ class LatentKVCache(TieredKVCache):
         if layer == self.args.n_layers - 1:
             self.length = start_pos + T
         return out
+
+    def _kernel_layer(self, layer: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """Layer's (u_k, mean_k, step_k, u_v, mean_v, step_v) cut from its group's codec views, and the
+        launcher's latent_statics of them: made once per layer (they depend on this cache's heads and RoPE
+        placement, so they live here, not on the codecs)."""
+        if layer not in self._kernel_layers:
+            from ..kernels.latent_decode_attention import latent_statics, layer_parts
+
+            g, K, d = self.group_of[layer], self.args.n_kv_heads, self.args.head_dim
+            j = self.groups[g].index(layer)
+            parts = [t for kind in "kv" for t in layer_parts(self.lcodecs[g][kind].kernel_view(self.device), j, K, d)]
+            bits = self.lcodecs[g]["k"].bits
+            self._kernel_layers[layer] = (parts, latent_statics(*parts, bits, self.args.n_heads // K, self.rope_pre))
+        return self._kernel_layers[layer]
+
+    def _attend_kernel(self, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
+        """Decode-step attention through moec/kernels/latent_decode_attention.py: q [B, H, 1, d] -> [B, H, 1, d];
+        wk/wv: this layer's fp16 sinks + window [B, K, n, d] (the new token included)."""
+        from ..kernels.latent_decode_attention import latent_decode_attention
+
+        g = self.group_of[layer]
+        j = self.groups[g].index(layer)
+        B, K, d = self.batch, self.args.n_kv_heads, self.args.head_dim
+        (uk, mk, sk, uv, mv, sv), statics = self._kernel_layer(layer)
+        kview, vview = (self.lcodecs[g][kind].kernel_view(self.device) for kind in "kv")
+        nb = self.n_blocks[layer]
+        outs = {}
+        for kind, view in (("k", kview), ("v", vview)):
+            hist = self.lhist[g][kind]
+            outs[kind] = (hist["out_idx"][:, :nb], hist["out_val"][:, :nb]) if view.n_out else None
+        hist_len = torch.full((B,), nb * self.block, dtype=torch.int32, device=q.device)
+        wlen = torch.full((B,), wk.shape[2], dtype=torch.int32, device=q.device)
+        ck, cv = self.lhist[g]["k"]["codes"], self.lhist[g]["v"]["codes"]
+        out = latent_decode_attention(q[:, :, 0], ck, cv, uk, mk, sk, uv, mv, sv, kview.bits, hist_len,
+                                      wk.contiguous(), wv.contiguous(), wlen, k_out=outs["k"], v_out=outs["v"],
+                                      block=self.block, group_dim=kview.group_dim, layer_off=j * K * d,
+                                      rope=self.rope_table if self.rope_pre else None, statics=statics)
+        return out[:, :, None].to(q.dtype)
 
     # -- bytes ------------------------------------------------------------------------------------------
 
@@ -354,7 +370,8 @@ def build_latent_codecs(section: dict, tensors: dict[str, torch.Tensor], args: M
     if (section.get("n_layers"), section.get("n_kv_heads"), section.get("head_dim")) != (L, K, d):
         raise FormatError(f"KV calibration is for {section.get('n_layers')} layers × {section.get('n_kv_heads')} "
                           f"KV heads × head_dim {section.get('head_dim')}, the model has {L} × {K} × {d}")
-    G = section.get("group_layers", 0)
+    lat = section.get("latent") or {}
+    G = lat.get("group_layers", 0)
     if not 1 <= G <= L or section.get("n_groups") != -(-L // G):
         raise FormatError(f"KV latent section: group_layers {G} / n_groups {section.get('n_groups')} do not "
                           f"fit a {L}-layer model")
@@ -384,11 +401,36 @@ def build_latent_codecs(section: dict, tensors: dict[str, torch.Tensor], args: M
             if bits not in (TERNARY, 16) and r % 8:
                 raise FormatError(f"KV calibration: kv.groups.{g}.{kind} rank {r} does not pack at {bits} bits")
         codecs.append({kind: LatentCodec(parts[kind, "basis"], parts[kind, "mean"], parts[kind, "scale"], bits,
-                                         section["block"], section["outlier_frac"], device) for kind in "kv"})
+                                         section["block"], lat["outlier_frac"], device) for kind in "kv"})
     extra = [n for n in tensors if not n.startswith("kv.groups.") or int(n.split(".")[2]) >= len(groups)]
     if extra:
         raise FormatError(f"KV calibration tensor {extra[0]} does not belong to {len(groups)} latent groups")
     return groups, codecs
+
+
+def latent_section(kv, args: ModelArgs) -> dict:
+    """Derived manifest key: the number of layer groups."""
+    return {"n_groups": -(-args.n_layers // kv.latent.group_layers)}
+
+
+def latent_tensor_names(section: dict, args: ModelArgs) -> list[str]:
+    return [group_tensor(g, f"{kind}_{p}") for g in range(section["n_groups"]) for kind in "kv" for p in LATENT_PARTS]
+
+
+def random_latent_tensors(args: ModelArgs, section: dict, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
+    """Stand-in calibration: per group, an orthonormal random basis [D, r], zero mean, latent scale 3
+    (the codes of unit-variance inputs then span the grid)."""
+    out = {}
+    G = section["latent"]["group_layers"]
+    for g in range(section["n_groups"]):
+        D = min(G, args.n_layers - g * G) * args.n_kv_heads * args.head_dim
+        for kind in "kv":
+            r = section["latent"].get(f"rank_{kind}") or D // 32 * 8  # ranks sized by energy: D / 4
+            basis = torch.linalg.qr(torch.randn(D, min(r, D), generator=gen)).Q
+            out[group_tensor(g, f"{kind}_basis")] = basis.to(device)
+            out[group_tensor(g, f"{kind}_mean")] = torch.zeros(D, device=device)
+            out[group_tensor(g, f"{kind}_scale")] = torch.full((basis.shape[1],), 3.0, device=device)
+    return out
 
 
 def latent_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs,

@@ -8,8 +8,8 @@ A codec encodes one block of tokens leaving the fp16 window, for one layer, keys
 Every field is stored with its token or block axis at dim 2 (`fields()` says which), so the cache
 (moec/runtime/kvtiered.py) can keep preallocated buffers and count stored bytes from them.
 
-Packed code layout (`pack_codes`, along the channel axis of each token, n channels; "planar": a
-contiguous run of bytes unpacks with one shift into a contiguous run of channels, so the fused
+Packed code layout (moec/formats/bitpack.py Layout.PLANAR, along the channel axis of each token, n
+channels; a contiguous run of bytes unpacks with one shift into a contiguous run of channels, so the fused
 kernel (moec/kernels/kv_decode_attention.py) loads whole [tokens, bytes] tiles and never gathers):
     2-bit: n/4 bytes; byte i holds channel i + m·n/4 in bits 2m..2m+1 (m = 0..3)
     4-bit: n/2 bytes; byte i holds channel i in bits 0..3 and channel i + n/2 in bits 4..7
@@ -35,54 +35,21 @@ precision, as if x itself were stored in fp16.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+from ..errors import FormatError
+from ..formats.bitpack import pack_planar, planar_width, unpack_planar
+from ..formats.kvsection import layer_tensor
+
+if TYPE_CHECKING:
+    from ..kernels.kv_quantize_pack import NUQView
 
 FIXED_LEVELS = {
     2: (-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0),  # seed 003's grid
     3: tuple(-1.0 + 2.0 * i / 7.0 for i in range(8)),  # its 3-bit analogue: 8 evenly spaced levels
 }
-
-
-# -- bit packing ---------------------------------------------------------------------------------------
-
-def packed_width(n: int, bits: int) -> int:
-    assert n * bits % 8 == 0 and (bits != 3 or n % 8 == 0), (n, bits)
-    return n * bits // 8
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [..., n] integer in [0, 2^bits) -> uint8 [..., n·bits/8] (planar layout, module docstring)."""
-    n = codes.shape[-1]
-    packed_width(n, bits)
-    c = codes.to(torch.int32)
-    if bits == 3:
-        return torch.cat([pack_codes(c & 3, 2), _pack_planes(c >> 2, 1)], dim=-1)
-    assert bits in (2, 4), bits
-    return _pack_planes(c, bits)
-
-
-def _pack_planes(c: torch.Tensor, bits: int) -> torch.Tensor:
-    """[..., n] -> [..., n·bits/8]: byte i holds channel i + m·(n·bits/8) in bits m·bits (m < 8/bits)."""
-    per = 8 // bits
-    c = c.reshape(*c.shape[:-1], per, c.shape[-1] // per)  # [..., m, i]
-    shifts = (torch.arange(per, device=c.device, dtype=torch.int32) * bits)[:, None]
-    return (c << shifts).sum(-2).to(torch.uint8)
-
-
-def _unpack_planes(p: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 8 // bits
-    shifts = (torch.arange(per, device=p.device, dtype=torch.int32) * bits)[:, None]
-    return ((p[..., None, :] >> shifts) & (2**bits - 1)).flatten(-2)  # [..., m·w + i]
-
-
-def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of pack_codes: uint8 [..., n·bits/8] -> int64 codes [..., n]."""
-    p = packed.to(torch.int32)
-    if bits == 3:
-        return (_unpack_planes(p[..., : n // 4], 2) | (_unpack_planes(p[..., n // 4 :], 1) << 2)).long()
-    assert bits in (2, 4), bits
-    return _unpack_planes(p, bits).long()
 
 
 # -- codecs ------------------------------------------------------------------------------------------
@@ -99,7 +66,7 @@ class KIVICodec:
 
     def fields(self, kind: str) -> dict[str, tuple[str, tuple, torch.dtype]]:
         """name -> (axis kind "token"|"block", trailing shape, dtype)."""
-        w = packed_width(self.d, self.bits)
+        w = planar_width(self.d, self.bits)
         if kind == "k":
             return {"codes": ("token", (w,), torch.uint8), "scale": ("block", (self.d,), torch.float16),
                     "zero": ("block", (self.d,), torch.float16)}
@@ -121,10 +88,10 @@ class KIVICodec:
         codes = torch.round((xs - zero.float()) / scale.float()).clamp(0, qmax).view(B, K, N, d)
         if kind == "v":
             scale, zero = scale.squeeze(-1), zero.squeeze(-1)
-        return {"codes": pack_codes(codes, self.bits), "scale": scale, "zero": zero}
+        return {"codes": pack_planar(codes, self.bits), "scale": scale, "zero": zero}
 
     def decode(self, f: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
-        codes = unpack_codes(f["codes"], self.bits, self.d).float()  # [B, K, S, d]
+        codes = unpack_planar(f["codes"], self.bits, self.d).float()  # [B, K, S, d]
         B, K, S, d = codes.shape
         if kind == "k":
             nb = f["scale"].shape[2]
@@ -150,9 +117,10 @@ class NUQOutlierCodec:
         self.levels = {"k": k_levels.float().sort().values, "v": v_levels.float().sort().values}
         self.k_scale = k_scale.float().clamp_min(1e-6)  # [K, d]
         self.n_out = math.ceil(outlier_frac * block * head_dim - 1e-9) if outlier_frac > 0 else 0
+        self._kernel_views: dict[str, NUQView] = {}  # device -> kernel_view(device)
 
     def fields(self, kind: str) -> dict[str, tuple[str, tuple, torch.dtype]]:
-        f = {"codes": ("token", (packed_width(self.d, self.bits),), torch.uint8)}
+        f = {"codes": ("token", (planar_width(self.d, self.bits),), torch.uint8)}
         if kind == "v":
             f["scale"] = ("token", (), torch.float16)
         if self.n_out:
@@ -185,7 +153,7 @@ class NUQOutlierCodec:
             out["scale"] = scale.squeeze(-1)
             scale = scale.float()
         codes = self._nearest(x / scale, kind)  # [B, K, N, d]
-        out["codes"] = pack_codes(codes, self.bits)
+        out["codes"] = pack_planar(codes, self.bits)
         if self.n_out:
             deq = (self.levels[kind].to(x.device)[codes] * scale).reshape(B, K, N * d)
             resid = flat.gather(-1, idx) - deq.gather(-1, idx)
@@ -194,7 +162,7 @@ class NUQOutlierCodec:
         return out
 
     def decode(self, f: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
-        codes = unpack_codes(f["codes"], self.bits, self.d)
+        codes = unpack_planar(f["codes"], self.bits, self.d)
         B, K, S, d = codes.shape
         x = self.levels[kind].to(codes.device)[codes]
         if kind == "k":
@@ -210,6 +178,21 @@ class NUQOutlierCodec:
     def static_tensors(self) -> dict[str, torch.Tensor]:
         """Per-layer tensors shared by every token (counted once per layer in stored bytes)."""
         return {"k_scale": self.k_scale, "k_levels": self.levels["k"], "v_levels": self.levels["v"]}
+
+    def kernel_view(self, device) -> NUQView:
+        """This codec's tensors on `device` in the forms the kernels take (kv_quantize_pack, and the
+        cache's kv_decode_attention calls), made once per device and kept on the codec."""
+        key = str(device)
+        if key not in self._kernel_views:
+            from ..kernels.kv_quantize_pack import NUQView
+
+            k_lev, v_lev = (self.levels[kind].to(device).contiguous() for kind in "kv")
+            extra = (getattr(self, "k_center", None), getattr(self, "k_weight", None))  # NUQCenteredCodec
+            self._kernel_views[key] = NUQView(
+                self.bits, self.block, self.n_out, self.k_scale.to(device).contiguous(), k_lev, v_lev,
+                ((k_lev[1:] + k_lev[:-1]) / 2).contiguous(), ((v_lev[1:] + v_lev[:-1]) / 2).contiguous(),
+                *(None if t is None else t.to(device).float().contiguous() for t in extra))
+        return self._kernel_views[key]
 
 
 class NUQCenteredCodec(NUQOutlierCodec):
@@ -245,7 +228,7 @@ class NUQCenteredCodec(NUQOutlierCodec):
             x = x - self.k_center.to(x.device)[None, :, None, :]
         scale = self.k_scale.to(x.device)[None, :, None, :]  # [1, K, 1, d]
         codes = self._nearest(x / scale, "k")  # [B, K, N, d]
-        out = {"codes": pack_codes(codes, self.bits)}
+        out = {"codes": pack_planar(codes, self.bits)}
         if self.n_out:
             deq = self.levels["k"].to(x.device)[codes] * scale
             if self.k_weight is None:
@@ -271,3 +254,87 @@ class NUQCenteredCodec(NUQOutlierCodec):
         if self.k_weight is not None:
             out["k_weight"] = self.k_weight
         return out
+
+
+def quantize_pack_supports(codec) -> bool:
+    """Whether moec/kernels/kv_quantize_pack.py reproduces codec.encode: a 2/3-bit NUQOutlierCodec or
+    NUQCenteredCodec with the fields it writes, within the kernel's shape limits (a codec with other options
+    or fields keeps its torch encode)."""
+    if type(codec) not in (NUQOutlierCodec, NUQCenteredCodec) or codec.bits not in (2, 3):
+        return False
+    N, d = codec.block, codec.d
+    want = {"k": {"codes"}, "v": {"codes", "scale"}}
+    if codec.n_out:
+        want = {kind: f | {"out_idx", "out_val"} for kind, f in want.items()}
+    return (N & (N - 1) == 0 and d & (d - 1) == 0 and d >= 16 and N * d < 2**15
+            and all(set(codec.fields(kind)) == want[kind] for kind in "kv"))
+
+
+# -- registry hooks (moec/registry.py): building the per-layer codecs of a packed checkpoint --------------
+
+def kivi_layer_codecs(section: dict, tensors: dict[str, torch.Tensor], args) -> list[KIVICodec]:
+    if tensors:
+        raise FormatError(f"KV calibration tensor {sorted(tensors)[0]} does not belong to a kivi cache (none do)")
+    return [KIVICodec(section["bits"], args.head_dim, section["group_size"]) for _ in range(args.n_layers)]
+
+
+def nuq_parts(section: dict) -> tuple[str, ...]:
+    """The per-layer calibration tensors of a nuq-outlier section (k_center / k_weight by its options)."""
+    return ("k_scale", "k_levels", "v_levels") + (("k_center",) if section.get("k_center") else ()) + (
+        ("k_weight",) if section.get("outlier_select") == "weighted-error" else ())
+
+
+def nuq_tensor_names(section: dict, args) -> list[str]:
+    return [layer_tensor(i, p) for i in range(args.n_layers) for p in nuq_parts(section)]
+
+
+def nuq_rope_pre(section: dict) -> bool:
+    return section["rope"] == "pre"
+
+
+def nuq_layer_codecs(section: dict, tensors: dict[str, torch.Tensor], args) -> list[NUQOutlierCodec]:
+    """Per-layer NUQOutlierCodec / NUQCenteredCodec; FormatError when a tensor is missing or misshapen."""
+    L, K, d, bits = args.n_layers, args.n_kv_heads, args.head_dim, section["bits"]
+    shapes = {"k_scale": (K, d), "k_levels": (2**bits,), "v_levels": (2**bits,), "k_center": (K, d),
+              "k_weight": (K, d)}
+    parts_of = nuq_parts(section)
+    codecs = []
+    for i in range(L):
+        parts = {}
+        for part in parts_of:
+            t = tensors.get(layer_tensor(i, part))
+            if t is None:
+                raise FormatError(f"KV calibration tensor {layer_tensor(i, part)} is missing")
+            if tuple(t.shape) != shapes[part]:
+                raise FormatError(f"KV calibration tensor {layer_tensor(i, part)} has shape {list(t.shape)}, "
+                                  f"the model needs {list(shapes[part])} ({L} layers, {K} KV heads, head_dim {d})")
+            parts[part] = t
+        if len(parts_of) > 3:
+            codecs.append(NUQCenteredCodec(bits, d, section["block"], parts["k_levels"], parts["v_levels"],
+                                           parts["k_scale"], section["outlier_frac"], parts.get("k_center"),
+                                           parts.get("k_weight")))
+        else:
+            codecs.append(NUQOutlierCodec(bits, d, section["block"], parts["k_levels"], parts["v_levels"],
+                                          parts["k_scale"], section["outlier_frac"]))
+    extra = sorted(set(tensors) - set(nuq_tensor_names(section, args)))
+    if extra:
+        raise FormatError(f"KV calibration tensor {extra[0]} does not belong to a {L}-layer model")
+    return codecs
+
+
+def random_nuq_tensors(args, section: dict, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
+    """Stand-in calibration: the seed's fixed levels; key scales, centers (`k_center`) and query weights
+    (`outlier_select: weighted-error`) drawn around 1, 0 and 1 (not constant: with constant weights
+    the errors of equal fp16 inputs tie, and the kernel's and torch's outlier choices part on ties)."""
+    lev = torch.tensor(FIXED_LEVELS[section["bits"]])
+    shape = (args.n_kv_heads, args.head_dim)
+    out = {}
+    for i in range(args.n_layers):
+        out[layer_tensor(i, "k_scale")] = torch.rand(shape, generator=gen) + 0.5
+        out[layer_tensor(i, "k_levels")] = lev.clone()
+        out[layer_tensor(i, "v_levels")] = lev.clone()
+        if section.get("k_center", False):
+            out[layer_tensor(i, "k_center")] = torch.randn(shape, generator=gen) * 0.1
+        if section.get("outlier_select", "magnitude") == "weighted-error":
+            out[layer_tensor(i, "k_weight")] = torch.rand(shape, generator=gen) + 0.5
+    return {n: t.to(device) for n, t in out.items()}

@@ -19,9 +19,9 @@ A block moves to the archive once all its tokens are at least `archive_after` to
 the middle tier's reconstruction (moec/calibrate/fit_rvq.py reports the extra error that costs
 against encoding the original). `archive_after = 0`: one tier.
 
-Codes are bit-packed per token (`pack_bits`): code j = s·P + p (stage-major) takes log2(C_s) bits,
-LSB first, starting at bit Σ_{j'<j} width_j'; the row is padded to whole bytes. Keys are quantized
-post-RoPE (lookup tables of q·centroid work directly, moec/kernels/rvq_lut_attention.py) or
+Codes are bit-packed per token (moec/formats/bitpack.py Layout.BITSTREAM): code j = s·P + p (stage-major)
+takes log2(C_s) bits, LSB first, starting at bit Σ_{j'<j} width_j'; the row is padded to whole bytes.
+Keys are quantized post-RoPE (lookup tables of q·centroid work directly, moec/kernels/rvq_lut_attention.py) or
 pre-RoPE (`rope: pre`; TieredKVCache un-rotates a block before encoding and rotates it back after
 decoding; torch path only).
 """
@@ -29,38 +29,18 @@ decoding; torch path only).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from ..formats.bitpack import pack_bits, unpack_bits
 from .backend import kernels_enabled
 from .config import ModelArgs
 from .kvtiered import TieredKVCache
 
-# -- bit packing of variable-width codes ----------------------------------------------------------------
-
-def pack_bits(codes: torch.Tensor, widths: list[int]) -> torch.Tensor:
-    """codes [..., n] integers, code j < 2^widths[j] -> uint8 [..., ceil(Σ widths / 8)] (LSB first)."""
-    assert codes.shape[-1] == len(widths), (codes.shape, len(widths))
-    bits = [(codes[..., j : j + 1] >> torch.arange(w, device=codes.device)) & 1 for j, w in enumerate(widths)]
-    b = torch.cat(bits, -1)  # [..., Σw]
-    pad = -b.shape[-1] % 8
-    if pad:
-        b = F.pad(b, (0, pad))
-    b = b.view(*b.shape[:-1], -1, 8)
-    return (b << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
-
-
-def unpack_bits(packed: torch.Tensor, widths: list[int]) -> torch.Tensor:
-    """Inverse of pack_bits: uint8 [..., nbytes] -> int64 codes [..., len(widths)]."""
-    b = (packed.long()[..., None] >> torch.arange(8, device=packed.device)) & 1
-    b = b.flatten(-2)  # [..., nbytes·8]
-    out, pos = [], 0
-    for w in widths:
-        out.append((b[..., pos : pos + w] << torch.arange(w, device=packed.device)).sum(-1))
-        pos += w
-    return torch.stack(out, -1)
-
+if TYPE_CHECKING:
+    from ..kernels.rvq_lut_attention import RVQTierView
 
 # -- one residual-VQ tier ----------------------------------------------------------------------------------
 
@@ -75,6 +55,17 @@ class RVQTier:
         self.widths = [int(math.log2(c.shape[2])) for c in codebooks for _ in range(P)]
         self.row_bytes = -(-sum(self.widths) // 8)
         self.bits = sum(self.widths) / (P * dim)  # nominal bits per element (codes only)
+        self._kernel_views: dict[str, RVQTierView] = {}  # device -> kernel_view(device)
+
+    def kernel_view(self, device) -> RVQTierView:
+        """The codebooks on `device` as moec/kernels/rvq_lut_attention.py's CodeSegment takes them, made once per
+        device and kept on the tier."""
+        key = str(device)
+        if key not in self._kernel_views:
+            from ..kernels.rvq_lut_attention import RVQTierView
+
+            self._kernel_views[key] = RVQTierView([c.to(device) for c in self.cb])
+        return self._kernel_views[key]
 
     def codes(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, K, N, d] fp32 -> codes [B, K, N, S·P] int64 (greedy per stage on the residual)."""
@@ -204,9 +195,25 @@ class RVQTieredCache(TieredKVCache):
         return out
 
     def _attend_kernel(self, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
-        from ..kernels.rvq_lut_attention import attend_rvq_cache
+        """One decode step (post-RoPE keys) through moec/kernels/rvq_lut_attention.py, one code segment per tier.
+        q [B, H, 1, d]; wk, wv [B, K, n, d] fp16 window (sinks first) -> [B, H, 1, d] in q.dtype."""
+        from ..kernels.rvq_lut_attention import CodeSegment, rvq_lut_attention
 
-        return attend_rvq_cache(self, layer, q, wk, wv)
+        codec, B, dev, blk = self.codecs[layer], q.shape[0], q.device, self.block
+        nb, na = self.n_blocks[layer], self.n_arch[layer]
+        full = lambda n: torch.full((B,), n, dtype=torch.int32, device=dev)  # noqa: E731
+        segs = []
+        if na:
+            segs.append(CodeSegment(self.arch["k"][layer], self.arch["v"][layer], full(0), full(na * blk),
+                                    codec.arch["k"].kernel_view(dev).codebooks,
+                                    codec.arch["v"].kernel_view(dev).codebooks))
+        if nb > na:
+            segs.append(CodeSegment(self.hist["k"][layer]["codes"], self.hist["v"][layer]["codes"], full(na * blk),
+                                    full((nb - na) * blk), codec.mid["k"].kernel_view(dev).codebooks,
+                                    codec.mid["v"].kernel_view(dev).codebooks))
+        out = rvq_lut_attention(q[:, :, 0].contiguous(), segs, wk.contiguous(), wv.contiguous(), full(wk.shape[2]),
+                                max_len=max([na * blk, (nb - na) * blk, 1]))
+        return out[:, :, None].to(q.dtype)
 
     def _arch_block_bytes(self) -> int:
         if self.arch is None:
@@ -218,7 +225,7 @@ class RVQTieredCache(TieredKVCache):
         """Effective bits projected to `tokens`, by the stored-byte formula (codebooks amortized)."""
         nb, na = self.blocks_at(tokens), self.arch_at(tokens)
         n = ((nb - na) * self._block_bytes() + na * self._arch_block_bytes()
-             + (tokens - nb * self.block) * self._fp16_token_bytes() + self._static_bytes())
+             + self.policy.fp16_tokens(tokens) * self._fp16_token_bytes() + self._static_bytes())
         return 8.0 * n / self._elements(tokens)
 
 
@@ -287,6 +294,24 @@ def tensor_names(rvq: dict, n_layers: int) -> list[str]:
     tiers = [("mid", rvq["mid_sizes"])] + ([("arch", rvq["arch_sizes"])] if rvq["archive_after"] else [])
     return [f"kv.layers.{i}.{kind}.{tier}.{s}" for i in range(n_layers) for kind in "kv"
             for tier, sizes in tiers for s in range(len(sizes))]
+
+
+def rvq_tensor_names(section: dict, args: ModelArgs) -> list[str]:
+    return tensor_names(section["rvq"], args.n_layers)
+
+
+def random_rvq_tensors(args: ModelArgs, section: dict, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
+    """Stand-in calibration: random codebooks [heads, d / sub_dim, C, sub_dim], each stage finer than the last."""
+    rvq = section["rvq"]
+    heads = 1 if rvq["shared_heads"] else args.n_kv_heads
+    dims = {"mid": (rvq["mid_sizes"], rvq["mid_dim"]), "arch": (rvq["arch_sizes"], rvq["arch_dim"])}
+    out = {}
+    for name in tensor_names(rvq, args.n_layers):
+        tier, stage = name.split(".")[-2], int(name.split(".")[-1])
+        sizes, sub = dims[tier]
+        cb = torch.randn(heads, args.head_dim // sub, sizes[stage], sub, generator=gen) * 0.5**stage
+        out[name] = cb.to(device)
+    return out
 
 
 def build_rvq_codecs(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs) -> list[RVQLayerCodec]:

@@ -22,16 +22,34 @@ blocks leaving the window are encoded by moec/kernels/kv_quantize_pack.py (the c
 
 Stored bytes are summed from the tensors held: window and sinks (fp16), every history field sliced
 to the blocks filled, and each codec's per-layer static tensors (scales, levels).
+
+One tier rule and one history store serve every tiered cache: `TierPolicy` (which tokens are sinks,
+history blocks or window after n tokens; capacity; fp16 slots) and `HistoryStore` (field buffers,
+encode dispatch, pre-RoPE rotation, the torch path's mirror, byte counts) are used by TieredKVCache
+here (host-side lengths, the dynamic cache of eval/generate), by decode.StaticTieredCache (device-side
+positions, the CUDA-graph engine), by the simulated decode mode (kvsim.py) and by the latent and RVQ
+caches built on TieredKVCache. Any registered block codec (moec/registry.py `layer_codecs`) runs in
+all of them.
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 
 from .backend import kernels_enabled
 from .config import ModelArgs
 from .kvcache import causal_attention
-from .model import apply_rope, rope_cos_sin
+from .kvquant import quantize_pack_supports
+from .model import apply_rope, rope_cos_sin, rope_inv_freq
+
+
+def rope_table(args: ModelArgs, sinks: int, device) -> tuple[torch.Tensor, int]:
+    """The decode kernels' `rope` argument for a pre-RoPE history whose token t sits at position sinks + t:
+    (inv_freq [d/2] fp32 contiguous on `device`, sinks). Caches make it once, in their constructor."""
+    return rope_inv_freq(args, device).float().contiguous(), sinks
 
 
 def kernel_path(device, codec: str, head_dim: int, block: int) -> bool:
@@ -50,7 +68,135 @@ def alloc_fields(fields: dict, batch: int, n_kv_heads: int, max_blocks: int, blo
             for name, (axis, trail, dtype) in fields.items()}
 
 
+def rotate(args: ModelArgs, x: torch.Tensor, pos0: int, inverse: bool) -> torch.Tensor:
+    """RoPE (or its inverse) of x [..., n, d] at positions pos0..pos0+n-1, in fp32 tables."""
+    pos = torch.arange(pos0, pos0 + x.shape[2], device=x.device)
+    cos, sin = rope_cos_sin(args, pos, torch.float32)
+    return apply_rope(x, cos, -sin if inverse else sin)
+
+
+class TierPolicy(NamedTuple):
+    """The one tier rule every tiered cache follows (dynamic, static, simulated, latent, RVQ).
+
+    Positions [0, sinks) stay fp16 forever; after `tokens` tokens, blocks_at(tokens) blocks of `block`
+    tokens after the sinks are encoded history; the rest (window ≤ n < window + block tokens) is the
+    fp16 window. A block is encoded as soon as the window holds window + block tokens."""
+
+    sinks: int
+    window: int
+    block: int
+
+    def blocks_at(self, tokens: int) -> int:
+        """History blocks after `tokens` tokens went through the cache."""
+        return max(0, (tokens - self.sinks - self.window) // self.block) if tokens > self.sinks else 0
+
+    def capacity(self, max_len: int) -> int:
+        """History blocks a cache of max_len tokens can come to hold (at least 1, so buffers exist)."""
+        return max(math.ceil(max(max_len - self.sinks - self.window, 0) / self.block), 1)
+
+    def window_slots(self) -> int:
+        """fp16 slots a static window needs: sinks + window + block (the step before an encode holds all)."""
+        return self.sinks + self.window + self.block
+
+    def fp16_tokens(self, tokens: int) -> int:
+        """Tokens held in fp16 (sinks + window) after `tokens` tokens."""
+        return tokens - self.blocks_at(tokens) * self.block
+
+
+def static_bytes(codecs: list) -> int:
+    """Bytes of the codecs' per-layer static tensors (scales, levels), counted once per cache."""
+    return sum(t.numel() * t.element_size() for c in codecs for t in c.static_tensors().values())
+
+
+class HistoryStore:
+    """The encoded history of every layer, for both tiered caches: allocation ([B, K, n, ...] per codec
+    field), the encode dispatch (the Triton quantize-pack kernel where it takes the codec, else
+    codec.encode), pre-RoPE keys (un-rotated before encoding, rotated back after decoding), and an
+    optional dequantized mirror for the torch attention path (a compute cache, not counted as stored)."""
+
+    def __init__(self, args: ModelArgs, codecs: list, policy: TierPolicy, max_blocks: int, batch: int,
+                 rope_pre: bool, device, mirror_dtype: torch.dtype | None = None):
+        self.args, self.codecs, self.policy, self.rope_pre = args, codecs, policy, rope_pre
+        self.max_blocks, self.batch, self.device = max_blocks, batch, torch.device(device)
+        K, d, blk = args.n_kv_heads, args.head_dim, policy.block
+        self.hist = {kind: [alloc_fields(c.fields(kind), batch, K, max_blocks, blk, self.device) for c in codecs]
+                     for kind in "kv"}
+        self.mirror = None if mirror_dtype is None else {
+            kind: [torch.zeros(batch, K, max_blocks * blk, d, dtype=mirror_dtype, device=self.device)
+                   for _ in codecs] for kind in "kv"}
+        # blocks leaving the window: the quantize-pack kernel where the kernels run and it takes the codec
+        self.fast_encode = kernels_enabled(self.device) and all(quantize_pack_supports(c) for c in codecs)
+
+    def per_block(self, layer: int, kind: str, name: str) -> int:
+        """Entries one block takes along a field's axis: `block` for token fields, 1 for block fields."""
+        return self.policy.block if self.codecs[layer].fields(kind)[name][0] == "token" else 1
+
+    def encode(self, layer: int, kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The codec's fields of x [M, K, block, d] (M blocks, each encoded alone)."""
+        codec = self.codecs[layer]
+        if self.fast_encode:
+            from ..kernels.kv_quantize_pack import kv_quantize_pack
+
+            return kv_quantize_pack(x.contiguous(), kind, codec.kernel_view(x.device))
+        return codec.encode(x.float(), kind)
+
+    def put(self, layer: int, kind: str, x: torch.Tensor, nb0: int, row: int | None = None) -> None:
+        """Encode post-RoPE tokens into the history. row None: x [B, K, block, d] is block nb0 of every row
+        (the dynamic cache); row r: x [n, K, block, d] are blocks nb0..nb0+n-1 of row r (the static cache)."""
+        blk, codec = self.policy.block, self.codecs[layer]
+        n, K = x.shape[0], x.shape[1]
+        pos0 = self.policy.sinks + nb0 * blk
+        pre = kind == "k" and self.rope_pre
+        if pre and row is None:
+            x = rotate(self.args, x.float(), pos0, inverse=True)
+        elif pre:  # n consecutive blocks of one row: one run of positions
+            x = rotate(self.args, x.float().transpose(0, 1).reshape(1, K, n * blk, -1), pos0, inverse=True)
+            x = x.view(K, n, blk, -1).transpose(0, 1)
+        enc = self.encode(layer, kind, x)
+        for name, t in enc.items():
+            per = self.per_block(layer, kind, name)
+            if row is None:
+                self.hist[kind][layer][name][:, :, nb0 * per : (nb0 + 1) * per] = t
+            else:  # [n, K, per, ...] -> [K, n·per, ...]
+                t = t.transpose(0, 1).reshape(K, n * per, *t.shape[3:])
+                self.hist[kind][layer][name][row, :, nb0 * per : (nb0 + n) * per] = t
+        if self.mirror is None:
+            return
+        y = codec.decode(enc, kind)
+        if row is None:
+            if pre:
+                y = rotate(self.args, y, pos0, inverse=False)
+            self.mirror[kind][layer][:, :, nb0 * blk : (nb0 + 1) * blk] = y
+        else:
+            y = y.transpose(0, 1).reshape(1, K, n * blk, -1)  # [1, K, n·block, d]
+            if pre:
+                y = rotate(self.args, y, pos0, inverse=False)
+            self.mirror[kind][layer][row, :, nb0 * blk : (nb0 + n) * blk] = y[0]
+
+    def fields(self, layer: int, kind: str, blocks: int) -> dict[str, torch.Tensor]:
+        """The first `blocks` blocks of every field [B, K, blocks·per, ...] (views)."""
+        return {n: t[:, :, : blocks * self.per_block(layer, kind, n)] for n, t in self.hist[kind][layer].items()}
+
+    def decode(self, layer: int, kind: str, blocks: int) -> torch.Tensor:
+        """The dequantized first `blocks` blocks [B, K, h, d] fp32 (post-RoPE keys), from the stored fields."""
+        x = self.codecs[layer].decode(self.fields(layer, kind, blocks), kind)
+        if kind == "k" and self.rope_pre and x.shape[2]:
+            x = rotate(self.args, x, self.policy.sinks, inverse=False)
+        return x
+
+    def row_block_bytes(self) -> int:
+        """Bytes one history block of one row takes over all layers, K and V (from the buffers)."""
+        return sum(t.element_size() * t[0].numel() // t.shape[2] * self.per_block(layer, kind, n)
+                   for kind in "kv" for layer in range(len(self.codecs)) for n, t in self.hist[kind][layer].items())
+
+    def static_bytes(self) -> int:
+        return static_bytes(self.codecs)
+
+
 class TieredKVCache:
+    """The dynamic tiered cache (host-side lengths): `attend(layer, q, k, v, start_pos)` for prefill and
+    decode, every row at the same length. The tier rule is TierPolicy, the history a HistoryStore."""
+
     def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list, window: int = 128,
                  sinks: int = 4, block: int = 32, rope_pre: bool = False, device="cpu",
                  use_kernel: bool | None = None):
@@ -58,74 +204,44 @@ class TieredKVCache:
         assert window >= 0 and sinks >= 0 and block > 0, (window, sinks, block)
         self.args, self.batch, self.max_len = args, batch, max_len
         self.codecs, self.window, self.sinks, self.block, self.rope_pre = codecs, window, sinks, block, rope_pre
+        self.policy = TierPolicy(sinks, window, block)
         self.device = torch.device(device)
         self.codec = codecs[0].name
         self.bits = codecs[0].bits
         B, K, d = batch, args.n_kv_heads, args.head_dim
-        self.max_blocks = max(max_len // block, 1)
+        self.max_blocks = self.policy.capacity(max_len)
         self.win = {kind: [torch.zeros(B, K, 0, d, dtype=torch.float16, device=device)
                            for _ in range(args.n_layers)] for kind in "kv"}
-        self.hist = {kind: [self._alloc(c.fields(kind)) for c in codecs] for kind in "kv"}
         self.n_blocks = [0] * args.n_layers
         self.length = 0
         self.use_kernel = kernel_path(device, self.codec, d, block) if use_kernel is None else use_kernel
-        self.rope_table = None  # the kernel's `rope` argument for pre-RoPE keys (kv_decode_attention.attend_cache)
-        self.mirror = None if self.use_kernel else {
-            kind: [torch.zeros(B, K, self.max_blocks * block, d, device=device) for _ in range(args.n_layers)]
-            for kind in "kv"}
+        self.store = HistoryStore(args, codecs, self.policy, self.max_blocks, batch, rope_pre, device,
+                                  mirror_dtype=None if self.use_kernel else torch.float32)
+        self.hist, self.mirror = self.store.hist, self.store.mirror
+        # the decode kernels' `rope` argument for pre-RoPE keys (made here even when use_kernel is off: it may be
+        # switched on later)
+        self.rope_table = rope_table(args, sinks, self.device) if rope_pre else None
 
     def _alloc(self, fields: dict) -> dict[str, torch.Tensor]:
         return alloc_fields(fields, self.batch, self.args.n_kv_heads, self.max_blocks, self.block, self.device)
 
-    def _axis_len(self, name: str, kind: str, layer: int, blocks: int) -> int:
-        axis = self.codecs[layer].fields(kind)[name][0]
-        return blocks * (self.block if axis == "token" else 1)
-
     # -- history ----------------------------------------------------------------------------------------
 
     def _rope(self, x: torch.Tensor, pos0: int, inverse: bool) -> torch.Tensor:
-        pos = torch.arange(pos0, pos0 + x.shape[2], device=x.device)
-        cos, sin = rope_cos_sin(self.args, pos, torch.float32)
-        return apply_rope(x, cos, -sin if inverse else sin)
+        return rotate(self.args, x, pos0, inverse)
 
     def history_fields(self, layer: int, kind: str, blocks: int | None = None) -> dict[str, torch.Tensor]:
-        blocks = self.n_blocks[layer] if blocks is None else blocks
-        return {n: t[:, :, : self._axis_len(n, kind, layer, blocks)] for n, t in self.hist[kind][layer].items()}
+        return self.store.fields(layer, kind, self.n_blocks[layer] if blocks is None else blocks)
 
     def decode_history(self, layer: int, kind: str) -> torch.Tensor:
         """The dequantized history [B, K, h, d] fp32 (post-RoPE keys), from the stored fields."""
-        x = self.codecs[layer].decode(self.history_fields(layer, kind), kind)
-        if kind == "k" and self.rope_pre and x.shape[2]:
-            x = self._rope(x, self.sinks, inverse=False)
-        return x
-
-    def _encode(self, codec, x: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
-        """codec.encode; nuq-outlier blocks on CUDA go through the Triton quantize-pack kernel (same fields)."""
-        if kernels_enabled(x.device):
-            from ..kernels.kv_quantize_pack import kv_quantize_pack, supports
-
-            if supports(codec):
-                return kv_quantize_pack(x, kind, codec)
-        return codec.encode(x, kind)
+        return self.store.decode(layer, kind, self.n_blocks[layer])
 
     def _encode_block(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         nb = self.n_blocks[layer]
         assert nb < self.max_blocks, (nb, self.max_blocks)
-        pos0 = self.sinks + nb * self.block
-        codec = self.codecs[layer]
         for kind, x in (("k", k.float()), ("v", v.float())):
-            if kind == "k" and self.rope_pre:
-                x = self._rope(x, pos0, inverse=True)
-            enc = self._encode(codec, x, kind)
-            for name, t in enc.items():
-                n = self._axis_len(name, kind, layer, 1)
-                self.hist[kind][layer][name][:, :, nb * n : (nb + 1) * n] = t
-            if self.mirror is not None:
-                one = {name: t for name, t in enc.items()}
-                y = codec.decode(one, kind)
-                if kind == "k" and self.rope_pre:
-                    y = self._rope(y, pos0, inverse=False)
-                self.mirror[kind][layer][:, :, nb * self.block : (nb + 1) * self.block] = y
+            self.store.put(layer, kind, x, nb)
         self.n_blocks[layer] = nb + 1
 
     # -- the cache interface ----------------------------------------------------------------------------
@@ -150,8 +266,9 @@ class TieredKVCache:
             keys = torch.cat([wk[:, :, :s].to(q.dtype), hk.to(q.dtype), wk[:, :, s:].to(q.dtype)], dim=2)
             vals = torch.cat([wv[:, :, :s].to(q.dtype), hv.to(q.dtype), wv[:, :, s:].to(q.dtype)], dim=2)
             out = causal_attention(q, keys, vals, start_pos)
-        # Age the window: move whole blocks of its oldest (non-sink) tokens into the history.
-        while wk.shape[2] - s >= self.window + self.block and s == self.sinks:
+        # Age the window: move whole blocks of its oldest (non-sink) tokens into the history (TierPolicy).
+        target = self.policy.blocks_at(start_pos + T)
+        while self.n_blocks[layer] < target:
             self._encode_block(layer, wk[:, :, s : s + self.block], wv[:, :, s : s + self.block])
             wk = torch.cat([wk[:, :, :s], wk[:, :, s + self.block :]], dim=2)
             wv = torch.cat([wv[:, :, :s], wv[:, :, s + self.block :]], dim=2)
@@ -161,21 +278,39 @@ class TieredKVCache:
         return out
 
     def _attend_kernel(self, layer: int, q, wk, wv) -> torch.Tensor:
-        """One decode step through the fused kernel (subclasses with other codecs override this)."""
-        from ..kernels.kv_decode_attention import attend_cache
+        """One decode step of a nuq-outlier cache through the fused kernel (moec/kernels/kv_decode_attention.py;
+        subclasses with other codecs override this). Pre-RoPE history keys are rotated in the kernel, history
+        token t at position sinks + t. q [B, H, 1, d]; wk, wv [B, K, n, d] fp16 window (sinks first) ->
+        [B, H, 1, d] in q.dtype."""
+        from ..kernels.kv_decode_attention import kv_decode_attention
 
-        return attend_cache(self, layer, q, wk, wv)
+        codec = self.codecs[layer]
+        view = codec.kernel_view(q.device)
+        hk, hv = self.hist["k"][layer], self.hist["v"][layer]
+        B = q.shape[0]
+        dev = q.device
+        if view.n_out:
+            koi, kov, voi, vov = hk["out_idx"], hk["out_val"], hv["out_idx"], hv["out_val"]
+        else:
+            z = torch.zeros(B, wk.shape[1], self.max_blocks, 0, device=dev)
+            koi = voi = z.to(torch.int16)
+            kov = vov = z.half()
+        hist_len = torch.full((B,), self.n_blocks[layer] * self.block, dtype=torch.int32, device=dev)
+        win_len = torch.full((B,), wk.shape[2], dtype=torch.int32, device=dev)
+        out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"], hv["codes"], view.k_scale, hv["scale"],
+                                  view.k_levels, view.v_levels, koi, kov, voi, vov, hist_len, wk.contiguous(),
+                                  wv.contiguous(), win_len, view.bits, self.block,
+                                  rope=self.rope_table if self.rope_pre else None, k_center=view.k_center)
+        return out[:, :, None].to(q.dtype)
 
     # -- bytes ------------------------------------------------------------------------------------------
 
     def _static_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for c in self.codecs for t in c.static_tensors().values())
+        return self.store.static_bytes()
 
     def _block_bytes(self) -> int:
         """Bytes one history block takes over all layers, K and V, the whole batch (from the buffers)."""
-        return sum(t.element_size() * t.numel() // t.shape[2] * self._axis_len(n, kind, layer, 1)
-                   for kind in "kv" for layer in range(self.args.n_layers)
-                   for n, t in self.hist[kind][layer].items())
+        return self.batch * self.store.row_block_bytes()
 
     def _fp16_token_bytes(self) -> int:
         return self.batch * self.args.n_layers * 2 * self.args.n_kv_heads * self.args.head_dim * 2
@@ -197,59 +332,41 @@ class TieredKVCache:
         return 8.0 * self.stored_bytes() / max(self._elements(self.length), 1)
 
     def blocks_at(self, tokens: int) -> int:
-        """History blocks after `tokens` tokens went through the cache (the eviction rule of `attend`)."""
-        recent = tokens - min(self.sinks, tokens)
-        return max(0, (recent - self.window) // self.block) if tokens > self.sinks else 0
+        """History blocks after `tokens` tokens went through the cache (TierPolicy, the eviction rule of `attend`)."""
+        return self.policy.blocks_at(tokens)
 
     def bits_at(self, tokens: int) -> float:
         """Effective bits projected to `tokens`, by the stored-byte formula of `stored_bytes`."""
         nb = self.blocks_at(tokens)
-        n = nb * self._block_bytes() + (tokens - nb * self.block) * self._fp16_token_bytes() + self._static_bytes()
+        n = nb * self._block_bytes() + self.policy.fp16_tokens(tokens) * self._fp16_token_bytes() + self._static_bytes()
         return 8.0 * n / self._elements(tokens)
 
 
 def build_codecs(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs) -> list:
-    """Per-layer codecs from a packed checkpoint's `kv` manifest section and `kv.*` tensors.
+    """Per-layer block codecs from a packed checkpoint's `kv` section and `kv.*` tensors, by the codec's
+    registered `layer_codecs` hook (moec/registry.py).
 
-    Raises FormatError when the calibration does not match the model's layer/head shapes."""
+    Raises FormatError when the calibration does not match the model's layer/head shapes, or when the
+    codec has no tiered block codec."""
     from ..errors import FormatError
-    from .kvquant import KIVICodec, NUQCenteredCodec, NUQOutlierCodec
+    from ..registry import kv_codec
 
-    L, K, d, bits = args.n_layers, args.n_kv_heads, args.head_dim, section["bits"]
+    L, K, d = args.n_layers, args.n_kv_heads, args.head_dim
     if (section.get("n_layers"), section.get("n_kv_heads"), section.get("head_dim")) != (L, K, d):
         raise FormatError(f"KV calibration is for {section.get('n_layers')} layers × {section.get('n_kv_heads')} "
                           f"KV heads × head_dim {section.get('head_dim')}, the model has {L} × {K} × {d}")
-    if section["codec"] == "kivi":
-        return [KIVICodec(bits, d, section["group_size"]) for _ in range(L)]
-    if section["codec"] != "nuq-outlier":
-        raise FormatError(f"KV codec {section['codec']!r} is not one this runtime executes (kivi, nuq-outlier)")
-    codecs = []
-    want = {"k_scale": (K, d), "k_levels": (2**bits,), "v_levels": (2**bits,)}
-    if section.get("k_center", False):  # the NUQCenteredCodec options (older checkpoints have neither)
-        want["k_center"] = (K, d)
-    if section.get("outlier_select", "magnitude") == "weighted-error":
-        want["k_weight"] = (K, d)
-    for i in range(L):
-        parts = {}
-        for part, shape in want.items():
-            t = tensors.get(f"kv.layers.{i}.{part}")
-            if t is None:
-                raise FormatError(f"KV calibration tensor kv.layers.{i}.{part} is missing")
-            if tuple(t.shape) != shape:
-                raise FormatError(f"KV calibration tensor kv.layers.{i}.{part} has shape {list(t.shape)}, "
-                                  f"the model needs {list(shape)} ({L} layers, {K} KV heads, head_dim {d})")
-            parts[part] = t
-        if len(want) > 3:
-            codecs.append(NUQCenteredCodec(bits, d, section["block"], parts["k_levels"], parts["v_levels"],
-                                           parts["k_scale"], section["outlier_frac"], parts.get("k_center"),
-                                           parts.get("k_weight")))
-            continue
-        codecs.append(NUQOutlierCodec(bits, d, section["block"], parts["k_levels"], parts["v_levels"],
-                                      parts["k_scale"], section["outlier_frac"]))
-    extra = [n for n in tensors if not n.startswith("kv.layers.") or int(n.split(".")[2]) >= L]
-    if extra:
-        raise FormatError(f"KV calibration tensor {extra[0]} does not belong to a {L}-layer model")
-    return codecs
+    spec = kv_codec(section["codec"])
+    if not spec.tiered:
+        raise FormatError(f"KV codec {section['codec']!r} has no tiered block codec")
+    return spec.hook("layer_codecs")(section, tensors, args)
+
+
+def rope_pre(section: dict) -> bool:
+    """Whether the codec encodes keys before RoPE (its registered `rope_pre` hook; False without one)."""
+    from ..registry import kv_codec
+
+    spec = kv_codec(section["codec"])
+    return bool(spec.rope_pre is not None and spec.hook("rope_pre")(section))
 
 
 def tiered_cache_factory(section: dict, codecs: list, simulated: bool = False, use_kernel: bool | None = None):
@@ -257,7 +374,7 @@ def tiered_cache_factory(section: dict, codecs: list, simulated: bool = False, u
     (or, `simulated`, the one-forward-per-window SimulatedTieredCache of moec/runtime/kvsim.py);
     use_kernel=False keeps the dequantize-then-attend torch path on CUDA (the oracle of GPU checks)."""
 
-    rope_pre = section["codec"] == "nuq-outlier" and section["rope"] == "pre"
+    pre = rope_pre(section)
 
     def make(model, batch: int, max_len: int):
         dev = model.tok_embeddings.weight.device
@@ -265,8 +382,8 @@ def tiered_cache_factory(section: dict, codecs: list, simulated: bool = False, u
             from .kvsim import SimulatedTieredCache
 
             return SimulatedTieredCache(model.args, batch, max_len, codecs, section["window"], section["sinks"],
-                                        section["block"], rope_pre)
+                                        section["block"], pre)
         return TieredKVCache(model.args, batch, max_len, codecs, window=section["window"], sinks=section["sinks"],
-                             block=section["block"], rope_pre=rope_pre, device=dev, use_kernel=use_kernel)
+                             block=section["block"], rope_pre=pre, device=dev, use_kernel=use_kernel)
 
     return make

@@ -21,9 +21,9 @@ import statistics
 
 import torch
 
-from ..formats import bitpack
+from ..registry import weight_codec
 from .config import ModelArgs
-from .experts import FP3_GRID, LUT_CODECS, QuantMatrix, attach, placeholders
+from .experts import QuantMatrix, attach, placeholders
 from .model import Transformer, build_model
 
 EXPERT_PARAM = ("w1", "w2", "w3")
@@ -33,28 +33,11 @@ EXPERT_PARAM = ("w1", "w2", "w3")
 
 def random_stored(codec: str, bits: int, shape: tuple[int, int, int], group_size: int, device,
                   gen: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """Random stored parts of `codec` for a stacked matrix [E, O, I] (formats/codecs.py layouts)."""
-    E, O, I = shape
-    if codec == "fp8":
-        w = (torch.randn(E, O, I, device=device, generator=gen, dtype=torch.bfloat16) * 0.5)
-        return {"fp8": w.to(torch.float8_e4m3fn), "scale": torch.full((E, O), 0.02 / 0.5, device=device)}
-    assert codec in LUT_CODECS, codec
-    G = I // group_size if group_size else 1
-    rb = bitpack.packed_row_bytes(I, bits)
-    codes = torch.randint(0, 256, (E, O, rb), dtype=torch.uint8, device=device, generator=gen)
-    if bits == 3 and I % 8:  # keep padding bits zero, as bitpack writes them
-        codes[..., -1] &= 0x3F
-    K = 1 << bits
-    if codec == "hls":  # sorted int8 entries spanning [-127, 127], scale ~ 0.03 / 127
-        cb = torch.linspace(-127, 127, K, device=device).round().to(torch.int8).expand(E, O, G, K).contiguous()
-        return {"codes": codes, "codebook": cb, "cb_scale": torch.full((E, O, G), 0.03 / 127, device=device,
-                                                                       dtype=torch.float16)}
-    if codec == "rtn":
-        step = 0.06 / (K - 1)
-        return {"codes": codes, "scale": torch.full((E, O, G), step, device=device, dtype=torch.float16),
-                "zero": torch.full((E, O, G), -0.03, device=device, dtype=torch.float16)}
-    return {"codes": codes, "scale": torch.full((E, O, G), 0.03 / float(FP3_GRID.abs().max()), device=device,
-                                                dtype=torch.float16)}
+    """Random stored parts of `codec` for a stacked matrix [E, O, I] (its registered `random_stored` hook)."""
+    spec = weight_codec(codec)
+    if spec.random_stored is None:
+        raise ValueError(f"weight codec {codec!r} has no random stand-in")
+    return spec.hook("random_stored")(bits, shape, group_size, device, gen)
 
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -90,66 +73,19 @@ def random_model(args: ModelArgs, rule_for, device, dtype=torch.bfloat16, seed: 
 
 
 def random_kv_tensors(args: ModelArgs, kv: dict, device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
-    """Stand-in calibration for a random model's KV cache, for the codec of the `kv` manifest section (the
-    tensors `moec pack` would copy from a calibration; speed and kernel-vs-reference checks do not depend
-    on fitted values, only on every field being there so the runtime takes a calibrated cache's path):
-      kivi           none;
-      nuq-outlier    the seed's fixed levels; key scales, key centers (`k_center`) and query weights
-                     (`outlier_select: weighted-error`) drawn around 1, 0 and 1 (not constant: with
-                     constant weights the errors of equal fp16 inputs tie, and the kernel's and torch's
-                     outlier choices part on ties);
-      latent-*       per group, an orthonormal random basis [D, r], zero mean, latent scale 3 (the codes
-                     of unit-variance inputs then span the grid);
-      rvq-tiered     random codebooks [heads, d / sub_dim, C, sub_dim], each stage finer than the last."""
-    codec = kv["codec"]
-    if codec == "kivi":
+    """Stand-in calibration for a random model's KV cache: the tensors `moec pack` would copy from a
+    calibration, drawn by the codec's registered `random_tensors` hook (none: the codec needs none, as
+    kivi). Speed and kernel-vs-reference checks do not depend on fitted values, only on every field
+    being there so the runtime takes a calibrated cache's path."""
+    from ..registry import kv_codec
+
+    spec = kv_codec(kv["codec"])
+    if spec.random_tensors is None:
+        if spec.tensor_names is not None:
+            raise ValueError(f"no random stand-in for KV codec {kv['codec']!r}")
         return {}
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    if codec == "nuq-outlier":
-        return _random_nuq(args, kv, gen, device)
-    if codec in ("latent-head", "latent-layer"):
-        out = {}
-        G = kv["group_layers"]
-        for g in range(kv["n_groups"]):
-            D = min(G, args.n_layers - g * G) * args.n_kv_heads * args.head_dim
-            for kind in "kv":
-                r = kv.get(f"rank_{kind}") or D // 32 * 8  # a recipe that sizes ranks by energy: D / 4
-                basis = torch.linalg.qr(torch.randn(D, min(r, D), generator=gen)).Q
-                out[f"kv.groups.{g}.{kind}_basis"] = basis.to(device)
-                out[f"kv.groups.{g}.{kind}_mean"] = torch.zeros(D, device=device)
-                out[f"kv.groups.{g}.{kind}_scale"] = torch.full((basis.shape[1],), 3.0, device=device)
-        return out
-    if codec == "rvq-tiered":
-        from .kvrvq import tensor_names
-
-        rvq = kv["rvq"]
-        heads = 1 if rvq["shared_heads"] else args.n_kv_heads
-        dims = {"mid": (rvq["mid_sizes"], rvq["mid_dim"]), "arch": (rvq["arch_sizes"], rvq["arch_dim"])}
-        out = {}
-        for name in tensor_names(rvq, args.n_layers):
-            tier, stage = name.split(".")[-2], int(name.split(".")[-1])
-            sizes, sub = dims[tier]
-            cb = torch.randn(heads, args.head_dim // sub, sizes[stage], sub, generator=gen) * 0.5**stage
-            out[name] = cb.to(device)
-        return out
-    raise ValueError(f"no random stand-in for KV codec {codec!r}")
-
-
-def _random_nuq(args: ModelArgs, kv: dict, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
-    from .kvquant import FIXED_LEVELS
-
-    lev = torch.tensor(FIXED_LEVELS[kv["bits"]])
-    shape = (args.n_kv_heads, args.head_dim)
-    out = {}
-    for i in range(args.n_layers):
-        out[f"kv.layers.{i}.k_scale"] = torch.rand(shape, generator=gen) + 0.5
-        out[f"kv.layers.{i}.k_levels"] = lev.clone()
-        out[f"kv.layers.{i}.v_levels"] = lev.clone()
-        if kv.get("k_center", False):
-            out[f"kv.layers.{i}.k_center"] = torch.randn(shape, generator=gen) * 0.1
-        if kv.get("outlier_select", "magnitude") == "weighted-error":
-            out[f"kv.layers.{i}.k_weight"] = torch.rand(shape, generator=gen) + 0.5
-    return {n: t.to(device) for n, t in out.items()}
+    return spec.hook("random_tensors")(args, kv, gen, device)
 
 
 # -- bytes and the floor ----------------------------------------------------------------------------------

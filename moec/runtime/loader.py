@@ -8,7 +8,7 @@ import torch
 
 from ..errors import FormatError
 from ..formats import checkpoint
-from ..formats.codecs import WEIGHT_PATTERN, WeightCodec
+from ..formats.codecs import KEEP, WEIGHT_PATTERN
 from .config import ModelArgs
 from .experts import attach, is_quant_attention, is_quant_expert, placeholders, pop_quant_experts
 from .hf_layout import HFCheckpoint
@@ -31,7 +31,7 @@ def load_state(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], di
         manifest = checkpoint.verify(path)
         args = ModelArgs.from_dict(manifest["model_args"])
         for name, e in manifest["tensors"].items():
-            if e["codec"] != WeightCodec.KEEP.value and not name.startswith("kv.") and not is_quant_expert(name, e) \
+            if e["codec"] != KEEP and not name.startswith("kv.") and not is_quant_expert(name, e) \
                     and not is_quant_attention(name, e):
                 raise FormatError(f"{path}: tensor {name!r} uses codec {e['codec']!r}, which this runtime "
                                   f"version cannot execute")
@@ -54,26 +54,30 @@ def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32,
     return model, info
 
 
-def kv_cache_factory(info: dict, args: ModelArgs):
-    """The cache factory `evaluate` takes, for the KV codec a packed checkpoint records (fp16 otherwise).
+def kv_codec_spec(section: dict):
+    """The registered spec of a checkpoint's KV codec (FormatError: a codec this moec does not know)."""
+    from ..registry import KV_CODECS
+
+    spec = KV_CODECS.get(section["codec"])
+    if spec is None or spec.name == "fp16":
+        raise FormatError(f"KV codec {section['codec']!r} is not one this runtime executes "
+                          f"(registered: {', '.join(c for c in KV_CODECS if c != 'fp16')})")
+    return spec
+
+
+def kv_cache_factory(info: dict, args: ModelArgs, simulated: bool = False):
+    """The cache factory `evaluate` takes, for the KV codec a packed checkpoint records (None: fp16), from
+    the codec's registered spec: the tiered cache for block codecs, the codec's own cache otherwise.
 
     Checks the checkpoint's KV calibration against the model's layer/head shapes (FormatError)."""
     section = info.get("kv")
     if not section:
         return None
-    codec, tensors = section["codec"], info.get("kv_tensors", {})
-    # One module per cache family; each checks its own calibration tensors against `args`.
-    if codec in ("kivi", "nuq-outlier"):
+    spec, tensors = kv_codec_spec(section), info.get("kv_tensors", {})
+    if spec.tiered:
         from .kvtiered import build_codecs, tiered_cache_factory
 
-        return tiered_cache_factory(section, build_codecs(section, tensors, args))
-    if codec in ("latent-head", "latent-layer"):
-        from .kvlatent import latent_cache_factory
-
-        return latent_cache_factory(section, tensors, args)
-    if codec == "rvq-tiered":
-        from .kvrvq import rvq_cache_factory
-
-        return rvq_cache_factory(section, tensors, args)
-    raise FormatError(f"KV codec {codec!r} is not one this runtime executes "
-                      "(kivi, nuq-outlier, latent-head, latent-layer, rvq-tiered)")
+        return tiered_cache_factory(section, build_codecs(section, tensors, args), simulated=simulated)
+    if simulated:
+        return spec.hook("cache_factory")(section, tensors, args, simulated=True)
+    return spec.hook("cache_factory")(section, tensors, args)

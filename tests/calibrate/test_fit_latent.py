@@ -14,7 +14,8 @@ from moec.calibrate.fit_latent import (
     pca,
     rank_for_energy,
 )
-from moec.calibrate.recipe import KVConfig, LatentConfig, load_recipe, parse_recipe
+from moec.calibrate.kvconfig import LatentConfig, LatentKVConfig
+from moec.calibrate.recipe import load_recipe, parse_recipe
 from moec.errors import UserError
 from moec.runtime.config import ModelArgs
 from moec.runtime.kvlatent import dequantize_latent, quantize_latent
@@ -66,7 +67,8 @@ def test_sampler_groups_and_tensors():
             for name in ("k", "v", "q"):
                 sampler(i, name, torch.randn(2, 2, 100, 16, generator=g))
     assert sampler.get(0, "k").shape == (300, 2, 16) and (2, "q") not in sampler.samples
-    kv = KVConfig(codec="latent-layer", bits=4, rope="post", latent=LatentConfig(rank_k=16, rank_v=64, group_layers=2))
+    kv = LatentKVConfig(codec="latent-layer", bits=4, rope="post",
+                        latent=LatentConfig(rank_k=16, rank_v=64, group_layers=2))
     tensors, rep = fit_latent_tensors(ARGS, kv, sampler)
     assert layer_groups(3, 2) == [[0, 1], [2]]
     assert tensors["kv.groups.0.k_basis"].shape == (64, 16) and tensors["kv.groups.1.v_basis"].shape == (32, 32)
@@ -75,14 +77,14 @@ def test_sampler_groups_and_tensors():
 
 def test_model_shape_errors():
     def kv(**lat):
-        return KVConfig(codec="latent-layer", bits=4, latent=LatentConfig(**lat))
+        return LatentKVConfig(codec="latent-layer", bits=4, latent=LatentConfig(**lat))
 
     with pytest.raises(UserError, match="kv.latent.group_layers 4 is larger than the model's 3 layers"):
         check_latent_recipe(ARGS, kv(group_layers=4))
     with pytest.raises(UserError, match="kv.latent.rank_k 72 exceeds the 64 dims"):
         check_latent_recipe(ARGS, kv(group_layers=2, rank_k=72))
     with pytest.raises(UserError, match="kv.latent.rank_v 40 exceeds the 32 dims"):
-        check_latent_recipe(ARGS, KVConfig(codec="latent-head", bits=4, latent=LatentConfig(rank_v=40)))
+        check_latent_recipe(ARGS, LatentKVConfig(codec="latent-head", bits=4, latent=LatentConfig(rank_v=40)))
     with pytest.raises(UserError, match="kv.latent.group_layers: cross-layer sharing needs one KV shape"):
         concat_group([torch.zeros(5, 2, 16), torch.zeros(5, 4, 16)], "k")
 
@@ -95,7 +97,7 @@ def test_model_shape_errors():
     ({"codec": "latent-layer", "bits": 5}, "kv.bits: codec 'latent-layer' supports bits"),
     ({"codec": "latent-head", "bits": 4, "latent": {"outlier_frac": 0.5}}, "kv.latent.outlier_frac"),
     ({"codec": "latent-head", "bits": 4, "latent": {"energy": 0}}, "kv.latent.energy"),
-    ({"codec": "kivi", "bits": 2, "latent": {"rank_k": 8}}, "kv.latent: only the latent-head"),
+    ({"codec": "kivi", "bits": 2, "latent": {"rank_k": 8}}, "unknown key 'latent' for codec 'kivi'"),
     ({"codec": "latent-head", "bits": 4, "latent": {"rank": 8}}, "unknown key 'rank'"),
 ])
 def test_recipe_errors_name_the_field(kv, match):

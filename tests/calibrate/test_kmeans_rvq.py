@@ -8,8 +8,9 @@ from moec.calibrate.fit_rvq import fit_rvq, tier_errors
 from moec.calibrate.kmeans import assign, kmeans
 from moec.calibrate.recipe import parse_recipe
 from moec.errors import UserError
+from moec.formats.bitpack import pack_bits, unpack_bits
 from moec.runtime.config import ModelArgs
-from moec.runtime.kvrvq import RVQLayerCodec, RVQTier, RVQTieredCache, pack_bits, unpack_bits
+from moec.runtime.kvrvq import RVQLayerCodec, RVQTier, RVQTieredCache
 
 
 def _blobs(G=3, N=600, v=4, k=8, seed=0):
@@ -144,5 +145,5 @@ def test_recipe_dims_must_divide_head_dim():
     kv = parse_recipe({"kv": {"codec": "rvq-tiered", "bits": 2, "rvq": {"arch_dim": 3}}}).kv
     with pytest.raises(UserError, match="kv.rvq.arch_dim 3 does not divide the model's head_dim 64"):
         check_rvq_recipe(type("A", (), {"head_dim": 64})(), kv)
-    with pytest.raises(UserError, match="kv.rvq: only the rvq-tiered codec"):
+    with pytest.raises(UserError, match="unknown key .rvq. for codec .kivi."):
         parse_recipe({"kv": {"codec": "kivi", "bits": 2, "rvq": {}}})

@@ -47,7 +47,7 @@ def test_unsupported_architecture(tmp_path):
 @pytest.mark.parametrize("body,needle", [
     ("kv:\n  codec: fp16\n  windw: 64\n", "unknown key 'windw'"),
     ("weights:\n  - targets: [experts]\n    bits: two\n", "expected int, got str 'two'"),
-    ("kv:\n  codec: zip\n", "'zip' is not one of"),
+    ("kv:\n  codec: zip\n", "kv codec 'zip' is not registered"),
     ("calibration: [1, 2]\n", "expected a mapping"),
 ])
 def test_bad_recipe(tiny_moe_dir, tmp_path, body, needle):
@@ -123,9 +123,9 @@ def test_missing_manifest(packed, tmp_path):
 def test_newer_format_version(packed, tmp_path):
     ck, _ = _copy(packed, tmp_path)
     m = json.loads((ck / "moec.json").read_text())
-    m["format_version"] = 2
+    m["format_version"] = 3
     (ck / "moec.json").write_text(json.dumps(m))
-    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--window", "64"), "format_version 2",
+    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--window", "64"), "format_version 3",
                          "newer than this moec reads")
 
 

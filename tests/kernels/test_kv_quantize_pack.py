@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from moec.kernels.kv_quantize_pack import kv_quantize_pack, kv_quantize_pack_ref  # noqa: E402
+from moec.kernels.kv_quantize_pack import kv_quantize_pack  # noqa: E402
 from moec.runtime.config import ModelArgs  # noqa: E402
 from moec.runtime.kvquant import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec  # noqa: E402
 from moec.runtime.kvtiered import TieredKVCache  # noqa: E402
@@ -52,8 +52,8 @@ def test_matches_codec(B, K, d, block, bits, frac, dtype, centered):
     x[..., 5] *= 8  # an outlier channel
     x = x.to(dtype).to(DEVICE)
     for kind in "kv":
-        ref = kv_quantize_pack_ref(x, kind, codec)
-        out = kv_quantize_pack(x, kind, codec)
+        ref = codec.encode(x.float(), kind)  # the reference: the codec's own torch encode, in fp32
+        out = kv_quantize_pack(x, kind, codec.kernel_view(x.device))
         assert set(out) == set(ref), (sorted(out), sorted(ref))
         for name in ref:
             assert out[name].dtype == ref[name].dtype and out[name].shape == ref[name].shape, name
@@ -67,7 +67,7 @@ def test_ties_give_a_valid_top_k():
     x = torch.sign(torch.randn(1, 2, 32, 64, generator=gen)) * 0.5
     x.view(1, 2, -1)[:, :, ::97] = 3.0  # 22 clear outliers, then ties at 0.5 for the remaining 19
     x = x.half().to(DEVICE)
-    out = kv_quantize_pack(x, "v", codec)
+    out = kv_quantize_pack(x, "v", codec.kernel_view(x.device))
     idx = out["out_idx"].long().view(1, 2, -1)
     mag = x.float().abs().view(1, 2, -1)
     assert (idx[..., 1:] > idx[..., :-1]).all()  # ascending, no repeats

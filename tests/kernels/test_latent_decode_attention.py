@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from moec.formats.bitpack import pack_planar  # noqa: E402
 from moec.kernels.latent_decode_attention import latent_decode_attention, latent_decode_attention_ref  # noqa: E402
-from moec.runtime.kvlatent import pack_planar  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

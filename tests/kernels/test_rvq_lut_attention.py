@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from moec.formats.bitpack import pack_bits
 from moec.kernels.rvq_lut_attention import CodeSegment, rvq_lut_attention, rvq_lut_attention_ref
 from moec.runtime.kvrvq import RVQTier
 
@@ -25,8 +26,6 @@ def _segment(B, K, S, d, dim, sizes, lengths, starts, shared, gen):
     tier = RVQTier(cbk)
     codes = [torch.stack([torch.randint(0, c, (B, K, S, d // dim), generator=gen) for _ in range(1)])[0]
              for c in sizes]
-    from moec.runtime.kvrvq import pack_bits
-
     ck = pack_bits(torch.cat(codes, -1), tier.widths)
     codes = [torch.randint(0, c, (B, K, S, d // dim), generator=gen) for c in sizes]
     cv = pack_bits(torch.cat(codes, -1), tier.widths)

@@ -110,8 +110,8 @@ def test_fit_helpers():
 
 
 @pytest.mark.parametrize("kv,field", [
-    ({"codec": "kivi", "bits": 2, "k_center": True}, "kv.k_center"),
-    ({"codec": "fp16", "outlier_select": "weighted-error"}, "kv.outlier_select"),
+    ({"codec": "kivi", "bits": 2, "k_center": True}, "kv: unknown key 'k_center' for codec 'kivi'"),
+    ({"codec": "fp16", "outlier_select": "weighted-error"}, "kv: unknown key 'outlier_select' for codec 'fp16'"),
     ({"codec": "nuq-outlier", "bits": 2, "outlier_select": "largest"}, "kv.outlier_select"),
     ({"codec": "nuq-outlier", "bits": 2, "k_scale_fit": "max"}, "kv.k_scale_fit"),
     ({"codec": "nuq-outlier", "bits": 2, "k_center": "yes"}, "kv.k_center"),

@@ -4,17 +4,10 @@ import pytest
 import torch
 
 from moec.errors import FormatError
+from moec.formats.bitpack import pack_planar, pack_trits, unpack_planar, unpack_trits
 from moec.runtime.config import ModelArgs
 from moec.runtime.kvcache import DenseKVCache
-from moec.runtime.kvlatent import (
-    LatentCodec,
-    LatentKVCache,
-    build_latent_codecs,
-    pack_planar,
-    pack_trits,
-    unpack_planar,
-    unpack_trits,
-)
+from moec.runtime.kvlatent import LatentCodec, LatentKVCache, build_latent_codecs
 
 ARGS = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
                  max_seq_len=512)
@@ -41,7 +34,7 @@ def test_planar_round_trip(bits):
     codes = torch.randint(0, 2**bits, (3, 5, 24))
     packed = pack_planar(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == 24 * bits // 8
-    assert torch.equal(unpack_planar(packed, bits), codes)
+    assert torch.equal(unpack_planar(packed, bits, 24), codes)
     assert pack_planar(torch.tensor([1, 2, 3, 0]), 2).tolist() == [1 | 2 << 2 | 3 << 4]  # channel c: bit 2c
 
 
@@ -152,8 +145,9 @@ def test_bits_accounting():
 
 
 def test_checkpoint_shape_errors():
-    section = {"codec": "latent-layer", "bits": 4, "n_layers": 3, "n_kv_heads": 2, "head_dim": 16, "group_layers": 2,
-               "n_groups": 2, "block": 8, "outlier_frac": 0.0, "window": 8, "sinks": 0, "rope": "post"}
+    section = {"codec": "latent-layer", "bits": 4, "n_layers": 3, "n_kv_heads": 2, "head_dim": 16,
+               "latent": {"group_layers": 2, "outlier_frac": 0.0}, "n_groups": 2, "block": 8, "window": 8, "sinks": 0,
+               "rope": "post"}
     tensors = {}
     for g, D in ((0, 64), (1, 32)):
         for kind in "kv":
@@ -168,4 +162,4 @@ def test_checkpoint_shape_errors():
     with pytest.raises(FormatError, match="KV calibration is for"):
         build_latent_codecs(dict(section, head_dim=32), tensors, ARGS)
     with pytest.raises(FormatError, match="group_layers"):
-        build_latent_codecs(dict(section, group_layers=1), tensors, ARGS)
+        build_latent_codecs(dict(section, latent={"group_layers": 1, "outlier_frac": 0.0}), tensors, ARGS)

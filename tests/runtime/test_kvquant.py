@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
+from moec.formats.bitpack import pack_planar, unpack_planar
 from moec.runtime.config import ModelArgs
 from moec.runtime.kvcache import DenseKVCache, causal_attention
-from moec.runtime.kvquant import FIXED_LEVELS, KIVICodec, NUQOutlierCodec, pack_codes, unpack_codes
+from moec.runtime.kvquant import FIXED_LEVELS, KIVICodec, NUQOutlierCodec
 from moec.runtime.kvtiered import TieredKVCache
 
 ARGS = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
@@ -17,21 +18,21 @@ ARGS = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=2, n_heads=4, n_kv
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_pack_round_trip(bits):
     codes = torch.randint(0, 2**bits, (3, 5, 7, 64))
-    packed = pack_codes(codes, bits)
+    packed = pack_planar(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == 64 * bits // 8
-    assert torch.equal(unpack_codes(packed, bits, 64), codes)
+    assert torch.equal(unpack_planar(packed, bits, 64), codes)
 
 
 def test_pack_layout():
     # planar: byte i holds channels i, i + n/4, i + n/2, i + 3n/4 (2-bit) / i, i + n/2 (4-bit)
-    assert pack_codes(torch.tensor([1, 2, 3, 0]), 2).tolist() == [1 | 2 << 2 | 3 << 4]
-    two = pack_codes(torch.tensor([1, 0, 2, 3, 3, 1, 0, 2]), 2).tolist()
+    assert pack_planar(torch.tensor([1, 2, 3, 0]), 2).tolist() == [1 | 2 << 2 | 3 << 4]
+    two = pack_planar(torch.tensor([1, 0, 2, 3, 3, 1, 0, 2]), 2).tolist()
     assert two == [1 | 2 << 2 | 3 << 4, 3 << 2 | 1 << 4 | 2 << 6]
-    assert pack_codes(torch.tensor([5, 9, 15, 2]), 4).tolist() == [5 | 15 << 4, 9 | 2 << 4]
+    assert pack_planar(torch.tensor([5, 9, 15, 2]), 4).tolist() == [5 | 15 << 4, 9 | 2 << 4]
     # 3-bit: 2-bit layout of code & 3, then a bit plane of the high bit, byte n/4 + i <- channels i + m·n/8
     codes = torch.arange(16) % 8  # high bit set on channels 4..7 and 12..15
-    low = pack_codes(codes & 3, 2).tolist()
-    assert pack_codes(codes, 3).tolist() == low + [0b11001100, 0b11001100]  # byte i: channels i + 2m
+    low = pack_planar(codes & 3, 2).tolist()
+    assert pack_planar(codes, 3).tolist() == low + [0b11001100, 0b11001100]  # byte i: channels i + 2m
 
 
 @pytest.mark.parametrize("bits", [2, 4])

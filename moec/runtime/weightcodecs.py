@@ -1,0 +1,98 @@
+"""Runtime halves of the built-in weight codecs (registered in moec/registry.py): the lookup table a
+LUT codec reconstructs from its stored parts, the fp32 reference dequantization, and the random
+stand-in parts of `moec pack --random` / random latency models. Stored layouts: formats/codecs.py.
+
+LUT codecs (hls, rtn, fp3): w[e, o, i] = lut[e, o, i // g, idx[e, o, i]], lut [E, O, G, K] fp32, idx the
+codes packed per row (formats/bitpack.py). fp8: e4m3 weights times fp32 row scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import bitpack
+
+FP3_GRID = torch.tensor([-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0])
+
+
+def lut_hls(bits: int, stored: dict) -> torch.Tensor:
+    return stored["codebook"].float() * stored["cb_scale"].float()[..., None]
+
+
+def lut_rtn(bits: int, stored: dict) -> torch.Tensor:
+    k = torch.arange(1 << bits, dtype=torch.float32, device=stored["scale"].device)
+    return stored["zero"].float()[..., None] + stored["scale"].float()[..., None] * k
+
+
+def lut_fp3(bits: int, stored: dict) -> torch.Tensor:
+    return stored["scale"].float()[..., None] * FP3_GRID.to(stored["scale"].device)
+
+
+def dequantize_lut(lut: torch.Tensor, bits: int, shape: tuple[int, int, int], codes: torch.Tensor) -> torch.Tensor:
+    """W_hat [E, O, I] fp32 from a LUT [E, O, G, K] and the packed codes."""
+    E, O, I = shape
+    G = lut.shape[2]
+    idx = bitpack.unpack(codes, bits, I).view(E, O, G, I // G)
+    return lut.gather(-1, idx).reshape(E, O, I)
+
+
+def dequantize_lut_hls(bits, shape, stored):
+    return dequantize_lut(lut_hls(bits, stored), bits, shape, stored["codes"])
+
+
+def dequantize_lut_rtn(bits, shape, stored):
+    return dequantize_lut(lut_rtn(bits, stored), bits, shape, stored["codes"])
+
+
+def dequantize_lut_fp3(bits, shape, stored):
+    return dequantize_lut(lut_fp3(bits, stored), bits, shape, stored["codes"])
+
+
+def dequantize_fp8(bits, shape, stored):
+    return stored["fp8"].float() * stored["scale"].float()[..., None]
+
+
+# -- random stand-ins (speed runs: the values do not matter, the layout does) ------------------------------
+
+def _random_codes(bits: int, shape, device, gen) -> torch.Tensor:
+    E, O, I = shape
+    codes = torch.randint(0, 256, (E, O, bitpack.packed_row_bytes(I, bits)), dtype=torch.uint8, device=device,
+                          generator=gen)
+    if bits == 3 and I % 8:  # keep padding bits zero, as bitpack writes them
+        codes[..., -1] &= 0x3F
+    return codes
+
+
+def _groups(shape, group_size: int) -> int:
+    return shape[2] // group_size if group_size else 1
+
+
+def random_hls(bits, shape, group_size, device, gen=None):
+    """Sorted int8 entries spanning [-127, 127], scale ~ 0.03 / 127."""
+    E, O, _ = shape
+    G, K = _groups(shape, group_size), 1 << bits
+    codes = _random_codes(bits, shape, device, gen)
+    cb = torch.linspace(-127, 127, K, device=device).round().to(torch.int8).expand(E, O, G, K).contiguous()
+    return {"codes": codes, "codebook": cb,
+            "cb_scale": torch.full((E, O, G), 0.03 / 127, device=device, dtype=torch.float16)}
+
+
+def random_rtn(bits, shape, group_size, device, gen=None):
+    E, O, _ = shape
+    G, K = _groups(shape, group_size), 1 << bits
+    codes = _random_codes(bits, shape, device, gen)
+    return {"codes": codes, "scale": torch.full((E, O, G), 0.06 / (K - 1), device=device, dtype=torch.float16),
+            "zero": torch.full((E, O, G), -0.03, device=device, dtype=torch.float16)}
+
+
+def random_fp3(bits, shape, group_size, device, gen=None):
+    E, O, _ = shape
+    codes = _random_codes(bits, shape, device, gen)
+    return {"codes": codes, "scale": torch.full((E, O, _groups(shape, group_size)), 0.03 / float(FP3_GRID.abs().max()),
+                                                device=device, dtype=torch.float16)}
+
+
+def random_fp8(bits, shape, group_size, device, gen=None):
+    E, O, I = shape
+    w = torch.randn(E, O, I, device=device, generator=gen, dtype=torch.bfloat16) * 0.5
+    return {"fp8": w.to(torch.float8_e4m3fn), "scale": torch.full((E, O), 0.02 / 0.5, device=device)}

@@ -1,0 +1,23 @@
+"""Behaviour references (benchmarks/behaviour_ref.py): one recipe per registered codec, re-run through the
+CLI on demo-moe, must pack the same bytes (sha256 per tensor) and reach the same perplexities (1e-6
+relative) as recorded before the codec-registry restructure. `python3 benchmarks/behaviour_ref.py check`
+runs every kv-*/experts-* recipe; this runs one per codec."""
+
+import json
+
+import pytest
+
+from benchmarks.behaviour_ref import REFS, ROOT, compare, run_one
+
+ONE_PER_CODEC = ["kv-kivi2", "kv-nuq2-outlier", "kv-latent-head", "kv-latent-layer-g2", "kv-rvq-tiered",
+                 "experts-hls2", "experts-rtn3", "experts-fp3", "experts-fp8"]
+
+
+@pytest.mark.parametrize("name", ONE_PER_CODEC)
+def test_recipe_behaviour_unchanged(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the references were recorded single-threaded
+    ref = json.loads(REFS.read_text())["recipes"][name]
+    got = run_one(ROOT / "recipes" / f"{name}.yaml", tmp_path)
+    assert got["applies"] and ref["applies"], got
+    diffs = compare(name, ref, got)
+    assert not diffs, "\n".join(diffs)
