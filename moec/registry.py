@@ -30,6 +30,9 @@ KV codec hooks (`args` is the model's runtime.config.ModelArgs, `cfg` the codec'
                        mode serve every such codec; FormatError on a mismatch with the model
     cache_factory(section, tensors, args, simulated=False) -> make(model, batch, max_len)
                        for codecs with their own cache (latent, rvq); tiered codecs leave it None
+    static_cache(section, tensors, args) -> make(model, batch, max_len)   the same codec in the static
+                       CUDA-graph engine (runtime/decode.py) where it needs its own class (latent, rvq);
+                       tiered codecs leave it None (decode.StaticTieredCache holds every block codec)
     random_tensors(args, section, gen, device) -> {name: tensor}   stand-in calibration
     rope_pre(section) -> bool   keys encoded before RoPE (the tiered caches rotate around the codec)
 
@@ -76,6 +79,7 @@ class KVCodecSpec:
     tensor_names: Hook = None
     layer_codecs: Hook = None
     cache_factory: Hook = None
+    static_cache: Hook = None
     random_tensors: Hook = None
     rope_pre: Hook = None
     description: str = ""
@@ -161,13 +165,15 @@ for _name in ("latent-head", "latent-layer"):
         fit="moec.calibrate.fit_latent:fit_latent_tensors", section="moec.runtime.kvlatent:latent_section",
         tensor_names="moec.runtime.kvlatent:latent_tensor_names",
         cache_factory="moec.runtime.kvlatent:latent_cache_factory",
+        static_cache="moec.runtime.kvlatent:latent_static_factory",
         random_tensors="moec.runtime.kvlatent:random_latent_tensors",
         description="seeds 000/001: cross-head / cross-layer PCA latents"))
 register_kv(KVCodecSpec(
     "rvq-tiered", config=f"{_CFG}:RVQKVConfig", bits=(1, 2, 3, 4),
     check="moec.calibrate.fit_rvq:check_rvq_recipe", sampler="moec.calibrate.fit_rvq:rvq_sampler",
     fit="moec.calibrate.fit_rvq:fit_rvq_tensors", tensor_names="moec.runtime.kvrvq:rvq_tensor_names",
-    cache_factory="moec.runtime.kvrvq:rvq_cache_factory", random_tensors="moec.runtime.kvrvq:random_rvq_tensors",
+    cache_factory="moec.runtime.kvrvq:rvq_cache_factory", static_cache="moec.runtime.kvrvq:rvq_static_factory",
+    random_tensors="moec.runtime.kvrvq:random_rvq_tensors",
     description="seed 002: tiered residual VQ"))
 
 _W = "moec.runtime.weightcodecs"

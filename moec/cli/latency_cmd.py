@@ -32,20 +32,10 @@ class _Keep:
     codec = "keep"
 
 
-def _require_static(kv: dict) -> None:
-    from ..runtime.loader import kv_codec_spec
-
-    if not kv_codec_spec(kv).tiered:
-        from ..registry import KV_CODECS
-
-        held = ", ".join(n for n, s in KV_CODECS.items() if s.tiered)
-        raise UserError(f"--latency: the static engine runs the tiered block codecs ({held}), not {kv['codec']!r}")
-
-
 def build_config(model: str | None, random: str | None, recipe: Path | None, device: str, bf16_peer: bool = False):
-    """(model, kv section, codecs, description) for a packed/HF model or a random shape + recipe."""
+    """(model, kv section, static cache builder, description) for a packed/HF model or a random shape + recipe."""
     from ..runtime.config import PRESETS
-    from ..runtime.kvtiered import build_codecs
+    from ..runtime.decode import static_cache_factory
     from ..runtime.latency import random_kv_tensors, random_model
 
     if random is not None:
@@ -54,40 +44,35 @@ def build_config(model: str | None, random: str | None, recipe: Path | None, dev
         args = PRESETS[random]
         if bf16_peer or recipe is None:
             m = random_model(args, lambda n: None, device)
-            return m, None, None, {"shape": random, "method": "bf16", "recipe": "bf16-fp16kv"}
+            return m, None, static_cache_factory(None, {}, args), {"shape": random, "method": "bf16",
+                                                                  "recipe": "bf16-fp16kv"}
         from ..calibrate.pack_kv import kv_manifest
         from ..calibrate.recipe import load_recipe
 
         r = load_recipe(recipe)
         kv = kv_manifest(r, args)
-        codecs = None
-        if kv is not None:
-            _require_static(kv)
-            codecs = build_codecs(kv, random_kv_tensors(args, kv), args)
+        caches = static_cache_factory(kv, random_kv_tensors(args, kv) if kv else {}, args)
         m = random_model(args, r.rule_for, device)
-        return m, kv, codecs, {"shape": random, "method": "packed-random", "recipe": r.name}
+        return m, kv, caches, {"shape": random, "method": "packed-random", "recipe": r.name}
     from ..calibrate.sources import resolve_model
     from ..runtime.loader import load_model
 
     m, info = load_model(resolve_model(model), torch.bfloat16, device)
-    kv, codecs = info.get("kv"), None
-    if kv:
-        _require_static(kv)
-        codecs = build_codecs(kv, info.get("kv_tensors", {}), m.args)
+    kv = info.get("kv")
+    caches = static_cache_factory(kv, info.get("kv_tensors", {}), m.args)
     recipe_name = info["manifest"]["recipe"]["name"] if info["kind"] == "packed" else "source"
-    return m, kv, codecs, {"shape": model, "method": info["kind"], "recipe": recipe_name}
+    return m, kv, caches, {"shape": model, "method": info["kind"], "recipe": recipe_name}
 
 
-def run_config(m, kv, codecs, desc: dict, batches: list[int], contexts: list[int], steps: int,
+def run_config(m, kv, caches, desc: dict, batches: list[int], contexts: list[int], steps: int,
                prefill_contexts: list[int], bandwidth: float, breakdown_context: int | None = None) -> list[dict]:
     """Records for one configuration; a (batch, context) that does not fit or fails is recorded as an error."""
-    from ..runtime.decode import make_cache
-    from ..runtime.latency import check_fits, kernel_breakdown, kv_bytes_per_token, measure_decode, measure_prefill
+    from ..runtime.latency import check_fits, kernel_breakdown, measure_decode, measure_prefill, static_bytes_per_token
 
     def cache_fn(b, n):
-        return make_cache(m, b, n, kv, codecs)
+        return caches(m, b, n)
 
-    per_tok = kv_bytes_per_token(m.args, kv, codecs)
+    per_tok = static_bytes_per_token(cache_fn)
     recs = []
     for b in batches:
         for ctx in contexts:
@@ -265,14 +250,14 @@ def latency(model: str | None, random: str | None, recipe: Path | None, batches:
     records = []
     configs = [False] + ([True] if bf16_peer and random is not None and recipe is not None else [])
     for peer in configs:
-        m, kv, codecs, desc = build_config(model, random, recipe, "cuda", bf16_peer=peer)
+        m, kv, caches, desc = build_config(model, random, recipe, "cuda", bf16_peer=peer)
         if model is not None:
             too_long = [c for c in cs if c + 64 > m.args.max_seq_len]
             if too_long:
                 raise UserError(f"--contexts {too_long[0]} exceeds the model's maximum of {m.args.max_seq_len} tokens")
-        records += run_config(m, kv, codecs, desc, bs, cs, steps, pcs, bw,
+        records += run_config(m, kv, caches, desc, bs, cs, steps, pcs, bw,
                               breakdown_context=32768 if breakdown and 32768 + 64 <= m.args.max_seq_len else None)
-        del m, kv, codecs  # free this configuration before the next one is built
+        del m, kv, caches  # free this configuration before the next one is built
         free()
     attach_peers(records)
     print_table(records)
@@ -298,8 +283,10 @@ def _check_memory(shape: str, recipe: Path, context: int) -> None:
     kv = kv_manifest(r, args)
     from ..runtime.loader import kv_codec_spec
 
-    codecs = build_codecs(kv, random_kv_tensors(args, kv), args) if kv and kv_codec_spec(kv).tiered else None
-    per_tok = kv_bytes_per_token(args, kv if codecs else None, codecs)
+    if kv and kv_codec_spec(kv).tiered:
+        per_tok = kv_bytes_per_token(args, kv, build_codecs(kv, random_kv_tensors(args, kv), args))
+    else:  # fp16; the latent / RVQ static caches keep a dequantized mirror beside their codes: at most 2x fp16
+        per_tok = kv_bytes_per_token(args, None, None) * (2 if kv else 1)
     weights = estimate_model_bytes(args, r.rule_for)
     free, _ = torch.cuda.mem_get_info()
     reserve = 4 << 30

@@ -19,7 +19,12 @@ Two static caches:
                     hist_len / win_len as device int32 tensors, or, without it, SDPA over a
                     dequantized mirror with a mask). Every `block` steps, outside the graph, the
                     oldest block of the window is encoded into the history (codec.encode, the same
-                    rule and rounding as TieredKVCache) and the window shifts down.
+                    rule and rounding as TieredKVCache) and the window shifts down. The tier rule
+                    and the history are kvtiered.TierPolicy / HistoryStore, shared with the dynamic
+                    cache, so every registered block codec runs here; the latent and RVQ caches
+                    extend it (kvlatent.StaticLatentCache: layer groups encoded together;
+                    kvrvq.StaticRVQCache: blocks re-encoded into the archive tier), attending over
+                    their mirror. `static_cache_factory` builds the cache of any registered codec.
 
 Prefill takes the plain causal forward (SDPA/flash), reads each layer's post-RoPE K/V through the
 model's observer hook and writes them into the static cache, encoding the blocks older than the
@@ -158,10 +163,12 @@ class StaticTieredCache:
         self.rows = torch.arange(B, device=device)
         self.pos: torch.Tensor | None = None
         self.use_kernel = kernel_path(device, self.codec, d, block) if use_kernel is None else use_kernel
-        # the history (and, on the torch path, its dequantized mirror): kvtiered.HistoryStore
-        self.store = HistoryStore(args, codecs, self.policy, self.max_blocks, batch, rope_pre, device,
-                                  mirror_dtype=None if self.use_kernel else mirror_dtype)
+        # the history (and, on the torch path, its dequantized mirror): kvtiered.HistoryStore, or a subclass's
+        self.store = self._make_store(None if self.use_kernel else mirror_dtype)
         self.hist, self.mirror = self.store.hist, self.store.mirror
+        self.groups = self._layer_groups()  # layers encoded together (one each for block codecs)
+        self.group_of = {i: g for g, layers in enumerate(self.groups) for i in layers}
+        self._pending: dict[tuple[int, int], dict] = {}  # (row, layer) -> prompt blocks awaiting their group
         if self.use_kernel:
             dev = self.device
             # the codecs' device tensors (codec.kernel_view, made once per codec), taken here, outside any capture
@@ -173,6 +180,13 @@ class StaticTieredCache:
         else:
             self.wslots = torch.arange(self.wcap, device=device)
             self.hslots = torch.arange(self.max_blocks * block, device=device)
+
+    def _make_store(self, mirror_dtype) -> HistoryStore:
+        return HistoryStore(self.args, self.codecs, self.policy, self.max_blocks, self.batch, self.rope_pre,
+                            self.device, mirror_dtype=mirror_dtype)
+
+    def _layer_groups(self) -> list[list[int]]:
+        return [[i] for i in range(self.args.n_layers)]
 
     # -- the step (graph-safe: no host reads of device values) -----------------------------------------
 
@@ -211,25 +225,33 @@ class StaticTieredCache:
 
     # -- host-side bookkeeping between steps ------------------------------------------------------------
 
-    def _encode(self, row: int, layer: int, kind: str, x: torch.Tensor, nb0: int) -> None:
-        """Encode x [n, K, block, d] (fp16 window tokens, n consecutive blocks of `row`) as history
-        blocks nb0..nb0+n-1: the blocks go through the codec as a batch (each block is encoded alone)."""
-        self.store.put(layer, kind, x, nb0, row=row)
+    def _encode_group(self, row: int, layers: list[int], xs: dict, nb0: int) -> None:
+        """Encode xs[layer][kind] [n, K, block, d] (n consecutive blocks of `row`) as history blocks nb0.. of
+        one layer group (a block codec: one layer; latent-layer: the layers sharing a basis)."""
+        for layer in layers:
+            for kind in "kv":
+                self.store.put(layer, kind, xs[layer][kind], nb0, row=row)
+
+    def _after_encode(self, row: int) -> None:
+        """Host-side work after blocks were encoded for `row` (the RVQ cache archives old blocks here)."""
 
     def _age(self, row: int) -> None:
-        """Move whole blocks of the row's oldest non-sink window tokens into the history (kvtiered's rule)."""
+        """Move whole blocks of the row's oldest non-sink window tokens into the history (TierPolicy)."""
         s, blk = self.sinks, self.block
         while self.n_blocks[row] < self.policy.blocks_at(self.length[row]):
             nb = self.n_blocks[row]
             assert nb < self.max_blocks, (nb, self.max_blocks)
             held = self.length[row] - nb * blk  # window slots in use
-            for layer in range(self.args.n_layers):
-                for kind in "kv":
-                    w = self.win[kind][layer]
-                    self._encode(row, layer, kind, w[row : row + 1, :, s : s + blk], nb)
-                    w[row, :, s : held - blk] = w[row, :, s + blk : held].clone()
+            for layers in self.groups:
+                self._encode_group(row, layers, {i: {kind: self.win[kind][i][row : row + 1, :, s : s + blk]
+                                                     for kind in "kv"} for i in layers}, nb)
+                for i in layers:
+                    for kind in "kv":
+                        w = self.win[kind][i]
+                        w[row, :, s : held - blk] = w[row, :, s + blk : held].clone()
             self.n_blocks[row] = nb + 1
             self.hist_len[row] = (nb + 1) * blk
+        self._after_encode(row)
 
     def after_step(self, rows: range) -> None:
         for r in rows:
@@ -242,20 +264,26 @@ class StaticTieredCache:
         T = k.shape[1]
         s, blk = min(self.sinks, T), self.block
         nb = self.policy.blocks_at(T)
+        hist = {}
         for kind, x in (("k", k.half()), ("v", v.half())):
             w = self.win[kind][layer]
             w[row, :, :s] = x[:, :s]
             if nb:
-                hist = x[:, s : s + nb * blk].reshape(x.shape[0], nb, blk, -1).transpose(0, 1)  # [nb, K, blk, d]
-                self._encode(row, layer, kind, hist, 0)
+                hist[kind] = x[:, s : s + nb * blk].reshape(x.shape[0], nb, blk, -1).transpose(0, 1)  # [nb, K, blk, d]
             rest = x[:, s + nb * blk :]
             w[row, :, s : s + rest.shape[1]] = rest
+        if nb:  # a group is encoded once its last layer's prompt K/V are in
+            self._pending[row, layer] = hist
+            layers = self.groups[self.group_of[layer]]
+            if layer == layers[-1]:
+                self._encode_group(row, layers, {i: self._pending.pop((row, i)) for i in layers}, 0)
 
     def set_length(self, row: int, n: int) -> None:
         """After prefill_row of every layer: n tokens held."""
         nb = self.policy.blocks_at(n)
         self.length[row], self.n_blocks[row] = n, nb
         self.hist_len[row] = nb * self.block
+        self._after_encode(row)
 
     # -- bytes --------------------------------------------------------------------------------------------
 
@@ -266,11 +294,15 @@ class StaticTieredCache:
         """Bytes of one history block of one row over all layers, K and V (from the buffers)."""
         return self.store.row_block_bytes()
 
+    def _history_bytes(self, row: int) -> int:
+        """Bytes of the row's filled history blocks, as stored."""
+        return self.n_blocks[row] * self._row_block_bytes()
+
     def bytes_read(self, rows: range) -> int:
         """KV bytes a decode step reads: filled history blocks + window tokens (fp16) + static tensors."""
         tok = StaticFP16Cache.bytes_per_token(self.args)
-        n = sum(self.n_blocks[r] * self._row_block_bytes() + (self.length[r] + 1 - self.n_blocks[r] * self.block)
-                * tok for r in rows)  # the step reads the held tokens plus the one it appends
+        n = sum(self._history_bytes(r) + (self.length[r] + 1 - self.n_blocks[r] * self.block) * tok
+                for r in rows)  # the step reads the held tokens plus the one it appends
         return n + self._static_bytes()
 
     def fill_random(self, row: int, n: int, gen: torch.Generator | None = None) -> None:
@@ -280,17 +312,17 @@ class StaticTieredCache:
         for kind in "kv":
             for layer in range(self.args.n_layers):
                 self.win[kind][layer][row].normal_(0, 1, generator=gen)
-                for t in self.hist[kind][layer].values():
-                    r = t[row]
-                    if t.dtype == torch.uint8:
-                        r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, device=r.device, generator=gen))
-                    elif t.dtype == torch.int16:  # outlier positions inside a block
-                        r.copy_(torch.randint(0, self.block * self.args.head_dim, r.shape, device=r.device,
-                                              generator=gen).to(torch.int16))
-                    else:
-                        r.uniform_(0.05, 0.5, generator=gen)
                 if self.mirror is not None:
                     self.mirror[kind][layer][row].normal_(0, 1, generator=gen)
+        for t in self.store.buffers():
+            r = t[row]
+            if t.dtype == torch.uint8:
+                r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, device=r.device, generator=gen))
+            elif not t.dtype.is_floating_point:  # outlier positions inside a block
+                r.copy_(torch.randint(0, self.block * self.args.head_dim, r.shape, device=r.device,
+                                      generator=gen).to(t.dtype))
+            else:
+                r.uniform_(0.05, 0.5, generator=gen)
         self.set_length(row, n)
 
 
@@ -536,8 +568,8 @@ class DecodeEngine:
 
 def make_cache(model: Transformer, batch: int, max_len: int, kv: dict | None = None, codecs: list | None = None,
                use_kernel: bool | None = None):
-    """The static cache for a checkpoint's KV section (None: fp16). Raises ValueError for codecs the
-    static engine does not hold (callers fall back to the dynamic caches of loader.kv_cache_factory)."""
+    """The static cache for a block codec's KV section (None: fp16), from its per-layer codecs; ValueError
+    for codecs with a cache of their own (static_cache_factory builds those)."""
     dev = model.tok_embeddings.weight.device
     if not kv:
         return StaticFP16Cache(model.args, batch, max_len, device=dev)
@@ -549,6 +581,25 @@ def make_cache(model: Transformer, batch: int, max_len: int, kv: dict | None = N
     return StaticTieredCache(model.args, batch, max_len, codecs, window=kv["window"], sinks=kv["sinks"],
                              block=kv["block"], rope_pre=rope_pre(kv), device=dev, use_kernel=use_kernel,
                              mirror_dtype=model.tok_embeddings.weight.dtype)
+
+
+def static_cache_factory(kv: dict | None, tensors: dict[str, torch.Tensor], args: ModelArgs):
+    """(model, batch, max_len) -> the static cache for a checkpoint's KV section (None: fp16), from the codec's
+    registered spec: StaticTieredCache for block codecs, the codec's `static_cache` hook otherwise. Checks
+    the calibration against the model once, here (FormatError)."""
+    if not kv:
+        return lambda model, batch, max_len: make_cache(model, batch, max_len)
+    from .loader import kv_codec_spec
+
+    spec = kv_codec_spec(kv)
+    if spec.tiered:
+        from .kvtiered import build_codecs
+
+        codecs = build_codecs(kv, tensors, args)
+        return lambda model, batch, max_len: make_cache(model, batch, max_len, kv, codecs)
+    if spec.static_cache is None:
+        raise ValueError(f"static engine has no {kv['codec']!r} cache")
+    return spec.hook("static_cache")(kv, tensors, args)
 
 
 @torch.no_grad()

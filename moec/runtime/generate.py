@@ -26,12 +26,14 @@ def pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) 
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: list[int] | torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             kv: dict | None = None, codecs: list | None = None, cache_factory=None, eos_id: int | None = None,
+             kv: dict | None = None, codecs: list | None = None, cache_factory=None, static_cache=None,
+             eos_id: int | None = None,
              on_token: Callable[[int], None] | None = None, seed: int = 0, graphs: bool | None = None,
              kv_dtype: torch.dtype = torch.float16, engine: bool | None = None) -> list[int]:
     """Generated token ids (prompt excluded). kv/codecs: a checkpoint's KV section and per-layer codecs
-    (None: fp16 cache); cache_factory: a dynamic cache (model, batch, max_len) for codecs the static
-    engine does not hold; kv_dtype: the dtype of an uncompressed cache (fp32 for exact comparisons)."""
+    (None: fp16 cache); static_cache: the static engine's cache builder (decode.static_cache_factory), in
+    place of kv/codecs; cache_factory: a dynamic cache (model, batch, max_len) instead of the static
+    engine; kv_dtype: the dtype of an uncompressed cache (fp32 for exact comparisons)."""
     ids = torch.as_tensor(prompt, dtype=torch.long).flatten()
     assert ids.numel() > 0, "empty prompt"
     max_len = ids.numel() + max_new_tokens
@@ -53,8 +55,8 @@ def generate(model: Transformer, prompt: list[int] | torch.Tensor, max_new_token
     if static:
         max_len = -(-max_len // 128) * 128  # whole chunks for the GPU's split attention (decode.SPLIT)
         max_len = min(max_len, model.args.max_seq_len)
-        cache = make_cache(model, 1, max_len, kv, codecs)
-        if not kv:
+        cache = static_cache(model, 1, max_len) if static_cache else make_cache(model, 1, max_len, kv, codecs)
+        if not kv and static_cache is None:
             cache = type(cache)(model.args, 1, max_len, device=cache.device, dtype=kv_dtype)
         eng = DecodeEngine(model, cache, graphs=graphs)
         logits = eng.prefill(0, ids)
@@ -77,11 +79,8 @@ def runtime_generate(model: Transformer, info: dict, prompt, max_new_tokens: int
     section = info.get("kv")
     if not section:
         return generate(model, prompt, max_new_tokens, **kw)
-    from .loader import kv_cache_factory, kv_codec_spec
+    from .decode import static_cache_factory
 
-    if kv_codec_spec(section).tiered:  # block codecs run in the static engine
-        from .kvtiered import build_codecs
-
-        codecs = build_codecs(section, info.get("kv_tensors", {}), model.args)
-        return generate(model, prompt, max_new_tokens, kv=section, codecs=codecs, **kw)
-    return generate(model, prompt, max_new_tokens, cache_factory=kv_cache_factory(info, model.args), **kw)
+    # every registered KV codec runs in the static engine
+    factory = static_cache_factory(section, info.get("kv_tensors", {}), model.args)
+    return generate(model, prompt, max_new_tokens, kv=section, static_cache=factory, **kw)

@@ -49,7 +49,8 @@ from ..formats.bitpack import LAYOUTS, Layout
 from ..formats.kvsection import group_tensor
 from .backend import kernels_enabled
 from .config import ModelArgs
-from .kvtiered import TieredKVCache
+from .decode import StaticTieredCache
+from .kvtiered import HistoryStore, TieredKVCache, rotate
 
 if TYPE_CHECKING:
     from ..kernels.latent_decode_attention import LatentView
@@ -447,5 +448,96 @@ def latent_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: 
         return LatentKVCache(model.args, batch, max_len, groups, per_device[dev], section["codec"],
                              section["window"], section["sinks"], section["block"], section["rope"] == "pre", dev,
                              use_kernel=use_kernel)
+
+    return make
+
+
+# -- the static engine's cache ---------------------------------------------------------------------------
+
+class _LatentStore(HistoryStore):
+    """HistoryStore for latent groups: the per-layer fields are empty (_NoFields); the codes live per group
+    ([B, n, ...], token or block axis at dim 1) in `lhist`; the mirror is per layer as for block codecs."""
+
+    def __init__(self, cache: StaticLatentCache, mirror_dtype):
+        super().__init__(cache.args, cache.codecs, cache.policy, cache.max_blocks, cache.batch, cache.rope_pre,
+                         cache.device, mirror_dtype=mirror_dtype)
+        self.lcodecs, self.blk = cache.lcodecs, cache.block
+        self.lhist = []
+        for c in cache.lcodecs:
+            self.lhist.append({kind: {name: torch.zeros(cache.batch, cache.max_blocks * (self.blk if axis == "token"
+                                                                                        else 1), *trail, dtype=dtype,
+                                                        device=self.device)
+                                      for name, (axis, trail, dtype) in c[kind].fields().items()} for kind in "kv"})
+
+    def buffers(self):
+        return [t for g in self.lhist for kind in "kv" for t in g[kind].values()]
+
+    def row_block_bytes(self) -> int:
+        return sum(t.element_size() * t[0].numel() // t.shape[1] * (self.blk if self.lcodecs[g][kind].fields()[n][0]
+                                                                      == "token" else 1)
+                   for g, h in enumerate(self.lhist) for kind in "kv" for n, t in h[kind].items())
+
+    def static_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for c in self.lcodecs for kind in "kv"
+                   for t in c[kind].static_tensors().values())
+
+
+class StaticLatentCache(StaticTieredCache):
+    """latent-head / latent-layer in the static CUDA-graph engine (decode.StaticTieredCache): the layers of a
+    group are encoded together when a block leaves their windows (between steps, or after the group's last
+    prompt layer), as LatentKVCache encodes them; decode steps attend over the dequantized mirror
+    (graph-safe SDPA); the latent kernel is not wired here."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, groups: list[list[int]],
+                 codecs: list[dict[str, LatentCodec]], name: str = "latent-head", window: int = 128, sinks: int = 4,
+                 block: int = 32, rope_pre: bool = False, device="cpu", mirror_dtype=torch.float32):
+        self.lgroups, self.lcodecs = groups, codecs
+        super().__init__(args, batch, max_len, [_NoFields(name, codecs[0]["k"].bits)] * args.n_layers, window,
+                         sinks, block, rope_pre, device, use_kernel=False, mirror_dtype=mirror_dtype)
+
+    def _make_store(self, mirror_dtype) -> HistoryStore:
+        return _LatentStore(self, mirror_dtype)
+
+    def _layer_groups(self) -> list[list[int]]:
+        return self.lgroups
+
+    def _encode_group(self, row: int, layers: list[int], xs: dict, nb0: int) -> None:
+        """xs[layer][kind] [n, K, block, d] fp16 (n consecutive blocks of `row`) -> the group's codes + mirror."""
+        g, blk, K, d = self.group_of[layers[0]], self.block, self.args.n_kv_heads, self.args.head_dim
+        pos0 = self.sinks + nb0 * blk
+        for kind in "kv":
+            parts = []
+            for i in layers:
+                x = xs[i][kind].float()  # [n, K, blk, d]
+                n = x.shape[0]
+                if kind == "k" and self.rope_pre:  # n consecutive blocks: one run of positions
+                    x = rotate(self.args, x.transpose(0, 1).reshape(1, K, n * blk, d), pos0, inverse=True)
+                    x = x.view(K, n, blk, d).transpose(0, 1)
+                parts.append(x.permute(0, 2, 1, 3).reshape(n, blk, K * d))
+            codec = self.lcodecs[g][kind]
+            enc = codec.encode(torch.cat(parts, dim=2))  # [n, per, ...] per field
+            for name, t in enc.items():
+                per = t.shape[1]
+                self.store.lhist[g][kind][name][row, nb0 * per : (nb0 + n) * per] = t.reshape(n * per, *t.shape[2:])
+            y = codec.decode(enc).view(n, blk, len(layers), K, d)
+            for j, i in enumerate(layers):
+                yi = y[:, :, j].permute(0, 2, 1, 3).transpose(0, 1).reshape(1, K, n * blk, d)  # [1, K, n·blk, d]
+                if kind == "k" and self.rope_pre:
+                    yi = rotate(self.args, yi, pos0, inverse=False)
+                self.mirror[kind][i][row, :, nb0 * blk : (nb0 + n) * blk] = yi[0]
+
+
+def latent_static_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs):
+    """(model, batch, max_len) -> StaticLatentCache: the registry's `static_cache` hook."""
+    groups, codecs = build_latent_codecs(section, tensors, args)
+    per_device = {}
+
+    def make(model, batch: int, max_len: int):
+        dev = model.tok_embeddings.weight.device
+        if dev not in per_device:
+            per_device[dev] = codecs if dev.type == "cpu" else build_latent_codecs(section, tensors, args, dev)[1]
+        return StaticLatentCache(model.args, batch, max_len, groups, per_device[dev], section["codec"],
+                                 section["window"], section["sinks"], section["block"], section["rope"] == "pre", dev,
+                                 mirror_dtype=model.tok_embeddings.weight.dtype)
 
     return make

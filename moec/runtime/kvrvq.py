@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from ..formats.bitpack import pack_bits, unpack_bits
 from .backend import kernels_enabled
 from .config import ModelArgs
-from .kvtiered import TieredKVCache
+from .decode import StaticTieredCache
+from .kvtiered import TieredKVCache, rotate
 
 if TYPE_CHECKING:
     from ..kernels.rvq_lut_attention import RVQTierView
@@ -372,5 +373,68 @@ def rvq_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: Mod
         if simulated:
             return SimulatedRVQCache(model.args, batch, max_len, codecs, **kw)
         return RVQTieredCache(model.args, batch, max_len, codecs, device=dev, use_kernel=use_kernel, **kw)
+
+    return make
+
+
+# -- the static engine's cache ---------------------------------------------------------------------------
+
+class StaticRVQCache(StaticTieredCache):
+    """The rvq-tiered cache in the static CUDA-graph engine (decode.StaticTieredCache): the middle tier is
+    its block codec (HistoryStore), and after each encode the row's blocks older than `archive_after` are
+    re-encoded into the archive tier from the middle tier's reconstruction, as RVQTieredCache does. Decode
+    steps attend over the dequantized mirror (graph-safe SDPA); the LUT kernel is not wired here."""
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list[RVQLayerCodec], window: int = 128,
+                 sinks: int = 4, block: int = 32, archive_after: int = 4096, rope_pre: bool = False, device="cpu",
+                 mirror_dtype=torch.float32):
+        super().__init__(args, batch, max_len, codecs, window, sinks, block, rope_pre, device, use_kernel=False,
+                         mirror_dtype=mirror_dtype)
+        self.archive_after = archive_after if codecs[0].arch is not None else 0
+        self.n_arch = [0] * batch
+        self.arch = None
+        if self.archive_after:
+            n = self.max_blocks * block
+            self.arch = {kind: [torch.zeros(batch, args.n_kv_heads, n, c.arch[kind].row_bytes, dtype=torch.uint8,
+                                            device=self.device) for c in codecs] for kind in "kv"}
+
+    def arch_at(self, tokens: int) -> int:
+        """Archived blocks after `tokens` tokens (RVQTieredCache.arch_at)."""
+        if not self.archive_after:
+            return 0
+        return min(self.policy.blocks_at(tokens), max(0, (tokens - self.archive_after - self.sinks) // self.block))
+
+    def _after_encode(self, row: int) -> None:
+        blk = self.block
+        while self.n_arch[row] < self.arch_at(self.length[row]):
+            b = self.n_arch[row]
+            sl = slice(b * blk, (b + 1) * blk)
+            for layer, codec in enumerate(self.codecs):
+                for kind in "kv":
+                    x = codec.mid[kind].decode(self.hist[kind][layer]["codes"][row : row + 1, :, sl])  # pre-RoPE if so
+                    codes = codec.arch[kind].encode(x)
+                    self.arch[kind][layer][row : row + 1, :, sl] = codes
+                    y = codec.arch[kind].decode(codes)
+                    if kind == "k" and self.rope_pre:
+                        y = rotate(self.args, y, self.sinks + b * blk, inverse=False)
+                    self.mirror[kind][layer][row : row + 1, :, sl] = y
+            self.n_arch[row] = b + 1
+
+    def _history_bytes(self, row: int) -> int:
+        na, nb = self.n_arch[row], self.n_blocks[row]
+        arch = 0 if self.arch is None else sum(t[0, :, : self.block].numel() * t.element_size()
+                                               for kind in "kv" for t in self.arch[kind])
+        return (nb - na) * self._row_block_bytes() + na * arch
+
+
+def rvq_static_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs):
+    """(model, batch, max_len) -> StaticRVQCache: the registry's `static_cache` hook."""
+    codecs = build_rvq_codecs(section, tensors, args)
+    rvq = section["rvq"]
+
+    def make(model, batch: int, max_len: int):
+        return StaticRVQCache(model.args, batch, max_len, codecs, section["window"], section["sinks"],
+                              section["block"], rvq["archive_after"], rvq["rope"] == "pre",
+                              model.tok_embeddings.weight.device, mirror_dtype=model.tok_embeddings.weight.dtype)
 
     return make

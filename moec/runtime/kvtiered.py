@@ -184,6 +184,10 @@ class HistoryStore:
             x = rotate(self.args, x, self.policy.sinks, inverse=False)
         return x
 
+    def buffers(self):
+        """Every history buffer [B, ...] (latency runs fill them with stand-in values)."""
+        return [t for kind in "kv" for layer in self.hist[kind] for t in layer.values()]
+
     def row_block_bytes(self) -> int:
         """Bytes one history block of one row takes over all layers, K and V (from the buffers)."""
         return sum(t.element_size() * t[0].numel() // t.shape[2] * self.per_block(layer, kind, n)

@@ -173,6 +173,44 @@ def kv_bytes_per_token(args: ModelArgs, kv: dict | None, codecs: list | None) ->
     return n
 
 
+def allocated_bytes(cache) -> int:
+    """Bytes of the device tensors a cache holds (buffers, mirror, views; each storage counted once)."""
+    from .kvtiered import HistoryStore
+
+    seen: set[int] = set()
+    total = 0
+
+    def walk(x) -> None:
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            st = x.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, HistoryStore):
+            walk(vars(x))
+
+    walk(vars(cache))
+    return total
+
+
+def static_bytes_per_token(cache_fn, n1: int = 1024, n2: int = 2048) -> float:
+    """Bytes the static cache of `cache_fn(batch, max_len)` allocates per token of capacity (one row),
+    measured: two caches of n1 and n2 tokens, the difference of what they hold."""
+    sizes = []
+    for n in (n1, n2):
+        c = cache_fn(1, n)
+        sizes.append(allocated_bytes(c))
+        del c
+    return (sizes[1] - sizes[0]) / (n2 - n1)
+
+
 def largest_context(args: ModelArgs, batch: int, free_bytes: int, per_token: float, reserve: int) -> int:
     """The largest context whose cache for `batch` rows fits in free_bytes − reserve (multiple of 1024)."""
     n = int((free_bytes - reserve) / max(per_token * batch, 1))

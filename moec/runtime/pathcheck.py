@@ -4,8 +4,8 @@ A user gets whatever path the caches and expert modules pick with *default* argu
 path to check (a crash once hid behind explicit `use_kernel=` arguments that every test passed). For a
 model and a packed checkpoint's KV section + calibration tensors, `compare_paths` decodes one prompt
 teacher-forced through
-  - the static engine (`decode.make_cache` + `DecodeEngine`, CUDA graphs where there is a GPU) for the
-    KV codecs it holds, and
+  - the static engine (`decode.static_cache_factory` + `DecodeEngine`, CUDA graphs where there is a GPU),
+    and
   - the dynamic cache of `loader.kv_cache_factory` (`Transformer.forward` step by step),
 each built with default arguments, and again with MOEC_KERNELS=0 (backend.py: the torch reference for
 KV attention, KV encode, MoE and quantized projections). It reports whether the kernels were taken and
@@ -18,19 +18,14 @@ from __future__ import annotations
 import torch
 
 from .backend import kernels_forced
-from .decode import DecodeEngine, make_cache
+from .decode import DecodeEngine, static_cache_factory
 from .model import Transformer
-
-STATIC_CODECS = (None, "kivi", "nuq-outlier")  # the KV codecs the static engine holds (None: fp16)
 
 
 def _static_logits(model: Transformer, section: dict | None, tensors: dict, ids: torch.Tensor, n_prompt: int,
                    graphs: bool | None = None):
-    from .kvtiered import build_codecs
-
-    codecs = build_codecs(section, tensors, model.args) if section else None
     max_len = -(-ids.numel() // 128) * 128  # whole chunks for the GPU's split attention (decode.SPLIT)
-    cache = make_cache(model, 1, max_len, section, codecs)
+    cache = static_cache_factory(section, tensors, model.args)(model, 1, max_len)
     eng = DecodeEngine(model, cache, graphs=graphs)
     out = [eng.prefill(0, ids[:n_prompt])]
     for t in range(n_prompt, ids.numel()):
@@ -69,17 +64,14 @@ def compare_paths(model: Transformer, section: dict | None, tensors: dict, ids: 
     """{engine: {kernel, graphs, max_abs_err, rel_l2_err, ...}}: logits after the prompt ids[:n_prompt] and
     after each later token of ids (teacher forced), default path against the torch reference (same dtype;
     the reference runs without CUDA graphs, which its host-synchronizing MoE routing could not capture).
-    The static engine is skipped for codecs it does not hold.
+    Every registered KV codec runs in both engines.
 
     `exact`: the same model in fp32. Then the default path and the reference are also both measured against
     the fp32 torch path (`rel_l2_exact`, `rel_l2_floor`): in bf16 two correct paths differ by rounding and
     by 2-bit codes that rounding flips, and the reference's own distance from fp32 says how much that is."""
     runs = {"static": _static_logits, "dynamic": _dynamic_logits}
-    codec = (section or {}).get("codec")
     out = {}
     for name in engines:
-        if name == "static" and codec not in STATIC_CODECS:
-            continue
         got, kernel, graphs = runs[name](model, section, tensors, ids, n_prompt)
         with kernels_forced("0"):
             ref, _, _ = runs[name](model, section, tensors, ids, n_prompt, graphs=False)

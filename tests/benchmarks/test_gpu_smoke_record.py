@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_smoke import STATIC_CODECS, shipped_gpu_recipes
+from benchmarks.gpu_smoke import shipped_gpu_recipes
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD = REPO / "benchmarks" / "results" / "gpu_smoke_h200.json"
@@ -38,14 +38,12 @@ def test_every_check_ok(records):
 
 def test_names_every_shipped_recipe(records):
     checks: dict[str, set] = {}
-    codec = {}
     for r in records:
         checks.setdefault(r["recipe"], set()).add(r["check"])
-        codec.setdefault(r["recipe"], r.get("kv_codec"))
     missing = [n for n in shipped_gpu_recipes() if n not in checks]
     assert not missing, f"recipes without a smoke record: {missing}"
     for name in shipped_gpu_recipes():
-        want = {"pack", "dynamic", "generate", "latency"} | ({"static"} if codec[name] in STATIC_CODECS else set())
+        want = {"pack", "static", "dynamic", "generate", "latency"}  # every KV codec runs in the static engine
         assert want <= checks[name], (name, checks[name])
 
 
