@@ -27,7 +27,8 @@ correct bf16 paths land at different distances from fp32 (which codes flip is ch
 engine's ternary latent cache (1.6-bit codes) sat at 0.102 against a floor of 0.041 with the fused step
 (kernels/fused_decode.py) and at 0.0405 without it (MOEC_FUSE=0), its cache code the same in both
 (static vs dynamic cache in fp32: 0.006); ratios up to 2.5 occur in passing records. A wrong slot,
-position, rotation or codec field gives distances of 0.35-0.75 here (a compressed cache against fp16). Greedy tokens are not compared: near-flat random logits make their argmax a coin flip.
+position, rotation or codec field gives distances of 0.35-0.75 here (a compressed cache against fp16).
+Greedy tokens are not compared: near-flat random logits make their argmax a coin flip.
 
 Records (one per check): recipe, check, ok, error, and for logit checks max_abs_err, rel_l2_err, kernel
 (whether the default path took the fused kernel), graphs; every record carries `source_tree`, the content
