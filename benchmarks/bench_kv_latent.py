@@ -7,13 +7,13 @@ scored, fp32 on the CPU, against the same model with an fp16 KV cache (DenseKVCa
 
 Evaluation mode `chunk` (default): after the 32-token prefill, each window is fed in chunks of
 `window` (128) tokens through the compressed cache; LatentKVCache gives every query of a chunk its own
-decode-mode view (the blocks it would see compressed, fp16 for the rest; moec/runtime/kvlatent.py),
+decode-mode view (the blocks it would see compressed, fp16 for the rest; moec/runtime/latent.py),
 so this equals token-by-token decode up to float summation order, at the cost of ~8 forwards per window.
 `--validate N` decodes the first N windows token by token (`dec`) for the first config too and
 records both, so the equality is measured, not assumed. `--mode dec` decodes everything token by token.
 
 Calibration: PTB train (--samples × --seq-len tokens, seed 0), keys pre- and post-RoPE and values
-captured once (moec/calibrate/fit_latent.py LatentSampler); each config is then fitted from those
+captured once (moec/calibrate/latent.py LatentSampler); each config is then fitted from those
 samples with the same functions `moec calibrate` uses. `--recipes` additionally runs recipe files end
 to end through the CLI (calibrate → pack → load the packed checkpoint's cache) and evaluates them
 the same way.
@@ -41,14 +41,14 @@ from benchutil import cli  # noqa: E402
 
 from moec.calibrate.capture import run_layers  # noqa: E402
 from moec.calibrate.data import load_text, sample_windows  # noqa: E402
-from moec.calibrate.fit_latent import LatentSampler, fit_latent_tensors  # noqa: E402
 from moec.calibrate.kvconfig import LatentConfig, LatentKVConfig  # noqa: E402
+from moec.calibrate.latent import LatentSampler, fit_latent_tensors  # noqa: E402
 from moec.calibrate.pack_kv import kv_manifest  # noqa: E402
 from moec.calibrate.recipe import Recipe  # noqa: E402
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
 from moec.runtime.hf_layout import HFCheckpoint  # noqa: E402
-from moec.runtime.kvlatent import latent_cache_factory  # noqa: E402
+from moec.runtime.latent import latent_cache_factory  # noqa: E402
 from moec.runtime.loader import kv_cache_factory, load_model  # noqa: E402
 from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, make_windows  # noqa: E402
 

@@ -29,8 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
 from moec.runtime.config import ModelArgs  # noqa: E402
-from moec.runtime.kvquant import FIXED_LEVELS, KIVICodec, NUQCenteredCodec  # noqa: E402
+from moec.runtime.kivi import KIVICodec  # noqa: E402
 from moec.runtime.kvtiered import TieredKVCache  # noqa: E402
+from moec.runtime.nuq import FIXED_LEVELS, NUQCenteredCodec  # noqa: E402
 
 L, K, D = 32, 8, 128  # Mixtral-8x7B: layers, KV heads, head_dim
 BLOCK, WINDOW = 32, 128

@@ -5,7 +5,7 @@ length W (1024: first --windows-short windows; the model's maximum up to 8192: f
 windows, decoded as a batch) the perplexity through the checkpoint's rvq-tiered cache.
 
 Mode `sim` (every quality row): one forward per window in which each query sees exactly the keys and
-values the decode-mode cache holds at its step (moec/runtime/kvrvq.py SimulatedRVQCache: fp16 sinks
+values the decode-mode cache holds at its step (moec/runtime/rvq.py SimulatedRVQCache: fp16 sinks
 and window, middle-tier and archive reconstructions), attended in chunks of queries. It is validated
 against real token-by-token decode (`dec`) on a sample first: the tiered recipe with its archive
 boundary moved to 512 tokens (so all three tiers are exercised inside a 1024-token window), one
@@ -42,10 +42,10 @@ from benchutil import cli  # noqa: E402
 from moec.calibrate.data import load_text  # noqa: E402
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.runtime.kvrvq import rvq_cache_factory  # noqa: E402
 from moec.runtime.loader import load_model  # noqa: E402
 from moec.runtime.model import rope_cos_sin  # noqa: E402
 from moec.runtime.perplexity import CONTEXT, Totals, make_windows  # noqa: E402
+from moec.runtime.rvq import rvq_cache_factory  # noqa: E402
 
 
 class FP16Cache:

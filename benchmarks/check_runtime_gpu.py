@@ -33,8 +33,8 @@ from moec.errors import UserError
 def _kv_cases(a, frac: float = 0.01):
     """{name: (reference cache factory or None, static cache fn)} for model args `a`."""
     from moec.runtime.decode import StaticFP16Cache, StaticTieredCache
-    from moec.runtime.kvquant import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec
     from moec.runtime.kvtiered import tiered_cache_factory
+    from moec.runtime.nuq import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec
 
     K, d = a.n_kv_heads, a.head_dim
     lev = torch.tensor(FIXED_LEVELS[2])
@@ -144,7 +144,7 @@ def rvq_check(recs: list, packed: Path) -> None:
     moved to 512 so all three tiers are used."""
     import copy
 
-    from moec.runtime.kvrvq import rvq_cache_factory
+    from moec.runtime.rvq import rvq_cache_factory
 
     def factory(info, model, kern):
         sec = copy.deepcopy(info["kv"])
@@ -158,7 +158,7 @@ def rvq_check(recs: list, packed: Path) -> None:
 def latent_check(recs: list, packed: Path) -> None:
     """Latent KV recipe through the fused latent kernel (moec/kernels/latent_decode_attention.py: pre- or
     post-RoPE keys, sparse residual)."""
-    from moec.runtime.kvlatent import latent_cache_factory
+    from moec.runtime.latent import latent_cache_factory
 
     def factory(info, model, kern):
         return latent_cache_factory(info["kv"], info["kv_tensors"], model.args, use_kernel=kern)

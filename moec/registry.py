@@ -148,32 +148,32 @@ def weight_codec(name: str) -> WeightCodecSpec:
 _CFG = "moec.calibrate.kvconfig"
 register_kv(KVCodecSpec("fp16", config=f"{_CFG}:FP16Config", bits=(16,), description="uncompressed cache"))
 register_kv(KVCodecSpec(
-    "kivi", config=f"{_CFG}:KIVIConfig", bits=(2, 4), check="moec.calibrate.fit_kv:check_kivi",
-    layer_codecs="moec.runtime.kvquant:kivi_layer_codecs",
+    "kivi", config=f"{_CFG}:KIVIConfig", bits=(2, 4), check="moec.calibrate.kivi:check_kivi",
+    layer_codecs="moec.runtime.kivi:kivi_layer_codecs",
     description="KIVI: per-channel keys over a block, per-token values, uniform levels"))
 register_kv(KVCodecSpec(
     "nuq-outlier", config=f"{_CFG}:NUQConfig", bits=(2, 3),
-    check="moec.calibrate.fit_kv:check_kv_recipe", sampler="moec.calibrate.fit_kv:nuq_sampler",
-    fit="moec.calibrate.fit_kv:fit_kv_tensors", tensor_names="moec.runtime.kvquant:nuq_tensor_names",
-    layer_codecs="moec.runtime.kvquant:nuq_layer_codecs", random_tensors="moec.runtime.kvquant:random_nuq_tensors",
-    rope_pre="moec.runtime.kvquant:nuq_rope_pre",
+    check="moec.calibrate.nuq:check_kv_recipe", sampler="moec.calibrate.nuq:nuq_sampler",
+    fit="moec.calibrate.nuq:fit_kv_tensors", tensor_names="moec.runtime.nuq:nuq_tensor_names",
+    layer_codecs="moec.runtime.nuq:nuq_layer_codecs", random_tensors="moec.runtime.nuq:random_nuq_tensors",
+    rope_pre="moec.runtime.nuq:nuq_rope_pre",
     description="seed 003: non-uniform fitted levels, sparse fp16 outliers (KVQuant-style)"))
 for _name in ("latent-head", "latent-layer"):
     register_kv(KVCodecSpec(
         _name, config=f"{_CFG}:LatentKVConfig", bits=(1, 2, 3, 4, 16),
-        check="moec.calibrate.fit_latent:check_latent_recipe", sampler="moec.calibrate.fit_latent:latent_sampler",
-        fit="moec.calibrate.fit_latent:fit_latent_tensors", section="moec.runtime.kvlatent:latent_section",
-        tensor_names="moec.runtime.kvlatent:latent_tensor_names",
-        cache_factory="moec.runtime.kvlatent:latent_cache_factory",
-        static_cache="moec.runtime.kvlatent:latent_static_factory",
-        random_tensors="moec.runtime.kvlatent:random_latent_tensors",
+        check="moec.calibrate.latent:check_latent_recipe", sampler="moec.calibrate.latent:latent_sampler",
+        fit="moec.calibrate.latent:fit_latent_tensors", section="moec.runtime.latent:latent_section",
+        tensor_names="moec.runtime.latent:latent_tensor_names",
+        cache_factory="moec.runtime.latent:latent_cache_factory",
+        static_cache="moec.runtime.latent:latent_static_factory",
+        random_tensors="moec.runtime.latent:random_latent_tensors",
         description="seeds 000/001: cross-head / cross-layer PCA latents"))
 register_kv(KVCodecSpec(
     "rvq-tiered", config=f"{_CFG}:RVQKVConfig", bits=(1, 2, 3, 4),
-    check="moec.calibrate.fit_rvq:check_rvq_recipe", sampler="moec.calibrate.fit_rvq:rvq_sampler",
-    fit="moec.calibrate.fit_rvq:fit_rvq_tensors", tensor_names="moec.runtime.kvrvq:rvq_tensor_names",
-    cache_factory="moec.runtime.kvrvq:rvq_cache_factory", static_cache="moec.runtime.kvrvq:rvq_static_factory",
-    random_tensors="moec.runtime.kvrvq:random_rvq_tensors",
+    check="moec.calibrate.rvq:check_rvq_recipe", sampler="moec.calibrate.rvq:rvq_sampler",
+    fit="moec.calibrate.rvq:fit_rvq_tensors", tensor_names="moec.runtime.rvq:rvq_tensor_names",
+    cache_factory="moec.runtime.rvq:rvq_cache_factory", static_cache="moec.runtime.rvq:rvq_static_factory",
+    random_tensors="moec.runtime.rvq:random_rvq_tensors",
     description="seed 002: tiered residual VQ"))
 
 _W = "moec.runtime.weightcodecs"

@@ -90,12 +90,12 @@ def test_the_checker_sees_imports_inside_functions(tmp_path, monkeypatch):
     (root / "kernels").mkdir(parents=True)
     (root / "runtime").mkdir()
     for p in (root / "__init__.py", root / "kernels" / "__init__.py", root / "runtime" / "__init__.py",
-              root / "runtime" / "kvquant.py"):
+              root / "runtime" / "nuq.py"):
         p.write_text("")
     src = root / "kernels" / "k.py"
-    src.write_text("import torch\n\ndef f():\n    if True:\n        from ..runtime import kvquant\n"
+    src.write_text("import torch\n\ndef f():\n    if True:\n        from ..runtime import nuq\n"
                    "    from ..formats.bitpack import pack\n")
     monkeypatch.setattr(sys.modules[__name__], "PKG", root)
     got = [(line, mod) for line, mod, _ in imports(src)]
-    assert got == [(1, "torch"), (5, "moec.runtime.kvquant"), (6, "moec.formats.bitpack")]
-    assert [m for _, m in got if not _kernel_import_ok(m)] == ["moec.runtime.kvquant"]
+    assert got == [(1, "torch"), (5, "moec.runtime.nuq"), (6, "moec.formats.bitpack")]
+    assert [m for _, m in got if not _kernel_import_ok(m)] == ["moec.runtime.nuq"]

@@ -7,7 +7,7 @@ given `seed` and device (the sampling generator lives on x's device). Distances 
 blocks of points so memory stays at about `max_elems` floats whatever N·k is
 (‖x‖² − 2·x·c + ‖c‖², one batched matmul per block). Runs on the CPU or CUDA. An empty cluster
 keeps its previous centroid (k-means++ makes them rare; a stale centroid costs nothing but a code).
-Used by moec/calibrate/fit_rvq.py for the residual VQ codebooks of the KV cache.
+Used by moec/calibrate/rvq.py for the residual VQ codebooks of the KV cache.
 """
 
 from __future__ import annotations

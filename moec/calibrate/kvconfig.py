@@ -76,7 +76,7 @@ class KIVIConfig(TieredConfig):
 
 @dataclass
 class NUQConfig(TieredConfig):
-    """Seed 003 (runtime/kvquant.NUQOutlierCodec / NUQCenteredCodec): non-uniform levels, fp16 outliers."""
+    """Seed 003 (runtime/nuq.NUQOutlierCodec / NUQCenteredCodec): non-uniform levels, fp16 outliers."""
 
     outlier_frac: float = 0.01  # fraction of each block's elements kept as fp16 residuals
     levels: Literal["fixed", "fitted"] = "fitted"  # the seed grid, or weighted k-means on calibration
@@ -98,7 +98,7 @@ class LatentConfig:
     adjacent layers (1 for latent-head) projected by a PCA basis fitted on calibration activations
     to `rank_k` / `rank_v` dims (0: the smallest multiple of 8 reaching `energy` of the variance,
     per group), the latent stored at kv.bits with an offline per-channel scale, plus the largest
-    `outlier_frac` of each block's reconstruction residual in fp16 (moec/calibrate/fit_latent.py)."""
+    `outlier_frac` of each block's reconstruction residual in fp16 (moec/calibrate/latent.py)."""
 
     rank_k: int = 0
     rank_v: int = 0
@@ -137,12 +137,12 @@ class LatentKVConfig(TieredConfig):
 
 @dataclass
 class RVQConfig:
-    """Tiered residual VQ KV (seed 002; moec/runtime/kvrvq.py): the middle tier (blocks leaving the fp16
+    """Tiered residual VQ KV (seed 002; moec/runtime/rvq.py): the middle tier (blocks leaving the fp16
     window) is a residual VQ with `mid_sizes` centroids per stage over sub-vectors of `mid_dim` channels
     (Σ log2(size) / dim bits per element); blocks whose tokens are all `archive_after` or more tokens
     back are re-encoded into the archive tier (`arch_sizes`, `arch_dim`); archive_after 0: one tier.
     Codebooks per layer, per sub-vector position, per KV head (or `shared_heads`), fitted by k-means on
-    post- or pre-RoPE keys (`rope`) and values (moec/calibrate/fit_rvq.py)."""
+    post- or pre-RoPE keys (`rope`) and values (moec/calibrate/rvq.py)."""
 
     mid_sizes: list[int] = field(default_factory=lambda: [64, 64])
     mid_dim: int = 4

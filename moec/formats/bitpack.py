@@ -3,10 +3,10 @@
 Four layouts (`Layout`, whose members' docstrings give the exact bytes), one packer/unpacker pair each,
 registered in `LAYOUTS`:
     ROW        codebook indices of weight rows (moec/runtime/experts.py, moec/kernels/dequant.py)
-    PLANAR     KV-cache codes (moec/runtime/kvquant.py, kvlatent.py; kernels kv_decode_attention.py,
+    PLANAR     KV-cache codes (moec/runtime/nuq.py, latent.py; kernels kv_decode_attention.py,
                kv_quantize_pack.py, latent_decode_attention.py)
-    TRITS      ternary latent codes (moec/runtime/kvlatent.py)
-    BITSTREAM  variable-width residual-VQ codes (moec/runtime/kvrvq.py, kernels/rvq_lut_attention.py)
+    TRITS      ternary latent codes (moec/runtime/latent.py)
+    BITSTREAM  variable-width residual-VQ codes (moec/runtime/rvq.py, kernels/rvq_lut_attention.py)
 Every layout packs the last dimension of an integer tensor [..., n] into uint8 [..., width], each row
 independently of the other rows; unpackers return int64 [..., n]. Round trips are exact and the bytes
 are pinned (tests/formats/test_bitpack.py).

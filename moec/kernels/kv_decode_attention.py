@@ -33,7 +33,7 @@ per-element work, not by bytes, unless that work is a handful of instructions):
   - pre-RoPE keys (KVQuant), option `rope`: the key tile is scaled (and centered), then each pair
     (c, c + d/2) = blocks (0, 2), (1, 3) is rotated in registers with cos/sin of the fp32 angle
     (pos · inv_freq); a key residual adds r·(q[c]·cos ± q[partner]·sin) to its token's score.
-  - key centers (kvquant.NUQCenteredCodec, option `k_center`): pre-RoPE they are added to the key
+  - key centers (nuq.NUQCenteredCodec, option `k_center`): pre-RoPE they are added to the key
     tile before the rotation; post-RoPE q·center is one scalar per query head, added to every
     history score of the program.
 
@@ -542,7 +542,7 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     rope = (inv_freq [d/2] fp32, pos0): the history holds pre-RoPE keys (KVQuant); history token t
     sits at position pos0 + t and is rotated in registers (half-rotation layout, fp32 angles
     fl(pos · inv_freq) as moec.runtime.model.rope_cos_sin forms them); the window is post-RoPE.
-    k_center [K, d] fp32 (kvquant.NUQCenteredCodec): history keys are k_center + k_lev[code]·k_scale
+    k_center [K, d] fp32 (nuq.NUQCenteredCodec): history keys are k_center + k_lev[code]·k_scale
     (+ residuals), before the rotation when `rope` is given.
     Works under CUDA-graph capture: no host syncs; hist_len/win_len are only read on the device."""
     B, H, d, K, S, NB, nout = _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval,
@@ -597,7 +597,7 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
 def dequant_history_ref(codes, scale_k_or_v, lev, oidx, oval, bits: int, block: int, kind: str,
                         center: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize a whole history buffer [B, K, S, ·] -> [B, K, S, d] fp32 (codes in bitpack's Layout.PLANAR);
-    center [K, d]: added to every token (keys of kvquant.NUQCenteredCodec)."""
+    center [K, d]: added to every token (keys of nuq.NUQCenteredCodec)."""
     B, K, S, dw = codes.shape
     d = dw * 8 // bits
     x = lev.float()[unpack_planar(codes, bits, d)]

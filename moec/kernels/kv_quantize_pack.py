@@ -1,6 +1,6 @@
 """Quantize-and-pack one KV block leaving the fp16 window (nuq-outlier codec, seed 003) in one kernel.
 
-Produces exactly the fields of moec.runtime.kvquant.NUQOutlierCodec.encode (and of its subclass
+Produces exactly the fields of moec.runtime.nuq.NUQOutlierCodec.encode (and of its subclass
 NUQCenteredCodec: keys minus an offline per-channel center, key outliers by the rounding error
 weighted with the channel's query RMS) for x [B, K, N, d]:
     codes   [B, K, N, d·bits/8] uint8   nearest level of x / scale, moec/formats/bitpack.py Layout.PLANAR
@@ -141,7 +141,7 @@ def _excl_prefix(v):
 
 
 class NUQView(NamedTuple):
-    """A nuq-outlier codec (moec.runtime.kvquant.NUQOutlierCodec / NUQCenteredCodec) on one device, in the
+    """A nuq-outlier codec (moec.runtime.nuq.NUQOutlierCodec / NUQCenteredCodec) on one device, in the
     forms the kernels take (made once per codec and device by its `kernel_view`). Tensors are contiguous."""
 
     bits: int  # 2 or 3

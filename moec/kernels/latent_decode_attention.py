@@ -325,7 +325,7 @@ def _window_kernel(
 
 
 class LatentView(NamedTuple):
-    """A latent codec (one layer group's keys or values, moec.runtime.kvlatent.LatentCodec) on one device, in
+    """A latent codec (one layer group's keys or values, moec.runtime.latent.LatentCodec) on one device, in
     the forms the launcher's per-layer arguments are cut from (made once per codec and device by its
     `kernel_view`): layer j of the group, K KV heads of head_dim d, takes u = basis[j·K·d : (j+1)·K·d]
     viewed [K, d, r], mean likewise [K, d], and step."""

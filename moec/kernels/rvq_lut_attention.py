@@ -149,7 +149,7 @@ def _rvq_lut_attention_kernel(
 
 
 class RVQTierView(NamedTuple):
-    """One residual-VQ tier (moec.runtime.kvrvq.RVQTier) on one device, as CodeSegment takes it (made once per
+    """One residual-VQ tier (moec.runtime.rvq.RVQTier) on one device, as CodeSegment takes it (made once per
     tier and device by its `kernel_view`)."""
 
     codebooks: list[torch.Tensor]  # per stage [Gc, P, C_s, dim] fp16
@@ -283,7 +283,7 @@ def _gather_centroids(c: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
 def dequant_segment_ref(seg: CodeSegment, kind: str) -> torch.Tensor:
     """All rows of the segment's code buffer dequantized: [B, K, S, d] fp32 (torch, for the reference): the
     codes unpacked (moec/formats/bitpack.py Layout.BITSTREAM), then Σ_s C_s[p, code] with the fp16 codebooks
-    in fp32 (the decode of moec.runtime.kvrvq.RVQTier)."""
+    in fp32 (the decode of moec.runtime.rvq.RVQTier)."""
     cbs = [c.half() for c in (seg.cb_k if kind == "k" else seg.cb_v)]
     packed = seg.codes_k if kind == "k" else seg.codes_v
     P, dim = cbs[0].shape[1], cbs[0].shape[3]

@@ -22,8 +22,8 @@ Two static caches:
                     rule and rounding as TieredKVCache) and the window shifts down. The tier rule
                     and the history are kvtiered.TierPolicy / HistoryStore, shared with the dynamic
                     cache, so every registered block codec runs here; the latent and RVQ caches
-                    extend it (kvlatent.StaticLatentCache: layer groups encoded together;
-                    kvrvq.StaticRVQCache: blocks re-encoded into the archive tier), attending over
+                    extend it (latent.StaticLatentCache: layer groups encoded together;
+                    rvq.StaticRVQCache: blocks re-encoded into the archive tier), attending over
                     their mirror. `static_cache_factory` builds the cache of any registered codec.
 
 Prefill takes the plain causal forward (SDPA/flash), reads each layer's post-RoPE K/V through the

@@ -42,8 +42,8 @@ import torch
 from .backend import kernels_enabled
 from .config import ModelArgs
 from .kvcache import causal_attention
-from .kvquant import quantize_pack_supports
 from .model import apply_rope, rope_cos_sin, rope_inv_freq
+from .nuq import quantize_pack_supports
 
 
 def rope_table(args: ModelArgs, sinks: int, device) -> tuple[torch.Tensor, int]:

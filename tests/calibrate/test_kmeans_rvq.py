@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from moec.calibrate.fit_rvq import fit_rvq, tier_errors
 from moec.calibrate.kmeans import assign, kmeans
 from moec.calibrate.recipe import parse_recipe
+from moec.calibrate.rvq import fit_rvq, tier_errors
 from moec.errors import UserError
 from moec.formats.bitpack import pack_bits, unpack_bits
 from moec.runtime.config import ModelArgs
-from moec.runtime.kvrvq import RVQLayerCodec, RVQTier, RVQTieredCache
+from moec.runtime.rvq import RVQLayerCodec, RVQTier, RVQTieredCache
 
 
 def _blobs(G=3, N=600, v=4, k=8, seed=0):
@@ -140,7 +140,7 @@ def test_recipe_errors_name_the_field(rvq, match):
 
 
 def test_recipe_dims_must_divide_head_dim():
-    from moec.calibrate.fit_rvq import check_rvq_recipe
+    from moec.calibrate.rvq import check_rvq_recipe
 
     kv = parse_recipe({"kv": {"codec": "rvq-tiered", "bits": 2, "rvq": {"arch_dim": 3}}}).kv
     with pytest.raises(UserError, match="kv.rvq.arch_dim 3 does not divide the model's head_dim 64"):

@@ -10,8 +10,8 @@ import torch
 import yaml
 
 from moec.errors import FormatError
-from moec.runtime.kvrvq import build_rvq_codecs
 from moec.runtime.loader import load_model
+from moec.runtime.rvq import build_rvq_codecs
 from tests.cli.run import moec
 
 

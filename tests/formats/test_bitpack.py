@@ -46,8 +46,8 @@ def test_out_of_range_index_rejected():
 
 # -- every layout of the registry ------------------------------------------------------------------------
 # (layout, parameters, codes, bytes): small rows worked out by hand from the Layout docstrings; the same
-# bytes as the packers these replaced (kvquant.pack_codes, kvlatent.pack_planar / pack_trits,
-# kvrvq.pack_bits) gave.
+# bytes as the packers these replaced (nuq.pack_codes, latent.pack_planar / pack_trits,
+# rvq.pack_bits) gave.
 HAND = [
     (Layout.ROW, {"bits": 2}, [1, 2, 3, 0, 3], [1 | 2 << 2 | 3 << 4, 3]),  # padded to a whole byte
     (Layout.ROW, {"bits": 3}, [7, 0, 0, 0, 0, 0, 0, 0, 1], [7, 0, 0, 1, 0, 0]),
@@ -66,8 +66,8 @@ HAND = [
 ]
 
 # sha256 (first 16 hex digits) of the bytes of seeded random rows [3, 4, n], frozen from the packers these
-# replaced: kvquant.pack_codes (PLANAR 2/3/4), kvlatent.pack_planar (PLANAR 2/4), kvlatent.pack_trits,
-# kvrvq.pack_bits, and bitpack.pack (ROW)
+# replaced: nuq.pack_codes (PLANAR 2/3/4), latent.pack_planar (PLANAR 2/4), latent.pack_trits,
+# rvq.pack_bits, and bitpack.pack (ROW)
 FROZEN = [
     (Layout.ROW, {"bits": 2}, 64, "5d6b53bab6abef37"),
     (Layout.PLANAR, {"bits": 2}, 64, "8ef4cb6a88c817f0"),

@@ -1,6 +1,6 @@
 """Fused nuq-outlier decode attention vs its torch reference (TRITON_INTERPRET=1 on the CPU).
 
-Inputs come from the real codec (moec.runtime.kvquant.NUQOutlierCodec), so codes, scales and
+Inputs come from the real codec (moec.runtime.nuq.NUQOutlierCodec), so codes, scales and
 outlier residuals have the layout the cache stores. On the CPU the kernel's dots take exact fp32
 inputs, so kernel and reference differ only in summation order and split-K: tolerance 2e-5
 absolute plus 2e-5 relative on outputs of magnitude ~1-10. On the GPU the dots take fp16 inputs
@@ -19,8 +19,8 @@ import pytest  # noqa: E402
 
 from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref  # noqa: E402
 from moec.runtime.config import ModelArgs  # noqa: E402
-from moec.runtime.kvquant import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec  # noqa: E402
 from moec.runtime.kvtiered import TieredKVCache  # noqa: E402
+from moec.runtime.nuq import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL, RTOL = 2e-5, 2e-5  # exact fp32 dots on the CPU
@@ -109,7 +109,7 @@ def test_pre_rope_keys(out_mode):
 
 @pytest.mark.parametrize("pre_rope", [False, True])
 def test_key_center(pre_rope):
-    """Asymmetric keys (kvquant.NUQCenteredCodec): k = center + level·scale, before the rotation when
+    """Asymmetric keys (nuq.NUQCenteredCodec): k = center + level·scale, before the rotation when
     pre-RoPE; post-RoPE the kernel adds q·center to every history score."""
     args = _case(2, 8, 2, 64, 2, [96, 64], [40, 9], 0.01, seed=4)
     center = (torch.randn(2, 64) * 2).to(DEVICE)

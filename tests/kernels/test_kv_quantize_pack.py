@@ -18,8 +18,8 @@ import pytest  # noqa: E402
 
 from moec.kernels.kv_quantize_pack import kv_quantize_pack  # noqa: E402
 from moec.runtime.config import ModelArgs  # noqa: E402
-from moec.runtime.kvquant import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec  # noqa: E402
 from moec.runtime.kvtiered import TieredKVCache  # noqa: E402
+from moec.runtime.nuq import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

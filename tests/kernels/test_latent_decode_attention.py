@@ -137,8 +137,8 @@ def test_cache_decode_through_kernel(rope_pre, frac):
     """A LatentKVCache whose decode steps go through the kernel equals its torch path: post- and pre-RoPE
     keys, with and without the sparse residual, on a cross-layer group and a single layer."""
     from moec.runtime.config import ModelArgs
-    from moec.runtime.kvlatent import LatentCodec, LatentKVCache
-    from tests.runtime.test_kvlatent import _orth
+    from moec.runtime.latent import LatentCodec, LatentKVCache
+    from tests.runtime.test_latent import _orth
 
     args = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32,
                      max_seq_len=64)

@@ -10,7 +10,7 @@ import torch
 
 from moec.formats.bitpack import pack_bits
 from moec.kernels.rvq_lut_attention import CodeSegment, rvq_lut_attention, rvq_lut_attention_ref
-from moec.runtime.kvrvq import RVQTier
+from moec.runtime.rvq import RVQTier
 
 CUDA = torch.cuda.is_available()
 if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
@@ -82,7 +82,7 @@ def test_two_segments_and_splits_agree():
 def test_cache_decode_step_through_kernel():
     """RVQTieredCache with the kernel (archive + middle + window, GQA) equals the torch path of the same cache."""
     from moec.runtime.config import ModelArgs
-    from moec.runtime.kvrvq import RVQLayerCodec, RVQTieredCache
+    from moec.runtime.rvq import RVQLayerCodec, RVQTieredCache
 
     gen = torch.Generator().manual_seed(3)
     K, d = 2, 16

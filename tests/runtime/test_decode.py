@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from moec.runtime.decode import DecodeEngine, StaticFP16Cache, StaticTieredCache, bucket_for, evaluate_dec
-from moec.runtime.kvquant import FIXED_LEVELS, KIVICodec, NUQOutlierCodec
+from moec.runtime.kivi import KIVICodec
 from moec.runtime.kvtiered import tiered_cache_factory
+from moec.runtime.nuq import FIXED_LEVELS, NUQOutlierCodec
 from moec.runtime.perplexity import evaluate, make_windows
 
 W = 96  # a shortened window: 32 context + 63 decode steps, 3 history blocks at window 32 / block 16

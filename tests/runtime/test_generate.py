@@ -29,8 +29,8 @@ def test_greedy_matches_transformers(arch, tmp_path):
 
 def test_static_and_dynamic_paths_agree_with_tiered_cache(tmp_path):
     """The static engine and the dynamic TieredKVCache produce the same greedy tokens (nuq-outlier, pre-RoPE keys)."""
-    from moec.runtime.kvquant import FIXED_LEVELS, NUQOutlierCodec
     from moec.runtime.kvtiered import tiered_cache_factory
+    from moec.runtime.nuq import FIXED_LEVELS, NUQOutlierCodec
 
     make_tiny("mixtral", tmp_path)
     model, _ = load_model(tmp_path)

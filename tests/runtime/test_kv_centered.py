@@ -1,18 +1,18 @@
-"""The nuq-outlier options (kvquant.NUQCenteredCodec: key centers, query-weighted key outliers; fit_kv's
+"""The nuq-outlier options (nuq.NUQCenteredCodec: key centers, query-weighted key outliers; calibrate/nuq.py's
 centered / MSE scales), their recipe validation, and simulated decode (kvsim) against real decode."""
 
 import pytest
 import torch
 
-from moec.calibrate.fit_kv import KVSampler, center_scale, channel_scale, fit_layer, mse_scale, query_rms
+from moec.calibrate.nuq import KVSampler, center_scale, channel_scale, fit_layer, mse_scale, query_rms
 from moec.calibrate.recipe import parse_recipe
 from moec.errors import UserError
 from moec.runtime.config import ModelArgs
 from moec.runtime.kvcache import causal_attention
-from moec.runtime.kvquant import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec
 from moec.runtime.kvsim import SimulatedTieredCache
 from moec.runtime.kvtiered import TieredKVCache
 from moec.runtime.loader import load_model
+from moec.runtime.nuq import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec
 from moec.runtime.perplexity import CONTEXT
 
 ARGS = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,

@@ -5,7 +5,7 @@ helpers and byte formula this subclass reuses).
 A group is G adjacent layers (G = 1: latent-head). When a block of `block` tokens leaves the fp16
 window, its keys and values of all the group's layers are concatenated per token,
 x = [layer, kv head, channel] (D = G·K·d), and stored as
-    codes    the latent z = W_down (x − mean), r dims, W_down = basis^T (PCA, moec/calibrate/fit_latent.py),
+    codes    the latent z = W_down (x − mean), r dims, W_down = basis^T (PCA, moec/calibrate/latent.py),
              at `bits` per latent element: 16 (fp16), 2/3/4 (uniform mid-rise grid of [−scale, scale]
              per latent channel, offline scales) or 1 = ternary (seed 001's sub-2-bit option: levels
              {−scale, 0, +scale}, five trits per byte, 1.6 bits per element)

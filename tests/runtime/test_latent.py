@@ -1,4 +1,4 @@
-"""Latent KV codec and cache (moec/runtime/kvlatent.py), on the CPU in fp32."""
+"""Latent KV codec and cache (moec/runtime/latent.py), on the CPU in fp32."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from moec.errors import FormatError
 from moec.formats.bitpack import pack_planar, pack_trits, unpack_planar, unpack_trits
 from moec.runtime.config import ModelArgs
 from moec.runtime.kvcache import DenseKVCache
-from moec.runtime.kvlatent import LatentCodec, LatentKVCache, build_latent_codecs
+from moec.runtime.latent import LatentCodec, LatentKVCache, build_latent_codecs
 
 ARGS = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
                  max_seq_len=512)

@@ -1,9 +1,10 @@
-"""Latent KV fitting (moec/calibrate/fit_latent.py) and recipe validation for the latent codecs."""
+"""Latent KV fitting (moec/calibrate/latent.py) and recipe validation for the latent codecs."""
 
 import pytest
 import torch
 
-from moec.calibrate.fit_latent import (
+from moec.calibrate.kvconfig import LatentConfig, LatentKVConfig
+from moec.calibrate.latent import (
     LatentSampler,
     check_latent_recipe,
     concat_group,
@@ -14,11 +15,10 @@ from moec.calibrate.fit_latent import (
     pca,
     rank_for_energy,
 )
-from moec.calibrate.kvconfig import LatentConfig, LatentKVConfig
 from moec.calibrate.recipe import load_recipe, parse_recipe
 from moec.errors import UserError
 from moec.runtime.config import ModelArgs
-from moec.runtime.kvlatent import dequantize_latent, quantize_latent
+from moec.runtime.latent import dequantize_latent, quantize_latent
 
 ARGS = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16)
 

@@ -1,7 +1,7 @@
-"""Calibration of the tiered residual-VQ KV cache (seed 002; moec/runtime/kvrvq.py): pure fp32 fitting.
+"""Calibration of the tiered residual-VQ KV cache (seed 002; moec/runtime/rvq.py): pure fp32 fitting.
 
 Per layer, keys (post- or pre-RoPE, as `kv.rvq.rope` says) and values sampled during the layer loop
-(fit_kv.KVSampler, [N, K, d]) are cut into P = d / dim sub-vectors; each sub-vector position (and
+(nuq.KVSampler, [N, K, d]) are cut into P = d / dim sub-vectors; each sub-vector position (and
 KV head, unless `shared_heads`) gets its own codebook per stage. Stage 1 is k-means on the
 sub-vectors, stage s on the residuals stages 1..s-1 leave (residual VQ: Juang & Gray 1982; for KV,
 Kumar 2024 and CommVQ). Written to calib.safetensors as
@@ -20,13 +20,13 @@ import time
 import torch
 
 from ..errors import UserError
-from ..runtime.kvrvq import RVQTier
+from ..runtime.rvq import RVQTier
 from .kmeans import kmeans
 
 
 def rvq_sampler(kv, seed: int):
     """K/V samples for the residual-VQ codebooks (k-means runs on the calibration device)."""
-    from .fit_kv import KVSampler
+    from .nuq import KVSampler
 
     return KVSampler(max_tokens=kv.rvq.max_samples, seed=seed)
 

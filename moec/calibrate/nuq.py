@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from ..runtime.kvquant import FIXED_LEVELS
+from ..runtime.nuq import FIXED_LEVELS
+from .kivi import check_packs
 
 
 class KVSampler:
@@ -179,22 +180,9 @@ def quant_error(x: torch.Tensor, levels: torch.Tensor) -> float:
     return (levels[idx] - x).pow(2).mean().item()
 
 
-def _check_packs(args, kv) -> None:
-    d = args.head_dim
-    if (d * kv.bits) % 8 or (kv.bits == 3 and d % 8):
-        raise UserError(f"kv.bits {kv.bits}: head_dim {d} does not pack into whole bytes")
-
-
-def check_kivi(args, kv) -> None:
-    """Refuse kivi settings the model's shapes cannot take (UserError naming the field)."""
-    if args.head_dim % kv.group_size:
-        raise UserError(f"kv.group_size {kv.group_size} does not divide the model's head_dim {args.head_dim}")
-    _check_packs(args, kv)
-
-
 def check_kv_recipe(args, kv) -> None:
     """Refuse nuq-outlier settings the model's shapes cannot take (UserError naming the field)."""
-    _check_packs(args, kv)
+    check_packs(args, kv)
     if kv.block * args.head_dim > 32767:
         raise UserError(f"kv.block {kv.block}: block × head_dim must fit int16 outlier indices (≤ 32767)")
 

@@ -7,9 +7,10 @@ import torch
 
 from moec.formats.bitpack import pack_planar, unpack_planar
 from moec.runtime.config import ModelArgs
+from moec.runtime.kivi import KIVICodec
 from moec.runtime.kvcache import DenseKVCache, causal_attention
-from moec.runtime.kvquant import FIXED_LEVELS, KIVICodec, NUQOutlierCodec
 from moec.runtime.kvtiered import TieredKVCache
+from moec.runtime.nuq import FIXED_LEVELS, NUQOutlierCodec
 
 ARGS = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                  max_seq_len=512)

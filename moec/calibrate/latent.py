@@ -23,7 +23,7 @@ import math
 import torch
 
 from ..errors import UserError
-from ..runtime.kvlatent import dequantize_latent, quantize_latent
+from ..runtime.latent import dequantize_latent, quantize_latent
 
 
 class LatentSampler:

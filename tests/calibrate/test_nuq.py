@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moec.calibrate.fit_kv import channel_scale, fit_layer, kmeans_1d, quant_error
+from moec.calibrate.nuq import channel_scale, fit_layer, kmeans_1d, quant_error
 from moec.calibrate.recipe import parse_recipe
 from moec.errors import UserError
 

@@ -16,7 +16,7 @@ sink and block eviction this cache inherits):
     [s + n·block, length)               window, fp16
 A block moves to the archive once all its tokens are at least `archive_after` tokens back
 (tokens − block_end ≥ archive_after). There is no fp16 copy left by then, so it is re-encoded from
-the middle tier's reconstruction (moec/calibrate/fit_rvq.py reports the extra error that costs
+the middle tier's reconstruction (moec/calibrate/rvq.py reports the extra error that costs
 against encoding the original). `archive_after = 0`: one tier.
 
 Codes are bit-packed per token (moec/formats/bitpack.py Layout.BITSTREAM): code j = s·P + p (stage-major)
