@@ -13,8 +13,12 @@ ppl_tf against the source model's logits (computed once). Its rows reproduce the
 path (same quantizers, same statistics; `moec calibrate` fits attention projections too, with the
 same q/k/v and o Hessians as `capture` below).
 
-Method spec: `<codec><bits>[:g<group>][:nogptq][:refit<N>][:noact]`, codec in hls, rtn, fp3, hqq,
-fp8 (no bits). Bits per weight are from the bytes of the stored parts (codes, codebooks, scales)
+Method spec: `<codec><bits>[:g<group>][:nogptq][:refit<N>][:noact][:had<B>]`, codec in hls, rtn, fp3,
+hqq, fp8 (no bits). `had<B>`: incoherence processing (QuIP#, QuaRot; issue 17) simulated exactly: each
+matrix is fitted in a rotated input basis, W' = W Rᵀ with H' = R H Rᵀ, R = blockdiag(Hadamard_B)·diag(±1)
+/ √B (B a power of two dividing the input dim; random signs seeded per matrix), and W_hat = W'_hat R,
+which is what a kernel that rotates its input (or a neighbouring op that folds R in) would compute.
+Bits per weight are from the bytes of the stored parts (codes, codebooks, scales)
 over the targeted matrices; HQQ: b + 32/g (its fp16 scale and zero per group).
 """
 
@@ -46,7 +50,7 @@ def parse_method(spec: str) -> dict:
     codec = head if head in ("fp3", "fp8") else head.rstrip("0123456789")
     m = {"spec": spec, "codec": codec, "bits": int(head[2:] if codec in ("fp3", "fp8") else head[len(codec):]),
          "group": 0, "gptq": True,
-         "refit": 1, "act_order": True, "kd": 0}
+         "refit": 1, "act_order": True, "kd": 0, "had": 0}
     for o in opts:
         if o.startswith("g"):
             m["group"] = int(o[1:])
@@ -58,6 +62,8 @@ def parse_method(spec: str) -> dict:
             m["act_order"] = False
         elif o.startswith("kd"):
             m["kd"] = int(o[2:])
+        elif o.startswith("had"):
+            m["had"] = int(o[3:])
         else:
             raise SystemExit(f"unknown method option {o!r} in {spec!r}")
     return m
@@ -125,6 +131,17 @@ def capture(ck: HFCheckpoint, tokens: torch.Tensor, names: list[str], policy: st
     return H, report
 
 
+def block_hadamard(n: int, block: int, seed: int) -> torch.Tensor:
+    """R [n, n] orthogonal: blockdiag(Sylvester Hadamard of `block`) · diag(random ±1) / √block."""
+    if block & (block - 1) or n % block:
+        raise SystemExit(f"had{block}: the block must be a power of two dividing the input dim {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    return torch.block_diag(*[h] * (n // block)) * signs[None, :] / block**0.5
+
+
 def stored_bytes(stored: dict) -> int:
     return sum(t.numel() * t.element_size() for t in stored.values())
 
@@ -137,6 +154,11 @@ def quantize_all(state: dict, H: dict, names: list[str], m: dict, kd_data=None) 
     for n in names:
         W0 = state[n].float()
         W3 = W0 if W0.dim() == 3 else W0[None]  # [E, O, I]
+        Hn, R = H.get(n), None
+        if m["had"]:  # fit in the rotated basis: W' = W Rᵀ, H' = R H Rᵀ (W' R x = W x)
+            R = block_hadamard(W3.shape[2], m["had"], seed=names.index(n))
+            W3 = W3 @ R.T
+            Hn = None if Hn is None else R @ Hn @ R.T
         if m["codec"] == "hqq":
             from hqq.core.quantize import Quantizer
 
@@ -148,16 +170,18 @@ def quantize_all(state: dict, H: dict, names: list[str], m: dict, kd_data=None) 
             Wh = Quantizer.dequantize(q, meta).reshape(E, O, I).float()
             nbits += W3.numel() * (m["bits"] + 32 / g)
         else:
-            stored = hls.quantize(W3, H.get(n), m["codec"], m["bits"], m["group"], gptq=m["gptq"],
+            stored = hls.quantize(W3, Hn, m["codec"], m["bits"], m["group"], gptq=m["gptq"],
                                   refit_rounds=m["refit"], act_order=m["act_order"])
             Wh = hls.dequantize(m["codec"], m["bits"], tuple(W3.shape), stored)
             nbits += 8 * stored_bytes(stored)
             fitted[n] = stored
         assert torch.isfinite(Wh).all(), n
+        if R is not None:
+            Wh = Wh @ R  # back to the original basis
         numel += W3.numel()
         new[n] = Wh.reshape(W0.shape)
     if m["kd"]:
-        assert m["codec"] == "hls", "kd tunes hls codebooks"
+        assert m["codec"] == "hls" and not m["had"], "kd tunes hls codebooks in the original basis"
         new.update(tune_luts(kd_data[0], state, fitted, m, kd_data[1], m["kd"]))
     return new, nbits / numel
 
@@ -283,7 +307,7 @@ def main() -> None:
         rec = base_record("hls-study", "cpu") | {
             "model": a.model, "scope": a.scope, "method": m["spec"], "codec": m["codec"], "bits": m["bits"],
             "group_size": m["group"], "gptq": m["gptq"] and m["codec"] in ("hls", "fp3"), "refit_rounds": m["refit"],
-            "kd_steps": m["kd"],
+            "kd_steps": m["kd"], "hadamard_block": m["had"],
             "act_order": m["act_order"], "q_bits": bits, "q_bits_note": "stored bytes of codes+codebooks+scales"
             if m["codec"] != "hqq" else "b + 32/g (fp16 scale, zero)",
             "context": W, "batch": 1, "mode": "tf", "dtype": "fp32", "data": "ptb/test",
