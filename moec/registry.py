@@ -8,8 +8,8 @@ random stand-in for `moec pack --random`. Code that used to branch on codec name
 the test module alone: tests/test_codec_registry.py).
 
 Codecs outside the package: modules named in `MOEC_PLUGINS` (comma-separated) and the entry points of
-group `moec.codecs` are imported when the registry is, so their `register_*` calls reach every moec
-command (tests/test_codec_registry.py runs the CLI with MOEC_PLUGINS naming the test module).
+group `moec.codecs` are imported at the registry's first lookup, so their `register_*` calls reach every
+moec command (tests/test_codec_registry.py runs the CLI with MOEC_PLUGINS naming the test module).
 
 A hook is either a callable or a "module:attribute" string resolved on first use: the built-in specs
 below name their hooks by string so that importing the registry imports no codec module, and so that
@@ -28,7 +28,7 @@ KV codec hooks (`args` is the model's runtime.config.ModelArgs, `cfg` the codec'
     layer_codecs(section, tensors, args) -> [per-layer block codec]   for tiered block codecs: the
                        tiered caches (runtime/kvtiered.py, runtime/decode.py) and the simulated decode
                        mode serve every such codec; FormatError on a mismatch with the model
-    cache_factory(section, tensors, args, simulated=False) -> make(model, batch, max_len)
+    cache_factory(section, tensors, args) -> make(model, batch, max_len)
                        for codecs with their own cache (latent, rvq); tiered codecs leave it None
     static_cache(section, tensors, args) -> make(model, batch, max_len)   the same codec in the static
                        CUDA-graph engine (runtime/decode.py) where it needs its own class (latent, rvq);
@@ -127,20 +127,32 @@ def register_weight(spec: WeightCodecSpec, replace: bool = False) -> WeightCodec
     return spec
 
 
-def kv_codec(name: str) -> KVCodecSpec:
-    spec = KV_CODECS.get(name)
+def kv_codecs() -> dict[str, KVCodecSpec]:
+    """Every registered KV codec, plugins included."""
+    load_plugins()
+    return KV_CODECS
+
+
+def weight_codecs() -> dict[str, WeightCodecSpec]:
+    """Every registered weight codec, plugins included."""
+    load_plugins()
+    return WEIGHT_CODECS
+
+
+def _lookup(table: dict, what: str, name: str):
+    spec = table.get(name)
     if spec is None:
-        raise UserError(f"kv codec {name!r} is not registered in this moec version "
-                        f"(registered: {', '.join(KV_CODECS)})")
+        raise UserError(f"{what} codec {name!r} is not registered in this moec version "
+                        f"(registered: {', '.join(table)})")
     return spec
+
+
+def kv_codec(name: str) -> KVCodecSpec:
+    return _lookup(kv_codecs(), "kv", name)
 
 
 def weight_codec(name: str) -> WeightCodecSpec:
-    spec = WEIGHT_CODECS.get(name)
-    if spec is None:
-        raise UserError(f"weights codec {name!r} is not registered in this moec version "
-                        f"(registered: {', '.join(WEIGHT_CODECS)})")
-    return spec
+    return _lookup(weight_codecs(), "weights", name)
 
 
 # -- built-in codecs ---------------------------------------------------------------------------------
@@ -188,8 +200,17 @@ register_weight(WeightCodecSpec(
     random_stored=f"{_W}:random_fp8", kernel_mode=2))
 
 
+_plugins_loaded = False
+
+
 def load_plugins() -> None:
-    """Import the codec plugins: `MOEC_PLUGINS` modules, then `moec.codecs` entry points."""
+    """Import the codec plugins once, at the first lookup (not at import, so a bad `MOEC_PLUGINS` is a
+    one-line usage error from the CLI, not a traceback): `MOEC_PLUGINS` modules, then `moec.codecs`
+    entry points."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
     from importlib.metadata import entry_points
 
     for name in filter(None, (m.strip() for m in os.environ.get("MOEC_PLUGINS", "").split(","))):
@@ -199,6 +220,3 @@ def load_plugins() -> None:
             raise UserError(f"MOEC_PLUGINS: cannot import {name!r} ({e})") from None
     for ep in entry_points(group="moec.codecs"):
         ep.load()
-
-
-load_plugins()

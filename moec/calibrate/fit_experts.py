@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import UserError
-from ..registry import WEIGHT_CODECS, weight_codec
+from ..registry import weight_codec, weight_codecs
 from ..runtime.config import ModelArgs
 from ..runtime.experts import ATTN_PARAM
 from ..runtime.model import Transformer
@@ -170,7 +170,7 @@ class ExpertFitter:
 
         hls_params = {n: r for n, r in self.targets.items() if weight_codec(r.codec).tunable}
         if not hls_params:
-            tunable = ", ".join(n for n, s in WEIGHT_CODECS.items() if s.tunable)
+            tunable = ", ".join(n for n, s in weight_codecs().items() if s.tunable)
             raise UserError(f"calibration.tune_steps tunes codebooks end to end, and no weights rule of this recipe "
                             f"uses a codec that has them ({tunable})")
         t0 = time.time()

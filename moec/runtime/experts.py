@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import bitpack
-from ..registry import WEIGHT_CODECS, weight_codec
+from ..registry import weight_codec, weight_codecs
 from .backend import kernels_enabled
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def dequantize(codec: str, bits: int, shape: tuple[int, int, int], stored: dict)
 
 def is_quantized(codec: str) -> bool:
     """A registered weight codec other than keep (its parts are stored under `param`)."""
-    return codec in WEIGHT_CODECS and codec != "keep"
+    return codec in weight_codecs() and codec != "keep"
 
 
 class QuantMatrix(nn.Module):

@@ -56,16 +56,17 @@ def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32,
 
 def kv_codec_spec(section: dict):
     """The registered spec of a checkpoint's KV codec (FormatError: a codec this moec does not know)."""
-    from ..registry import KV_CODECS
+    from ..registry import kv_codecs
 
-    spec = KV_CODECS.get(section["codec"])
+    codecs = kv_codecs()
+    spec = codecs.get(section["codec"])
     if spec is None or spec.name == "fp16":
         raise FormatError(f"KV codec {section['codec']!r} is not one this runtime executes "
-                          f"(registered: {', '.join(c for c in KV_CODECS if c != 'fp16')})")
+                          f"(registered: {', '.join(c for c in codecs if c != 'fp16')})")
     return spec
 
 
-def kv_cache_factory(info: dict, args: ModelArgs, simulated: bool = False):
+def kv_cache_factory(info: dict, args: ModelArgs):
     """The cache factory `evaluate` takes, for the KV codec a packed checkpoint records (None: fp16), from
     the codec's registered spec: the tiered cache for block codecs, the codec's own cache otherwise.
 
@@ -77,7 +78,5 @@ def kv_cache_factory(info: dict, args: ModelArgs, simulated: bool = False):
     if spec.tiered:
         from .kvtiered import build_codecs, tiered_cache_factory
 
-        return tiered_cache_factory(section, build_codecs(section, tensors, args), simulated=simulated)
-    if simulated:
-        return spec.hook("cache_factory")(section, tensors, args, simulated=True)
+        return tiered_cache_factory(section, build_codecs(section, tensors, args))
     return spec.hook("cache_factory")(section, tensors, args)

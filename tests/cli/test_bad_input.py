@@ -148,3 +148,11 @@ def test_usage_errors_are_one_line(args, needle):
     """Unknown options and missing option values: click's usage error (typer ships its own click copy,
     whose errors must not surface as an internal error)."""
     assert_clean_failure(moec(*args), needle)
+
+
+def test_bad_codec_plugin_is_one_line(tiny_moe_dir, tmp_path, monkeypatch):
+    """MOEC_PLUGINS naming a module that does not import: a usage error (exit 2) at the first codec lookup."""
+    monkeypatch.setenv("MOEC_PLUGINS", "no_such_codec_module")
+    out = tmp_path / "calib"
+    assert_clean_failure(calibrate(tiny_moe_dir, out, recipe="recipes/kv-kivi2.yaml"),
+                         "MOEC_PLUGINS: cannot import 'no_such_codec_module'", outputs=[out])
