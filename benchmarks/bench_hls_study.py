@@ -37,6 +37,7 @@ from moec.calibrate.fit_experts import ExpertFitter
 from moec.calibrate.hessian import ExpertHessians, accumulate_hessian, regularize
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
 from moec.cli.common import base_record, write_json_atomic
+from moec.rotation import block_hadamard
 from moec.runtime.hf_layout import HFCheckpoint
 from moec.runtime.model import Block, build_model, rope_cos_sin
 from moec.runtime.perplexity import Totals, make_windows
@@ -129,17 +130,6 @@ def capture(ck: HFCheckpoint, tokens: torch.Tensor, names: list[str], policy: st
         del block, sd
         print(f"capture layer {i}", flush=True)
     return H, report
-
-
-def block_hadamard(n: int, block: int, seed: int) -> torch.Tensor:
-    """R [n, n] orthogonal: blockdiag(Sylvester Hadamard of `block`) · diag(random ±1) / √block."""
-    if block & (block - 1) or n % block:
-        raise SystemExit(f"had{block}: the block must be a power of two dividing the input dim {n}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < block:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
-    return torch.block_diag(*[h] * (n // block)) * signs[None, :] / block**0.5
 
 
 def stored_bytes(stored: dict) -> int:

@@ -85,11 +85,17 @@ class NUQConfig(TieredConfig):
     # key outliers: largest |k/scale|, or largest rounding error weighted by the channel's query RMS
     outlier_select: Literal["magnitude", "weighted-error"] = "magnitude"
     k_scale_fit: Literal["quantile", "mse"] = "quantile"  # key scale: quantile of |k|, or MSE-searched
+    # keys and values rotated along head_dim by a per-layer randomized Hadamard before quantization
+    # (QuaRot); the cache attends in the rotated basis (q rotated, the output rotated back)
+    rotate: Literal["none", "hadamard"] = "none"
 
     def __post_init__(self):
         super().__post_init__()
         if not 0.0 <= self.outlier_frac <= 0.1:
             raise UserError(f"kv.outlier_frac must be in [0, 0.1], got {self.outlier_frac}")
+        if self.rotate != "none" and self.rope == "pre":
+            raise UserError("kv.rotate: a head_dim rotation needs rope: post (pre-RoPE keys are rotated by RoPE "
+                            "after decoding, which does not commute with it)")
 
 
 @dataclass

@@ -12,6 +12,9 @@ Fitted per layer (stored in calib.safetensors, copied by `moec pack` into the ch
                                      being half their distance (asymmetric keys)
     kv.layers.{i}.k_weight  [K, d]   (`outlier_select: weighted-error`) RMS of the queries of the
                                      KV head's group per channel, averaged over each RoPE pair
+    kv.layers.{i}.rotation  [d, d]   (`rotate: hadamard`) the layer's randomized Hadamard R
+                                     (moec/rotation.py, seed = layer index): everything above is
+                                     fitted on k·R and v·R, the basis the cache stores and attends in
 With `k_scale_fit: mse` the key scale is the multiple (0.4..1.3) of the quantile scale that minimizes,
 per channel, the squared rounding error of the calibration keys outside the largest outlier_frac
 (those are kept as outliers); levels are refitted for it.
@@ -25,25 +28,29 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
+from ..rotation import block_hadamard
 from ..runtime.nuq import FIXED_LEVELS
 from .kivi import check_packs
 
 
 class KVSampler:
     """Keeps a random subset of up to `max_tokens` token positions per layer of k_pre, k, v: [N, K, d],
-    and the sum of squared queries per layer over all tokens ([H, d], for `query_rms`)."""
+    and the sums of squared queries per layer over all tokens ([H, d], for `query_rms`; [H, d, d] outer
+    products too, for the query RMS in a rotated basis)."""
 
     def __init__(self, max_tokens: int = 4096, seed: int = 0):
         self.max_tokens, self.gen = max_tokens, torch.Generator().manual_seed(seed)
         self.samples: dict[tuple[int, str], list[torch.Tensor]] = {}
         self.count: dict[tuple[int, str], int] = {}
         self.q_sq: dict[int, torch.Tensor] = {}
+        self.q_outer: dict[int, torch.Tensor] = {}
         self.q_n: dict[int, int] = {}
 
     def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
         if name == "q":  # [B, H, T, d]
-            sq = t.detach().float().pow(2).sum((0, 2)).cpu()
-            self.q_sq[layer] = self.q_sq.get(layer, 0) + sq
+            qf = t.detach().float()
+            self.q_sq[layer] = self.q_sq.get(layer, 0) + qf.pow(2).sum((0, 2)).cpu()
+            self.q_outer[layer] = self.q_outer.get(layer, 0) + torch.einsum("bhtc,bhte->hce", qf, qf).cpu()
             self.q_n[layer] = self.q_n.get(layer, 0) + t.shape[0] * t.shape[2]
             return
         if name not in ("k_pre", "k", "v"):
@@ -81,9 +88,16 @@ def center_scale(x: torch.Tensor, outlier_frac: float) -> tuple[torch.Tensor, to
     return (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-6)
 
 
-def query_rms(sampler: KVSampler, layer: int, n_kv_heads: int) -> torch.Tensor:
+def query_rms(sampler: KVSampler, layer: int, n_kv_heads: int, rotation: torch.Tensor | None = None) -> torch.Tensor:
     """[K, d]: RMS over tokens and the KV head's query group of each query channel, averaged over the
-    RoPE rotation pairs (c, c + d/2), whose energy rotation preserves: the same weight pre- or post-RoPE."""
+    RoPE rotation pairs (c, c + d/2), whose energy rotation preserves: the same weight pre- or post-RoPE.
+    With a head_dim `rotation` R: the RMS of the channels of q·R (post-RoPE; no pair averaging, R mixes
+    the pairs), from the queries' second moments."""
+    if rotation is not None:
+        outer = sampler.q_outer[layer] / sampler.q_n[layer]  # [H, d, d]
+        ms = torch.einsum("ce,hcf,fe->he", rotation, outer, rotation)  # diag(Rᵀ C R) per head
+        H, d = ms.shape
+        return ms.view(n_kv_heads, H // n_kv_heads, d).mean(1).clamp_min(0).sqrt()
     ms = sampler.q_sq[layer] / sampler.q_n[layer]  # [H, d]
     H, d = ms.shape
     ms = ms.view(n_kv_heads, H // n_kv_heads, d).mean(1)
@@ -196,15 +210,21 @@ def fit_kv_tensors(args, kv, sampler: KVSampler, device: str = "cpu") -> tuple[d
     """Per-layer nuq-outlier tensors (names `kv.layers.{i}.*`) and a report of normalized-domain MSEs."""
     tensors, report = {}, {"codec": kv.codec, "bits": kv.bits, "rope": kv.rope, "levels": kv.levels,
                            "outlier_frac": kv.outlier_frac, "k_center": kv.k_center,
-                           "outlier_select": kv.outlier_select, "k_scale_fit": kv.k_scale_fit, "layers": []}
+                           "outlier_select": kv.outlier_select, "k_scale_fit": kv.k_scale_fit,
+                           "rotate": kv.rotate, "layers": []}
     for i in range(args.n_layers):
         k = sampler.get(i, "k_pre" if kv.rope == "pre" else "k")
         v = sampler.get(i, "v")
+        rot = block_hadamard(args.head_dim, seed=i) if kv.rotate == "hadamard" else None
+        if rot is not None:
+            k, v = k @ rot, v @ rot
         fit = fit_layer(k, v, kv.bits, kv.outlier_frac, kv.levels, kv.k_center, kv.k_scale_fit)
         if kv.outlier_select == "weighted-error":
             if i not in sampler.q_sq:
                 raise ValueError(f"layer {i}: no query statistics were captured for outlier_select weighted-error")
-            fit["k_weight"] = query_rms(sampler, i, args.n_kv_heads)
+            fit["k_weight"] = query_rms(sampler, i, args.n_kv_heads, rot)
+        if rot is not None:
+            fit["rotation"] = rot
         kc = k - fit["k_center"] if "k_center" in fit else k
         for name, t in fit.items():
             tensors[f"kv.layers.{i}.{name}"] = t.float().contiguous()

@@ -76,6 +76,12 @@ NUM_SMS = 132  # H200; only sizes the split count (programs ~ WAVES waves)
 # launch defaults on CUDA: the fastest of benchmarks/bench_kv_attention.py --sweep at 32k batch 16 on
 # the H200 (benchmarks/results/kv_attention_sweep_h200.json)
 CONFIG = {"block_t": 32, "num_warps": 4, "num_stages": 2, "lazy": True, "waves": 4, "out_mode": 1}
+# without sparse residuals (a Hadamard-rotated cache, recipes/kv-nuq2-rot.yaml): the fastest of
+# benchmarks/bench_nuq_attention.py --sweep-runtime, CUDA-graph replays on the H200
+# (results/nuq_attention_h200.json): 64-token tiles, 3 stages, ~4 waves of programs when there are few
+# (batch · KV heads <= 32: batch 1 at 32k 1.09 ms against 1.26 with CONFIG), 16 when there are many
+# (32k batch 16: 13.7 against 15.7 ms)
+CONFIG_DENSE = {"block_t": 64, "num_stages": 3, "waves": 4, "waves_many": 16, "many": 32}
 
 
 _LAST: dict = {}  # the last compiled kernel (registers / spills for the benchmark's sweep)
@@ -550,6 +556,11 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     cuda = q.is_cuda and not _interpreting()
     precision = precision or CONFIG.get("precision") or ("fp16" if cuda else "ieee")
     assert precision in ("fp16", "ieee"), precision
+    if cuda and nout == 0:  # launch defaults of the residual-free cache
+        dense = CONFIG_DENSE
+        block_t = block_t or (dense["block_t"] if dense["block_t"] % block == 0 else None)
+        num_stages = num_stages or dense["num_stages"]
+        waves = waves or (dense["waves_many"] if B * K > dense["many"] else dense["waves"])
     block_t = block_t or max(block, CONFIG["block_t"] if cuda else block)
     assert block_t % block == 0 and block_t & (block_t - 1) == 0, (block_t, block)
     deq = (1 if cuda and bits == 2 and precision == "fp16" else 0) if deq is None else deq

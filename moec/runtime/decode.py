@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from .backend import kernels_enabled
 from .config import ModelArgs
-from .kvtiered import HistoryStore, TierPolicy, kernel_path, rope_table
+from .kvtiered import HistoryStore, LayerRotations, TierPolicy, kernel_path, rope_table
 from .model import MoE, Transformer, rope_cos_sin, route
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,7 @@ class StaticTieredCache:
         # the history (and, on the torch path, its dequantized mirror): kvtiered.HistoryStore, or a subclass's
         self.store = self._make_store(None if self.use_kernel else mirror_dtype)
         self.hist, self.mirror = self.store.hist, self.store.mirror
+        self.rot = LayerRotations.of(codecs, self.device)  # head_dim rotations (nuq-outlier rotate: hadamard)
         self.groups = self._layer_groups()  # layers encoded together (one each for block codecs)
         self.group_of = {i: g for g, layers in enumerate(self.groups) for i in layers}
         self._pending: dict[tuple[int, int], dict] = {}  # (row, layer) -> prompt blocks awaiting their group
@@ -191,6 +192,11 @@ class StaticTieredCache:
     # -- the step (graph-safe: no host reads of device values) -----------------------------------------
 
     def attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
+        if self.rot is not None:
+            return self.rot.attend(self._attend, layer, q, k, v, start_pos)
+        return self._attend(layer, q, k, v, start_pos)
+
+    def _attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
         b, H, _, d = q.shape
         K = k.shape[1]
         rows = self.rows[:b]
@@ -261,6 +267,8 @@ class StaticTieredCache:
     def prefill_row(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [K, T, d] (post-RoPE) of positions 0..T-1 into an empty row; encodes older blocks."""
         assert self.n_blocks[row] == 0 and self.length[row] == 0, "prefill_row needs an empty row"
+        if self.rot is not None:
+            k, v = self.rot.rotate(layer, k), self.rot.rotate(layer, v)
         T = k.shape[1]
         s, blk = min(self.sinks, T), self.block
         nb = self.policy.blocks_at(T)

@@ -35,6 +35,11 @@ class SimulatedTieredCache:
         self.args = args
 
     def attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
+        if self.ref is not None and self.ref.rot is not None:  # the cache's head_dim rotation, as it applies it
+            return self.ref.rot.attend(self._attend, layer, q, k, v, start_pos)
+        return self._attend(layer, q, k, v, start_pos)
+
+    def _attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
         assert start_pos == 0, "simulated decode runs one forward per window"
         B, H, S, d = q.shape
         kf, vf = k.half().to(q.dtype), v.half().to(q.dtype)  # what the cache stores

@@ -75,6 +75,38 @@ def rotate(args: ModelArgs, x: torch.Tensor, pos0: int, inverse: bool) -> torch.
     return apply_rope(x, cos, -sin if inverse else sin)
 
 
+class LayerRotations:
+    """The codecs' head_dim rotations R [d, d] (nuq-outlier `rotate: hadamard`), per layer, kept in each dtype
+    the model may attend in (made here, so never inside a CUDA-graph capture; d×d per layer each).
+
+    A cache with rotations stores k·R and v·R, attends with q·R (q·k and the softmax are unchanged: R is
+    orthogonal) and returns (Σ p·v·R)·Rᵀ: the rotation sits outside every attention path (torch, fused
+    kernel, simulated), which attend in the rotated basis."""
+
+    def __init__(self, rots: list[torch.Tensor]):
+        self.by_dtype = {dt: [r.to(dt) for r in rots] for dt in (torch.float32, torch.bfloat16, torch.float16)}
+
+    @classmethod
+    def of(cls, codecs: list, device) -> LayerRotations | None:
+        rots = [getattr(c, "rotation", None) for c in codecs]
+        return None if all(r is None for r in rots) else cls([r.to(device) for r in rots])
+
+    def get(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.by_dtype[dtype][layer]
+
+    def attend(self, attend, layer: int, q, k, v, start_pos) -> torch.Tensor:
+        """attend(layer, q·R, k·R, v·R, start_pos)·Rᵀ in q's dtype: one concatenation and two products per
+        layer (each a kernel launch in a decode step)."""
+        R = self.get(layer, q.dtype)
+        H, K = q.shape[1], k.shape[1]
+        qkv = torch.cat([q, k.to(q.dtype), v.to(q.dtype)], dim=1) @ R
+        out = attend(layer, qkv[:, :H], qkv[:, H : H + K], qkv[:, H + K :], start_pos)
+        return out.to(q.dtype) @ R.T
+
+    def rotate(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ self.by_dtype[torch.float32][layer]
+
+
 class TierPolicy(NamedTuple):
     """The one tier rule every tiered cache follows (dynamic, static, simulated, latent, RVQ).
 
@@ -225,6 +257,7 @@ class TieredKVCache:
         # the decode kernels' `rope` argument for pre-RoPE keys (made here even when use_kernel is off: it may be
         # switched on later)
         self.rope_table = rope_table(args, sinks, self.device) if rope_pre else None
+        self.rot = LayerRotations.of(codecs, self.device)
 
     def _alloc(self, fields: dict) -> dict[str, torch.Tensor]:
         return alloc_fields(fields, self.batch, self.args.n_kv_heads, self.max_blocks, self.block, self.device)
@@ -252,6 +285,11 @@ class TieredKVCache:
 
     def attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
         """q: [B, H, T, d]; k, v: [B, K, T, d] at positions start_pos.. -> [B, H, T, d]."""
+        if self.rot is not None:
+            return self.rot.attend(self._attend, layer, q, k, v, start_pos)
+        return self._attend(layer, q, k, v, start_pos)
+
+    def _attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
         T = k.shape[2]
         h = self.n_blocks[layer] * self.block
         held = self.win["k"][layer].shape[2]

@@ -26,6 +26,11 @@ the largest |x / scale| (keys: channel-normalized; values: raw magnitude), kept 
 (t·d + c inside the block) plus an fp16 *residual* x − dequant(code). The residual makes dequant
 additive (dense dequant + scatter-add), which the fused kernel needs; x is recovered to fp16
 precision, as if x itself were stored in fp16.
+
+`rotate: hadamard` (NUQCenteredCodec.rotation, a per-layer [d, d] randomized Hadamard, moec/rotation.py):
+the codec is calibrated on k·R and v·R and the cache stores and attends in that basis
+(kvtiered.LayerRotations), so heavy channels are spread before quantization and the recipe can drop the
+outliers, which are most of the fused kernel's time (recipes/kv-nuq2-rot.yaml).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 from ..errors import FormatError
 from ..formats.bitpack import pack_planar, planar_width, unpack_planar
 from ..formats.kvsection import layer_tensor
+from ..rotation import block_hadamard
 
 if TYPE_CHECKING:
     from ..kernels.kv_quantize_pack import NUQView
@@ -158,10 +164,12 @@ class NUQCenteredCodec(NUQOutlierCodec):
 
     def __init__(self, bits: int, head_dim: int, block: int, k_levels: torch.Tensor, v_levels: torch.Tensor,
                  k_scale: torch.Tensor, outlier_frac: float, k_center: torch.Tensor | None = None,
-                 k_weight: torch.Tensor | None = None):
+                 k_weight: torch.Tensor | None = None, rotation: torch.Tensor | None = None):
         super().__init__(bits, head_dim, block, k_levels, v_levels, k_scale, outlier_frac)
         self.k_center = None if k_center is None else k_center.float()  # [K, d]
         self.k_weight = None if k_weight is None else k_weight.float()  # [K, d]
+        # [d, d] (`rotate: hadamard`): the codec sees k·R and v·R; the cache rotates (kvtiered.Rotation)
+        self.rotation = None if rotation is None else rotation.float()
         assert self.k_center is None or self.k_center.shape == self.k_scale.shape, (k_center.shape, k_scale.shape)
         assert self.k_weight is None or self.k_weight.shape == self.k_scale.shape, (k_weight.shape, k_scale.shape)
 
@@ -199,6 +207,8 @@ class NUQCenteredCodec(NUQOutlierCodec):
             out["k_center"] = self.k_center
         if self.k_weight is not None:
             out["k_weight"] = self.k_weight
+        if self.rotation is not None:
+            out["rotation"] = self.rotation
         return out
 
 
@@ -221,7 +231,8 @@ def quantize_pack_supports(codec) -> bool:
 def nuq_parts(section: dict) -> tuple[str, ...]:
     """The per-layer calibration tensors of a nuq-outlier section (k_center / k_weight by its options)."""
     return ("k_scale", "k_levels", "v_levels") + (("k_center",) if section.get("k_center") else ()) + (
-        ("k_weight",) if section.get("outlier_select") == "weighted-error" else ())
+        ("k_weight",) if section.get("outlier_select") == "weighted-error" else ()) + (
+        ("rotation",) if section.get("rotate", "none") != "none" else ())
 
 
 def nuq_tensor_names(section: dict, args) -> list[str]:
@@ -236,7 +247,7 @@ def nuq_layer_codecs(section: dict, tensors: dict[str, torch.Tensor], args) -> l
     """Per-layer NUQOutlierCodec / NUQCenteredCodec; FormatError when a tensor is missing or misshapen."""
     L, K, d, bits = args.n_layers, args.n_kv_heads, args.head_dim, section["bits"]
     shapes = {"k_scale": (K, d), "k_levels": (2**bits,), "v_levels": (2**bits,), "k_center": (K, d),
-              "k_weight": (K, d)}
+              "k_weight": (K, d), "rotation": (d, d)}
     parts_of = nuq_parts(section)
     codecs = []
     for i in range(L):
@@ -252,7 +263,7 @@ def nuq_layer_codecs(section: dict, tensors: dict[str, torch.Tensor], args) -> l
         if len(parts_of) > 3:
             codecs.append(NUQCenteredCodec(bits, d, section["block"], parts["k_levels"], parts["v_levels"],
                                            parts["k_scale"], section["outlier_frac"], parts.get("k_center"),
-                                           parts.get("k_weight")))
+                                           parts.get("k_weight"), parts.get("rotation")))
         else:
             codecs.append(NUQOutlierCodec(bits, d, section["block"], parts["k_levels"], parts["v_levels"],
                                           parts["k_scale"], section["outlier_frac"]))
@@ -277,4 +288,6 @@ def random_nuq_tensors(args, section: dict, gen: torch.Generator, device) -> dic
             out[layer_tensor(i, "k_center")] = torch.randn(shape, generator=gen) * 0.1
         if section.get("outlier_select", "magnitude") == "weighted-error":
             out[layer_tensor(i, "k_weight")] = torch.rand(shape, generator=gen) + 0.5
+        if section.get("rotate", "none") != "none":
+            out[layer_tensor(i, "rotation")] = block_hadamard(args.head_dim, seed=i)
     return {n: t.to(device) for n, t in out.items()}
