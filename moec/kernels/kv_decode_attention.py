@@ -7,7 +7,7 @@ One query token per sequence attends to
              residuals are kept per cache block of `block` tokens as int16 index t·d + c, fp16 value
     window:  fp16 keys/values of the sinks and the most recent tokens
 Each program (batch row b, KV head, split s) streams its share of the history in tiles of BLOCK_T
-tokens (one or more cache blocks) or, for the last split, the window, and keeps an online softmax; it
+tokens (one or more cache blocks) or, for the last splits, a chunk of the window, and keeps an online softmax; it
 writes partial (max, sum, acc) and a small reduce kernel combines the splits (split-K over the
 context). The dequantized history never leaves registers.
 
@@ -75,7 +75,7 @@ LOG2E = 1.4426950408889634
 NUM_SMS = 132  # H200; only sizes the split count (programs ~ WAVES waves)
 # launch defaults on CUDA: the fastest of benchmarks/bench_kv_attention.py --sweep at 32k batch 16 on
 # the H200 (benchmarks/results/kv_attention_sweep_h200.json)
-CONFIG = {"block_t": 32, "num_warps": 4, "num_stages": 2, "lazy": True, "waves": 4, "out_mode": 1}
+CONFIG = {"block_t": 32, "num_warps": 4, "num_stages": 2, "lazy": True, "waves": 4, "out_mode": 1, "win_chunk": 64}
 # without sparse residuals (a Hadamard-rotated cache, recipes/kv-nuq2-rot.yaml): the fastest of
 # benchmarks/bench_nuq_attention.py --sweep-runtime, CUDA-graph replays on the H200
 # (results/nuq_attention_h200.json): 64-token tiles, 3 stages, ~4 waves of programs when there are few
@@ -386,12 +386,12 @@ def _kv_decode_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, klev_ptr, vlev_ptr, koi_ptr, kov_ptr, voi_ptr, vov_ptr,
     hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr, scratch_ptr, inv_ptr, kcen_ptr,
     # sizes
-    H, K, S, NB, WC, n_splits, tiles_per_split, qscale, pos0,
+    H, K, S, NB, WC, n_splits, tiles_per_split, qscale, pos0, win_splits,
     # constexprs
     D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr, NOUT: tl.constexpr, NOUT_P2: tl.constexpr, DEQ: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, OUT: tl.constexpr,
-    ROPE: tl.constexpr, CENTER: tl.constexpr,
+    ROPE: tl.constexpr, CENTER: tl.constexpr, WCHUNK: tl.constexpr,
 ):
     bk = tl.program_id(0)  # b·K + kv head
     split = tl.program_id(1)
@@ -402,7 +402,7 @@ def _kv_decode_attention_kernel(
     offs_i = tl.arange(0, DQ)
     gmask = offs_g < G
     qrow = (b * H + kh * G + offs_g) * D  # [G_P2]
-    is_hist = split < n_splits - 1
+    is_hist = split < n_splits - win_splits
 
     m_i = tl.full([G_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([G_P2], tl.float32)
@@ -470,11 +470,13 @@ def _kv_decode_attention_kernel(
                 a2 += tl.load(vrow + 2 * DQ, cache_modifier=".cg")
                 a3 += tl.load(vrow + 3 * DQ, cache_modifier=".cg")
     else:
-        wlen = tl.load(wlen_ptr + b)
-        t0 = 0
-        while t0 < wlen:
+        # the window in chunks of WCHUNK tokens, one program each (one serial program over the whole window was
+        # the critical path at short contexts, where every history program has one or two tiles)
+        t0 = (split - (n_splits - win_splits)) * WCHUNK
+        wend = tl.minimum(tl.load(wlen_ptr + b), t0 + WCHUNK)
+        while t0 < wend:
             m_i, l_i, a0, a1, a2, a3 = _win_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr,
-                                                 wv_ptr, bk, t0, wlen, WC, D, 32, DT, PREC)
+                                                 wv_ptr, bk, t0, wend, WC, D, 32, DT, PREC)
             t0 += 32
 
     # partials [B·H, n_splits, D + 2]: acc (channels in natural order), then m (log2 units), l
@@ -575,7 +577,9 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     hist_splits = max(1, min(n_splits, n_tiles))
     tps = triton.cdiv(n_tiles, hist_splits)
     hist_splits = triton.cdiv(n_tiles, tps)
-    P = hist_splits + 1  # the last split attends the window
+    win_chunk = CONFIG["win_chunk"]
+    win_splits = max(1, triton.cdiv(win_k.shape[2], win_chunk))
+    P = hist_splits + win_splits  # the last win_splits splits attend the window, win_chunk tokens each
     G = H // K
     G_P2 = max(16, triton.next_power_of_2(G))
     part = torch.empty(B * H * P * (d + 2), device=q.device, dtype=torch.float32)
@@ -592,12 +596,12 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     _LAST["kernel"] = _kv_decode_attention_kernel[(B * K, P)](
         q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval,
         hist_len, win_k, win_v, win_len, part, scratch, inv_freq, k_scale if k_center is None else k_center,
-        H, K, S, NB, win_k.shape[2], P, tps, sm_scale * LOG2E, int(pos0),
+        H, K, S, NB, win_k.shape[2], P, tps, sm_scale * LOG2E, int(pos0), win_splits,
         D=d, G=G, G_P2=G_P2, BITS=bits, BLOCK=block, BLOCK_T=block_t, NOUT=nout,
         NOUT_P2=triton.next_power_of_2(max(nout, 1)), DEQ=deq,
         DT=tl.float16 if precision == "fp16" else tl.float32, PREC="ieee",
         LAZY=bool(lazy), STAGES=num_stages or CONFIG["num_stages"], INTERP=not cuda, OUT=out_mode,
-        ROPE=rope is not None, CENTER=k_center is not None,
+        ROPE=rope is not None, CENTER=k_center is not None, WCHUNK=win_chunk,
         num_warps=num_warps or CONFIG["num_warps"],
     )
     out = torch.empty(B, H, d, device=q.device, dtype=torch.float32)

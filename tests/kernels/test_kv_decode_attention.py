@@ -63,6 +63,7 @@ CASES = [  # (B, H, K, d, bits, hist lengths, window lengths, outlier frac, n_sp
     (2, 2, 1, 64, 3, [96, 32], [1, 40], 0.01, 2, None, 0),  # 3-bit, G = 2, split-K with a ragged last split
     (2, 8, 2, 64, 3, [160, 64], [40, 9], 0.0, 2, 64, None),  # no outliers, tiles straddling the history end
     (1, 3, 1, 64, 2, [128], [13], 0.05, 2, None, 1),  # many outliers per block
+    (2, 8, 2, 64, 2, [64, 32], [150, 70], 0.0, None, None, None),  # window in 3 chunks, the last one empty in row 2
 ]
 
 
