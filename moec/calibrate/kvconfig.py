@@ -88,6 +88,9 @@ class NUQConfig(TieredConfig):
     # keys and values rotated along head_dim by a per-layer randomized Hadamard before quantization
     # (QuaRot); the cache attends in the rotated basis (q rotated, the output rotated back)
     rotate: Literal["none", "hadamard"] = "none"
+    # add E[(q·e)²]/2 to every history score, e the key quantization error (calibrated per channel): the
+    # softmax mass of a quantized key is E[exp(q·k) | k̂] = exp(q·k̂ + σ²/2), not exp(q·k̂)
+    score_bias: bool = False
 
     def __post_init__(self):
         super().__post_init__()

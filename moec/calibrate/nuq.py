@@ -12,6 +12,9 @@ Fitted per layer (stored in calib.safetensors, copied by `moec pack` into the ch
                                      being half their distance (asymmetric keys)
     kv.layers.{i}.k_weight  [K, d]   (`outlier_select: weighted-error`) RMS of the queries of the
                                      KV head's group per channel, averaged over each RoPE pair
+    kv.layers.{i}.k_err2    [K, d]   (`score_bias`) mean squared key rounding error per channel on the
+                                     calibration keys (outside the largest outlier_frac errors, which
+                                     the outliers keep), pair-averaged for pre-RoPE keys
     kv.layers.{i}.rotation  [d, d]   (`rotate: hadamard`) the layer's randomized Hadamard R
                                      (moec/rotation.py, seed = layer index): everything above is
                                      fitted on k·R and v·R, the basis the cache stores and attends in
@@ -188,6 +191,23 @@ def fit_layer(k: torch.Tensor, v: torch.Tensor, bits: int, outlier_frac: float, 
     return out
 
 
+def key_error_power(k: torch.Tensor, fit: dict, outlier_frac: float, rope_pre: bool) -> torch.Tensor:
+    """[K, d]: mean squared error of rounding the keys k [N, K, d] with `fit`'s center, scale and levels,
+    the largest outlier_frac of the squared errors (those the outliers keep exactly) counted as 0; averaged
+    over each RoPE pair (c, c + d/2) for pre-RoPE keys, whose error RoPE rotates within the pair."""
+    kc = k.float() - fit.get("k_center", 0.0)
+    scale, lev = fit["k_scale"], fit["k_levels"]
+    idx = torch.bucketize((kc / scale).contiguous(), (lev[1:] + lev[:-1]) / 2)
+    err2 = (lev[idx] * scale - kc).pow(2)
+    if outlier_frac > 0:
+        thr = err2.flatten().kthvalue(max(1, int(round((1 - outlier_frac) * err2.numel())))).values
+        err2 = torch.where(err2 > thr, torch.zeros_like(err2), err2)
+    err2 = err2.mean(0)
+    if rope_pre:
+        err2 = (err2 + err2.roll(err2.shape[-1] // 2, -1)) / 2
+    return err2
+
+
 def quant_error(x: torch.Tensor, levels: torch.Tensor) -> float:
     """Mean squared error of rounding normalized values x to the nearest of `levels`."""
     idx = torch.bucketize(x.contiguous(), (levels[1:] + levels[:-1]) / 2)
@@ -211,7 +231,7 @@ def fit_kv_tensors(args, kv, sampler: KVSampler, device: str = "cpu") -> tuple[d
     tensors, report = {}, {"codec": kv.codec, "bits": kv.bits, "rope": kv.rope, "levels": kv.levels,
                            "outlier_frac": kv.outlier_frac, "k_center": kv.k_center,
                            "outlier_select": kv.outlier_select, "k_scale_fit": kv.k_scale_fit,
-                           "rotate": kv.rotate, "layers": []}
+                           "rotate": kv.rotate, "score_bias": kv.score_bias, "layers": []}
     for i in range(args.n_layers):
         k = sampler.get(i, "k_pre" if kv.rope == "pre" else "k")
         v = sampler.get(i, "v")
@@ -223,6 +243,8 @@ def fit_kv_tensors(args, kv, sampler: KVSampler, device: str = "cpu") -> tuple[d
             if i not in sampler.q_sq:
                 raise ValueError(f"layer {i}: no query statistics were captured for outlier_select weighted-error")
             fit["k_weight"] = query_rms(sampler, i, args.n_kv_heads, rot)
+        if kv.score_bias:
+            fit["k_err2"] = key_error_power(k, fit, kv.outlier_frac, kv.rope == "pre")
         if rot is not None:
             fit["rotation"] = rot
         kc = k - fit["k_center"] if "k_center" in fit else k

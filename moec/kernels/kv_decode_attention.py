@@ -182,7 +182,8 @@ def _tile(q0, q1, q2, q3, qo_ptr, qscale, m_i, l_i, a0, a1, a2, a3,
           koi_ptr, kov_ptr, voi_ptr, vov_ptr, sc_ptr, ks_ptr, kcen_ptr, qc, inv_ptr, pos0, bk, t0, t_end, S, NB,
           D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
           BLOCK_T: tl.constexpr, NOUT: tl.constexpr, NOUT_P2: tl.constexpr, DEQ: tl.constexpr, DT: tl.constexpr,
-          PREC: tl.constexpr, LAZY: tl.constexpr, OUT: tl.constexpr, ROPE: tl.constexpr, CENTER: tl.constexpr):
+          PREC: tl.constexpr, LAZY: tl.constexpr, OUT: tl.constexpr, ROPE: tl.constexpr, CENTER: tl.constexpr,
+          ADDQ: tl.constexpr):
     """One history tile of BLOCK_T tokens starting at t0 (a multiple of BLOCK): online-softmax update."""
     DQ: tl.constexpr = D // 4
     DW: tl.constexpr = D * BITS // 8
@@ -244,8 +245,8 @@ def _tile(q0, q1, q2, q3, qo_ptr, qscale, m_i, l_i, a0, a1, a2, a3,
                    input_precision=PREC)
         s = tl.dot(q3, tl.trans(_levels(kb, kb32, kh, hsh, 3, klev_ptr, ktab_lo, ktab_hi, BITS, DEQ, DT)), s,
                    input_precision=PREC)
-        if CENTER:  # post-RoPE keys: q·center is the same for every history token of this program
-            s += qc[:, None]
+    if ADDQ:  # one term per query head on every history score: q·center (post-RoPE keys), the score bias
+        s += qc[:, None]
 
     if NOUT > 0:  # outliers of the tile's cache blocks
         NBT: tl.constexpr = BLOCK_T // BLOCK
@@ -373,10 +374,12 @@ def _load_q(q_ptr, qrow, gmask, ks_ptr, is_hist, qscale, j: tl.constexpr, DQ: tl
 
 
 @triton.jit
-def _q_dot(q_ptr, qrow, gmask, c_ptr, D: tl.constexpr):
-    """q·c [G_P2] fp32 for the G query heads and a [D] vector c."""
+def _q_dot(q_ptr, qrow, gmask, c_ptr, D: tl.constexpr, SQUARE: tl.constexpr = False):
+    """q·c (SQUARE: q²·c) [G_P2] fp32 for the G query heads and a [D] vector c."""
     offs_c = tl.arange(0, D)
     qf = tl.load(q_ptr + qrow[:, None] + offs_c[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    if SQUARE:
+        qf = qf * qf
     return tl.sum(qf * tl.load(c_ptr + offs_c)[None, :], axis=1)
 
 
@@ -384,15 +387,16 @@ def _q_dot(q_ptr, qrow, gmask, c_ptr, D: tl.constexpr):
 def _kv_decode_attention_kernel(
     # pointers
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, klev_ptr, vlev_ptr, koi_ptr, kov_ptr, voi_ptr, vov_ptr,
-    hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr, scratch_ptr, inv_ptr, kcen_ptr,
+    hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr, scratch_ptr, inv_ptr, kcen_ptr, kerr_ptr,
     # sizes
     H, K, S, NB, WC, n_splits, tiles_per_split, qscale, pos0, win_splits,
     # constexprs
     D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr, NOUT: tl.constexpr, NOUT_P2: tl.constexpr, DEQ: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, OUT: tl.constexpr,
-    ROPE: tl.constexpr, CENTER: tl.constexpr, WCHUNK: tl.constexpr,
+    ROPE: tl.constexpr, CENTER: tl.constexpr, WCHUNK: tl.constexpr, BIAS: tl.constexpr,
 ):
+    ADDQ: tl.constexpr = (CENTER and not ROPE) or BIAS
     bk = tl.program_id(0)  # b·K + kv head
     split = tl.program_id(1)
     b = bk // K
@@ -426,6 +430,8 @@ def _kv_decode_attention_kernel(
         if CENTER:
             if not ROPE:  # q·k_center·sm_scale·log2e per query head (fp32), added to every history score
                 qc = _q_dot(q_ptr, qrow, gmask, kcen_ptr + kh * D, D) * qscale
+        if BIAS:  # score bias Σ q²·k_err2·sm_scale²/2, in log2 units (qscale = sm_scale·log2e)
+            qc += _q_dot(q_ptr, qrow, gmask, kerr_ptr + kh * D, D, True) * (0.5 * qscale * qscale / 1.4426950408889634)
         # this program's outlier scratch: [G_P2, D] value terms, then [G_P2, BLOCK_T] score terms
         sc_ptr = scratch_ptr + (bk * n_splits + split) * (G_P2 * (D + BLOCK_T))
         if OUT >= 1:
@@ -451,7 +457,7 @@ def _kv_decode_attention_kernel(
                     vlev_ptr, ktab_lo, ktab_hi, vtab_lo, vtab_hi, koi_ptr, kov_ptr, voi_ptr, vov_ptr, sc_ptr,
                     ks_ptr + kh * D, kcen_ptr + kh * D, qc, inv_ptr, pos0, bk,
                     t_lo + it * BLOCK_T, t_hi, S, NB, D, G, G_P2, BITS, BLOCK, BLOCK_T, NOUT, NOUT_P2, DEQ, DT, PREC,
-                    LAZY, OUT, ROPE, CENTER)
+                    LAZY, OUT, ROPE, CENTER, ADDQ)
                 it += 1
         else:
             for it in tl.range(0, n_it, num_stages=STAGES):
@@ -460,7 +466,7 @@ def _kv_decode_attention_kernel(
                     vlev_ptr, ktab_lo, ktab_hi, vtab_lo, vtab_hi, koi_ptr, kov_ptr, voi_ptr, vov_ptr, sc_ptr,
                     ks_ptr + kh * D, kcen_ptr + kh * D, qc, inv_ptr, pos0, bk,
                     t_lo + it * BLOCK_T, t_hi, S, NB, D, G, G_P2, BITS, BLOCK, BLOCK_T, NOUT, NOUT_P2, DEQ, DT, PREC,
-                    LAZY, OUT, ROPE, CENTER)
+                    LAZY, OUT, ROPE, CENTER, ADDQ)
         if OUT >= 1:
             if NOUT > 0:  # add the value-outlier terms (channels in natural order)
                 tl.debug_barrier()
@@ -538,7 +544,7 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
                         num_warps: int | None = None, num_stages: int | None = None, deq: int | None = None,
                         lazy: bool | None = None, waves: float | None = None, out_mode: int | None = None,
                         rope: tuple[torch.Tensor, int] | None = None,
-                        k_center: torch.Tensor | None = None) -> torch.Tensor:
+                        k_center: torch.Tensor | None = None, k_err2: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention (one query token per row) over packed history + fp16 window -> [B, H, d] fp32.
 
     precision: dot inputs, "fp16" (tensor cores, fp32 accumulation; the CUDA default) or "ieee"
@@ -552,6 +558,8 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     fl(pos · inv_freq) as moec.runtime.model.rope_cos_sin forms them); the window is post-RoPE.
     k_center [K, d] fp32 (nuq.NUQCenteredCodec): history keys are k_center + k_lev[code]·k_scale
     (+ residuals), before the rotation when `rope` is given.
+    k_err2 [K, d] fp32 (nuq `score_bias`): every history score gets Σ_c q_c²·k_err2_c·sm_scale²/2, the
+    log-normal correction for the keys' rounding error (kvtiered.history_bias).
     Works under CUDA-graph capture: no host syncs; hist_len/win_len are only read on the device."""
     B, H, d, K, S, NB, nout = _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval,
                                      v_oidx, v_oval, hist_len, win_k, win_v, win_len, bits, block)
@@ -588,20 +596,21 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
         assert inv_freq.shape == (d // 2,) and inv_freq.dtype == torch.float32 and inv_freq.device == q.device
     else:
         inv_freq, pos0 = k_scale, 0  # unused
-    if k_center is not None:
-        assert k_center.shape == (K, d) and k_center.dtype == torch.float32 and k_center.device == q.device
-        assert k_center.is_contiguous()
+    for t in (k_center, k_err2):
+        if t is not None:
+            assert t.shape == (K, d) and t.dtype == torch.float32 and t.device == q.device and t.is_contiguous()
     scratch = torch.empty(B * K * P * G_P2 * (d + block_t) if out_mode and nout else 1, device=q.device,
                           dtype=torch.float32)  # zeroed by the kernel itself
     _LAST["kernel"] = _kv_decode_attention_kernel[(B * K, P)](
         q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval,
         hist_len, win_k, win_v, win_len, part, scratch, inv_freq, k_scale if k_center is None else k_center,
-        H, K, S, NB, win_k.shape[2], P, tps, sm_scale * LOG2E, int(pos0), win_splits,
+        k_scale if k_err2 is None else k_err2, H, K, S, NB, win_k.shape[2], P, tps, sm_scale * LOG2E, int(pos0),
+        win_splits,
         D=d, G=G, G_P2=G_P2, BITS=bits, BLOCK=block, BLOCK_T=block_t, NOUT=nout,
         NOUT_P2=triton.next_power_of_2(max(nout, 1)), DEQ=deq,
         DT=tl.float16 if precision == "fp16" else tl.float32, PREC="ieee",
         LAZY=bool(lazy), STAGES=num_stages or CONFIG["num_stages"], INTERP=not cuda, OUT=out_mode,
-        ROPE=rope is not None, CENTER=k_center is not None, WCHUNK=win_chunk,
+        ROPE=rope is not None, CENTER=k_center is not None, WCHUNK=win_chunk, BIAS=k_err2 is not None,
         num_warps=num_warps or CONFIG["num_warps"],
     )
     out = torch.empty(B, H, d, device=q.device, dtype=torch.float32)
@@ -627,9 +636,9 @@ def dequant_history_ref(codes, scale_k_or_v, lev, oidx, oval, bits: int, block: 
 def kv_decode_attention_ref(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval,
                             hist_len, win_k, win_v, win_len, bits: int, block: int,
                             sm_scale: float | None = None, rope: tuple[torch.Tensor, int] | None = None,
-                            k_center: torch.Tensor | None = None) -> torch.Tensor:
+                            k_center: torch.Tensor | None = None, k_err2: torch.Tensor | None = None) -> torch.Tensor:
     """Torch reference: dequantize the history (and rotate pre-RoPE keys), concatenate the window,
-    softmax attention in fp32."""
+    softmax attention in fp32 (history scores + Σ q²·k_err2·sm_scale²/2 per query head with k_err2)."""
     B, H, d = q.shape
     K = k_codes.shape[1]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -646,6 +655,9 @@ def kv_decode_attention_ref(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev,
         keys = torch.cat([kh[b, :, :h], win_k[b, :, :w].float()], 1)  # [K, n, d]
         vals = torch.cat([vh[b, :, :h], win_v[b, :, :w].float()], 1)
         qb = q[b].float().view(K, H // K, d)
-        p = torch.softmax(qb @ keys.transpose(1, 2) * sm_scale, dim=-1)  # [K, G, n]
+        scores = qb @ keys.transpose(1, 2) * sm_scale  # [K, G, n]
+        if k_err2 is not None:
+            scores[:, :, :h] += (qb.pow(2) * k_err2.float()[:, None, :]).sum(-1, keepdim=True) * (sm_scale**2 / 2)
+        p = torch.softmax(scores, dim=-1)
         out[b] = (p @ vals).reshape(H, d)
     return out

@@ -154,6 +154,7 @@ class NUQView(NamedTuple):
     v_mids: torch.Tensor
     k_center: torch.Tensor | None  # [K, d] fp32 (NUQCenteredCodec) or None
     k_weight: torch.Tensor | None  # [K, d] fp32, query RMS for weighted-error key outliers, or None
+    k_err2: torch.Tensor | None = None  # [K, d] fp32, key error power for the history score bias, or None
 
 
 def kv_quantize_pack(x: torch.Tensor, kind: str, view: NUQView) -> dict[str, torch.Tensor]:

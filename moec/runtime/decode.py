@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from .backend import kernels_enabled
 from .config import ModelArgs
-from .kvtiered import HistoryStore, LayerRotations, TierPolicy, kernel_path, rope_table
+from .kvtiered import HistoryStore, LayerRotations, TierPolicy, biased_scores, history_bias, kernel_path, rope_table
 from .model import MoE, Transformer, rope_cos_sin, route
 
 log = logging.getLogger(__name__)
@@ -219,13 +219,20 @@ class StaticTieredCache:
                                       hv["scale"][:b], view.k_levels, view.v_levels, koi, kov, voi, vov,
                                       self.hist_len[:b], wk[:b], wv[:b], win_len.to(torch.int32),
                                       self.codecs[layer].bits, self.block, rope=self.rope,
-                                      k_center=view.k_center)  # [b, H, d] fp32
+                                      k_center=view.k_center, k_err2=view.k_err2)  # [b, H, d] fp32
             return out[:, :, None].to(q.dtype)
         hk, hv = self.mirror["k"][layer][:b], self.mirror["v"][layer][:b]
         keys = torch.cat([wk[:b].to(q.dtype), hk.to(q.dtype)], dim=2)  # [b, K, wcap + S, d]
         vals = torch.cat([wv[:b].to(q.dtype), hv.to(q.dtype)], dim=2)
         mask = torch.cat([self.wslots[None, :] < win_len[:, None],
                           self.hslots[None, :] < self.hist_len[:b, None]], dim=1)[:, None, None, :]
+        bias = history_bias(self.codecs[layer], q)
+        if bias is not None:  # [b, H, 1, 1] -> per KV head's query group, as q is viewed below
+            is_hist = (torch.arange(keys.shape[2], device=q.device) >= self.wcap)[None, None, :, None]
+            q2, keys, scale = biased_scores(q, keys, is_hist, bias)
+            out = F.scaled_dot_product_attention(q2.view(b, K, H // K, d + 1), keys, vals, attn_mask=mask,
+                                                 scale=scale)
+            return out.reshape(b, H, 1, d)
         out = F.scaled_dot_product_attention(q.view(b, K, H // K, d), keys, vals, attn_mask=mask)
         return out.reshape(b, H, 1, d)
 

@@ -14,13 +14,15 @@ import torch.nn.functional as F
 from .config import ModelArgs
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
-    """q: [B, H, T, d] at positions start_pos..start_pos+T-1; k, v: [B, K, S, d] with S = start_pos+T."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
+                     scale: float | None = None) -> torch.Tensor:
+    """q: [B, H, T, d] at positions start_pos..start_pos+T-1; k, v: [B, K, S, d] with S = start_pos+T.
+    scale: the score scale (SDPA's default 1/√(q's last dim) when None)."""
     T, S = q.shape[2], k.shape[2]
     if T == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=scale)
     mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
 class DenseKVCache:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kvtiered import TieredKVCache
+from .kvtiered import TieredKVCache, biased_scores, history_bias
 
 
 class SimulatedTieredCache:
@@ -62,6 +62,11 @@ class SimulatedTieredCache:
         in_hist = (pos[None, :] >= s) & (pos[None, :] < hist_end[:, None])  # [S, S]
         mask = torch.cat([causal & ~in_hist, in_hist], dim=1)  # fp16 keys, then quantized keys
         keys, vals = torch.cat([kf, kq], 2), torch.cat([vf, vq], 2)
+        bias = history_bias(c.codecs[layer], q)
+        if bias is not None:  # the quantized copies are the second half of the keys
+            is_hist = (torch.arange(2 * S, device=q.device) >= S)[None, None, :, None]
+            q, keys, scale = biased_scores(q, keys, is_hist, bias)
+            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
 
     def bits_per_element(self) -> float:

@@ -107,6 +107,27 @@ class LayerRotations:
         return x.float() @ self.by_dtype[torch.float32][layer]
 
 
+def history_bias(codec, q: torch.Tensor) -> torch.Tensor | None:
+    """The score bias of the history keys (nuq-outlier `score_bias`), [B, H, T, 1] fp32: half the expected
+    square of q·e/√d, e the key rounding error with calibrated per-channel power k_err2 [K, d] (channels
+    taken as independent): E[exp(q·k/√d) | k̂] = exp(q·k̂/√d + σ²/2). None for codecs without it."""
+    err2 = getattr(codec, "k_err2", None)
+    if err2 is None:
+        return None
+    H, d = q.shape[1], q.shape[3]
+    e = err2.to(q.device, torch.float32).repeat_interleave(H // err2.shape[0], 0)  # [H, d]
+    return (q.float().pow(2) * e[None, :, None, :]).sum(-1, keepdim=True) * (0.5 / d)
+
+
+def biased_scores(q: torch.Tensor, keys: torch.Tensor, is_hist: torch.Tensor, bias: torch.Tensor):
+    """(q', keys', scale) such that SDPA(q', keys', v, scale=scale) adds `bias` [B, H, T, 1] to the scores of
+    the keys where is_hist [B or 1, 1, S, 1] is set: one extra channel, bias·√d on the query side and the
+    history flag on the key side (no [T, S] float mask: simulated decode at 8k context would need GBs)."""
+    d = q.shape[-1]
+    flag = is_hist.to(keys.dtype).expand(keys.shape[0], keys.shape[1], keys.shape[2], 1)
+    return (torch.cat([q, (bias * d**0.5).to(q.dtype)], -1), torch.cat([keys, flag], -1), d**-0.5)
+
+
 class TierPolicy(NamedTuple):
     """The one tier rule every tiered cache follows (dynamic, static, simulated, latent, RVQ).
 
@@ -307,7 +328,14 @@ class TieredKVCache:
                 hk, hv = self.decode_history(layer, "k"), self.decode_history(layer, "v")
             keys = torch.cat([wk[:, :, :s].to(q.dtype), hk.to(q.dtype), wk[:, :, s:].to(q.dtype)], dim=2)
             vals = torch.cat([wv[:, :, :s].to(q.dtype), hv.to(q.dtype), wv[:, :, s:].to(q.dtype)], dim=2)
-            out = causal_attention(q, keys, vals, start_pos)
+            bias = history_bias(self.codecs[layer], q)
+            if bias is None:
+                out = causal_attention(q, keys, vals, start_pos)
+            else:
+                pos = torch.arange(keys.shape[2], device=q.device)
+                is_hist = ((pos >= s) & (pos < s + h))[None, None, :, None]
+                q2, keys2, scale = biased_scores(q, keys, is_hist, bias)
+                out = causal_attention(q2, keys2, vals, start_pos, scale=scale)
         # Age the window: move whole blocks of its oldest (non-sink) tokens into the history (TierPolicy).
         target = self.policy.blocks_at(start_pos + T)
         while self.n_blocks[layer] < target:
@@ -342,7 +370,8 @@ class TieredKVCache:
         out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"], hv["codes"], view.k_scale, hv["scale"],
                                   view.k_levels, view.v_levels, koi, kov, voi, vov, hist_len, wk.contiguous(),
                                   wv.contiguous(), win_len, view.bits, self.block,
-                                  rope=self.rope_table if self.rope_pre else None, k_center=view.k_center)
+                                  rope=self.rope_table if self.rope_pre else None, k_center=view.k_center,
+                                  k_err2=view.k_err2)
         return out[:, :, None].to(q.dtype)
 
     # -- bytes ------------------------------------------------------------------------------------------

@@ -139,7 +139,8 @@ class NUQOutlierCodec:
             from ..kernels.kv_quantize_pack import NUQView
 
             k_lev, v_lev = (self.levels[kind].to(device).contiguous() for kind in "kv")
-            extra = (getattr(self, "k_center", None), getattr(self, "k_weight", None))  # NUQCenteredCodec
+            extra = (getattr(self, "k_center", None), getattr(self, "k_weight", None),  # NUQCenteredCodec
+                     getattr(self, "k_err2", None))
             self._kernel_views[key] = NUQView(
                 self.bits, self.block, self.n_out, self.k_scale.to(device).contiguous(), k_lev, v_lev,
                 ((k_lev[1:] + k_lev[:-1]) / 2).contiguous(), ((v_lev[1:] + v_lev[:-1]) / 2).contiguous(),
@@ -164,12 +165,16 @@ class NUQCenteredCodec(NUQOutlierCodec):
 
     def __init__(self, bits: int, head_dim: int, block: int, k_levels: torch.Tensor, v_levels: torch.Tensor,
                  k_scale: torch.Tensor, outlier_frac: float, k_center: torch.Tensor | None = None,
-                 k_weight: torch.Tensor | None = None, rotation: torch.Tensor | None = None):
+                 k_weight: torch.Tensor | None = None, rotation: torch.Tensor | None = None,
+                 k_err2: torch.Tensor | None = None):
         super().__init__(bits, head_dim, block, k_levels, v_levels, k_scale, outlier_frac)
         self.k_center = None if k_center is None else k_center.float()  # [K, d]
         self.k_weight = None if k_weight is None else k_weight.float()  # [K, d]
         # [d, d] (`rotate: hadamard`): the codec sees k·R and v·R; the cache rotates (kvtiered.Rotation)
         self.rotation = None if rotation is None else rotation.float()
+        # [K, d] (`score_bias`): mean squared key rounding error per channel (calibration); history scores get
+        # + Σ_c q_c²·k_err2_c·sm_scale²/2 (kvtiered.history_bias)
+        self.k_err2 = None if k_err2 is None else k_err2.float()
         assert self.k_center is None or self.k_center.shape == self.k_scale.shape, (k_center.shape, k_scale.shape)
         assert self.k_weight is None or self.k_weight.shape == self.k_scale.shape, (k_weight.shape, k_scale.shape)
 
@@ -209,6 +214,8 @@ class NUQCenteredCodec(NUQOutlierCodec):
             out["k_weight"] = self.k_weight
         if self.rotation is not None:
             out["rotation"] = self.rotation
+        if self.k_err2 is not None:
+            out["k_err2"] = self.k_err2
         return out
 
 
@@ -232,7 +239,8 @@ def nuq_parts(section: dict) -> tuple[str, ...]:
     """The per-layer calibration tensors of a nuq-outlier section (k_center / k_weight by its options)."""
     return ("k_scale", "k_levels", "v_levels") + (("k_center",) if section.get("k_center") else ()) + (
         ("k_weight",) if section.get("outlier_select") == "weighted-error" else ()) + (
-        ("rotation",) if section.get("rotate", "none") != "none" else ())
+        ("rotation",) if section.get("rotate", "none") != "none" else ()) + (
+        ("k_err2",) if section.get("score_bias") else ())
 
 
 def nuq_tensor_names(section: dict, args) -> list[str]:
@@ -247,7 +255,7 @@ def nuq_layer_codecs(section: dict, tensors: dict[str, torch.Tensor], args) -> l
     """Per-layer NUQOutlierCodec / NUQCenteredCodec; FormatError when a tensor is missing or misshapen."""
     L, K, d, bits = args.n_layers, args.n_kv_heads, args.head_dim, section["bits"]
     shapes = {"k_scale": (K, d), "k_levels": (2**bits,), "v_levels": (2**bits,), "k_center": (K, d),
-              "k_weight": (K, d), "rotation": (d, d)}
+              "k_weight": (K, d), "rotation": (d, d), "k_err2": (K, d)}
     parts_of = nuq_parts(section)
     codecs = []
     for i in range(L):
@@ -263,7 +271,7 @@ def nuq_layer_codecs(section: dict, tensors: dict[str, torch.Tensor], args) -> l
         if len(parts_of) > 3:
             codecs.append(NUQCenteredCodec(bits, d, section["block"], parts["k_levels"], parts["v_levels"],
                                            parts["k_scale"], section["outlier_frac"], parts.get("k_center"),
-                                           parts.get("k_weight"), parts.get("rotation")))
+                                           parts.get("k_weight"), parts.get("rotation"), parts.get("k_err2")))
         else:
             codecs.append(NUQOutlierCodec(bits, d, section["block"], parts["k_levels"], parts["v_levels"],
                                           parts["k_scale"], section["outlier_frac"]))
@@ -290,4 +298,6 @@ def random_nuq_tensors(args, section: dict, gen: torch.Generator, device) -> dic
             out[layer_tensor(i, "k_weight")] = torch.rand(shape, generator=gen) + 0.5
         if section.get("rotate", "none") != "none":
             out[layer_tensor(i, "rotation")] = block_hadamard(args.head_dim, seed=i)
+        if section.get("score_bias"):
+            out[layer_tensor(i, "k_err2")] = torch.rand(shape, generator=gen) * 0.05
     return {n: t.to(device) for n, t in out.items()}

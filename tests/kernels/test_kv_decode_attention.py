@@ -120,6 +120,18 @@ def test_key_center(pre_rope):
     _close(kv_decode_attention(*args, bits=2, block=32, n_splits=2, rope=rope, k_center=center), ref)
 
 
+@pytest.mark.parametrize("pre_rope,center", [(False, True), (True, True), (False, False)])
+def test_score_bias(pre_rope, center):
+    """nuq `score_bias`: every history score (not the window's) gets Σ q²·k_err2·sm_scale²/2 per query head."""
+    args = _case(2, 8, 2, 64, 2, [96, 64], [40, 9], 0.01, seed=5)
+    err2 = (torch.rand(2, 64) * 0.5).to(DEVICE)
+    kw = {"rope": (_inv_freq(64), 4) if pre_rope else None,
+          "k_center": (torch.randn(2, 64) * 0.5).to(DEVICE) if center else None}
+    ref = kv_decode_attention_ref(*args, bits=2, block=32, k_err2=err2, **kw)
+    assert not torch.allclose(ref, kv_decode_attention_ref(*args, bits=2, block=32, **kw), atol=1e-2)
+    _close(kv_decode_attention(*args, bits=2, block=32, n_splits=2, k_err2=err2, **kw), ref)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="full-size grid on the GPU only")
 @pytest.mark.parametrize("center", [False, True])
 def test_full_size_cuda_pre_rope(center):

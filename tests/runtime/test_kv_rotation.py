@@ -1,11 +1,12 @@
 """Hadamard-rotated KV caches (nuq-outlier `rotate: hadamard`): the rotation itself (moec/rotation.py), the
 calibration statistics in the rotated basis, the recipe rule, and every attention path attending in the
-rotated basis: the dynamic cache against explicit attention, simulated decode against decode."""
+rotated basis: the dynamic cache against explicit attention, simulated decode against decode. Also the
+history score bias (`score_bias`, kvtiered.history_bias) on the same paths."""
 
 import pytest
 import torch
 
-from moec.calibrate.nuq import KVSampler, query_rms
+from moec.calibrate.nuq import KVSampler, key_error_power, query_rms
 from moec.calibrate.recipe import parse_recipe
 from moec.errors import UserError
 from moec.rotation import block_hadamard, pow2_block
@@ -62,12 +63,28 @@ def test_recipe_rule(kv, msg):
     assert ok.kv.rotate == "hadamard"
 
 
-def _rotated_codecs(n_layers, K, d, block, seed=0):
+def _rotated_codecs(n_layers, K, d, block, seed=0, bias=False):
     gen = torch.Generator().manual_seed(seed)
     lev = torch.tensor(FIXED_LEVELS[2])
     return [NUQCenteredCodec(2, d, block, lev, lev, torch.rand(K, d, generator=gen) + 1, 0.0,
-                             k_center=0.1 * torch.randn(K, d, generator=gen), rotation=block_hadamard(d, seed=i))
+                             k_center=0.1 * torch.randn(K, d, generator=gen), rotation=block_hadamard(d, seed=i),
+                             k_err2=torch.rand(K, d, generator=gen) * 0.3 if bias else None)
             for i in range(n_layers)]
+
+
+def test_key_error_power():
+    """k_err2 is the per-channel mean squared rounding error; outliers (kept exactly) count as 0."""
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(500, 2, 8, generator=gen) * torch.arange(1, 9)
+    lev = torch.tensor(FIXED_LEVELS[2])
+    fit = {"k_scale": torch.full((2, 8), 4.0), "k_levels": lev}
+    err = (lev[torch.bucketize(k / 4.0, (lev[1:] + lev[:-1]) / 2)] * 4.0 - k).pow(2)
+    assert torch.allclose(key_error_power(k, fit, 0.0, False), err.mean(0))
+    with_out = key_error_power(k, fit, 0.05, False)
+    kept = err.flatten().sort().values[: round(0.95 * err.numel())]  # the 5% largest errors are the outliers'
+    assert (with_out <= err.mean(0)).all() and with_out.sum() * 500 == pytest.approx(kept.sum(), rel=1e-5)
+    pre = key_error_power(k, fit, 0.0, True)
+    assert torch.allclose(pre[:, :4], pre[:, 4:])  # pair-averaged (c, c + d/2)
 
 
 def test_dynamic_cache_attends_in_the_rotated_basis():
@@ -94,10 +111,11 @@ def test_dynamic_cache_attends_in_the_rotated_basis():
     assert cache._static_bytes() == 2 * (2 * 2 * 32 * 4 + 2 * 4 * 4 + 32 * 32 * 4)  # + the rotation per layer
 
 
-def test_simulated_decode_equals_decode_with_rotation(tiny_moe_dir):
+@pytest.mark.parametrize("bias", [False, True])
+def test_simulated_decode_equals_decode_with_rotation(tiny_moe_dir, bias):
     model, _ = load_model(tiny_moe_dir)
     args = model.args
-    codecs = _rotated_codecs(args.n_layers, args.n_kv_heads, args.head_dim, 16, seed=5)
+    codecs = _rotated_codecs(args.n_layers, args.n_kv_heads, args.head_dim, 16, seed=5, bias=bias)
     W = 120
     x = torch.randint(0, args.vocab_size, (2, W), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -110,3 +128,27 @@ def test_simulated_decode_equals_decode_with_rotation(tiny_moe_dir):
     lg_dec = torch.stack(out, 1)
     assert dec.n_blocks[0] == dec.blocks_at(W - 1) > 3
     assert torch.allclose(lg_sim, lg_dec, atol=1e-4), (lg_sim - lg_dec).abs().max()
+
+
+def test_score_bias_is_added_to_history_scores_only():
+    """The dynamic cache's torch path with `score_bias` equals explicit attention whose history scores get
+    Σ q²·k_err2/(2d) per query head, and differs from the unbiased cache."""
+    gen = torch.Generator().manual_seed(6)
+    codecs = _rotated_codecs(2, 2, 32, 32, seed=1, bias=True)
+    cache = TieredKVCache(ARGS, 1, 200, codecs, window=16, sinks=3, use_kernel=False)
+    plain = TieredKVCache(ARGS, 1, 200, _rotated_codecs(2, 2, 32, 32, seed=1), window=16, sinks=3, use_kernel=False)
+    for t in [0, *range(20, 90)]:
+        T = 20 if t == 0 else 1
+        q, k, v = (torch.randn(1, n, T, 32, generator=gen) for n in (4, 2, 2))
+        out, out_plain = cache.attend(1, q, k, v, t), plain.attend(1, q, k, v, t)
+    R, h = codecs[1].rotation, cache.n_blocks[1] * 32
+    hk, hv = cache.decode_history(1, "k"), cache.decode_history(1, "v")
+    wk, wv = cache.win["k"][1].float(), cache.win["v"][1].float()
+    keys, vals = torch.cat([wk[:, :, :3], hk, wk[:, :, 3:]], 2), torch.cat([wv[:, :, :3], hv, wv[:, :, 3:]], 2)
+    qr = (q @ R).view(1, 2, 2, 32)  # [B, K, G, d]
+    scores = qr @ keys.transpose(-1, -2) / 32**0.5  # [1, K, G, n]
+    bias = (qr.pow(2) * codecs[1].k_err2[None, :, None, :]).sum(-1, keepdim=True) / (2 * 32)
+    scores[..., 3 : 3 + h] += bias
+    want = (torch.softmax(scores, -1) @ vals).reshape(1, 4, 1, 32) @ R.T
+    assert torch.allclose(out, want, atol=1e-5)
+    assert not torch.allclose(out, out_plain, atol=1e-3)
