@@ -6,7 +6,7 @@
 Shapes mixtral-8x7b and qwen3-30b-a3b (moec/runtime/config.py PRESETS) with random weights built in
 memory on the GPU (bf16 Mixtral is 93 GB: more than the GPU machine's disk, so nothing is packed to
 disk here; `moec pack --random` writes the same tensors). Configurations per shape:
-    latency-hls2-nuq2  2-bit HLS experts (fused MoE kernel) + 2-bit nuq-outlier KV, post-RoPE keys
+    latency-hls2-nuq2  2-bit HLS experts (fused MoE kernel) + 2-bit rotated NUQ KV (kv-nuq2-rot codec)
                        (fused decode-attention kernel over the packed history), attention kept bf16
     latency-hls2-nuq2-attn4   the same + 4-bit RTN attention projections (qlinear kernel)
     bf16               the project's bf16 path: bf16 experts, fp16 KV, the same engine (peer)

@@ -122,8 +122,11 @@ def run_config(m, kv, caches, desc: dict, batches: list[int], contexts: list[int
     if breakdown_context:
         rec = base_record("moec-latency-breakdown", "cuda") | desc | {"context": breakdown_context, "batch": 1,
                                                                       "peer": {}}
+        step = next((r for r in recs if r.get("batch") == 1 and r.get("context") == breakdown_context
+                     and "bytes_kv" in r), None)
         try:
-            rec |= kernel_breakdown(m, cache_fn, breakdown_context)
+            rec |= kernel_breakdown(m, cache_fn, breakdown_context, bandwidth=bandwidth, step_bytes=step and {
+                k: step[k] for k in ("bytes_kv", "bytes_experts", "bytes_non_expert")})
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         recs.append(rec)

@@ -497,20 +497,28 @@ def _kv_decode_attention_kernel(
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, out_ptr, n_splits, D: tl.constexpr, P_P2: tl.constexpr):
-    """out[bh] = sum_s 2^(m_s - M)·acc_s / sum_s 2^(m_s - M)·l_s over the splits of one (b, head)."""
+def _reduce_kernel(part_ptr, out_ptr, n_splits, D: tl.constexpr, P_P2: tl.constexpr, DC: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    """out[bh, c] = sum_s 2^(m_s - M)·acc_s[c] / sum_s 2^(m_s - M)·l_s over the splits of one (b, head), for
+    the DC channels c of program_id(1). The splits stream in CHUNK rows: a [P_P2, D] tile in one program
+    spilled (Qwen3 at 32k batch 1: 135 splits, 31 us per call, more than the attention kernel itself)."""
     bh = tl.program_id(0)
+    offs_c = tl.program_id(1) * DC + tl.arange(0, DC)
+    base = part_ptr + bh * n_splits * (D + 2)
     offs_p = tl.arange(0, P_P2)
-    offs_c = tl.arange(0, D)
-    pmask = offs_p < n_splits
-    base = part_ptr + (bh * n_splits + offs_p) * (D + 2)
-    m = tl.load(base + D, mask=pmask, other=float("-inf"))
-    l_s = tl.load(base + D + 1, mask=pmask, other=0.0)
-    mx = tl.max(m, axis=0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))  # splits with no tokens weigh 0
-    acc = tl.load(base[:, None] + offs_c[None, :], mask=pmask[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-    tl.store(out_ptr + bh * D + offs_c, o)
+    mx = tl.max(tl.load(base + offs_p * (D + 2) + D, mask=offs_p < n_splits, other=float("-inf")), axis=0)
+    acc = tl.zeros((DC,), dtype=tl.float32)
+    den = tl.zeros((CHUNK,), dtype=tl.float32)
+    for i in range(P_P2 // CHUNK):  # a constexpr trip count (masked past n_splits): runs under the interpreter
+        offs = i * CHUNK + tl.arange(0, CHUNK)
+        pmask = offs < n_splits
+        row = base + offs * (D + 2)
+        m = tl.load(row + D, mask=pmask, other=float("-inf"))
+        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))  # splits with no tokens weigh 0
+        den += tl.load(row + D + 1, mask=pmask, other=0.0) * w
+        a = tl.load(row[:, None] + offs_c[None, :], mask=pmask[:, None], other=0.0)
+        acc += tl.sum(a * w[:, None], axis=0)
+    tl.store(out_ptr + bh * D + offs_c, acc / tl.sum(den, axis=0))
 
 
 def _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval, hist_len,
@@ -614,7 +622,9 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
         num_warps=num_warps or CONFIG["num_warps"],
     )
     out = torch.empty(B, H, d, device=q.device, dtype=torch.float32)
-    _reduce_kernel[(B * H,)](part, out, P, D=d, P_P2=triton.next_power_of_2(P), num_warps=4)
+    dc = min(d, 32)
+    p2 = triton.next_power_of_2(P)
+    _reduce_kernel[(B * H, d // dc)](part, out, P, D=d, P_P2=p2, DC=dc, CHUNK=min(32, p2), num_warps=2)
     return out
 
 

@@ -56,9 +56,18 @@ from .dequant import (
 
 log = logging.getLogger(__name__)
 
-# Defaults: block_o rows per program, block_k inputs per loop step, num_warps (hand sweep on the H200:
-# benchmarks/bench_moe_kernel.py --sweep).
-DECODE_CONFIG = {"block_o": 16, "block_k": 1024, "num_warps": 8, "block_o_down": 16, "block_k_down": 1024}
+# Defaults of the 2-bit prmt path (None = chosen per call), from a hand sweep on the H200
+# (benchmarks/sweep_moe_decode.py, moe_decode_sweep_h200.json). gate/up: 32 rows and 4 warps when that
+# still gives >= 4 programs per SM (Mixtral b1 65.2 -> 60.9 us per layer, Qwen3 b16 109 -> 102), else
+# 16 rows and 8 warps (Qwen3 b1: 192 programs of 32 rows leave SMs idle, 30.4 us vs 23.5). down: 16 rows,
+# 2048 inputs per step, 8 warps, I split only when the grid has fewer programs than SMs (Mixtral b1
+# 62.0 -> 59.0 us). num_stages None: Triton's default (1 and 3 measured the same).
+DECODE_CONFIG = {"block_o": None, "block_k": 1024, "num_warps": None, "num_stages": None, "block_o_down": 16,
+                 "block_k_down": 2048, "num_warps_down": 8, "num_stages_down": None}
+SMS = 132  # H200 streaming multiprocessors: the grid-size heuristics' unit
+# The non-prmt paths (select/cubic 2-bit, 3/4-bit, fp8, bf16) keep the settings they were swept with.
+LEGACY_CONFIG = {"block_o": 16, "block_k": 1024, "num_warps": 8, "num_stages": None, "block_o_down": 16,
+                 "block_k_down": 1024, "num_warps_down": None, "num_stages_down": None}
 
 
 @triton.jit
@@ -172,15 +181,12 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                w2: QWeight, block_o: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                block_o_down: int | None = None, block_k_down: int | None = None, split: int | None = None,
                words: bool | None = None, poly: bool | None = None, prmt: bool | None = None,
-               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.float32, num_stages: int | None = None,
+               num_warps_down: int | None = None, num_stages_down: int | None = None) -> torch.Tensor:
     """Fused MoE for few tokens. x [N, D]; ids, weights [N, A]; w1, w3 [E, I, D] and w2 [E, D, I] as
     QWeight (all of one mode). Returns out [N, D] in out_dtype. prmt (default: where it applies, i.e.
     CUDA 2-bit fp16 tables in the word layout and words not turned off): the PTX prmt lookup with fp16x2
     products (dequant.gemv_prmt); False: the previous select-tree / cubic path."""
-    cfg = DECODE_CONFIG
-    block_o, block_k = block_o or cfg["block_o"], block_k or cfg["block_k"]
-    block_o_down, block_k_down = block_o_down or cfg["block_o_down"], block_k_down or cfg["block_k_down"]
-    num_warps = num_warps or cfg["num_warps"]
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     x = x.float().contiguous()  # fp32 x: the GEMV loads each x element once per slot; no per-use conversion
     ids = ids.to(torch.int32).contiguous()
@@ -191,12 +197,25 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
         if can and not _PRMT_FAILED:
             try:
                 return moe_decode(x, ids, weights, w1, w3, w2, block_o, block_k, num_warps, block_o_down,
-                                  block_k_down, split, words, poly, True, out_dtype)
+                                  block_k_down, split, words, poly, True, out_dtype, num_stages, num_warps_down,
+                                  num_stages_down)
             except triton.TritonError as ex:  # inline PTX refused (compile or ptxas error): keep the portable path
                 _PRMT_FAILED.append(f"{type(ex).__name__}: {str(ex)[:200]}")
                 log.warning("prmt MoE decode kernels failed to compile, using the select path: %s", _PRMT_FAILED[0])
         prmt = False
     prmt = prmt and can
+    # launch settings: the caller's, else the swept prmt defaults (DECODE_CONFIG), else the earlier ones
+    cfg = DECODE_CONFIG if prmt else LEGACY_CONFIG
+    wide = T * triton.cdiv(I, 32) >= 4 * SMS  # 32-row gate/up programs still fill every SM several times
+    block_o = block_o or cfg["block_o"] or (32 if wide else 16)
+    block_k = block_k or cfg["block_k"]
+    block_o_down, block_k_down = block_o_down or cfg["block_o_down"], block_k_down or cfg["block_k_down"]
+    num_warps = num_warps or cfg["num_warps"] or (4 if wide else 8)
+    num_stages = num_stages or cfg["num_stages"]
+    num_warps_down = num_warps_down or cfg["num_warps_down"] or num_warps
+    num_stages_down = num_stages_down or cfg["num_stages_down"]
+    launch1 = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
+    launch2 = {"num_warps": num_warps_down} | ({"num_stages": num_stages_down} if num_stages_down else {})
     s1, s2 = _static(w1, block_k, words, poly, prmt), _static(w2, block_k_down, words, poly, prmt)
     h = torch.empty(T, I, dtype=torch.float16 if prmt else torch.float32, device=x.device)
     (d1, a1, b1), (d3, a3, b3) = w1.ptrs(), w3.ptrs()
@@ -210,11 +229,13 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     _gate_up_kernel[(T, triton.cdiv(I, block_o))](
         x, ids, weights, d1, a1, b1, d3, a3, b3, h, I,
         d1.stride(0), d1.stride(1), stride_ae1, row_a1,
-        D=D, A=A, BO=block_o, num_warps=num_warps, **s1)
+        D=D, A=A, BO=block_o, **launch1, **s1)
     bk2 = s2["BKC"] * s2["C"]
     n_d = triton.cdiv(D, block_o_down)
-    if split is None:  # split I until the grid has a few programs per SM (132 on the H200)
-        split = max(1, min(triton.cdiv(I, 4 * bk2), (4 * 132) // max(1, N * n_d)))
+    if split is None:  # split I (fp32 atomics) until the grid has a few programs per SM; prmt: only below one
+        split = max(1, min(triton.cdiv(I, 4 * bk2), (4 * SMS) // max(1, N * n_d)))
+        if prmt and N * n_d >= SMS:
+            split = 1
     per = triton.cdiv(triton.cdiv(I, split), bk2) * bk2
     split = triton.cdiv(I, per)
     if split == 1:
@@ -229,7 +250,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     _down_kernel[(N, n_d, split)](
         h, ids, d2, a2, b2, out, D, d2.stride(0), d2.stride(1), a2.stride(0) if w2.a is not None else 0,
         a2.stride(1) if prmt else w2.row_stride_a(), I=I, A=A, PER=per, SPLIT=split, BO=block_o_down,
-        num_warps=num_warps, **s2)
+        **launch2, **s2)
     return out.to(out_dtype)
 
 

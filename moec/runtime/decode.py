@@ -346,23 +346,47 @@ class StaticTieredCache:
 def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
     """The MoE layer without host syncs (for capture). x [N, D].
 
-    Quantized experts and dense MLPs go through MoE.forward (the fused kernel hook; no sync on CUDA).
-    Unquantized (bf16) routed experts: the same fused kernels in their dense mode (kernels/dequant.py
-    MODE_DENSE), which read only the chosen experts; without them, a gather of the chosen experts'
-    matrices ([N·A, I, D] copies: capturable, but the active weights are written and read again)."""
-    if moe.kind == "dense" or moe.codec is not None or not kernels_enabled(x.device):
+    Routing: the router GEMV, then softmax, top-k and renormalization in one kernel (kernels/route_topk.py;
+    torch's route is ~6 small kernels). Quantized experts go through their fused kernels
+    (QuantExperts.fused); unquantized (bf16) routed experts through the same fused kernels in their dense
+    mode (kernels/dequant.py MODE_DENSE), which read only the chosen experts; without them, a gather of the
+    chosen experts' matrices ([N·A, I, D] copies: capturable, but the active weights are written and read
+    again). Dense MLPs, CPU tensors and codecs without a fused kernel take MoE.forward."""
+    if moe.kind == "dense" or not kernels_enabled(x.device) or (moe.codec is not None and not moe.codec.fused_ok(x)):
         return moe(x, layer)
     a = moe.args
-    _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk)  # [N, A] ×2
-    out = _dense_kernel_moe(moe, x, w, ids)
-    if out is None:
-        out = _gather_moe(moe, x, w, ids)
+    w, ids = _route(x, moe.router.weight, a.top_k, a.norm_topk)  # [N, A] ×2
+    if moe.codec is not None:
+        out = moe.codec.fused(x, w, ids)
+    else:
+        out = _dense_kernel_moe(moe, x, w, ids)
+        if out is None:
+            out = _gather_moe(moe, x, w, ids)
     if hasattr(moe, "shared"):
         s = moe.shared(x)
         if hasattr(moe, "shared_gate"):
             s = torch.sigmoid(moe.shared_gate(x)) * s
         out = out + s
     return out
+
+
+_ROUTE_FAILED: list[str] = []  # the routing kernel failed to compile here: torch's route instead
+
+
+def _route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [N, A] of model.route, its softmax/top-k in one kernel where it compiles."""
+    if not _ROUTE_FAILED:
+        try:
+            from ..kernels.route_topk import route_topk
+
+            return route_topk(x @ router.t(), top_k, norm)
+        except Exception as e:  # the warm-up step (outside capture) meets compile errors first
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            _ROUTE_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            log.warning("routing kernel failed (%s); using torch's routing", _ROUTE_FAILED[0])
+    _, w, ids = route(x, router, top_k, norm)
+    return w, ids
 
 
 _DENSE_FAILED: set[str] = set()  # dense-mode kernels that failed here (compile errors): gather instead

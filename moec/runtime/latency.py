@@ -288,31 +288,58 @@ def measure_decode(model: Transformer, cache_fn, batch: int, context: int, steps
 
 
 @torch.no_grad()
-def measure_prefill(model: Transformer, cache_fn, context: int, seed: int = 0) -> dict:
+def measure_prefill(model: Transformer, cache_fn, context: int, seed: int = 0, warmup: int = 4096) -> dict:
     """Seconds of one real prefill of `context` random tokens (batch 1: causal SDPA forward + cache writes
-    and block encoding)."""
+    and block encoding), after a warm-up prefill of min(context, warmup) tokens on a fresh cache, so Triton
+    compiles and autotuning are not counted (the warm-up's own time is recorded as prefill_warmup_s)."""
     from .decode import DecodeEngine
 
-    cache = cache_fn(1, -(-(context + 64) // 128) * 128)
-    eng = DecodeEngine(model, cache, graphs=False)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.args.vocab_size, (context,), generator=g)
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    eng.prefill(0, prompt)
-    t1.record()
-    torch.cuda.synchronize()
-    sec = t0.elapsed_time(t1) / 1e3
-    del eng, cache
-    torch.cuda.empty_cache()
-    return {"prefill_s": sec, "prefill_tokens_per_s": context / sec}
+    out = {}
+    runs = ([("prefill_warmup", min(context, warmup))] if warmup else []) + [("prefill", context)]
+    for what, n in runs:
+        cache = cache_fn(1, -(-(n + 64) // 128) * 128)
+        eng = DecodeEngine(model, cache, graphs=False)
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        eng.prefill(0, prompt[:n])
+        t1.record()
+        torch.cuda.synchronize()
+        sec = t0.elapsed_time(t1) / 1e3
+        del eng, cache
+        torch.cuda.empty_cache()
+        out |= {f"{what}_s": sec, f"{what}_tokens_per_s": n / sec}
+    return out
+
+
+# Bytes a kernel reads per step, as shares of the decode record's byte groups (the kernels whose traffic is
+# known from their role; the rest is named with time only): the attention kernel reads the whole KV history,
+# gate/up two thirds of the active experts' bytes and down one third.
+KERNEL_BYTES = {"_kv_decode_attention_kernel": ("bytes_kv", 1.0), "flash": ("bytes_kv", 1.0),
+                "_gate_up_kernel": ("bytes_experts", 2 / 3), "_down_kernel": ("bytes_experts", 1 / 3)}
+
+
+def _kernel_group(name: str) -> str:
+    k = name.lower()
+    if "attention" in k or "flash" in k or "fmha" in k or "_reduce" in k or "efficient" in k:
+        return "attention"
+    if "moe" in k or "gate_up" in k or "down_kernel" in k or "grouped" in k:
+        return "moe"
+    if "gemm" in k or "gemv" in k or "matmul" in k or "cublas" in k or "nvjet" in k or "sm90" in k:
+        return "gemm"
+    return "rest"
 
 
 @torch.no_grad()
-def kernel_breakdown(model: Transformer, cache_fn, context: int, steps: int = 20) -> dict:
+def kernel_breakdown(model: Transformer, cache_fn, context: int, steps: int = 20, step_bytes: dict | None = None,
+                     bandwidth: float | None = None) -> dict:
     """Where a batch-1 decode step's time goes: torch.profiler over eager steps (no graph, so each
-    kernel is visible), device time grouped as attention / moe / rest by kernel name."""
+    kernel is visible), device time grouped as attention / moe / gemm / rest by kernel name.
+    step_bytes: the decode record's bytes_kv / bytes_experts / bytes_non_expert at this context; with them
+    every kernel above 1% of the profiled step carries its bytes and achieved bandwidth where its traffic
+    is known (KERNEL_BYTES), and each group its bytes (gemm: the non-expert weights)."""
     from torch.profiler import ProfilerActivity, profile
 
     from .decode import DecodeEngine
@@ -328,27 +355,40 @@ def kernel_breakdown(model: Transformer, cache_fn, context: int, steps: int = 20
             eng._step(1)
         torch.cuda.synchronize()
     groups = {"attention": 0.0, "moe": 0.0, "gemm": 0.0, "rest": 0.0}
-    top = []
+    kernels = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         if not t:
             continue
-        k = e.key.lower()
-        if "attention" in k or "flash" in k or "fmha" in k or "_reduce" in k or "efficient" in k:
-            g = "attention"
-        elif "moe" in k or "gate_up" in k or "down_kernel" in k or "grouped" in k:
-            g = "moe"
-        elif "gemm" in k or "gemv" in k or "matmul" in k or "cublas" in k or "nvjet" in k or "sm90" in k:
-            g = "gemm"
-        else:
-            g = "rest"
+        g = _kernel_group(e.key)
         groups[g] += t / 1e3 / steps
-        top.append((t / 1e3 / steps, e.key[:80], g))
-    top.sort(reverse=True)
+        kernels.append({"kernel": e.key[:120], "group": g, "ms": t / 1e3 / steps, "calls_per_step": e.count / steps})
+    total = sum(groups.values())
+    kernels.sort(key=lambda r: -r["ms"])
+    named = []
+    for r in kernels:
+        if r["ms"] < 0.01 * total:
+            break
+        r["share_pct"] = 100 * r["ms"] / total
+        key = next((k for k in KERNEL_BYTES if k in r["kernel"]), None)
+        if step_bytes and key:
+            field, frac = KERNEL_BYTES[key]
+            r["bytes"] = int(step_bytes[field] * frac)
+            r["gbps"] = r["bytes"] / r["ms"] / 1e6
+            if bandwidth:
+                r["pct_of_copy"] = 100 * r["bytes"] / (r["ms"] / 1e3) / bandwidth
+        named.append({k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()})
+    out = {"ms_by_group": groups, "profiled_ms": total, "steps_profiled": steps, "kernels_over_1pct": named,
+           "top_kernels": [{"ms": round(r["ms"], 4), "kernel": r["kernel"][:80], "group": r["group"]}
+                           for r in kernels[:12]]}
+    if step_bytes:
+        gb = {"attention": step_bytes["bytes_kv"], "moe": step_bytes["bytes_experts"],
+              "gemm": step_bytes["bytes_non_expert"]}
+        out["bytes_by_group"] = gb
+        out["gbps_by_group"] = {g: gb[g] / groups[g] / 1e6 for g in gb if groups[g]}
     del eng, cache
     torch.cuda.empty_cache()
-    return {"ms_by_group": groups,
-            "top_kernels": [{"ms": round(t, 4), "kernel": k, "group": g} for t, k, g in top[:12]]}
+    return out
 
 
 def estimate_model_bytes(args: ModelArgs, rule_for) -> int:

@@ -109,3 +109,32 @@ def test_switch_bad_values(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(UserError, match="TRITON_INTERPRET=1"):
         kernels_enabled("cpu")
+
+
+@pytest.mark.parametrize("recipe", [None, "experts-hls2"])
+def test_graph_safe_moe_routes_through_the_kernel(recipe, monkeypatch):
+    """decode.graph_safe_moe (the static engine's MoE step: routing kernel + fused expert kernels) for dense
+    experts (the fused kernels' dense mode) and 2-bit HLS experts: against the same expert kernels routed by
+    torch's route (equal up to fp32 rounding: a wrong id or weight moves the output by O(1)), and against
+    MoE.forward on the torch path (the expert kernels' own rounding: fp16 products, ~3e-3 here)."""
+    from moec.runtime import decode
+
+    args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
+                     max_seq_len=64, n_experts=4, top_k=2, expert_dim=32, ffn_kinds=["moe"])
+    rule_for = (lambda name: None) if recipe is None else \
+        load_recipe(os.path.join(RECIPES, f"{recipe}.yaml")).rule_for
+    m = random_model(args, rule_for, "cpu", dtype=torch.float32, seed=3)
+    moe = m.layers[0].moe
+    x = torch.randn(3, args.dim, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), kernels_forced("0"):
+        torch_path = moe(x, 0)
+    with torch.no_grad(), kernels_forced("1"):
+        got = decode.graph_safe_moe(moe, x, 0)
+        monkeypatch.setattr(decode, "_ROUTE_FAILED", ["torch routing for the reference"])
+        torch_routed = decode.graph_safe_moe(moe, x, 0)
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    assert rel(got, torch_routed) < 1e-5
+    assert rel(got, torch_path) < 1e-2

@@ -1,0 +1,97 @@
+"""Launch-config sweep of the fused 2-bit MoE decode kernels (issue 16 item 3), one phase at a time.
+
+    python3 benchmarks/sweep_moe_decode.py --out X.json [--budget 240]
+
+For each shape (Mixtral-8x7B, Qwen3-30B-A3B) and batch (1, 16): the whole `moe_decode` (hls2, prmt path)
+timed under a CUDA graph over L layers with separate weights (more bytes than L2, as bench_moe_kernel.py),
+first varying the gate/up launch (block_o, block_k, num_warps, num_stages) with the down launch at its
+default, then the down launch (block_o_down, block_k_down, num_warps_down, num_stages_down, split) with the
+best gate/up. Every config is checked against the torch reference on layer 0 (max rel. error ≤ 5e-3, the
+fp16x2 prmt path's bound); a config that fails to compile or misses is recorded with its error. Records:
+`phase`, `config`, `ms` (per layer), `gbps`, `pct_of_copy`; the JSON is rewritten after every record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe_kernel import SHAPES, copy_bandwidth, graph_time, make_weight, nbytes, rel_err  # noqa: E402
+
+from moec.cli.common import base_record, write_json_atomic  # noqa: E402
+from moec.kernels.moe_decode import DECODE_CONFIG, moe_decode, moe_decode_ref  # noqa: E402
+
+GATE_UP = [dict(block_o=bo, block_k=bk, num_warps=nw, num_stages=st)
+           for bo, bk, nw, st in itertools.product((8, 16, 32), (1024, 2048, 4096), (4, 8), (1, 3))]
+DOWN = [dict(block_o_down=bo, block_k_down=bk, num_warps_down=nw, num_stages_down=st, split=sp)
+        for bo, bk, nw, st, sp in itertools.product((8, 16, 32), (1024, 2048), (4, 8), (1, 3), (None, 1))]
+
+
+def time_layers(x, ids, wts, ws, cfg) -> float:
+    """ms per layer of moe_decode with cfg over the layers' separate weights, replayed from a CUDA graph."""
+    return graph_time(lambda: [moe_decode(x, ids, wts, *w, **cfg) for w in ws]) / len(ws)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds, shared equally by the 4 (shape, batch)")
+    ap.add_argument("--layers", type=int, default=8)
+    a = ap.parse_args()
+    t0 = time.time()
+    bw = copy_bandwidth()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    records = []
+    for shape, (E, A, D, I) in SHAPES.items():
+        L = a.layers
+        ws = [tuple(make_weight("hls2", E, o, n, g) for o, n in ((I, D), (I, D), (D, I))) for _ in range(L)]
+        for N in (1, 16):
+            x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:A] for _ in range(N)])
+            wts = torch.softmax(torch.randn(N, A, device="cuda", generator=g), -1)
+            n_active = ids.unique().numel()
+            act = sum(nbytes(w, n_active) for w in ws[0])
+            ref = moe_decode_ref(x, ids, wts, *ws[0])
+            best: dict = {}
+            t_slot = time.time()  # each (shape, batch) gets an equal share of the budget
+            for phase, grid in (("gate_up", GATE_UP), ("down", DOWN)):
+                times = []
+                for cfg in grid:
+                    if time.time() - t_slot > a.budget / 4 or time.time() - t0 > a.budget:
+                        break
+                    full = {**best, **cfg}
+                    rec = base_record("moec-moe-decode-sweep", "cuda") | dict(
+                        shape=shape, batch=N, phase=phase, config=cfg, bytes_per_step=act, copy_gbps=bw)
+                    try:
+                        err = rel_err(moe_decode(x, ids, wts, *ws[0], **full), ref)
+                        rec["max_rel_err_vs_ref"] = err
+                        if err > 5e-3:
+                            raise AssertionError(f"max rel err {err:.2e} > 5e-3")
+                        ms = time_layers(x, ids, wts, ws, full)
+                        rec |= dict(ms=ms, gbps=act / ms / 1e6, pct_of_copy=100 * act / ms / 1e6 / bw)
+                        times.append((ms, cfg))
+                    except Exception as ex:  # a config that does not compile or fit: recorded, the sweep goes on
+                        rec["error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
+                    records.append(rec)
+                    write_json_atomic(a.out, records)
+                    print(shape, N, phase, cfg, f"{rec.get('ms', float('nan')):.4f} ms",
+                          f"{rec.get('pct_of_copy', 0):.1f}%", rec.get("error", ""), flush=True)
+                if times:
+                    ms, cfg = min(times, key=lambda t: t[0])
+                    best.update(cfg)
+                    print("best", shape, N, phase, cfg, f"{ms:.4f} ms", flush=True)
+            records.append(base_record("moec-moe-decode-sweep", "cuda") | dict(
+                shape=shape, batch=N, phase="best", config=best, default=DECODE_CONFIG))
+            write_json_atomic(a.out, records)
+        ws.clear()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
