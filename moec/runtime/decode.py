@@ -192,9 +192,38 @@ class StaticTieredCache:
     # -- the step (graph-safe: no host reads of device values) -----------------------------------------
 
     def attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
+        if self.use_kernel:
+            return self._attend_kernel(layer, q, k, v)
         if self.rot is not None:
             return self.rot.attend(self._attend, layer, q, k, v, start_pos)
         return self._attend(layer, q, k, v, start_pos)
+
+    def _attend_kernel(self, layer: int, q, k, v) -> torch.Tensor:
+        """The fused path: one kernel rotates q, k, v and writes the window (kernels/kv_window_write.py), the
+        decode-attention kernel reads the packed history and the window, and the output is rotated back."""
+        from ..kernels.kv_decode_attention import kv_decode_attention
+        from ..kernels.kv_window_write import rotate_write_window
+
+        b = q.shape[0]
+        slot = self.pos[:b] - self.hist_len[:b]  # [b] window slot of the new token
+        wk, wv = self.win["k"][layer], self.win["v"][layer]
+        R = self.rot.get(layer, torch.float32) if self.rot is not None else None
+        qr = rotate_write_window(q[:, :, 0], k[:, :, 0].to(q.dtype), v[:, :, 0].to(q.dtype), R, wk, wv, slot)
+        hk, hv = self.hist["k"][layer], self.hist["v"][layer]
+        if self.codecs[layer].n_out:
+            koi, kov, voi, vov = hk["out_idx"][:b], hk["out_val"][:b], hv["out_idx"][:b], hv["out_val"][:b]
+        else:
+            koi = voi = self.no_out[0][:b]
+            kov = vov = self.no_out[1][:b]
+        view = self.views[layer]
+        out = kv_decode_attention(qr, hk["codes"][:b], hv["codes"][:b], view.k_scale,
+                                  hv["scale"][:b], view.k_levels, view.v_levels, koi, kov, voi, vov,
+                                  self.hist_len[:b], wk[:b], wv[:b], (slot + 1).to(torch.int32),
+                                  self.codecs[layer].bits, self.block, rope=self.rope,
+                                  k_center=view.k_center, k_err2=view.k_err2)  # [b, H, d] fp32
+        if R is not None:
+            out = out @ R.T
+        return out[:, :, None].to(q.dtype)
 
     def _attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
         b, H, _, d = q.shape
@@ -205,22 +234,6 @@ class StaticTieredCache:
         wk[rows, :, slot] = k[:, :, 0].half()
         wv[rows, :, slot] = v[:, :, 0].half()
         win_len = slot + 1
-        if self.use_kernel:
-            from ..kernels.kv_decode_attention import kv_decode_attention
-
-            hk, hv = self.hist["k"][layer], self.hist["v"][layer]
-            if self.codecs[layer].n_out:
-                koi, kov, voi, vov = hk["out_idx"][:b], hk["out_val"][:b], hv["out_idx"][:b], hv["out_val"][:b]
-            else:
-                koi = voi = self.no_out[0][:b]
-                kov = vov = self.no_out[1][:b]
-            view = self.views[layer]
-            out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"][:b], hv["codes"][:b], view.k_scale,
-                                      hv["scale"][:b], view.k_levels, view.v_levels, koi, kov, voi, vov,
-                                      self.hist_len[:b], wk[:b], wv[:b], win_len.to(torch.int32),
-                                      self.codecs[layer].bits, self.block, rope=self.rope,
-                                      k_center=view.k_center, k_err2=view.k_err2)  # [b, H, d] fp32
-            return out[:, :, None].to(q.dtype)
         hk, hv = self.mirror["k"][layer][:b], self.mirror["v"][layer][:b]
         keys = torch.cat([wk[:b].to(q.dtype), hk.to(q.dtype)], dim=2)  # [b, K, wcap + S, d]
         vals = torch.cat([wv[:b].to(q.dtype), hv.to(q.dtype)], dim=2)
