@@ -244,12 +244,15 @@ def _disk_full_error(target: Path, tmp: Path, size_hint: int | None) -> UserErro
     written = _bytes_under(tmp) if tmp.exists() else 0
     _remove(tmp)
     free = shutil.disk_usage(target.parent).free
-    need = f"needs ~{_mb(size_hint)}" if size_hint else f"{_mb(written)} written when it filled"
-    return UserError(f"no space left on device writing {target} ({need}, {_mb(free)} free there)")
+    need = f"needs ~{_size(size_hint)}" if size_hint else f"{_size(written)} written when it filled"
+    return UserError(f"no space left on device writing {target} ({need}, {_size(free)} free there)")
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 # ---- the writers ------------------------------------------------------------------------------------
