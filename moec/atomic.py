@@ -154,7 +154,12 @@ def _target_lock(target: Path) -> Iterator[None]:
     before releasing it, so a waiter that then wins the lock of the deleted file tries again."""
     path = lock_path(target)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            if _is_disk_full(e):
+                raise UserError(f"no space left on device writing {target} (not even for {path.name})") from None
+            raise
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -316,8 +321,8 @@ def atomic_dir(target: str | Path, *, is_output: Callable[[Path], bool] | None =
             raise UserError(f"{target}: exists and is not {what}; refusing to overwrite it")
         _remove_stale(target)
         tmp = temp_path(target)
-        tmp.mkdir()
         with _writing(target, tmp, size_hint):
+            tmp.mkdir()
             (tmp / MARKER).write_text(json.dumps({"pid": os.getpid(), "target": str(target)}) + "\n")
             yield tmp
             _pause_for_test(tmp)
@@ -338,8 +343,8 @@ def atomic_file(path: str | Path, *, size_hint: int | None = None) -> Iterator[P
     with _target_lock(path):
         _remove_stale(path)
         tmp = temp_path(path, path.suffix)
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         with _writing(path, tmp, size_hint):
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             yield tmp
             _pause_for_test(tmp)
             apply_modes(tmp)

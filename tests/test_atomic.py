@@ -115,12 +115,14 @@ def test_second_writer_waits_for_the_first(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="moec.atomic"):
         t2 = threading.Thread(target=second)
         t2.start()
-        deadline = time.monotonic() + 30
-        while not any("waiting for another moec run" in r.getMessage() for r in caplog.records):
-            assert time.monotonic() < deadline, "the second writer never waited"
-            time.sleep(0.01)
-        release.set()
-        t1.join(30), t2.join(30)
+        try:
+            deadline = time.monotonic() + 30
+            while not any("waiting for another moec run" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "the second writer never waited"
+                time.sleep(0.01)
+        finally:
+            release.set()
+            t1.join(30), t2.join(30)
     assert order == ["first done", "second writing"]
     assert f"waiting for another moec run (pid {os.getpid()}) that is writing {out}" in caplog.text
     assert (out / "who").read_text() == "second" and os.listdir(tmp_path) == ["out"]
