@@ -13,7 +13,8 @@ throw away an hour of calibration). The last writer's output stays. Because the 
 `.NAME.moec-tmp-*` found by the next writer was left by a killed run: it is removed, with a one-line
 warning. SIGINT and SIGTERM during a write remove the temporary (SIGTERM exits 143), and are held back
 for the moment of the rename so that it completes. A full disk or quota (ENOSPC, EDQUOT) is a UserError
-naming the output and the space it needed, with the temporary removed.
+naming the output and the space it needed, with the temporary removed; so is an output location that
+cannot be written (EACCES, EPERM, EROFS).
 
 Test hook: with MOEC_TEST_PAUSE_BEFORE_RENAME=FILE set, a writer that has written everything writes its
 temporary's path to FILE and waits (at most 120 s) until FILE is deleted, so tests/test_atomic.py can
@@ -155,10 +156,13 @@ def _target_lock(target: Path) -> Iterator[None]:
     path = lock_path(target)
     while True:
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError as e:
+        except OSError as e:  # the first write to the output's location: is it writable at all?
             if _is_disk_full(e):
                 raise UserError(f"no space left on device writing {target} (not even for {path.name})") from None
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise UserError(f"cannot write {target}: {e.strerror}") from None
             raise
         try:
             try:
@@ -314,7 +318,6 @@ def atomic_dir(target: str | Path, *, is_output: Callable[[Path], bool] | None =
     will take, for the message when the disk is full.
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     with _target_lock(target):
         if os.path.lexists(target) and (not target.is_dir() or (
                 is_output is not None and any(target.iterdir()) and not is_output(target))):
@@ -339,7 +342,6 @@ def atomic_file(path: str | Path, *, size_hint: int | None = None) -> Iterator[P
     """Yields a temporary path to write `path`'s content to with any writer (open, savefig, save_file,
     torch.save); on success it replaces `path`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with _target_lock(path):
         _remove_stale(path)
         tmp = temp_path(path, path.suffix)

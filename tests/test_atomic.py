@@ -159,6 +159,21 @@ def test_full_disk_without_a_size_hint_says_what_was_written(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS])
+def test_unwritable_location_is_one_line(tmp_path, monkeypatch, code):
+    real_open = os.open
+
+    def refuse(path, *args, **kw):  # what a read-only mount or a directory of another user answers
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, *args, **kw)
+
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(UserError, match=f"^cannot write {tmp_path / 'out'}: {os.strerror(code)}$"):
+        with atomic.atomic_dir(tmp_path / "out"):
+            pytest.fail("entered")
+
+
 def test_file_replaced_whole_and_keeps_its_suffix(tmp_path):
     path = tmp_path / "plot.png"
     atomic.write_text(path, "old")
