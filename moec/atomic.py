@@ -17,8 +17,8 @@ naming the output and the space it needed, with the temporary removed; so is an 
 cannot be written (EACCES, EPERM, EROFS).
 
 Test hook: with MOEC_TEST_PAUSE_BEFORE_RENAME=FILE set, a writer that has written everything writes its
-temporary's path to FILE and waits (at most 120 s) until FILE is deleted, so tests/test_atomic.py can
-signal it at a known point. Unset, it costs one environment lookup.
+temporary's path to FILE and waits (at most 120 s) until FILE is deleted, so a test can signal it at a
+known point (tests/cli/test_atomic_outputs.py). Unset, it costs one environment lookup.
 """
 
 from __future__ import annotations
