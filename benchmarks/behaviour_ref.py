@@ -29,6 +29,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from moec.atomic import write_json  # noqa: E402
+
 REFS = ROOT / "benchmarks" / "results" / "behaviour_refs_cpu.json"
 CALIB = ["--data", "ptb", "--split", "train", "--samples", "4", "--seq-len", "256"]
 EVAL = ["--data", "ptb", "--split", "test", "--mode", "both", "--max-windows", "1", "--window", "512"]
@@ -137,10 +141,7 @@ def main() -> int:
                             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "platform": platform(),
                             "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                                      cwd=ROOT).stdout.strip()}
-        REFS.parent.mkdir(parents=True, exist_ok=True)
-        tmp = REFS.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(refs, indent=1) + "\n")
-        tmp.replace(REFS)
+        write_json(REFS, refs)
         print(f"wrote {REFS}")
         return 0
     for f in failures:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from moec.atomic import atomic_file
 from moec.calibrate import hls
 from moec.calibrate.data import load_text, sample_windows
 from moec.calibrate.fit_experts import ExpertFitter
@@ -271,7 +272,8 @@ def main() -> None:
     elif need_h:  # statistics of every linear layer, so one capture serves every scope
         H, policy_report = capture(ck, calib, targets(ck.args, "all"), a.policy, a.min_tokens)
         if a.hessians is not None:
-            torch.save((H, policy_report), a.hessians)
+            with atomic_file(a.hessians) as tmp:
+                torch.save((H, policy_report), tmp)
     capture_s = time.time() - t0
     t0 = time.time()
     cache = Path(f"/tmp/hls-study-base-{a.model}-w{a.windows}.pt")
@@ -282,8 +284,8 @@ def main() -> None:
         with torch.no_grad():
             full = [base(windows[b : b + 1])[0, : W - 1] for b in range(windows.shape[0])]
         del base
-        torch.save(full, cache.with_suffix(".tmp"))
-        cache.with_suffix(".tmp").rename(cache)
+        with atomic_file(cache) as tmp:
+            torch.save(full, tmp)
     base_logits = [x[a.score_from - 1 :] for x in full]
     base_s = time.time() - t0
     print(f"base eval {base_s:.0f}s, capture {capture_s:.0f}s", flush=True)

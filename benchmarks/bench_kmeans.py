@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from moec.atomic import atomic_file  # noqa: E402
 from moec.calibrate.rvq import fit_rvq  # noqa: E402
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
 
@@ -47,8 +48,8 @@ def save(path: Path) -> None:
     run_layers(ckpt.args, ckpt.global_state(), ckpt.layer_state, tokens, [sampler])
     out = {f"layers.{i}.{n}": sampler.get(i, n).half().contiguous() for i in range(ckpt.args.n_layers)
            for n in ("k", "v")}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(path), metadata={"model": "demo-moe", "data": "ptb train, 16 x 512, seed 0"})
+    with atomic_file(path) as tmp:
+        save_file(out, str(tmp), metadata={"model": "demo-moe", "data": "ptb train, 16 x 512, seed 0"})
     print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 

@@ -38,6 +38,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from moec.atomic import write_json  # noqa: E402
 from moec.kernels import kv_decode_attention as kda  # noqa: E402
 from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref  # noqa: E402
 
@@ -338,8 +339,7 @@ def main():
     records = []
 
     def save():
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(records, indent=1))
+        write_json(a.out, records)
 
     if a.sweep:
         run_sweep(base, records, save, a.reps)

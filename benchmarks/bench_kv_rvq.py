@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchutil import cli  # noqa: E402
 
+from moec.atomic import atomic_file  # noqa: E402
 from moec.calibrate.data import load_text  # noqa: E402
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
@@ -156,9 +156,8 @@ def main() -> None:
             base[W] = torch.load(f)
         else:
             base[W] = [hidden(base_model, win[s : s + a.batch], FP16Cache()) for s in range(0, win.shape[0], a.batch)]
-            tmp = f.with_suffix(f".tmp{os.getpid()}")
-            torch.save(base[W], tmp)
-            tmp.rename(f)
+            with atomic_file(f) as tmp:
+                torch.save(base[W], tmp)
         print(f"baseline W={W}: {time.time() - t0:.0f}s", flush=True)
     records = []
 

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import swapab_attention as na  # noqa: E402
 from bench_kv_attention import BLOCK, LAYERS, WIN, D, H, K, copy_bandwidth, make_layer, stats, time_step  # noqa: E402
 
+from moec.atomic import write_json, write_text  # noqa: E402
 from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref  # noqa: E402
 
 GRID = ((4096, 1), (32768, 1), (32768, 16), (131072, 1))
@@ -209,7 +210,7 @@ def ablate(base, records, save, reps, ir_dir: Path | None):
                 k = na._LAST.get("kernel")
                 if ir_dir is not None and k is not None and S == 32768 and B == 16:
                     for kind in ("ttgir", "ptx"):
-                        (ir_dir / f"nuq_attention_abl{abl}.{kind}").write_text(k.asm.get(kind, ""))
+                        write_text(ir_dir / f"nuq_attention_abl{abl}.{kind}", k.asm.get(kind, ""))
             except Exception as e:
                 rec["error"] = repr(e)[:400]
             records.append(rec)
@@ -276,8 +277,7 @@ def main():
     records = []
 
     def save():
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(records, indent=1))
+        write_json(a.out, records)
 
     t0 = time.time()
     check(base, records, save)

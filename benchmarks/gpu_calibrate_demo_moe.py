@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import moec.calibrate.run as run
+from moec.atomic import write_json
 from moec.calibrate.pack import pack
 from moec.calibrate.recipe import load_recipe
 from moec.calibrate.sources import resolve_model
@@ -113,10 +114,7 @@ def main() -> None:
                 shutil.rmtree(work, ignore_errors=True)
             print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
             records.append(rec)
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = a.out.with_suffix(".tmp")
-            tmp.write_text(json.dumps(records, indent=1))
-            tmp.rename(a.out)
+            write_json(a.out, records)
 
 
 if __name__ == "__main__":

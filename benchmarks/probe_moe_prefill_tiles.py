@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from moec.atomic import write_text  # noqa: E402
 from moec.kernels import moe_prefill  # noqa: E402
 from tests.kernels.moe_cases import moe_case  # noqa: E402
 
@@ -35,7 +36,7 @@ def main() -> None:
         except Exception as e:
             rec["error"] = repr(e)[:200]
         out.append(rec)
-    Path(sys.argv[1]).write_text(json.dumps(out, indent=0))
+    write_text(sys.argv[1], json.dumps(out, indent=0))
     bad = [r for r in out if r.get("rel_err", 0) > 2e-2 or "error" in r]
     print(len(out), "cases,", len(bad), "wrong:")
     for r in bad:

@@ -6,15 +6,13 @@ CALIB_DIR holds:
                         per-layer expert token counts and load balance, which experts fell under the
                         expert policy, and what was fitted
     recipe.yaml         the recipe as resolved (every default filled in)
-The directory is written to a temporary sibling and renamed into place when complete.
+The directory is written through moec.atomic.atomic_dir: a temporary sibling renamed into place when
+complete.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from .. import __version__
+from ..atomic import atomic_dir
 from ..errors import UserError
 from ..formats.checkpoint import is_packed
 from ..registry import kv_codec
@@ -132,11 +131,9 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
 
 
 def _write_dir(out: Path, files: dict) -> None:
-    if out.exists() and any(out.iterdir()) and not (out / "report.json").is_file():
-        raise UserError(f"{out}: exists and is not a calibration directory; refusing to overwrite it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    size = sum(t.numel() * t.element_size() for t in files["calib.safetensors"].values())
+    with atomic_dir(out, is_output=lambda p: (p / "report.json").is_file(), what="a calibration directory",
+                    size_hint=size) as tmp:
         for name, content in files.items():
             if name.endswith(".safetensors"):
                 save_file(content, str(tmp / name), metadata={"format": "moec-calib"})
@@ -144,14 +141,3 @@ def _write_dir(out: Path, files: dict) -> None:
                 (tmp / name).write_text(json.dumps(content, indent=1))
             else:
                 (tmp / name).write_text(content)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

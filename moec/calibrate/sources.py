@@ -13,10 +13,9 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from ..atomic import atomic_dir
 from ..errors import UserError
 from ..formats.checkpoint import is_packed
 
@@ -96,9 +95,7 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
     from safetensors.torch import save_file
 
     transformers.logging.set_verbosity_error()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                                   dtype=torch.float32)
         tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -113,11 +110,6 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
         cfg["moec_source"] = {"gguf": gguf.name}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
         tok.save_pretrained(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp made it private; the cache is a normal model directory
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

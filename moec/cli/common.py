@@ -1,12 +1,10 @@
-"""Shared CLI helpers: console, progress bars, result records, atomic JSON output."""
+"""Shared CLI helpers: console, progress bars, result records, atomic JSON output (moec.atomic)."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
-import tempfile
 import time
 from contextlib import contextmanager
 from functools import lru_cache
@@ -14,6 +12,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..atomic import write_json
 
 console = Console(stderr=True)
 out_console = Console()
@@ -52,14 +52,5 @@ def base_record(bench: str, device: str) -> dict:
 
 
 def write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates files private to the owner
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Result JSON, written atomically (moec.atomic.write_json; kept under this name for the benchmarks)."""
+    write_json(path, obj)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
+from ..atomic import atomic_file
 from ..errors import UserError
 from .common import base_record, out_console
 
@@ -204,10 +205,8 @@ def plot(records: list[dict], path: Path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    tmp.replace(path)
+    with atomic_file(path) as tmp:  # the temporary keeps path's suffix: savefig takes the format from it
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
 

@@ -12,18 +12,17 @@ calibration (provenance: data, split, samples, seq_len, seed, token counts), ten
 codec, bits, shape, dtype, bytes}}, shards {file: {sha256, bytes}}, effective_bits, kv (the KV codec's
 section, formats/kvsection.py; null for an fp16 cache). Version 2 changed only the `kv` section.
 
-Writes go to a temporary sibling directory that is renamed into place only when complete, so a
-failed pack never leaves a half-written checkpoint. The reader verifies version, presence and sha256
-of every shard, then each tensor's shape and dtype, and names the first thing that is wrong.
+Writes go through moec.atomic.atomic_dir (a temporary sibling directory renamed into place only when
+complete), so a failed or killed pack never leaves a half-written checkpoint under the name. The reader
+verifies version, presence and sha256 of every shard, then each tensor's shape and dtype, and names the
+first thing that is wrong.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .. import __version__
+from ..atomic import atomic_dir
 from ..errors import FormatError, UserError
 from . import kvsection
 
@@ -72,11 +72,8 @@ def write_packed(out_dir: str | Path, tensors: dict[str, torch.Tensor], tensor_i
                  extra_files: Iterable[Path] = (), extra_texts: dict[str, str] | None = None) -> Path:
     """Write a packed checkpoint atomically. `tensor_info[name]` holds codec and bits per tensor."""
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise UserError(f"{out}: exists and is not a moec checkpoint; refusing to overwrite it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    with atomic_dir(out, is_output=is_packed, what="a moec checkpoint", size_hint=size) as tmp:
         groups = _shard(tensors)
         entries, shard_meta = {}, {}
         for i, group in enumerate(groups):
@@ -98,17 +95,6 @@ def write_packed(out_dir: str | Path, tensors: dict[str, torch.Tensor], tensor_i
             shutil.copy2(f, tmp / Path(f).name)
         for fname, text in (extra_texts or {}).items():
             (tmp / fname).write_text(text)
-        os.chmod(tmp, 0o755)
-        if out.exists():  # replace a previous checkpoint only once the new one is complete
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from moec import atomic
 from tests.cli.run import moec
 
 
@@ -18,7 +19,8 @@ def assert_clean_failure(r, *needles, outputs=()):
         assert n in err, (n, err)
     for o in outputs:
         assert not o.exists(), f"{o} left behind"
-        assert not list(o.parent.glob(f".{o.name}.tmp-*")), "temporary directory left behind"
+        assert not atomic.temporaries(o), "temporary directory left behind"
+        assert not atomic.lock_path(o).exists(), "lock file left behind"
 
 
 def calibrate(model, out, *extra, recipe="recipes/fp16.yaml"):

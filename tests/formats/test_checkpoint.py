@@ -29,7 +29,7 @@ def test_round_trip_exact_across_dtypes_and_shards(tmp_path, monkeypatch):
         assert back[n].dtype == t.dtype and torch.equal(back[n], t), n
     assert json.loads((out / "config.json").read_text())["quantization_config"] == {"quant_method": "moec"}
     assert (out / "recipe.yaml").read_text() == "name: t\n"
-    assert not list(tmp_path.glob(".ck.tmp-*"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temporary, no lock file
 
 
 def test_failed_write_leaves_nothing(tmp_path):
