@@ -28,6 +28,7 @@ from ..registry import kv_codec
 from ..runtime.hf_layout import HFCheckpoint
 from .capture import ExpertTokenCounts, KVRange, run_layers
 from .data import is_eval_split, load_text, sample_windows
+from .faults import FiniteActivations, check_final_hidden, checked_global_state, checked_layer_state, fault_report
 from .fit_experts import ExpertFitter, plan
 from .hessian import AttentionHessians, ExpertHessians
 from .recipe import Recipe
@@ -83,8 +84,11 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
             hessians.append(AttentionHessians(args, fitter.attention_layers(), fitter.on_attention_layer))
         observers += hessians
     t0 = time.time()
-    run_layers(args, ckpt.global_state(), ckpt.layer_state, tokens, observers, device=device,
-               progress=progress)
+    final = run_layers(args, checked_global_state(ckpt.global_state(), str(model_dir)),
+                       checked_layer_state(ckpt.layer_state, str(model_dir)), tokens,
+                       [FiniteActivations(), *observers], device=device, progress=progress)
+    check_final_hidden(final, args.n_layers)
+    del final
     if fitter is not None:
         for hs in hessians:
             hs.flush()
@@ -123,6 +127,7 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         report["fit_seconds"] = round(fitter.seconds, 2)
         if fitter.tune_report is not None:
             report["tune"] = fitter.tune_report
+    report["faults"] = fault_report(report["layers"])  # what was repaired (faults.py)
 
     if kv_spec.fit is not None:
         kv_tensors, report["kv"] = kv_spec.hook("fit")(args, kv_cfg, kv_sampler, device)
