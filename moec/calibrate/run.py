@@ -31,6 +31,7 @@ from .data import is_eval_split, load_text, sample_windows
 from .faults import FiniteActivations, check_final_hidden, checked_global_state, checked_layer_state, fault_report
 from .fit_experts import ExpertFitter, plan
 from .hessian import AttentionHessians, ExpertHessians
+from .memory import check_memory
 from .recipe import Recipe
 from .sources import load_tokenizer, tokenize
 
@@ -65,6 +66,7 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     torch.manual_seed(seed)
     text = load_text(data, split)
     ids = tokenize(load_tokenizer(model_dir), text)
+    check_memory(ckpt, recipe, samples, seq_len, device)  # before any sample or weight is held (memory.py)
     tokens = sample_windows(ids, samples, seq_len, seed)
 
     counts, kv = ExpertTokenCounts(args), KVRange()
