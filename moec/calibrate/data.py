@@ -95,7 +95,9 @@ def _is_hub_id(s: str) -> bool:
 def sample_windows(ids: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:
     """`samples` windows of `seq_len` tokens at seeded random offsets: [samples, seq_len]."""
     if ids.numel() < seq_len:
-        raise UserError(f"the calibration text has {ids.numel()} tokens, fewer than --seq-len {seq_len}")
+        n = ids.numel()
+        raise UserError(f"the calibration text has {n} tokens, fewer than --seq-len {seq_len} (one sample); pass a "
+                        f"longer text{f' or --seq-len {n} or less' if n >= 2 else ''}")
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len + 1, (samples,), generator=g)
     return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])

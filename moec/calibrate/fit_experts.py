@@ -130,7 +130,8 @@ class ExpertFitter:
         H1, n1 = self._hessians(stats, "H1")
         H2, n2 = self._hessians(stats, "H2")
         entry = {"experts": [{"tokens": a["tokens"], "hessian_w13": a["hessian"], "status_w13": a["status"],
-                              "hessian_w2": b["hessian"], "status_w2": b["status"]}
+                              "damp_w13": a["damp"], "hessian_w2": b["hessian"], "status_w2": b["status"],
+                              "damp_w2": b["damp"]}
                              for a, b in zip(n1, n2, strict=True)]}
         for p in ("w1", "w3", "w2"):
             name = f"layers.{layer}.moe.{p}"
@@ -153,6 +154,7 @@ class ExpertFitter:
         for key, tag in (("Hqkv", "qkv"), ("Ho", "o")):
             Hs[key], note = regularize(stats[key])
             entry[f"status_{tag}"] = note["status"]  # non-finite / zero / singular: identity (least squares)
+            entry[f"damp_{tag}"] = note["damp"]
         for p in ("wq", "wk", "wv", "wo"):
             name = f"layers.{layer}.attn.{p}.weight"
             rule = self.targets.get(name)

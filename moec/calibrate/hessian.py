@@ -45,8 +45,8 @@ def regularize(H: torch.Tensor, damp: float = 0.01, max_tries: int = 6) -> tuple
     if not torch.isfinite(H).all():
         return eye, {"status": "non-finite", "damp": None}
     mean_diag = H.diagonal().mean().item()
-    if mean_diag <= 0:
-        return eye, {"status": "zero", "damp": None}
+    if mean_diag <= 0:  # all zero (no signal), or a negative trace no damping scaled by it can repair
+        return eye, {"status": "zero" if torch.count_nonzero(H) == 0 else "singular", "damp": None}
     lam = damp
     for _ in range(max_tries):
         Hd = H + lam * mean_diag * eye

@@ -27,8 +27,10 @@ from ..registry import kv_codec
 from ..runtime.hf_layout import HFCheckpoint
 from .capture import ExpertTokenCounts, KVRange, run_layers
 from .data import is_eval_split, load_text, sample_windows
+from .faults import FiniteActivations, check_final_hidden, checked_global_state, checked_layer_state, fault_report
 from .fit_experts import ExpertFitter, plan
 from .hessian import AttentionHessians, ExpertHessians
+from .memory import check_memory
 from .recipe import Recipe
 from .sources import load_tokenizer, tokenize
 
@@ -63,6 +65,7 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     torch.manual_seed(seed)
     text = load_text(data, split)
     ids = tokenize(load_tokenizer(model_dir), text)
+    check_memory(ckpt, recipe, samples, seq_len, device)  # before any sample or weight is held (memory.py)
     tokens = sample_windows(ids, samples, seq_len, seed)
 
     counts, kv = ExpertTokenCounts(args), KVRange()
@@ -82,8 +85,11 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
             hessians.append(AttentionHessians(args, fitter.attention_layers(), fitter.on_attention_layer))
         observers += hessians
     t0 = time.time()
-    run_layers(args, ckpt.global_state(), ckpt.layer_state, tokens, observers, device=device,
-               progress=progress)
+    final = run_layers(args, checked_global_state(ckpt.global_state(), str(model_dir)),
+                       checked_layer_state(ckpt.layer_state, str(model_dir)), tokens,
+                       [FiniteActivations(), *observers], device=device, progress=progress)
+    check_final_hidden(final, args.n_layers)
+    del final
     if fitter is not None:
         for hs in hessians:
             hs.flush()
@@ -122,6 +128,7 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         report["fit_seconds"] = round(fitter.seconds, 2)
         if fitter.tune_report is not None:
             report["tune"] = fitter.tune_report
+    report["faults"] = fault_report(report["layers"])  # what was repaired (faults.py)
 
     if kv_spec.fit is not None:
         kv_tensors, report["kv"] = kv_spec.hook("fit")(args, kv_cfg, kv_sampler, device)

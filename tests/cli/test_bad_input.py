@@ -158,3 +158,11 @@ def test_bad_codec_plugin_is_one_line(tiny_moe_dir, tmp_path, monkeypatch):
     out = tmp_path / "calib"
     assert_clean_failure(calibrate(tiny_moe_dir, out, recipe="recipes/kv-kivi2.yaml"),
                          "MOEC_PLUGINS: cannot import 'no_such_codec_module'", outputs=[out])
+
+
+def test_calibration_larger_than_memory_is_refused(tiny_moe_dir, tmp_path):
+    """10^8 samples × 512 tokens: about 10 TB of hidden states; refused before any window is sampled."""
+    out = tmp_path / "calib"
+    r = calibrate(tiny_moe_dir, out, "--samples", "100000000", "--seq-len", "512")
+    assert_clean_failure(r, "calibrating 100000000 × 512 tokens needs about host", "--samples", "would fit",
+                         "MOEC_SKIP_MEMORY_CHECK=1", outputs=[out])
