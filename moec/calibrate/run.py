@@ -6,7 +6,9 @@ CALIB_DIR holds:
                         per-layer expert token counts and load balance, which experts fell under the
                         expert policy, and what was fitted
     recipe.yaml         the recipe as resolved (every default filled in)
-The directory is written to a temporary sibling and renamed into place when complete.
+The directory is written to a temporary sibling and renamed into place when complete. While it runs,
+OUT.partial/ holds a checkpoint after every layer and post-loop step, which `--resume` continues from
+after an interruption (resume.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..errors import UserError
 from ..formats.checkpoint import is_packed
+from ..provenance import created_timestamp, environment
 from ..registry import kv_codec
 from ..runtime.hf_layout import HFCheckpoint
 from .capture import ExpertTokenCounts, KVRange, run_layers
@@ -31,6 +34,7 @@ from .data import is_eval_split, load_text, sample_windows
 from .fit_experts import ExpertFitter, plan
 from .hessian import AttentionHessians, ExpertHessians
 from .recipe import Recipe
+from .resume import PartialState, run_key
 from .sources import load_tokenizer, tokenize
 
 
@@ -45,7 +49,7 @@ def load_balance(counts: torch.Tensor, top_k: int) -> dict:
 
 
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,
-              seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None) -> dict:
+              seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None, resume: bool = False) -> dict:
     if is_packed(model_dir):
         raise UserError(f"{model_dir}: is a packed checkpoint; calibrate the source model instead")
     if is_eval_split(data, split):
@@ -82,24 +86,41 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         if fitter.attention_layers():
             hessians.append(AttentionHessians(args, fitter.attention_layers(), fitter.on_attention_layer))
         observers += hessians
-    t0 = time.time()
-    run_layers(args, ckpt.global_state(), ckpt.layer_state, tokens, observers, device=device,
-               progress=progress)
+    fingerprint = ckpt.fingerprint()
+    partial = PartialState(out_dir, run_key(fingerprint, recipe, data, split, tokens, seed, samples, seq_len, device),
+                           {"counts": counts, "kv_range": kv, "kv_sampler": kv_sampler, "fitter": fitter})
+    resumed = partial.open(resume)  # observers and RNG states restored to where an interrupted run stopped
+    t0 = time.time() - (resumed.elapsed if resumed else 0.0)
+
+    def end_of_layer(i: int, h: torch.Tensor) -> None:
+        for hs in hessians:  # fit layer i now (not at layer i + 1's first event), so its checkpoint holds it
+            hs.flush()
+        partial.save("layers", i, time.time() - t0, hidden=h)
+
+    start = 0 if resumed is None else resumed.layer + 1 if resumed.stage == "layers" else args.n_layers
+    if progress is not None:
+        for i in range(start):
+            progress(i + 1, args.n_layers)
+    if start < args.n_layers:
+        run_layers(args, ckpt.global_state(), ckpt.layer_state, tokens, observers, device=device, progress=progress,
+                   resume=(start, resumed.hidden) if start else None, on_layer_end=end_of_layer)
     if fitter is not None:
         for hs in hessians:
             hs.flush()
-        if cal.tune_steps:  # hls codebooks tuned end to end against the source model (tune.py)
+        # hls codebooks tuned end to end against the source model (tune.py)
+        if cal.tune_steps and not (resumed and resumed.done("tune")):
             fitter.tune(args, ckpt.state_dict(), tokens, cal.tune_steps, cal.tune_lr, cal.tune_batch, seed, device)
+            partial.save("tune", args.n_layers - 1, time.time() - t0)
         tensors_fit = fitter.tensors
     seconds = time.time() - t0
 
     policy = recipe.calibration
     report = {
-        "moec_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "model": model_spec, "model_path": str(model_dir), **ckpt.fingerprint(),
+        "moec_version": __version__, "created": created_timestamp(),
+        "model": model_spec, "model_path": str(model_dir), **fingerprint,
         "data": data, "split": split, "samples": samples, "seq_len": seq_len, "seed": seed,
         "tokens": int(tokens.numel()), "text_tokens": int(ids.numel()), "capture_seconds": round(seconds, 2),
-        "device": device, "recipe": recipe.name,
+        "device": device, "environment": environment(device), "recipe": recipe.name,
         "expert_policy": policy.expert_policy, "min_expert_tokens": policy.min_expert_tokens,
         "layers": [],
     }
@@ -125,9 +146,15 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
             report["tune"] = fitter.tune_report
 
     if kv_spec.fit is not None:
-        kv_tensors, report["kv"] = kv_spec.hook("fit")(args, kv_cfg, kv_sampler, device)
+        if resumed and resumed.done("kv-fit"):
+            kv_tensors, report["kv"] = resumed.tensors, resumed.meta["kv"]
+        else:
+            kv_tensors, report["kv"] = kv_spec.hook("fit")(args, kv_cfg, kv_sampler, device)
+            partial.drop("kv_sampler")  # its samples are spent
+            partial.save("kv-fit", args.n_layers - 1, seconds, step_tensors=kv_tensors, step_meta={"kv": report["kv"]})
         tensors.update(kv_tensors)
     _write_dir(out_dir, {"calib.safetensors": tensors, "report.json": report, "recipe.yaml": recipe.to_yaml()})
+    partial.remove()
     return report
 
 
