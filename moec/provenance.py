@@ -1,7 +1,7 @@
 """What an output records about where it was made: its timestamp and the software and device that made it.
 
-Calibration and packing are deterministic on one machine: the same inputs and seed give the same bytes
-(tests/calibrate/test_resume.py checks it end to end), the time fields excepted. Those come from
+On a CPU, calibration and packing are deterministic on one machine: the same inputs and seed give the
+same bytes (tests/calibrate/test_resume.py checks it end to end), the time fields excepted. Those come from
 `SOURCE_DATE_EPOCH` when it is set (the reproducible-builds convention), so two runs can give identical
 manifests too. What can still change the bytes between machines is recorded in `environment()`: the
 torch, triton and transformers versions, the device, and the CPU thread count (reductions of a matmul

@@ -11,6 +11,9 @@ A checkpoint is a new safetensors file, then state.json replaced by rename (its 
 the older file removed: a kill at any point leaves the last complete checkpoint readable. No pickle.
 Restoring every observer, the hidden states and the RNG states exactly makes a resumed run compute
 the same bytes as one that was never interrupted (tests/calibrate/test_resume.py kills one to check).
+Each checkpoint holds the whole state so far (the hidden states, samples × seq_len × dim fp32, and the KV
+samples, up to 3 × 4096 tokens × K × d fp32 per layer, are most of it); it replaces the one before, so
+the disk holds at most two at a time.
 
 The key: a resume continues only the run it interrupted. The model (weight and config hashes), the
 resolved recipe (seed aside, compared on its own), data and split, seed, samples, seq_len, a hash of
