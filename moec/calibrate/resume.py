@@ -143,8 +143,7 @@ class PartialState:
         except (ValueError, KeyError, AssertionError):
             raise UserError(f"{index}: not a moec partial calibration state; delete {self.dir}") from None
         if not resume:
-            raise UserError(f"{self.dir} holds an interrupted calibration ({_progress(state)}); pass --resume "
-                            f"to continue it, or delete {self.dir} to start over")
+            _refuse(self.dir, state)
         if state["version"] != VERSION:
             raise UserError(f"cannot resume from {self.dir}: partial state version {state['version']}, this moec "
                             f"reads {VERSION}; delete {self.dir} to start over")
@@ -212,6 +211,23 @@ class PartialState:
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def refuse_without_resume(out: Path) -> None:
+    """A partial state at `out` without --resume: refused before any work (hashing the weights can take
+    minutes); PartialState.open checks it again."""
+    index = partial_dir(out) / INDEX
+    if index.is_file():
+        try:
+            state = json.loads(index.read_text())
+        except ValueError:
+            state = {}
+        _refuse(partial_dir(out), state)
+
+
+def _refuse(path: Path, state: dict):
+    raise UserError(f"{path} holds an interrupted calibration ({_progress(state)}); pass --resume to continue "
+                    f"it, or delete {path} to start over")
 
 
 def _progress(state: dict) -> str:

@@ -34,7 +34,7 @@ from .data import is_eval_split, load_text, sample_windows
 from .fit_experts import ExpertFitter, plan
 from .hessian import AttentionHessians, ExpertHessians
 from .recipe import Recipe
-from .resume import PartialState, run_key
+from .resume import PartialState, refuse_without_resume, run_key
 from .sources import load_tokenizer, tokenize
 
 
@@ -61,6 +61,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if seq_len > args.max_seq_len:
         raise UserError(f"--seq-len {seq_len} is longer than the model supports ({args.max_seq_len} tokens)")
     targets = plan(args, recipe)  # weight rules checked against the model before any work
+    if not resume:
+        refuse_without_resume(out_dir)
     kv_cfg = recipe.kv_or_default()
     kv_spec = kv_codec(kv_cfg.codec)
     if kv_spec.check is not None:  # the KV settings against the model's shapes, before any work

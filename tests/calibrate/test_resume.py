@@ -233,4 +233,6 @@ def test_partial_state_presence(tmp_path, caplog):
     resume.PartialState(out, _key(), {}).save("tune", 1, 0.0)
     with pytest.raises(UserError, match=r"all layers and the tune step done\); pass --resume"):
         resume.PartialState(out, _key(), {}).open(resume=False)
+    with pytest.raises(UserError, match=r"all layers and the tune step done\); pass --resume"):
+        resume.refuse_without_resume(out)  # the early check calibrate makes before hashing the weights
 
