@@ -6,9 +6,10 @@ A directory:
     config.json             the source HF config plus a compressed-tensors style `quantization_config`
     tokenizer files         copied from the source model
 
-Manifest fields: format, format_version, moec_version, created, source {model, path, config_sha256,
-weights_sha256}, model_args (moec.runtime.config.ModelArgs as a dict), recipe (resolved),
-calibration (provenance: data, split, samples, seq_len, seed, token counts), tensors {name: {shard,
+Manifest fields: format, format_version, moec_version, created (SOURCE_DATE_EPOCH when set), source
+{model, path, config_sha256, weights_sha256}, model_args (moec.runtime.config.ModelArgs as a dict), recipe
+(resolved), calibration (provenance: data, split, samples, seq_len, seed, token counts, the environment
+that calibrated: moec/provenance.py), environment (the one that packed), tensors {name: {shard,
 codec, bits, shape, dtype, bytes}}, shards {file: {sha256, bytes}}, effective_bits, kv (the KV codec's
 section, formats/kvsection.py; null for an fp16 cache). Version 2 changed only the `kv` section.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..atomic import atomic_dir
 from ..errors import FormatError, UserError
+from ..provenance import created_timestamp
 from . import kvsection
 
 FORMAT = "moec-packed"
@@ -79,13 +80,13 @@ def write_packed(out_dir: str | Path, tensors: dict[str, torch.Tensor], tensor_i
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             save_file({k: v.contiguous() for k, v in group.items()}, str(tmp / fname),
-                      metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+                      metadata={"format": FORMAT})  # one key: safetensors orders them by a per-process hash
             shard_meta[fname] = {"sha256": sha256_file(tmp / fname), "bytes": (tmp / fname).stat().st_size}
             for name, t in group.items():
                 entries[name] = {"shard": fname, **tensor_info[name], "shape": list(t.shape),
                                  "dtype": dtype_name(t.dtype), "bytes": t.numel() * t.element_size()}
         full = {"format": FORMAT, "format_version": FORMAT_VERSION, "moec_version": __version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **manifest,
+                "created": created_timestamp(), **manifest,
                 "tensors": entries, "shards": shard_meta}
         (tmp / MANIFEST).write_text(json.dumps(full, indent=1))
         cfg = dict(hf_config)
