@@ -621,10 +621,15 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
         ROPE=rope is not None, CENTER=k_center is not None, WCHUNK=win_chunk, BIAS=k_err2 is not None,
         num_warps=num_warps or CONFIG["num_warps"],
     )
-    out = torch.empty(B, H, d, device=q.device, dtype=torch.float32)
+    return combine_splits(part, B * H, P, d).view(B, H, d)
+
+
+def combine_splits(part: torch.Tensor, BH: int, P: int, d: int) -> torch.Tensor:
+    """The split-K combine: part [BH, P, d + 2] (acc, m in log2 units, l per split) -> out [BH, d] fp32."""
+    out = torch.empty(BH, d, device=part.device, dtype=torch.float32)
     dc = min(d, 32)
     p2 = triton.next_power_of_2(P)
-    _reduce_kernel[(B * H, d // dc)](part, out, P, D=d, P_P2=p2, DC=dc, CHUNK=min(32, p2), num_warps=2)
+    _reduce_kernel[(BH, d // dc)](part, out, P, D=d, P_P2=p2, DC=dc, CHUNK=min(32, p2), num_warps=2)
     return out
 
 

@@ -221,8 +221,8 @@ class StaticTieredCache:
                                   self.hist_len[:b], wk[:b], wv[:b], (slot + 1).to(torch.int32),
                                   self.codecs[layer].bits, self.block, rope=self.rope,
                                   k_center=view.k_center, k_err2=view.k_err2)  # [b, H, d] fp32
-        if R is not None:
-            out = out @ R.T
+        if R is not None:  # back from the rotated basis: a bf16 GEMM (an fp32 one runs on CUDA cores, 3x slower)
+            return (out.to(q.dtype) @ self.rot.get(layer, q.dtype).T)[:, :, None]
         return out[:, :, None].to(q.dtype)
 
     def _attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
