@@ -95,7 +95,11 @@ def _int(lo: int):
 
 
 def _positive_float(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    """A number the fp32 model arithmetic can hold (clip_qkv 1e308 would overflow the clamp)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and 0 < v < _FP32_MAX
+
+
+_FP32_MAX = 3.4e38
 
 
 # The RoPE scalings the runtime applies (model.rope_inv_freq), with the numbers each one reads.
@@ -119,8 +123,8 @@ _ARG_SPEC = {
     **{k: (_int(1), "an int in 1..2^31-1") for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
                                                       "head_dim", "max_seq_len")},
     **{k: (_int(0), "an int in 0..2^31-1") for k in ("dense_dim", "n_experts", "top_k", "expert_dim", "shared_dim")},
-    **{k: (_positive_float, "a finite number > 0") for k in ("norm_eps", "rope_theta")},
-    "clip_qkv": (lambda v: v is None or _positive_float(v), "null or a number > 0"),
+    **{k: (_positive_float, "a number in (0, 3.4e38)") for k in ("norm_eps", "rope_theta")},
+    "clip_qkv": (lambda v: v is None or _positive_float(v), "null or a number in (0, 3.4e38)"),
     "rope_scaling": (_rope_scaling, "null or a RoPE scaling the runtime applies (rope_type linear or llama3 "
                                     "with its factors)"),
     **{k: (lambda v: isinstance(v, bool), "true or false") for k in ("tie_embeddings", "qkv_bias", "o_bias",

@@ -133,13 +133,19 @@ def kv_codec_spec(section: dict):
     if spec is None or spec.name == "fp16":
         raise FormatError(f"KV codec {section['codec']!r} is not one this runtime executes "
                           f"(registered: {', '.join(c for c in codecs if c != 'fp16')})")
-    config = spec.hook("config")  # the section holds its fields, plus shapes and derived keys
+    kv_config(spec, section)
+    return spec
+
+
+def kv_config(spec, section: dict):
+    """The codec's config instance from the section's keys that its class declares (the section holds
+    those, plus shapes and derived keys), built strictly as a recipe is (FormatError)."""
+    config = spec.hook("config")
     declared = {f.name for f in dataclasses.fields(config)}
     try:
-        build(config, {k: v for k, v in section.items() if k in declared}, "manifest kv", codec=spec.name)
+        return build(config, {k: v for k, v in section.items() if k in declared}, "manifest kv", codec=spec.name)
     except UserError as e:
         raise FormatError(str(e)) from None
-    return spec
 
 
 def kv_cache_factory(info: dict, args: ModelArgs):
@@ -151,11 +157,18 @@ def kv_cache_factory(info: dict, args: ModelArgs):
     if not section:
         return None
     spec, tensors = kv_codec_spec(section), info.get("kv_tensors", {})
+    # the config's keys as the writer writes them (asdict of the resolved config: defaults filled in, nested
+    # configs whole), so a codec reads no key that the section left out
+    section = {**section, **dataclasses.asdict(kv_config(spec, section))}
     model_shapes = {"n_layers": args.n_layers, "n_kv_heads": args.n_kv_heads, "head_dim": args.head_dim}
     for key, want in model_shapes.items():
         if section[key] != want:
             raise FormatError(f"manifest kv.{key} {section[key]} was calibrated for another model "
                               f"(model_args: {want})")
+    for key in ("window", "sinks", "block"):  # the tiered caches allocate a block's buffers up front
+        if isinstance(section.get(key), int) and section[key] > args.max_seq_len:
+            raise FormatError(f"manifest kv.{key} {section[key]} is longer than the model's context "
+                              f"(max_seq_len {args.max_seq_len})")
     names = section.get("tensors", [])
     missing = [n for n in names if n not in tensors] if isinstance(names, list) else [names]
     if missing:
