@@ -165,12 +165,11 @@ def kv_cache_factory(info: dict, args: ModelArgs):
         if section[key] != want:
             raise FormatError(f"manifest kv.{key} {section[key]} was calibrated for another model "
                               f"(model_args: {want})")
-    for key in ("window", "sinks", "block"):  # the tiered caches allocate a block's buffers up front
-        if isinstance(section.get(key), int) and section[key] > args.max_seq_len:
-            raise FormatError(f"manifest kv.{key} {section[key]} is longer than the model's context "
-                              f"(max_seq_len {args.max_seq_len})")
-    names = section.get("tensors", [])
-    missing = [n for n in names if n not in tensors] if isinstance(names, list) else [names]
+    block = section.get("block")  # the tiered caches allocate a block's buffers up front, whatever max_len
+    if isinstance(block, int) and block > args.max_seq_len:
+        raise FormatError(f"manifest kv.block {block} is longer than the model's context "
+                          f"(max_seq_len {args.max_seq_len})")
+    missing = [n for n in section.get("tensors", []) if n not in tensors]  # a list of str: kvsection.check
     if missing:
         raise FormatError(f"manifest kv.tensors: {missing[0]!r} is not a kv.* tensor of the checkpoint")
     if spec.tiered:
