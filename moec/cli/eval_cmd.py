@@ -76,6 +76,8 @@ def eval_(
         run_latency(model, random, recipe, batches, contexts, steps, prefill_contexts, bf16_peer, breakdown,
                     json_out, plot)
         return
+    if random is not None:  # a performance shape has random weights and no tokenizer: nothing to score
+        raise UserError(f"--random {random} is for speed runs: add --latency (GPU); perplexity needs a real MODEL")
     if model is None:
         raise UserError("eval needs MODEL (a packed checkpoint, HF directory, GGUF file or built-in name)")
     if window <= CONTEXT + 1:
