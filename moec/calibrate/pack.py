@@ -43,7 +43,7 @@ def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe,
     for name, t in state.items():
         rule = recipe.rule_for(name)
         codec = rule.codec if rule else KEEP
-        if codec == KEEP:
+        if codec == KEEP:  # exactly as the source stores it, dtype included: bit-exact and never larger
             tensors[name] = t
             info[name] = {"codec": KEEP, "bits": 8 * t.element_size(), "param": name}
             continue

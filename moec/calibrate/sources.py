@@ -63,7 +63,15 @@ def resolve_model(spec: str) -> Path:
                         f"({', '.join(BUILTIN_MODELS)})")
     if _looks_like_hub_id(spec):
         return _from_hub(spec)
-    raise UserError(f"model {spec!r}: no such path and not a built-in name ({', '.join(BUILTIN_MODELS)})")
+    from ..runtime.config import PRESETS
+
+    if spec in PRESETS:  # `moec models` lists these beside the built-in models: say what they are for
+        raise UserError(f"model {spec!r} is a performance shape (random weights, no tokenizer), usable only as "
+                        f"`moec pack --random {spec} --recipe R.yaml` or `moec eval --latency --random {spec} "
+                        f"--recipe R.yaml`; a model to calibrate, evaluate or run is a path, a hub id or a built-in "
+                        f"name ({', '.join(BUILTIN_MODELS)})")
+    raise UserError(f"model {spec!r}: no such path and not a built-in name ({', '.join(BUILTIN_MODELS)}; "
+                    f"the performance shapes of `moec models` are for --random)")
 
 
 def _looks_like_hub_id(spec: str) -> bool:
@@ -96,6 +104,11 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
 
     transformers.logging.set_verbosity_error()
     with atomic_dir(out) as tmp:
+        # fp32 on purpose. transformers dequantizes each block (fp16 scale · code + fp16 min) to fp32, and
+        # for SmolLM2's Q4_1 file only ~25% of those values are exact in bf16 (~70% in fp16): a 16-bit
+        # cache would change the model, and every committed smollm2-135m baseline was measured on these
+        # fp32 weights. Hence a packed smollm2-135m keeps its unquantized tensors in fp32 (`keep` stores
+        # the source's dtype), about 513 MiB from a 94 MiB GGUF.
         model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                                   dtype=torch.float32)
         tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

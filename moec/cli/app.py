@@ -14,12 +14,28 @@ import click
 import typer
 from rich.logging import RichHandler
 
+from .. import __version__
 from ..errors import UserError
 from . import calibrate_cmd, eval_cmd, generate_cmd, inspect_cmd, models_cmd, pack_cmd
 from .common import console
 
+# -h beside --help: click inherits help_option_names into every subcommand's context.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Compress Mixture-of-Experts models offline and run them fast.")
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"moec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print the moec version and exit.")) -> None:
+    """Compress Mixture-of-Experts models offline and run them fast (metrics and table columns: docs/metrics.md)."""
+
+
 app.command("models")(models_cmd.models)
 app.command("calibrate")(calibrate_cmd.calibrate)
 app.command("pack")(pack_cmd.pack)
@@ -47,8 +63,10 @@ def main() -> None:
     for noisy in ("httpx", "datasets", "filelock", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        rc = app(standalone_mode=False)
+        rc = app(prog_name="moec", standalone_mode=False)  # `moec` in usage lines under python -m too
         sys.exit(rc if isinstance(rc, int) else 0)
+    except _click_errors("NoArgsIsHelpError"):  # bare `moec`: the help was printed, which is what was asked
+        sys.exit(0)
     except _click_errors("UsageError") as e:
         print(f"moec: error: {e.format_message()}", file=sys.stderr)
         sys.exit(2)

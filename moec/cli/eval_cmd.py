@@ -1,4 +1,7 @@
-"""`moec eval MODEL_OR_PACKED --data ptb --split test [--mode tf|dec|both] [--baseline MODEL] [--json OUT]`."""
+"""`moec eval MODEL_OR_PACKED --data ptb --split test [--mode tf|dec|both] [--baseline MODEL] [--json OUT]`.
+
+The metrics and the columns of the table it prints: docs/metrics.md.
+"""
 
 from __future__ import annotations
 
@@ -18,30 +21,49 @@ from .common import base_record, console, out_console, progress_bar, write_json_
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+QUALITY = "Perplexity and KL (the default)"
+LATENCY = "Decode latency (--latency; GPU only)"
+
+
 def eval_(
     model: str | None = typer.Argument(None, help="packed checkpoint, HF directory, GGUF file or built-in name"),
-    data: str = typer.Option("ptb", help="built-in data set, local text/json file, or hub data set"),
-    split: str = typer.Option("test"),
-    mode: str = typer.Option("both", help="tf (teacher-forced), dec (token-by-token through the cache) or both"),
-    max_windows: int | None = typer.Option(8, "--max-windows", help="first N windows (0: all)"),
-    window: int = typer.Option(1024, help="tokens per window (W)"),
-    baseline: str | None = typer.Option(None, help="model to compare against: ppl_base, delta_pct, kld, top1"),
-    json_out: Path | None = typer.Option(None, "--json", help="write the result records here"),
-    batch_size: int = typer.Option(8, "--batch-size", help="windows decoded together"),
+    data: str = typer.Option("ptb", help="built-in data set, local text/json file, or hub data set",
+                             rich_help_panel=QUALITY),
+    split: str = typer.Option("test", rich_help_panel=QUALITY),
+    mode: str = typer.Option("both", help="tf (teacher-forced), dec (token-by-token through the cache) or both",
+                             rich_help_panel=QUALITY),
+    max_windows: int | None = typer.Option(8, "--max-windows", help="first N windows (0: all)",
+                                           rich_help_panel=QUALITY),
+    window: int = typer.Option(1024, help="tokens per window (W)", rich_help_panel=QUALITY),
+    baseline: str | None = typer.Option(None, help="model to compare against: ppl_base, delta_pct, kld, top1",
+                                        rich_help_panel=QUALITY),
+    batch_size: int = typer.Option(8, "--batch-size", help="windows decoded together", rich_help_panel=QUALITY),
+    dtype: str = typer.Option("fp32", help="compute dtype: fp32 (reference numbers) or bf16",
+                              rich_help_panel=QUALITY),
     device: str = typer.Option("cpu", help="cpu or cuda"),
-    dtype: str = typer.Option("fp32", help="compute dtype: fp32 (reference numbers) or bf16"),
-    latency: bool = typer.Option(False, "--latency", help="decode latency against the HBM floor (GPU)"),
-    random: str | None = typer.Option(None, "--random", help="--latency: random weights at a preset shape, in memory"),
-    recipe: Path | None = typer.Option(None, "--recipe", help="--latency --random: the recipe's codecs"),
-    batches: str = typer.Option("1,16", "--batches", help="--latency: batch sizes"),
-    contexts: str = typer.Option("4k,32k,128k", "--contexts", help="--latency: contexts (k = 1024)"),
-    steps: int = typer.Option(50, "--steps", help="--latency: timed decode steps after warm-up"),
-    prefill_contexts: str = typer.Option("4k", "--prefill-contexts", help="--latency: real prefills to time"),
-    bf16_peer: bool = typer.Option(True, "--bf16-peer/--no-bf16-peer", help="--latency --random: bf16 peer"),
-    breakdown: bool = typer.Option(False, "--breakdown", help="--latency: per-kernel breakdown at batch 1, 32k"),
-    plot: Path | None = typer.Option(None, "--plot", help="--latency: PNG of ms/token against context"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the result records here"),
+    latency: bool = typer.Option(False, "--latency", help="decode ms/token against the HBM floor instead",
+                                 rich_help_panel=LATENCY),
+    random: str | None = typer.Option(None, "--random", help="random weights at a performance shape (`moec "
+                                      "models`), built in memory", rich_help_panel=LATENCY),
+    recipe: Path | None = typer.Option(None, "--recipe", help="with --random: the recipe's codecs",
+                                       rich_help_panel=LATENCY),
+    batches: str = typer.Option("1,16", "--batches", help="batch sizes", rich_help_panel=LATENCY),
+    contexts: str = typer.Option("4k,32k,128k", "--contexts", help="contexts (k = 1024)", rich_help_panel=LATENCY),
+    steps: int = typer.Option(50, "--steps", help="timed decode steps after warm-up", rich_help_panel=LATENCY),
+    prefill_contexts: str = typer.Option("4k", "--prefill-contexts", help="real prefills to time",
+                                         rich_help_panel=LATENCY),
+    bf16_peer: bool = typer.Option(True, "--bf16-peer/--no-bf16-peer", help="with --random: the bf16 peer too",
+                                   rich_help_panel=LATENCY),
+    breakdown: bool = typer.Option(False, "--breakdown", help="per-kernel breakdown at batch 1, 32k",
+                                   rich_help_panel=LATENCY),
+    plot: Path | None = typer.Option(None, "--plot", help="PNG of ms/token against context",
+                                     rich_help_panel=LATENCY),
 ) -> None:
-    """Perplexity, KL to a baseline, effective bits (BENCHMARKS.md protocol)."""
+    """Perplexity, KL to a baseline and effective bits; with --latency, decode speed against the HBM floor.
+
+    Every metric and table column is defined in docs/metrics.md.
+    """
     if mode not in ("tf", "dec", "both"):
         raise UserError(f"--mode must be tf, dec or both, got {mode!r}")
     if dtype not in DTYPES:
@@ -54,6 +76,8 @@ def eval_(
         run_latency(model, random, recipe, batches, contexts, steps, prefill_contexts, bf16_peer, breakdown,
                     json_out, plot)
         return
+    if random is not None:  # a performance shape has random weights and no tokenizer: nothing to score
+        raise UserError(f"--random {random} is for speed runs: add --latency (GPU); perplexity needs a real MODEL")
     if model is None:
         raise UserError("eval needs MODEL (a packed checkpoint, HF directory, GGUF file or built-in name)")
     if window <= CONTEXT + 1:
@@ -90,6 +114,7 @@ def eval_(
             "top1": r.get("top1"), "kv_bits": r.get("kv_bits", 16.0) if m == "dec" else None,
             "kv_bits_32k": r.get("kv_bits_32k", 16.0) if m == "dec" else None, "kv_codec": r.get("kv_codec", "fp16"),
             "w_bits": info["w_bits"], "scored_tokens": r["scored_tokens"],
+            "q_bits": info["manifest"]["effective_bits"].get("q_bits") if info["kind"] == "packed" else None,
             "baseline": baseline, "peer": {},
         }
         records.append(rec)
@@ -104,11 +129,20 @@ def _fmt(x, spec: str) -> str:
 
 
 def _print_table(records: list[dict]) -> None:
+    """One row per mode; the columns are defined in docs/metrics.md. KV bits are shown at the evaluated
+    context (the window W) and projected to 32k tokens, since a tiered cache's fp16 window and sinks weigh
+    more at a short context than at a long one."""
+    ctx = records[0]["context"]
     t = Table(title=f"{records[0]['model']} on {records[0]['data']}/{records[0]['split']} "
                     f"({records[0]['windows']}, {records[0]['dtype']})")
-    for c in ("mode", "ppl", "ppl_base", "Δ%", "kld", "top1", "kv_bits", "w_bits"):
+    for c in ("mode", "ppl", "ppl_base", "Δppl %", "KL", "top1", "w_bits", "q_bits", f"kv bits @{ctx}",
+              "kv bits @32k"):
         t.add_column(c, justify="right")
     for r in records:
         t.add_row(r["mode"], _fmt(r["ppl"], ".4f"), _fmt(r["ppl_base"], ".4f"), _fmt(r["delta_pct"], "+.3f"),
-                  _fmt(r["kld"], ".5f"), _fmt(r["top1"], ".4f"), _fmt(r["kv_bits"], ".2f"), _fmt(r["w_bits"], ".2f"))
+                  _fmt(r["kld"], ".5f"), _fmt(r["top1"], ".4f"), _fmt(r["w_bits"], ".2f"),
+                  _fmt(r["q_bits"], ".2f"), _fmt(r["kv_bits"], ".2f"),
+                  _fmt(r["kv_bits_32k"], ".2f"))
     out_console.print(t)
+    out_console.print("ppl is ppl_tf in the tf row and ppl_dec in the dec row; kv bits are blank in tf mode (no "
+                      "cache); columns: docs/metrics.md", style="dim")

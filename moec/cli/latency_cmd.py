@@ -232,7 +232,7 @@ def latency(model: str | None, random: str | None, recipe: Path | None, batches:
     from ..runtime.latency import copy_bandwidth
 
     if not torch.cuda.is_available():
-        raise UserError("--latency needs a CUDA GPU (BENCHMARKS.md: CPU timings are not reported as speed)")
+        raise UserError("--latency needs a CUDA GPU (docs/metrics.md: CPU timings are not reported as speed)")
     if (model is None) == (random is None):
         raise UserError("--latency takes MODEL (a packed checkpoint) or --random SHAPE --recipe R.yaml")
     if steps < 10:

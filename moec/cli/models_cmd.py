@@ -18,7 +18,8 @@ def models() -> None:
     for name, about in BUILTIN_MODELS.items():
         t.add_row(name, about)
     for name, a in PRESETS.items():
-        t.add_row(name, f"performance shape (random weights, `moec pack --random`): {a.n_layers} layers, "
+        t.add_row(name, f"performance shape (random weights, for `--random` of `moec pack` and "
+                        f"`moec eval --latency`): {a.n_layers} layers, "
                         f"dim {a.dim}, {a.n_experts} experts top-{a.top_k}, expert ffn {a.expert_dim}")
     out_console.print(t)
     d = Table(title="built-in data sets")

@@ -7,6 +7,7 @@ import torch
 import yaml
 
 from moec.errors import FormatError
+from moec.runtime.hf_layout import HFCheckpoint
 from moec.runtime.kvtiered import build_codecs
 from moec.runtime.loader import load_model
 from tests.cli.run import moec
@@ -36,6 +37,11 @@ def test_nuq_pipeline(nuq_packed, tiny_moe_dir, tmp_path):
     kv = manifest["kv"]
     assert (kv["codec"], kv["bits"], kv["n_kv_heads"], kv["head_dim"]) == ("nuq-outlier", 2, 2, 8)
     assert manifest["tensors"]["kv.layers.1.k_scale"]["shape"] == [2, 8]
+    # a KV-only recipe keeps every weight as the bf16 source stores it, never upcast (issue 18)
+    kept = {n: e["dtype"] for n, e in manifest["tensors"].items() if e["codec"] == "keep"}
+    source = HFCheckpoint(tiny_moe_dir).state_dict()
+    assert kept == {n: str(t.dtype).removeprefix("torch.") for n, t in source.items()}, kept
+    assert set(kept.values()) == {"bfloat16"}
     out = tmp_path / "eval.json"
     r = moec("eval", nuq_packed, "--mode", "dec", "--max-windows", "2", "--window", "128", "--baseline",
              tiny_moe_dir, "--json", out)

@@ -51,6 +51,8 @@ def test_calibrate_pack_eval_identity(tiny_moe_dir, tmp_path):
                     "delta_pct", "kv_bits", "windows", "peer"):
             assert key in rec, key
     assert recs[1]["kv_bits"] == 16.0
+    # the table labels KV bits at the evaluated context and at 32k (docs/metrics.md defines both)
+    assert "kv bits @128" in r.stdout and "kv bits @32k" in r.stdout, r.stdout
 
     r = moec("inspect", packed, "--json", tmp_path / "inspect.json")
     assert r.returncode == 0, r.stderr

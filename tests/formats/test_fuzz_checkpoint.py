@@ -16,8 +16,8 @@ checkpoint directory (an audit hook on `open`; the Rust safetensors reader is no
 only opens shards that `verify` has hashed through Python's `open` first).
 
 CI runs FUZZ_EXAMPLES = 2,000 derandomized examples (issue 19's bar; ~30 ms each); setting
-MOEC_FUZZ_EXAMPLES=N runs N random ones instead. Run with `-s` to see the counts. The oversized-allocation case runs in a subprocess
-under RLIMIT_AS (`test_terabyte_declarations_are_refused_without_allocating`).
+MOEC_FUZZ_EXAMPLES=N runs N random ones instead. Run with `-s` to see the counts. The oversized-allocation
+case runs in a subprocess under RLIMIT_AS (`test_terabyte_declarations_are_refused_without_allocating`).
 """
 
 from __future__ import annotations
