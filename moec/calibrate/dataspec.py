@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from .data import BUILTIN_DATA, check_builtin, column_kind, is_eval_split, open_data, sample_windows
+from .data import BUILTIN_DATA, check_builtin, column_kind, is_eval_split, open_data, require_package, sample_windows
 
 SYNTAX = "NAME[@CONFIG]:SPLIT:FRACTION,..."
 
@@ -92,7 +92,9 @@ def check_data(specs: list[DataSpec], samples: int) -> None:
     when the tokenizer loads (run.py), still before any weight is read."""
     check_specs(specs, samples)
     for s in specs:
-        if s.name not in BUILTIN_DATA:
+        if s.name in BUILTIN_DATA:
+            require_package(s.name)
+        else:
             column_kind(open_data(s.name, s.split, s.config), s.name, s.column)
 
 

@@ -4,6 +4,7 @@ and, through `calibrate` in-process on the tiny MoE, that data errors come befor
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +124,22 @@ def test_data_errors_come_before_any_weight_is_read(chat_model, tiny_moe_dir, tm
     with pytest.raises(UserError, match="fractions sum to 0.9"):
         calibrate(tiny_moe_dir, "m", FP16, "ptb:train:0.6,kjv:train:0.3", "train", 2, 32, 0, tmp_path / "calib")
     assert not (tmp_path / "calib").exists()
+
+
+def test_cli_checks_data_before_resolving_the_model(tmp_path, monkeypatch):
+    """`moec calibrate` checks --data before resolve_model, which downloads a hub model or converts a GGUF."""
+    from moec.cli import calibrate_cmd
+
+    def no_model(spec):
+        raise AssertionError("the model was resolved before the data was checked")
+
+    monkeypatch.setattr(calibrate_cmd, "resolve_model", no_model)
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+    for data, needle in [("ptb:train:0.6,kjv:train:0.3", "fractions sum to 0.9, not 1"),
+                         ("ptb:test:0.5,kjv:train:0.5", "--split test is the evaluation split of 'ptb'"),
+                         (str(tmp_path / "chat.jsonl"), "has no 'text' column (columns: messages)"),
+                         (str(tmp_path / "none.jsonl"), "none.jsonl does not exist")]:
+        with pytest.raises(UserError, match=re.escape(needle)):
+            calibrate_cmd.calibrate(model="m", recipe=Path("recipes/fp16.yaml"), data=data, split="train",
+                                    data_config=None, text_column="text", samples=4, seq_len=32,
+                                    out=tmp_path / "calib", seed=None, device="cpu")
