@@ -123,7 +123,7 @@ def _render(tokenizer, messages: list, data: str, column: str) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False)
     except Exception as e:  # jinja raises its own types for a template that rejects a conversation
         raise UserError(f"the chat template failed on a row of {column!r} in data {data!r}: "
-                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                        f"{_first_line(e)}") from None
 
 
 def open_data(data: str, split: str, config: str | None = None):

@@ -25,7 +25,7 @@ def calibrate(
     recipe: Path = typer.Option(..., "--recipe", "-r", help="recipe YAML"),
     data: str = typer.Option("ptb", help="built-in data set (ptb, kjv), local .txt/.json/.jsonl/.parquet file or "
                              "saved data set, hub data set (NAME@CONFIG picks a config), or a mix "
-                             "NAME[@CONFIG]:SPLIT:FRACTION,... with fractions summing to 1"),
+                             "NAME:SPLIT:FRACTION,... (NAME@CONFIG in a mix too) with fractions summing to 1"),
     split: str = typer.Option("train", help="split to calibrate on (never the evaluation split)"),
     data_config: str | None = typer.Option(None, "--data-config", help="hub data set configuration "
                                            "(e.g. wikitext-2-raw-v1 for wikitext)"),
