@@ -268,7 +268,7 @@ def main() -> None:
     if need_h or any(m["kd"] for m in methods):
         calib = sample_windows(tokenize(tok, load_text("ptb", "train")), a.samples, a.seq_len, a.seed)
     if need_h and a.hessians is not None and a.hessians.is_file():
-        H, policy_report = torch.load(a.hessians)
+        H, policy_report = torch.load(a.hessians, weights_only=True)
     elif need_h:  # statistics of every linear layer, so one capture serves every scope
         H, policy_report = capture(ck, calib, targets(ck.args, "all"), a.policy, a.min_tokens)
         if a.hessians is not None:
@@ -278,7 +278,7 @@ def main() -> None:
     t0 = time.time()
     cache = Path(f"/tmp/hls-study-base-{a.model}-w{a.windows}.pt")
     if cache.is_file():
-        full = torch.load(cache)
+        full = torch.load(cache, weights_only=True)
     else:  # logits at every position (scored slices differ between rows), computed once
         base = build_model(ck.args, state)
         with torch.no_grad():

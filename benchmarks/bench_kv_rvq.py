@@ -153,7 +153,7 @@ def main() -> None:
         t0 = time.time()
         f = a.work / a.model / f"base_W{W}_n{win.shape[0]}_b{a.batch}.pt"
         if f.is_file():
-            base[W] = torch.load(f)
+            base[W] = torch.load(f, weights_only=True)
         else:
             base[W] = [hidden(base_model, win[s : s + a.batch], FP16Cache()) for s in range(0, win.shape[0], a.batch)]
             with atomic_file(f) as tmp:

@@ -67,7 +67,7 @@ class PeakAboveBaseline:
 
 
 def use_ids(path: Path) -> None:
-    ids = torch.load(path)["calib"].long().flatten()
+    ids = torch.load(path, weights_only=True)["calib"].long().flatten()
     run.load_text = lambda data, split, *a: f"<pre-tokenized: {path}>"
     run.load_tokenizer = lambda model_dir: None
     run.tokenize = lambda tok, text: ids

@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    data = torch.load(ROOT / "benchmarks/data/demo-moe_ptb_ids.pt")
+    data = torch.load(ROOT / "benchmarks/data/demo-moe_ptb_ids.pt", weights_only=True)
     calib, windows = data["calib"].long(), data["test_windows"].long()
     use_carried_ids(calib, data["text_tokens"])
     model_dir = resolve_model("demo-moe")

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moec.kernels.kv_decode_attention import LOG2E, NUM_SMS, _lev_table, _reduce_kernel, _unpack2
+from moec.kernels.kv_decode_attention import LOG2E, NUM_SMS, _lev_table, _unpack2, combine_splits
 
 # launch defaults on CUDA (benchmarks/bench_kv_attention.py --sweep)
 CONFIG = {"block_t": 64, "num_warps": 4, "num_stages": 3, "waves": 4, "deq": 1}
@@ -288,6 +288,4 @@ def nuq_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist_len,
         DT=tl.float16 if precision == "fp16" else tl.float32, PREC="ieee", LAZY=bool(lazy),
         STAGES=num_stages or CONFIG["num_stages"], INTERP=not cuda, CENTER=k_center is not None, ABL=ablate,
         num_warps=num_warps or CONFIG["num_warps"])
-    out = torch.empty(B, H, d, device=q.device, dtype=torch.float32)
-    _reduce_kernel[(B * H,)](part, out, P, D=d, P_P2=triton.next_power_of_2(P), num_warps=4)
-    return out
+    return combine_splits(part, B * H, P, d).view(B, H, d)

@@ -22,6 +22,8 @@ KV codec hooks (`args` is the model's runtime.config.ModelArgs, `cfg` the codec'
                        not declare are errors)
     check(args, cfg)   UserError for settings the model cannot take (before any work)
     sampler(cfg, seed) capture observer (calibrate/capture.py protocol) or None: no calibration
+                       (with state_dict() / load_state_dict() so that `moec calibrate --resume` can
+                       continue an interrupted run: calibrate/resume.py; without them, no checkpoints)
     fit(args, cfg, sampler, device) -> (tensors, report)   calibration tensors `kv.*`
     section(cfg, args) -> dict   derived manifest keys beyond asdict(cfg) and the shapes (optional)
     tensor_names(section, args) -> [names]   the `kv.*` tensors the runtime needs

@@ -21,17 +21,25 @@ Progress = Callable[[int, int], None]
 @torch.no_grad()
 def run_layers(args: ModelArgs, global_state: dict, layer_state: Callable[[int], dict], tokens: torch.Tensor,
                observers: list, batch_size: int = 8, dtype=torch.float32, device="cpu",
-               progress: Progress | None = None) -> torch.Tensor:
-    """Feed tokens [N, L] through every layer; returns the final normed hidden states [N, L, D]."""
+               progress: Progress | None = None, resume: tuple[int, torch.Tensor] | None = None,
+               on_layer_end: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Feed tokens [N, L] through every layer; returns the final normed hidden states [N, L, D].
+
+    resume = (start, h): continue an interrupted run (resume.py) at layer `start`, h [N, L, D] the hidden
+    states entering it. on_layer_end(i, h) is called once layer i is complete, h entering layer i + 1."""
     tokens = tokens.to(device)
-    h = torch.nn.functional.embedding(tokens, global_state["tok_embeddings.weight"].to(device, dtype))
+    start, h = resume if resume is not None else (0, None)
+    if h is None:
+        h = torch.nn.functional.embedding(tokens, global_state["tok_embeddings.weight"].to(device, dtype))
+    else:
+        h = h.to(device, dtype)
     cos, sin = rope_cos_sin(args, torch.arange(tokens.shape[1], device=device), dtype)
 
     def observe(layer, name, t):
         for ob in observers:
             ob(layer, name, t)
 
-    for i in range(args.n_layers):
+    for i in range(start, args.n_layers):
         prefix = f"layers.{i}."
         sd = {k.removeprefix(prefix): v.to(device, dtype) for k, v in layer_state(i).items()}
         with torch.device("meta"):
@@ -40,6 +48,8 @@ def run_layers(args: ModelArgs, global_state: dict, layer_state: Callable[[int],
         for s in range(0, h.shape[0], batch_size):
             h[s : s + batch_size] = block(h[s : s + batch_size], cos, sin, observer=observe)
         del block, sd
+        if on_layer_end is not None:
+            on_layer_end(i, h)
         if progress is not None:
             progress(i + 1, args.n_layers)
     return rms_norm(h, global_state["norm.weight"].to(device, dtype), args.norm_eps)
@@ -56,6 +66,12 @@ class ExpertTokenCounts:
         if name == "expert_ids":
             self.counts[layer] += torch.bincount(t.flatten().cpu(), minlength=len(self.counts[layer]))
 
+    def state_dict(self) -> dict:  # for a resumable calibration (resume.py)
+        return {f"counts.{i}": c for i, c in self.counts.items()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.counts = {int(k.removeprefix("counts.")): v for k, v in sd.items()}
+
 
 class KVRange:
     """Per-layer, per-channel max |k| (pre- and post-RoPE) and max |v|: the scale statistics the KV
@@ -69,3 +85,9 @@ class KVRange:
             m = t.detach().abs().amax(dim=(0, 2)).float().cpu()  # [K, d]
             key = (layer, name)
             self.stats[key] = m if key not in self.stats else torch.maximum(self.stats[key], m)
+
+    def state_dict(self) -> dict:  # for a resumable calibration (resume.py)
+        return {f"stats.{layer}.{name}": t for (layer, name), t in self.stats.items()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.stats = {(int(k.split(".")[1]), k.split(".")[2]): t for k, t in sd.items()}

@@ -165,6 +165,16 @@ class ExpertFitter:
         self.report.setdefault(layer, {})["attention"] = entry
         self.seconds += time.time() - t0
 
+    def state_dict(self) -> dict:
+        """Fitted tensors and report entries so far, for a resumable calibration (resume.py)."""
+        return {**{f"tensors.{k}": t for k, t in self.tensors.items()}, "seconds": self.seconds,
+                "report": {str(i): e for i, e in self.report.items()}, "tune_report": self.tune_report}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.tensors = {k.removeprefix("tensors."): t for k, t in sd.items() if k.startswith("tensors.")}
+        self.report = {int(i): e for i, e in sd["report"].items()}
+        self.seconds, self.tune_report = sd["seconds"], sd["tune_report"]
+
     def tune(self, args: ModelArgs, state: dict[str, torch.Tensor], tokens: torch.Tensor, steps: int, lr: float,
              batch: int, seed: int, device: str = "cpu") -> None:
         """End-to-end tuning of the fitted hls codebooks (tune.py); other codecs are left as fitted."""

@@ -51,6 +51,16 @@ class LatentSampler:
     def get(self, layer: int, name: str) -> torch.Tensor:
         return torch.cat(self.samples[(layer, name)])
 
+    def state_dict(self) -> dict:  # for a resumable calibration (resume.py)
+        return {f"samples.{la}.{n}": torch.cat(xs) for (la, n), xs in self.samples.items()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.samples = {}
+        for k, t in sd.items():
+            layer, name = k.removeprefix("samples.").split(".", 1)
+            self.samples[(int(layer), name)] = [t]
+        self.count = {key: xs[0].shape[0] for key, xs in self.samples.items()}
+
 
 def latent_sampler(kv, seed: int) -> LatentSampler:
     """Aligned K/V samples of every layer for the latent PCA (pre- or post-RoPE keys)."""

@@ -71,6 +71,32 @@ class KVSampler:
     def get(self, layer: int, name: str) -> torch.Tensor:
         return torch.cat(self.samples[(layer, name)])
 
+    def state_dict(self) -> dict:
+        """Samples, query sums and the sampling generator's state, for a resumable calibration (resume.py):
+        tensors, and plain JSON values."""
+        sd: dict = {"gen": self.gen.get_state(), "count": {f"{la}.{n}": c for (la, n), c in self.count.items()},
+                    "q_n": {str(la): n for la, n in self.q_n.items()}}
+        sd.update({f"samples.{la}.{n}": torch.cat(xs) for (la, n), xs in self.samples.items()})
+        sd.update({f"q_sq.{la}": t for la, t in self.q_sq.items()})
+        sd.update({f"q_outer.{la}": t for la, t in self.q_outer.items()})
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.gen.set_state(sd["gen"])
+        self.count = {_layer_name(k): c for k, c in sd["count"].items()}
+        self.q_n = {int(k): n for k, n in sd["q_n"].items()}
+        for kind, table in (("q_sq", self.q_sq), ("q_outer", self.q_outer)):
+            table.clear()
+            table.update({int(k.split(".")[1]): t for k, t in sd.items() if k.startswith(kind + ".")})
+        self.samples = {_layer_name(k.removeprefix("samples.")): [t] for k, t in sd.items()
+                        if k.startswith("samples.")}
+
+
+def _layer_name(key: str) -> tuple[int, str]:
+    """'3.k_pre' -> (3, 'k_pre'): the (layer, name) keys of a sampler's state_dict."""
+    layer, name = key.split(".", 1)
+    return int(layer), name
+
 
 def channel_scale(x: torch.Tensor, outlier_frac: float) -> torch.Tensor:
     """x: [N, K, d] -> [K, d]: the (1 − outlier_frac) quantile of |x| over N (absmax when 0)."""

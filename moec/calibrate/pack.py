@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from ..errors import UserError
 from ..formats import checkpoint
 from ..formats.codecs import KEEP, WEIGHT_PATTERN
+from ..provenance import environment
 from ..runtime.hf_layout import HFCheckpoint
 from .pack_kv import encode_kv_tensors
 from .recipe import Recipe, load_recipe
@@ -89,12 +90,13 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
     bits["kv_bits_nominal"] = float(kv.bits)
     provenance = {k: report[k] for k in ("data", "split", "samples", "seq_len", "seed", "tokens", "created",
                                           "device", "expert_policy", "min_expert_tokens")}
+    provenance["environment"] = report.get("environment")  # what calibrated it (None: an older calibration)
     provenance["expert_tokens"] = {str(x["layer"]): x["experts"]["tokens"] for x in report["layers"]
                                    if "experts" in x}
     manifest = {"source": {"model": model_spec, "path": str(model_dir), **fp},
                 "model_args": ckpt.args.to_dict(), "recipe": recipe.to_dict(),
                 "calibration": provenance, "effective_bits": bits,
-                "kv": kv_section}
+                "kv": kv_section, "environment": environment("cpu")}  # what packed it
     quant = {"quant_method": "moec", "format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION,
              "config_groups": {f"group_{i}": {"targets": r.targets, "weights": {
                  "codec": r.codec, "num_bits": r.bits, "group_size": r.group_size or None,

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -37,6 +35,7 @@ import yaml
 from ..errors import UserError
 from ..formats.codecs import TARGET_PATTERNS
 from ..registry import kv_codec, resolve, weight_codec
+from ..typed import build
 from .kvconfig import FP16Config, TieredConfig
 
 RECIPE_VERSION = 2  # 2: one config class per KV codec (kvconfig.py); 1: one flat KV class
@@ -121,54 +120,10 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-# -- typed parsing ------------------------------------------------------------------------------------
+# -- typed parsing (moec/typed.py) ----------------------------------------------------------------------
 
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _convert(value, tp, where: str):
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return None if value is None else _convert(value, args[0], where)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise UserError(f"{where}: {value!r} is not {_type_name(tp)}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise UserError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-        return [_convert(v, typing.get_args(tp)[0], f"{where}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise UserError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _build(cls, data, where: str, codec: str | None = None):
-    if not isinstance(data, dict):
-        raise UserError(f"{where}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in known:
-            whose = f" for codec {codec!r}" if codec else ""
-            raise UserError(f"{where}: unknown key {key!r}{whose} (known keys: {', '.join(sorted(known))})")
-    kwargs = {k: _parse_kv(v, f"{where}.{k}") if cls is Recipe and k == "kv" else _convert(v, hints[k], f"{where}.{k}")
-              for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # a required key is missing
-        raise UserError(f"{where}: {e}") from None
+def _build(cls, data, where: str):
+    return build(cls, data, where, parsers={"kv": _parse_kv} if cls is Recipe else None)
 
 
 def _parse_kv(data, where: str):
@@ -180,7 +135,7 @@ def _parse_kv(data, where: str):
     codec = data.get("codec", "fp16")
     if not isinstance(codec, str):
         raise UserError(f"{where}.codec: expected a codec name, got {type(codec).__name__} {codec!r}")
-    return _build(resolve(kv_codec(codec).config), data, where, codec=codec)
+    return build(resolve(kv_codec(codec).config), data, where, codec=codec)
 
 
 def _upgrade_v1(data: dict) -> dict:

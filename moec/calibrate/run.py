@@ -8,7 +8,8 @@ CALIB_DIR holds:
                         expert policy, and what was fitted
     recipe.yaml         the recipe as resolved (every default filled in)
 The directory is written through moec.atomic.atomic_dir: a temporary sibling renamed into place when
-complete.
+complete. While it runs, OUT.partial/ holds a checkpoint after every layer and post-loop step, which
+`--resume` continues from after an interruption (resume.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .. import __version__
 from ..atomic import atomic_dir
 from ..errors import UserError
 from ..formats.checkpoint import is_packed
+from ..provenance import created_timestamp, environment
 from ..registry import kv_codec
 from ..runtime.hf_layout import HFCheckpoint
 from .capture import ExpertTokenCounts, KVRange, run_layers
@@ -34,6 +36,7 @@ from .fit_experts import ExpertFitter, plan
 from .hessian import AttentionHessians, ExpertHessians
 from .memory import check_memory
 from .recipe import Recipe
+from .resume import PartialState, refuse_without_resume, run_key
 from .sources import load_tokenizer, tokenize
 
 
@@ -48,7 +51,7 @@ def load_balance(counts: torch.Tensor, top_k: int) -> dict:
 
 
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,
-              seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None,
+              seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None, resume: bool = False,
               data_config: str | None = None, text_column: str = "text") -> dict:
     if is_packed(model_dir):
         raise UserError(f"{model_dir}: is a packed checkpoint; calibrate the source model instead")
@@ -56,11 +59,14 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         raise UserError(f"--samples must be >= 1 and --seq-len >= 2, got {samples} and {seq_len}")
     sources = parse_data(data, split, data_config, text_column)  # one source or a mix (dataspec.py)
     check_specs(sources, samples)
+    data, split = describe(sources)  # the source (NAME@CONFIG) or the whole mix, for the resume key and report
     ckpt = HFCheckpoint(model_dir)
     args = ckpt.args
     if seq_len > args.max_seq_len:
         raise UserError(f"--seq-len {seq_len} is longer than the model supports ({args.max_seq_len} tokens)")
     targets = plan(args, recipe)  # weight rules checked against the model before any work
+    if not resume:
+        refuse_without_resume(out_dir)
     kv_cfg = recipe.kv_or_default()
     kv_spec = kv_codec(kv_cfg.codec)
     if kv_spec.check is not None:  # the KV settings against the model's shapes, before any work
@@ -87,29 +93,46 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         if fitter.attention_layers():
             hessians.append(AttentionHessians(args, fitter.attention_layers(), fitter.on_attention_layer))
         observers += hessians
-    t0 = time.time()
-    final = run_layers(args, checked_global_state(ckpt.global_state(), str(model_dir)),
-                       checked_layer_state(ckpt.layer_state, str(model_dir)), tokens,
-                       [FiniteActivations(), *observers], device=device, progress=progress)
-    check_final_hidden(final, args.n_layers)
-    del final
+    fingerprint = ckpt.fingerprint()
+    partial = PartialState(out_dir, run_key(fingerprint, recipe, data, split, tokens, seed, samples, seq_len, device),
+                           {"counts": counts, "kv_range": kv, "kv_sampler": kv_sampler, "fitter": fitter})
+    resumed = partial.open(resume)  # observers and RNG states restored to where an interrupted run stopped
+    t0 = time.time() - (resumed.elapsed if resumed else 0.0)
+
+    def end_of_layer(i: int, h: torch.Tensor) -> None:
+        for hs in hessians:  # fit layer i now (not at layer i + 1's first event), so its checkpoint holds it
+            hs.flush()
+        partial.save("layers", i, time.time() - t0, hidden=h)
+
+    start = 0 if resumed is None else resumed.layer + 1 if resumed.stage == "layers" else args.n_layers
+    if progress is not None:
+        for i in range(start):
+            progress(i + 1, args.n_layers)
+    if start < args.n_layers:
+        final = run_layers(args, checked_global_state(ckpt.global_state(), str(model_dir)),
+                           checked_layer_state(ckpt.layer_state, str(model_dir)), tokens,
+                           [FiniteActivations(), *observers], device=device, progress=progress,
+                           resume=(start, resumed.hidden) if start else None, on_layer_end=end_of_layer)
+        check_final_hidden(final, args.n_layers)
+        del final
     if fitter is not None:
         for hs in hessians:
             hs.flush()
-        if cal.tune_steps:  # hls codebooks tuned end to end against the source model (tune.py)
+        # hls codebooks tuned end to end against the source model (tune.py)
+        if cal.tune_steps and not (resumed and resumed.done("tune")):
             fitter.tune(args, ckpt.state_dict(), tokens, cal.tune_steps, cal.tune_lr, cal.tune_batch, seed, device)
+            partial.save("tune", args.n_layers - 1, time.time() - t0)
         tensors_fit = fitter.tensors
     seconds = time.time() - t0
 
     policy = recipe.calibration
-    data, split = describe(sources)  # the source, or the whole mix; "sources" has each one
     report = {
-        "moec_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "model": model_spec, "model_path": str(model_dir), **ckpt.fingerprint(),
+        "moec_version": __version__, "created": created_timestamp(),
+        "model": model_spec, "model_path": str(model_dir), **fingerprint,
         "data": data, "split": split, "sources": source_records,
         "samples": samples, "seq_len": seq_len, "seed": seed, "tokens": int(tokens.numel()),
         "text_tokens": sum(int(x.numel()) for x in ids), "capture_seconds": round(seconds, 2),
-        "device": device, "recipe": recipe.name,
+        "device": device, "environment": environment(device), "recipe": recipe.name,
         "expert_policy": policy.expert_policy, "min_expert_tokens": policy.min_expert_tokens,
         "layers": [],
     }
@@ -136,9 +159,15 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     report["faults"] = fault_report(report["layers"])  # what was repaired (faults.py)
 
     if kv_spec.fit is not None:
-        kv_tensors, report["kv"] = kv_spec.hook("fit")(args, kv_cfg, kv_sampler, device)
+        if resumed and resumed.done("kv-fit"):
+            kv_tensors, report["kv"] = resumed.tensors, resumed.meta["kv"]
+        else:
+            kv_tensors, report["kv"] = kv_spec.hook("fit")(args, kv_cfg, kv_sampler, device)
+            partial.drop("kv_sampler")  # its samples are spent
+            partial.save("kv-fit", args.n_layers - 1, seconds, step_tensors=kv_tensors, step_meta={"kv": report["kv"]})
         tensors.update(kv_tensors)
     _write_dir(out_dir, {"calib.safetensors": tensors, "report.json": report, "recipe.yaml": recipe.to_yaml()})
+    partial.remove()
     return report
 
 

@@ -36,6 +36,8 @@ def calibrate(
     out: Path = typer.Option(..., "-o", "--out", help="calibration output directory"),
     seed: int | None = typer.Option(None, help="sampling seed (default: the recipe's calibration.seed)"),
     device: str = typer.Option("cpu", help="cpu or cuda"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from OUT.partial/ (the same "
+                                "model, recipe, data and settings); without one, start from the first layer"),
 ) -> None:
     """Capture statistics layer by layer and fit what the recipe needs."""
     if device not in ("cpu", "cuda"):
@@ -49,8 +51,8 @@ def calibrate(
     console.log(f"calibrating {model} with recipe {r.name} on {data}/{split}: {samples} × {seq_len} tokens")
     with progress_bar("layers", n_layers) as advance:
         report = run_calibrate(model_dir, model, r, data, split, samples, seq_len, r.calibration.seed, out,
-                               device=device, progress=lambda i, n: advance(), data_config=data_config,
-                               text_column=text_column)
+                               device=device, progress=lambda i, n: advance(), resume=resume,
+                               data_config=data_config, text_column=text_column)
     t = Table(title=f"calibration → {out}")
     for c in ("layer", "ffn", "expert tokens (min / max)", "min/max", "|k| max", "|v| max"):
         t.add_column(c)

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from ..formats.checkpoint import verify
+from ..formats.checkpoint import MANIFEST, check_model_fields, verify
 from .common import out_console, write_json_atomic
 
 
@@ -19,6 +19,7 @@ def inspect(
 ) -> None:
     """Verify a packed checkpoint and summarize codecs, bits and bytes."""
     m = verify(packed)
+    check_model_fields(m, packed / MANIFEST)
     groups: dict[tuple, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "params": 0})
     for name, e in m["tensors"].items():
         key = (name if per_tensor else _group(name), e["codec"], e["bits"], e["dtype"])
@@ -38,11 +39,16 @@ def inspect(
     out_console.print(t)
     b = m["effective_bits"]
     cal = m["calibration"]
+    kv_nominal = b.get("kv_bits_nominal")
+    kv_nominal = f"{kv_nominal:g}" if isinstance(kv_nominal, int | float) else str(kv_nominal)
     out_console.print(f"effective bits: weights {b['w_bits']:.3f} over {b['w_params']:,} params; model "
-                      f"{b['model_bits']:.3f} ({b['model_bytes'] / 2**20:.1f} MiB); "
-                      f"kv nominal {b['kv_bits_nominal']:g}")
-    out_console.print(f"calibration: {cal['data']}/{cal['split']}, {cal['samples']} × {cal['seq_len']} tokens, "
-                      f"seed {cal['seed']}, expert policy {cal['expert_policy']}")
+                      f"{b['model_bits']:.3f} ({b['model_bytes'] / 2**20:.1f} MiB); kv nominal {kv_nominal}")
+    if cal.get("random"):  # `moec pack --random`: no calibration data
+        out_console.print(f"calibration: none (random weights, seed {cal.get('seed')})")
+    else:
+        out_console.print(f"calibration: {cal.get('data')}/{cal.get('split')}, {cal.get('samples')} × "
+                          f"{cal.get('seq_len')} tokens, seed {cal.get('seed')}, expert policy "
+                          f"{cal.get('expert_policy')}")
     if json_out is not None:
         summary = {k: m[k] for k in ("format", "format_version", "moec_version", "created", "source", "recipe",
                                      "calibration", "effective_bits")}

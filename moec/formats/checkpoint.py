@@ -6,9 +6,10 @@ A directory:
     config.json             the source HF config plus a compressed-tensors style `quantization_config`
     tokenizer files         copied from the source model
 
-Manifest fields: format, format_version, moec_version, created, source {model, path, config_sha256,
-weights_sha256}, model_args (moec.runtime.config.ModelArgs as a dict), recipe (resolved),
-calibration (provenance: data, split, samples, seq_len, seed, token counts), tensors {name: {shard,
+Manifest fields: format, format_version, moec_version, created (SOURCE_DATE_EPOCH when set), source
+{model, path, config_sha256, weights_sha256}, model_args (moec.runtime.config.ModelArgs as a dict), recipe
+(resolved), calibration (provenance: data, split, samples, seq_len, seed, token counts, the environment
+that calibrated: moec/provenance.py), environment (the one that packed), tensors {name: {shard,
 codec, bits, shape, dtype, bytes}}, shards {file: {sha256, bytes}}, effective_bits, kv (the KV codec's
 section, formats/kvsection.py; null for an fp16 cache). Version 2 changed only the `kv` section.
 
@@ -16,24 +17,31 @@ Writes go through moec.atomic.atomic_dir (a temporary sibling directory renamed 
 complete), so a failed or killed pack never leaves a half-written checkpoint under the name. The reader
 verifies version, presence and sha256 of every shard, then each tensor's shape and dtype, and names the
 first thing that is wrong.
+
+Checkpoints travel between people, so the reader treats one as untrusted (tests/formats/test_fuzz_checkpoint.py):
+the manifest's fields are type-checked before use (`check_manifest`), shard names are plain file names
+and a shard may not be a link leading out of the directory (nothing outside it is read), and a
+safetensors header that the library refuses is a FormatError like any other. Hashes guard against
+accidents, not attackers (whoever edits a shard can edit its hash), so no check relies on them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .. import __version__
 from ..atomic import atomic_dir
 from ..errors import FormatError, UserError
+from ..provenance import created_timestamp
 from . import kvsection
 
 FORMAT = "moec-packed"
@@ -79,13 +87,13 @@ def write_packed(out_dir: str | Path, tensors: dict[str, torch.Tensor], tensor_i
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             save_file({k: v.contiguous() for k, v in group.items()}, str(tmp / fname),
-                      metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION)})
+                      metadata={"format": FORMAT})  # one key: safetensors orders them by a per-process hash
             shard_meta[fname] = {"sha256": sha256_file(tmp / fname), "bytes": (tmp / fname).stat().st_size}
             for name, t in group.items():
                 entries[name] = {"shard": fname, **tensor_info[name], "shape": list(t.shape),
                                  "dtype": dtype_name(t.dtype), "bytes": t.numel() * t.element_size()}
         full = {"format": FORMAT, "format_version": FORMAT_VERSION, "moec_version": __version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **manifest,
+                "created": created_timestamp(), **manifest,
                 "tensors": entries, "shards": shard_meta}
         (tmp / MANIFEST).write_text(json.dumps(full, indent=1))
         cfg = dict(hf_config)
@@ -122,16 +130,104 @@ def read_manifest(path: str | Path) -> dict:
         raise FormatError(f"{mf}: format_version {version!r} is newer than this moec reads "
                           f"({FORMAT_VERSION}); upgrade moec")
     if manifest.get("kv") is not None:
-        manifest["kv"] = kvsection.check(kvsection.upgrade(manifest["kv"], version))
+        try:
+            manifest["kv"] = kvsection.check(kvsection.upgrade(manifest["kv"], version))
+        except FormatError as e:
+            raise FormatError(f"{mf}: {e}") from None
     return manifest
+
+
+# torch dtypes a packed tensor may have (the manifest's `dtype` names), by safetensors' code
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "U8": "uint8", "I8": "int8",
+              "I16": "int16", "I32": "int32", "I64": "int64", "F8_E4M3": "float8_e4m3fn", "BOOL": "bool"}
+_DTYPES = tuple(_ST_DTYPES.values())
+# the keys a model's manifest holds beyond the container's `tensors` and `shards`, with their JSON types
+_MODEL_FIELDS = {"model_args": dict, "source": dict, "recipe": dict, "calibration": dict, "effective_bits": dict}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _is_shape(v) -> bool:
+    return isinstance(v, list) and all(_is_int(d) and d >= 0 for d in v)
+
+
+def is_plain_file_name(name) -> bool:
+    """A file directly inside the checkpoint directory: no separator, no `..`, nothing absolute."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def check_manifest(m: dict, where: str | Path = MANIFEST) -> None:
+    """The container's fields (`tensors`, `shards`) have the types the reader expects (FormatError naming
+    the first that does not): a manifest from elsewhere is input like any other."""
+    def bad(what: str) -> FormatError:
+        return FormatError(f"{where}: {what}")
+
+    for key in ("tensors", "shards"):
+        if not isinstance(m.get(key), dict):
+            raise bad(f"{key!r} must be a JSON object, got {type(m.get(key)).__name__}")
+    for fname, meta in m["shards"].items():
+        if not is_plain_file_name(fname):
+            raise bad(f"shard name {fname!r} is not a plain file name inside the checkpoint directory")
+        if not isinstance(meta, dict) or not _is_int(meta.get("bytes")) or meta["bytes"] < 0 \
+                or not isinstance(meta.get("sha256"), str) or len(meta["sha256"]) != 64:
+            raise bad(f"shards[{fname!r}] must be {{sha256: 64 hex digits, bytes: int >= 0}}, got {meta!r}")
+    if not m["tensors"]:
+        raise bad("no tensors")
+    for name, e in m["tensors"].items():
+        if not isinstance(e, dict):
+            raise bad(f"tensors[{name!r}] must be a JSON object, got {type(e).__name__}")
+        if not isinstance(e.get("shard"), str) or e["shard"] not in m["shards"]:
+            raise bad(f"tensors[{name!r}].shard {e.get('shard')!r} is not one of the manifest's shards")
+        if not isinstance(e.get("codec"), str) or not _is_int(e.get("bits")) or not isinstance(e.get("param"), str):
+            raise bad(f"tensors[{name!r}]: codec and param must be strings and bits an int, got codec "
+                      f"{e.get('codec')!r}, param {e.get('param')!r}, bits {e.get('bits')!r}")
+        if e.get("dtype") not in _DTYPES:
+            raise bad(f"tensors[{name!r}].dtype {e.get('dtype')!r} is not one of {', '.join(_DTYPES)}")
+        for key in ("shape", "param_shape"):
+            if (key == "shape" or key in e) and not _is_shape(e.get(key)):
+                raise bad(f"tensors[{name!r}].{key} must be a list of ints >= 0, got {e.get(key)!r}")
+        if "group_size" in e and not (_is_int(e["group_size"]) and e["group_size"] >= 0):
+            raise bad(f"tensors[{name!r}].group_size must be an int >= 0, got {e['group_size']!r}")
+        if not (_is_int(e.get("bytes")) and e["bytes"] >= 0):
+            raise bad(f"tensors[{name!r}].bytes must be an int >= 0, got {e.get('bytes')!r}")
+
+
+def check_model_fields(m: dict, where: str | Path = MANIFEST) -> None:
+    """The model-level fields that the runtime and `moec inspect` read have their JSON types (FormatError)."""
+    for key, tp in _MODEL_FIELDS.items():
+        if not isinstance(m.get(key), tp):
+            raise FormatError(f"{where}: {key!r} must be a JSON object, got {type(m.get(key)).__name__}")
+    if not isinstance(m["source"].get("model"), str) or not isinstance(m["recipe"].get("name"), str):
+        raise FormatError(f"{where}: source.model and recipe.name must be strings")
+    for key in ("w_bits", "w_params", "model_bits", "model_bytes"):
+        if not _is_number(m["effective_bits"].get(key)):
+            raise FormatError(f"{where}: effective_bits.{key} must be a number, got {m['effective_bits'].get(key)!r}")
+
+
+def _shard_path(p: Path, fname: str) -> Path:
+    """The shard file, refused when it is a link leading out of the checkpoint directory: a checkpoint
+    may not make moec read files elsewhere on the machine (a download into a hub cache links its files
+    to blobs outside the snapshot: such a copy needs `--local-dir`)."""
+    f = p / fname
+    if f.is_symlink() and p.resolve() not in f.resolve().parents:
+        raise FormatError(f"{f}: links to {os.readlink(f)}, outside the checkpoint directory (copy the file in)")
+    return f
 
 
 def verify(path: str | Path, manifest: dict | None = None) -> dict:
     """Check every shard's presence, size and sha256, and each tensor's shape and dtype."""
     p = Path(path)
     manifest = manifest or read_manifest(p)
+    check_manifest(manifest, p / MANIFEST)
     for fname, meta in manifest["shards"].items():
-        f = p / fname
+        f = _shard_path(p, fname)
         if not f.is_file():
             raise FormatError(f"{p}: shard {fname} is missing")
         size = f.stat().st_size
@@ -143,7 +239,7 @@ def verify(path: str | Path, manifest: dict | None = None) -> dict:
     for name, e in manifest["tensors"].items():
         by_shard.setdefault(e["shard"], []).append(name)
     for fname, names in by_shard.items():
-        with safe_open(p / fname, "pt") as h:
+        with _open_shard(p, fname) as h:
             present = set(h.keys())
             for name in names:
                 if name not in present:
@@ -160,8 +256,13 @@ def verify(path: str | Path, manifest: dict | None = None) -> dict:
     return manifest
 
 
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "U8": "uint8", "I8": "int8",
-              "I16": "int16", "I32": "int32", "I64": "int64", "F8_E4M3": "float8_e4m3fn", "BOOL": "bool"}
+def _open_shard(p: Path, fname: str):
+    """safe_open on a shard, a header the library refuses (offsets out of range or overlapping, an unknown
+    dtype, a bad length) reported as FormatError."""
+    try:
+        return safe_open(_shard_path(p, fname), "pt")
+    except SafetensorError as e:
+        raise FormatError(f"{p / fname}: not a readable safetensors file ({e})") from None
 
 
 def _safetensors_dtype(code: str) -> str:
@@ -177,7 +278,7 @@ def load_tensors(path: str | Path, manifest: dict, names: Iterable[str] | None =
     for name in wanted:
         by_shard.setdefault(manifest["tensors"][name]["shard"], []).append(name)
     for fname, ns in by_shard.items():
-        with safe_open(p / fname, "pt") as h:
+        with _open_shard(p, fname) as h:
             for n in ns:
                 out[n] = h.get_tensor(n)
     return out

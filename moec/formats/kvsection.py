@@ -41,6 +41,9 @@ def check(section: dict, where: str = "kv") -> dict:
         want = str if key == "codec" else int
         if not isinstance(section[key], want) or isinstance(section[key], bool):
             raise FormatError(f"manifest {where}.{key}: expected {want.__name__}, got {section[key]!r}")
+    names = section.get("tensors", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise FormatError(f"manifest {where}.tensors: expected a list of tensor names, got {names!r}")
     return section
 
 

@@ -497,11 +497,12 @@ def _kv_decode_attention_kernel(
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, out_ptr, n_splits, D: tl.constexpr, P_P2: tl.constexpr, DC: tl.constexpr,
-                   CHUNK: tl.constexpr):
+def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, D: tl.constexpr, P_P2: tl.constexpr, DC: tl.constexpr,
+                   CHUNK: tl.constexpr, ROT: tl.constexpr):
     """out[bh, c] = sum_s 2^(m_s - M)·acc_s[c] / sum_s 2^(m_s - M)·l_s over the splits of one (b, head), for
     the DC channels c of program_id(1). The splits stream in CHUNK rows: a [P_P2, D] tile in one program
-    spilled (Qwen3 at 32k batch 1: 135 splits, 31 us per call, more than the attention kernel itself)."""
+    spilled (Qwen3 at 32k batch 1: 135 splits, 31 us per call, more than the attention kernel itself).
+    ROT (DC == D): out[bh] = o·Rᵀ, the cache's head_dim rotation undone here, in out's dtype."""
     bh = tl.program_id(0)
     offs_c = tl.program_id(1) * DC + tl.arange(0, DC)
     base = part_ptr + bh * n_splits * (D + 2)
@@ -518,7 +519,15 @@ def _reduce_kernel(part_ptr, out_ptr, n_splits, D: tl.constexpr, P_P2: tl.conste
         den += tl.load(row + D + 1, mask=pmask, other=0.0) * w
         a = tl.load(row[:, None] + offs_c[None, :], mask=pmask[:, None], other=0.0)
         acc += tl.sum(a * w[:, None], axis=0)
-    tl.store(out_ptr + bh * D + offs_c, acc / tl.sum(den, axis=0))
+    o = acc / tl.sum(den, axis=0)
+    if ROT:  # out[c] = sum_i o[i]·R[c, i], RC output channels at a time
+        RC: tl.constexpr = 32
+        for c0 in tl.static_range(0, D, RC):
+            offs_r = c0 + tl.arange(0, RC)
+            r = tl.load(r_ptr + offs_r[None, :] * D + offs_c[:, None])  # [D, RC]: R[c, i] at [i, c]
+            tl.store(out_ptr + bh * D + offs_r, tl.sum(o[:, None] * r, axis=0).to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + bh * D + offs_c, o.to(out_ptr.dtype.element_ty))
 
 
 def _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval, hist_len,
@@ -552,8 +561,12 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
                         num_warps: int | None = None, num_stages: int | None = None, deq: int | None = None,
                         lazy: bool | None = None, waves: float | None = None, out_mode: int | None = None,
                         rope: tuple[torch.Tensor, int] | None = None,
-                        k_center: torch.Tensor | None = None, k_err2: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention (one query token per row) over packed history + fp16 window -> [B, H, d] fp32.
+                        k_center: torch.Tensor | None = None, k_err2: torch.Tensor | None = None,
+                        out_rotation: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32
+                        ) -> torch.Tensor:
+    """Decode attention (one query token per row) over packed history + fp16 window -> [B, H, d] in out_dtype
+    (fp32 by default); out_rotation R [d, d] fp32: the output times Rᵀ (a cache that attends in a rotated
+    basis, kvtiered.LayerRotations, undoes it in the split combine instead of a cast and a GEMM).
 
     precision: dot inputs, "fp16" (tensor cores, fp32 accumulation; the CUDA default) or "ieee"
     (exact fp32; the default elsewhere). n_splits: history splits (default: ~`waves` waves of the
@@ -621,10 +634,23 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
         ROPE=rope is not None, CENTER=k_center is not None, WCHUNK=win_chunk, BIAS=k_err2 is not None,
         num_warps=num_warps or CONFIG["num_warps"],
     )
-    out = torch.empty(B, H, d, device=q.device, dtype=torch.float32)
-    dc = min(d, 32)
+    return combine_splits(part, B * H, P, d, out_rotation, out_dtype).view(B, H, d)
+
+
+def combine_splits(part: torch.Tensor, BH: int, P: int, d: int, rotation: torch.Tensor | None = None,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The split-K combine: part [BH, P, d + 2] (acc, m in log2 units, l per split) -> out [BH, d] in
+    out_dtype; rotation R [d, d] fp32: out·Rᵀ (one program per row then, all d channels)."""
+    out = torch.empty(BH, d, device=part.device, dtype=out_dtype)
     p2 = triton.next_power_of_2(P)
-    _reduce_kernel[(B * H, d // dc)](part, out, P, D=d, P_P2=p2, DC=dc, CHUNK=min(32, p2), num_warps=2)
+    if rotation is not None:
+        assert rotation.shape == (d, d) and rotation.dtype == torch.float32 and rotation.is_contiguous()
+        _reduce_kernel[(BH, 1)](part, out, rotation, P, D=d, P_P2=p2, DC=d, CHUNK=min(16, p2), ROT=True,
+                                num_warps=4)
+        return out
+    dc = min(d, 32)
+    _reduce_kernel[(BH, d // dc)](part, out, part, P, D=d, P_P2=p2, DC=dc, CHUNK=min(32, p2), ROT=False,
+                                  num_warps=2)
     return out
 
 

@@ -7,7 +7,11 @@ MoE layers share one code path and one set of tensor names.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import asdict, dataclass, field
+
+from ..errors import UserError
 
 
 @dataclass
@@ -57,7 +61,81 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelArgs:
+        """ModelArgs from a packed manifest's `model_args`: every key known, typed and in range (UserError
+        naming the first that is not), so that a checkpoint from elsewhere cannot trip the asserts above."""
+        if not isinstance(d, dict):
+            raise UserError(f"model_args: expected a mapping, got {type(d).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key, value in d.items():
+            if key not in fields:
+                raise UserError(f"model_args: unknown key {key!r}")
+            if not _ARG_CHECKS[key](value):
+                raise UserError(f"model_args.{key}: {value!r} is not {_ARG_RULES[key]}")
+        missing = [k for k, f in fields.items() if k not in d and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise UserError(f"model_args: missing {', '.join(missing)}")
+        kinds = d.get("ffn_kinds") or ["moe" if d.get("n_experts") else "dense"]  # empty: every layer alike
+        if d.get("ffn_kinds") and len(kinds) != d["n_layers"]:
+            raise UserError(f"model_args: {len(kinds)} ffn_kinds for n_layers {d['n_layers']}")
+        if d["n_heads"] % d["n_kv_heads"]:
+            raise UserError(f"model_args: n_heads {d['n_heads']} is not a multiple of n_kv_heads {d['n_kv_heads']}")
+        top_k, n_experts, expert_dim = (d.get(k, 0) for k in ("top_k", "n_experts", "expert_dim"))
+        if "moe" in kinds and not (0 < top_k <= n_experts and expert_dim > 0):
+            raise UserError(f"model_args: MoE layers need 0 < top_k <= n_experts and expert_dim > 0, got top_k "
+                            f"{top_k}, n_experts {n_experts}, expert_dim {expert_dim}")
         return cls(**d)
+
+
+_INT_MAX = 2**31 - 1  # token ids and kernel indices are int32: no dimension of a real model comes near
+
+
+def _int(lo: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= _INT_MAX
+
+
+def _positive_float(v) -> bool:
+    """A number the fp32 model arithmetic can hold (clip_qkv 1e308 would overflow the clamp)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and 0 < v < _FP32_MAX
+
+
+_FP32_MAX = 3.4e38
+
+
+# The RoPE scalings the runtime applies (model.rope_inv_freq), with the numbers each one reads.
+_ROPE_SCALING_KEYS = {"linear": ("factor",),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _rope_scaling(v) -> bool:
+    if v is None:
+        return True
+    if not isinstance(v, dict) or not isinstance(v.get("rope_type"), str) or v["rope_type"] not in _ROPE_SCALING_KEYS:
+        return False
+    if not all(_positive_float(v.get(k)) for k in _ROPE_SCALING_KEYS[v["rope_type"]]):
+        return False
+    return v["rope_type"] != "llama3" or v["low_freq_factor"] != v["high_freq_factor"]  # llama3 divides by the gap
+
+
+# model_args keys: (check, what the message says is expected)
+_ARG_SPEC = {
+    "arch": (lambda v: isinstance(v, str), "a string"),
+    **{k: (_int(1), "an int in 1..2^31-1") for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
+                                                      "head_dim", "max_seq_len")},
+    **{k: (_int(0), "an int in 0..2^31-1") for k in ("dense_dim", "n_experts", "top_k", "expert_dim", "shared_dim")},
+    **{k: (_positive_float, "a number in (0, 3.4e38)") for k in ("norm_eps", "rope_theta")},
+    "clip_qkv": (lambda v: v is None or _positive_float(v), "null or a number in (0, 3.4e38)"),
+    "rope_scaling": (_rope_scaling, "null or a RoPE scaling the runtime applies (rope_type linear or llama3 "
+                                    "with its factors)"),
+    **{k: (lambda v: isinstance(v, bool), "true or false") for k in ("tie_embeddings", "qkv_bias", "o_bias",
+                                                                     "norm_topk", "shared_gate")},
+    "qk_norm": (lambda v: v in ("none", "head", "full"), "one of 'none', 'head', 'full'"),
+    "ffn_kinds": (lambda v: isinstance(v, list) and all(k in ("moe", "dense") for k in v),
+                  "a list of 'moe' / 'dense'"),
+}
+_ARG_CHECKS = {k: c for k, (c, _) in _ARG_SPEC.items()}
+_ARG_RULES = {k: r for k, (_, r) in _ARG_SPEC.items()}
+assert set(_ARG_SPEC) == {f.name for f in dataclasses.fields(ModelArgs)}, "a ModelArgs field without its check"
 
 
 # Performance shapes from DESIGN.md (random weights; nothing is downloaded).

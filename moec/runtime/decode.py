@@ -220,10 +220,9 @@ class StaticTieredCache:
                                   hv["scale"][:b], view.k_levels, view.v_levels, koi, kov, voi, vov,
                                   self.hist_len[:b], wk[:b], wv[:b], (slot + 1).to(torch.int32),
                                   self.codecs[layer].bits, self.block, rope=self.rope,
-                                  k_center=view.k_center, k_err2=view.k_err2)  # [b, H, d] fp32
-        if R is not None:
-            out = out @ R.T
-        return out[:, :, None].to(q.dtype)
+                                  k_center=view.k_center, k_err2=view.k_err2, out_rotation=R,
+                                  out_dtype=q.dtype)  # [b, H, d], rotated back
+        return out[:, :, None]
 
     def _attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
         b, H, _, d = q.shape

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from ..errors import FormatError
+from ..errors import FormatError, UserError
 from ..formats import checkpoint
 from ..formats.codecs import KEEP, WEIGHT_PATTERN
+from ..registry import weight_codec
+from ..typed import build
 from .config import ModelArgs
-from .experts import attach, is_quant_attention, is_quant_expert, placeholders, pop_quant_experts
+from .experts import ATTN_PARAM, attach, is_quant_attention, is_quant_expert, placeholders, pop_quant_experts
 from .hf_layout import HFCheckpoint
 from .model import Transformer, build_model
 
@@ -29,12 +32,21 @@ def load_state(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], di
     """(args, canonical state dict, info) where info has kind, w_bits and, for packed, the manifest."""
     if checkpoint.is_packed(path):
         manifest = checkpoint.verify(path)
-        args = ModelArgs.from_dict(manifest["model_args"])
+        checkpoint.check_model_fields(manifest, Path(path) / checkpoint.MANIFEST)
+        stored_layers = len({n.split(".")[1] for n in manifest["tensors"] if n.startswith("layers.")})
+        if manifest["model_args"].get("n_layers") != stored_layers:  # before ModelArgs builds per-layer lists
+            raise FormatError(f"{path}: model_args.n_layers {manifest['model_args'].get('n_layers')!r}, but the "
+                              f"checkpoint stores {stored_layers} layers")
+        try:
+            args = ModelArgs.from_dict(manifest["model_args"])
+        except UserError as e:
+            raise FormatError(f"{path}: {e}") from None
         for name, e in manifest["tensors"].items():
             if e["codec"] != KEEP and not name.startswith("kv.") and not is_quant_expert(name, e) \
                     and not is_quant_attention(name, e):
                 raise FormatError(f"{path}: tensor {name!r} uses codec {e['codec']!r}, which this runtime "
                                   f"version cannot execute")
+        check_quant_parts(path, manifest)
         state = checkpoint.load_tensors(path, manifest)
         kv_tensors = {n: state.pop(n) for n in [n for n in state if n.startswith("kv.")]}  # KV codec calibration
         return args, state, {"kind": "packed", "manifest": manifest, "kv": manifest.get("kv"),
@@ -49,13 +61,71 @@ def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32,
     """The runtime model for `path`; compute dtype fp32 by default (the CPU reference)."""
     args, state, info = load_state(path)
     quant = pop_quant_experts(state, info.get("manifest"))  # quantized experts: built apart, then attached
+    check_state_shapes(path, args, {n: t.shape for n, t in state.items()} |
+                       {p: torch.Size(q.param_shape) for p, q in quant.items()})
     model = build_model(args, state | placeholders(quant, dtype, device), dtype=dtype, device=device)
     attach(model, quant, device)
     return model, info
 
 
+def check_quant_parts(path, manifest: dict) -> None:
+    """Each quantized matrix of a packed checkpoint has exactly the parts, shapes and dtypes its codec
+    stores (FormatError otherwise), compared with the codec's own stand-in built on the meta device: so
+    the runtime never indexes a part that is not there or a table of another size."""
+    params: dict[str, dict[str, dict]] = {}
+    for name, e in manifest["tensors"].items():
+        if is_quant_expert(name, e) or is_quant_attention(name, e):
+            params.setdefault(e["param"], {})[name.removeprefix(e["param"] + ".")] = e
+    for param, parts in params.items():
+        first = next(iter(parts.values()))
+        codec, bits, shape, g = (first.get(k) for k in ("codec", "bits", "param_shape", "group_size"))
+        where = f"{path}: {param} ({codec}, {bits} bits)"
+        if any((e.get("codec"), e.get("bits"), e.get("param_shape"), e.get("group_size")) != (codec, bits, shape, g)
+               for e in parts.values()):
+            raise FormatError(f"{where}: its parts disagree on codec, bits, param_shape or group_size")
+        spec = weight_codec(codec)
+        if bits not in spec.bits:
+            raise FormatError(f"{where}: codec {codec!r} takes bits {spec.bits}, not {bits}")
+        attention = ATTN_PARAM.search(param) is not None
+        if shape is None or len(shape) != (2 if attention else 3) or g is None:
+            raise FormatError(f"{where}: param_shape {shape!r} / group_size {g!r} missing or not a "
+                              f"{'[O, I]' if attention else '[E, O, I]'} matrix")
+        if g and (g > shape[-1] or shape[-1] % g):
+            raise FormatError(f"{where}: group_size {g} does not divide the {shape[-1]} inputs")
+        if spec.random_stored is None:
+            continue  # a plugin codec without a stand-in: its dequantize hook checks its own parts
+        want = spec.hook("random_stored")(bits, (1, *shape) if attention else tuple(shape), g, "meta", None)
+        want = {k: v[0] if attention else v for k, v in want.items()}
+        if set(parts) != set(want):
+            raise FormatError(f"{where}: stored parts {sorted(parts)}, the codec stores {sorted(want)}")
+        for k, e in parts.items():
+            if (e["shape"], e["dtype"]) != (list(want[k].shape), checkpoint.dtype_name(want[k].dtype)):
+                raise FormatError(f"{where}: part {k!r} is {e['dtype']} {e['shape']}, the codec stores "
+                                  f"{checkpoint.dtype_name(want[k].dtype)} {list(want[k].shape)}")
+
+
+def check_state_shapes(path, args: ModelArgs, shapes: dict[str, torch.Size]) -> None:
+    """The checkpoint's tensors are exactly the parameters `args` describes, shape for shape, checked on the
+    meta device before anything is allocated (model_args that declare a huge model meet a FormatError, not
+    the memory limit)."""
+    try:
+        with torch.device("meta"):
+            want = {n: t.shape for n, t in Transformer(args).state_dict().items()}
+    except RuntimeError as e:  # sizes whose product overflows (each alone is in range: ModelArgs.from_dict)
+        raise FormatError(f"{path}: model_args describe a model too large to build ({e})") from None
+    for name in [*want, *sorted(shapes.keys() - want.keys())]:  # the model's order: the first mismatch named
+        if name not in shapes:
+            raise FormatError(f"{path}: tensor {name!r} is missing (model_args needs it)")
+        if name not in want:
+            raise FormatError(f"{path}: tensor {name!r} is not a parameter of the model that model_args describes")
+        if shapes[name] != want[name]:
+            raise FormatError(f"{path}: tensor {name!r} has shape {list(shapes[name])}, model_args needs "
+                              f"{list(want[name])}")
+
+
 def kv_codec_spec(section: dict):
-    """The registered spec of a checkpoint's KV codec (FormatError: a codec this moec does not know)."""
+    """The registered spec of a checkpoint's KV codec (FormatError: a codec this moec does not know, or a
+    section whose keys do not pass the codec's config class, the schema it was written from)."""
     from ..registry import kv_codecs
 
     codecs = kv_codecs()
@@ -63,7 +133,19 @@ def kv_codec_spec(section: dict):
     if spec is None or spec.name == "fp16":
         raise FormatError(f"KV codec {section['codec']!r} is not one this runtime executes "
                           f"(registered: {', '.join(c for c in codecs if c != 'fp16')})")
+    kv_config(spec, section)
     return spec
+
+
+def kv_config(spec, section: dict):
+    """The codec's config instance from the section's keys that its class declares (the section holds
+    those, plus shapes and derived keys), built strictly as a recipe is (FormatError)."""
+    config = spec.hook("config")
+    declared = {f.name for f in dataclasses.fields(config)}
+    try:
+        return build(config, {k: v for k, v in section.items() if k in declared}, "manifest kv", codec=spec.name)
+    except UserError as e:
+        raise FormatError(str(e)) from None
 
 
 def kv_cache_factory(info: dict, args: ModelArgs):
@@ -75,6 +157,21 @@ def kv_cache_factory(info: dict, args: ModelArgs):
     if not section:
         return None
     spec, tensors = kv_codec_spec(section), info.get("kv_tensors", {})
+    # the config's keys as the writer writes them (asdict of the resolved config: defaults filled in, nested
+    # configs whole), so a codec reads no key that the section left out
+    section = {**section, **dataclasses.asdict(kv_config(spec, section))}
+    model_shapes = {"n_layers": args.n_layers, "n_kv_heads": args.n_kv_heads, "head_dim": args.head_dim}
+    for key, want in model_shapes.items():
+        if section[key] != want:
+            raise FormatError(f"manifest kv.{key} {section[key]} was calibrated for another model "
+                              f"(model_args: {want})")
+    block = section.get("block")  # the tiered caches allocate a block's buffers up front, whatever max_len
+    if isinstance(block, int) and block > args.max_seq_len:
+        raise FormatError(f"manifest kv.block {block} is longer than the model's context "
+                          f"(max_seq_len {args.max_seq_len})")
+    missing = [n for n in section.get("tensors", []) if n not in tensors]  # a list of str: kvsection.check
+    if missing:
+        raise FormatError(f"manifest kv.tensors: {missing[0]!r} is not a kv.* tensor of the checkpoint")
     if spec.tiered:
         from .kvtiered import build_codecs, tiered_cache_factory
 

@@ -145,6 +145,22 @@ def test_full_size_cuda_pre_rope(center):
         _close(kv_decode_attention(*args, bits=2, block=32, k_center=kc), ref)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_output_rotation_in_the_combine(out_dtype):
+    """out_rotation R: the split combine returns out·Rᵀ in out_dtype (the rotated cache's way back)."""
+    from moec.rotation import block_hadamard
+
+    args = _case(2, 8, 2, 64, 2, [96, 64], [40, 9], 0.0, seed=7)
+    R = block_hadamard(64, seed=3).float().to(DEVICE)
+    ref = kv_decode_attention_ref(*args, bits=2, block=32) @ R.T
+    got = kv_decode_attention(*args, bits=2, block=32, n_splits=3, out_rotation=R, out_dtype=out_dtype)
+    assert got.dtype == out_dtype
+    if out_dtype == torch.float32:
+        _close(got, ref)
+    else:  # one bf16 rounding of the output
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_reference_sees_outliers():
     """Guard on the oracle itself: dropping the residuals changes the reference output."""
     args = _case(1, 4, 2, 64, 2, [96], [3], 0.02)
