@@ -1,6 +1,6 @@
 """The calibrate memory estimate (moec/calibrate/memory.py) against the measured peak above its baseline.
 
-Baseline: the moment capture starts, i.e. when `calibrate` calls `sample_windows` (after the imports, the
+Baseline: the moment capture starts, i.e. when `calibrate` calls `sample_mix` (after the imports, the
 model config, the tokenizer and the tokenized text; right after the memory check). On the CPU the peak is
 VmHWM from /proc/self/status after the baseline reset it (`5 > /proc/self/clear_refs`), minus VmRSS at the
 baseline; on CUDA, torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus memory_allocated
@@ -42,12 +42,12 @@ def _status_kb(field: str) -> int:
 
 
 class PeakAboveBaseline:
-    """Wraps run.sample_windows: at its call the baseline is taken and the peak counter reset."""
+    """Wraps run.sample_mix: at its call the baseline is taken and the peak counter reset."""
 
     def __init__(self, device: str):
         self.cuda, self.baseline = device.startswith("cuda"), None
-        self.sample_windows = run.sample_windows
-        run.sample_windows = self
+        self.sample_mix = run.sample_mix
+        run.sample_mix = self
 
     def __call__(self, *a, **k):
         if self.cuda:
@@ -57,7 +57,7 @@ class PeakAboveBaseline:
         else:
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
             self.baseline = _status_kb("VmRSS") * 1024
-        return self.sample_windows(*a, **k)
+        return self.sample_mix(*a, **k)
 
     def peak_above(self) -> int:
         if self.cuda:
@@ -68,7 +68,7 @@ class PeakAboveBaseline:
 
 def use_ids(path: Path) -> None:
     ids = torch.load(path, weights_only=True)["calib"].long().flatten()
-    run.load_text = lambda data, split: f"<pre-tokenized: {path}>"
+    run.load_text = lambda data, split, *a: f"<pre-tokenized: {path}>"
     run.load_tokenizer = lambda model_dir: None
     run.tokenize = lambda tok, text: ids
 
@@ -104,7 +104,7 @@ def main() -> None:
            "host_estimate_gb": round(est.host / 1e9, 4), "baseline_gb": round(probe.baseline / 1e9, 4),
            "parts_gb": {k: round(v / 1e9, 4) for k, v in est.parts.items()},
            "seconds": round(time.time() - t0, 1),
-           "measure": "peak above the baseline at capture start (sample_windows): " +
+           "measure": "peak above the baseline at capture start (sample_mix): " +
                       ("cuda max_memory_allocated" if a.device.startswith("cuda") else "VmHWM after clear_refs")}
     print(rec)
     write_json_atomic(a.out, [rec])

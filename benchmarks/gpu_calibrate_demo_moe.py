@@ -37,15 +37,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def use_carried_ids(calib: torch.Tensor, text_tokens: int) -> None:
     """Point moec.calibrate.run at the carried token windows instead of text + tokenizer."""
-    run.load_text = lambda data, split: "<pre-tokenized: benchmarks/data/demo-moe_ptb_ids.pt>"
+    run.load_text = lambda data, split, *a: "<pre-tokenized: benchmarks/data/demo-moe_ptb_ids.pt>"
     run.load_tokenizer = lambda model_dir: None
     run.tokenize = lambda tok, text: torch.zeros(text_tokens, dtype=torch.long)  # only its length is reported
 
-    def windows(ids, samples, seq_len, seed):
+    def windows(ids, sources, samples, seq_len, seed):
         assert samples <= calib.shape[0] and seq_len <= calib.shape[1] and seed == 0, (samples, seq_len, seed)
-        return calib[:samples, :seq_len]
+        return calib[:samples, :seq_len], [{"name": "ptb", "split": "train", "carried": True, "samples": samples}]
 
-    run.sample_windows = windows
+    run.sample_mix = windows
 
 
 @torch.no_grad()

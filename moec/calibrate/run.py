@@ -2,7 +2,8 @@
 
 CALIB_DIR holds:
     calib.safetensors   fitted tensors and statistics (per-layer expert token counts, KV ranges, ...)
-    report.json         provenance (model fingerprint, data, split, samples, seq_len, seed, tokens),
+    report.json         provenance (model fingerprint, data, split, every source of a mix, samples,
+                        seq_len, seed, tokens),
                         per-layer expert token counts and load balance, which experts fell under the
                         expert policy, and what was fitted
     recipe.yaml         the recipe as resolved (every default filled in)
@@ -28,7 +29,8 @@ from ..provenance import created_timestamp, environment
 from ..registry import kv_codec
 from ..runtime.hf_layout import HFCheckpoint
 from .capture import ExpertTokenCounts, KVRange, run_layers
-from .data import is_eval_split, load_text, sample_windows
+from .data import load_text
+from .dataspec import check_specs, describe, parse_data, sample_mix
 from .faults import FiniteActivations, check_final_hidden, checked_global_state, checked_layer_state, fault_report
 from .fit_experts import ExpertFitter, plan
 from .hessian import AttentionHessians, ExpertHessians
@@ -49,13 +51,15 @@ def load_balance(counts: torch.Tensor, top_k: int) -> dict:
 
 
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,
-              seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None, resume: bool = False) -> dict:
+              seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None, resume: bool = False,
+              data_config: str | None = None, text_column: str = "text") -> dict:
     if is_packed(model_dir):
         raise UserError(f"{model_dir}: is a packed checkpoint; calibrate the source model instead")
-    if is_eval_split(data, split):
-        raise UserError(f"--split {split} is the evaluation split of {data!r}; calibrate on another split")
     if samples < 1 or seq_len < 2:
         raise UserError(f"--samples must be >= 1 and --seq-len >= 2, got {samples} and {seq_len}")
+    sources = parse_data(data, split, data_config, text_column)  # one source or a mix (dataspec.py)
+    check_specs(sources, samples)
+    data, split = describe(sources)  # the source (NAME@CONFIG) or the whole mix, for the resume key and report
     ckpt = HFCheckpoint(model_dir)
     args = ckpt.args
     if seq_len > args.max_seq_len:
@@ -68,10 +72,10 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if kv_spec.check is not None:  # the KV settings against the model's shapes, before any work
         kv_spec.hook("check")(args, kv_cfg)
     torch.manual_seed(seed)
-    text = load_text(data, split)
-    ids = tokenize(load_tokenizer(model_dir), text)
+    tokenizer = load_tokenizer(model_dir)  # a chat column's template is checked here, before any weight is read
+    ids = [tokenize(tokenizer, load_text(s.name, s.split, s.config, s.column, tokenizer)) for s in sources]
     check_memory(ckpt, recipe, samples, seq_len, device)  # before any sample or weight is held (memory.py)
-    tokens = sample_windows(ids, samples, seq_len, seed)
+    tokens, source_records = sample_mix(ids, sources, samples, seq_len, seed)
 
     counts, kv = ExpertTokenCounts(args), KVRange()
     observers: list = [counts, kv]
@@ -125,8 +129,9 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     report = {
         "moec_version": __version__, "created": created_timestamp(),
         "model": model_spec, "model_path": str(model_dir), **fingerprint,
-        "data": data, "split": split, "samples": samples, "seq_len": seq_len, "seed": seed,
-        "tokens": int(tokens.numel()), "text_tokens": int(ids.numel()), "capture_seconds": round(seconds, 2),
+        "data": data, "split": split, "sources": source_records,
+        "samples": samples, "seq_len": seq_len, "seed": seed, "tokens": int(tokens.numel()),
+        "text_tokens": sum(int(x.numel()) for x in ids), "capture_seconds": round(seconds, 2),
         "device": device, "environment": environment(device), "recipe": recipe.name,
         "expert_policy": policy.expert_policy, "min_expert_tokens": policy.min_expert_tokens,
         "layers": [],

@@ -1,4 +1,7 @@
-"""`moec calibrate MODEL --recipe R.yaml --data ptb --split train -o CALIB_DIR`."""
+"""`moec calibrate MODEL --recipe R.yaml --data ptb --split train -o CALIB_DIR`.
+
+`--data` is one source or a mix (moec/calibrate/dataspec.py), checked before the model is resolved.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from ..calibrate.dataspec import check_data, parse_data
 from ..calibrate.recipe import load_recipe
 from ..calibrate.run import calibrate as run_calibrate
 from ..calibrate.sources import resolve_model
@@ -19,8 +23,14 @@ from .common import console, out_console, progress_bar
 def calibrate(
     model: str = typer.Argument(..., help="HF directory, GGUF file, hub id or built-in name"),
     recipe: Path = typer.Option(..., "--recipe", "-r", help="recipe YAML"),
-    data: str = typer.Option("ptb", help="built-in data set, local text/json file, or hub data set"),
+    data: str = typer.Option("ptb", help="built-in data set (ptb, kjv), local .txt/.json/.jsonl/.parquet file or "
+                             "saved data set, hub data set (NAME@CONFIG picks a config), or a mix "
+                             "NAME:SPLIT:FRACTION,... (NAME@CONFIG in a mix too) with fractions summing to 1"),
     split: str = typer.Option("train", help="split to calibrate on (never the evaluation split)"),
+    data_config: str | None = typer.Option(None, "--data-config", help="hub data set configuration "
+                                           "(e.g. wikitext-2-raw-v1 for wikitext)"),
+    text_column: str = typer.Option("text", "--text-column", help="column to read from files and data sets; a "
+                                    "column of chat messages is rendered with the model's chat template"),
     samples: int = typer.Option(32, help="number of calibration sequences"),
     seq_len: int = typer.Option(512, "--seq-len", help="tokens per calibration sequence"),
     out: Path = typer.Option(..., "-o", "--out", help="calibration output directory"),
@@ -35,12 +45,14 @@ def calibrate(
     r = load_recipe(recipe)
     if seed is not None:
         r.calibration.seed = seed
+    check_data(parse_data(data, split, data_config, text_column), samples)  # before a model is downloaded or read
     model_dir = resolve_model(model)
     n_layers = HFCheckpoint(model_dir).args.n_layers if not is_packed(model_dir) else 1  # validates the config
     console.log(f"calibrating {model} with recipe {r.name} on {data}/{split}: {samples} × {seq_len} tokens")
     with progress_bar("layers", n_layers) as advance:
         report = run_calibrate(model_dir, model, r, data, split, samples, seq_len, r.calibration.seed, out,
-                               device=device, progress=lambda i, n: advance(), resume=resume)
+                               device=device, progress=lambda i, n: advance(), resume=resume,
+                               data_config=data_config, text_column=text_column)
     t = Table(title=f"calibration → {out}")
     for c in ("layer", "ffn", "expert tokens (min / max)", "min/max", "|k| max", "|v| max"):
         t.add_column(c)

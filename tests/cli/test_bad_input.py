@@ -166,3 +166,15 @@ def test_calibration_larger_than_memory_is_refused(tiny_moe_dir, tmp_path):
     r = calibrate(tiny_moe_dir, out, "--samples", "100000000", "--seq-len", "512")
     assert_clean_failure(r, "calibrating 100000000 × 512 tokens needs about host", "--samples", "would fit",
                          "MOEC_SKIP_MEMORY_CHECK=1", outputs=[out])
+
+
+
+def test_uncached_hub_data_fails_before_the_model(tmp_path, monkeypatch):
+    """Offline, an uncached hub data set is one line at once, before MODEL (absent here) is even looked at;
+    the other data errors are checked in-process in tests/calibrate/test_dataspec.py."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # tests never use the network
+    out = tmp_path / "calib"
+    r = moec("calibrate", tmp_path / "no-model", "--recipe", "recipes/fp16.yaml", "--data", "moec-tests/uncached",
+             "--data-config", "c1", "-o", out)
+    assert_clean_failure(r, "hub data set 'moec-tests/uncached' (config 'c1') is not in the local cache and "
+                            "HF_HUB_OFFLINE is set", outputs=[out])
