@@ -52,7 +52,7 @@ def _section(recipe: str) -> tuple[dict, dict]:
     kv = kv_manifest(load_recipe(os.path.join(RECIPES, f"{recipe}.yaml")), ARGS)
     kv |= {"window": 32, "sinks": 4, "block": 16}
     if "rvq" in kv:
-        kv["rvq"] = kv["rvq"] | {"archive_after": 48}  # the archive tier too
+        kv["rvq"] = kv["rvq"] | {"archive_after": 64}  # the archive tier too (must exceed window + block)
     return kv, random_kv_tensors(ARGS, kv)
 
 
