@@ -1,0 +1,80 @@
+"""compressed-tensors export (moec/export/to_ct.py): the library itself (PyPI compressed-tensors) parses the
+exported quantization_config and decompresses every quantized module to exactly the weights moec's
+runtime uses; rtn whose zero is not an integer level is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.quantization import QuantizationConfig
+from safetensors import safe_open
+
+from moec.errors import UserError
+from moec.export import export
+from moec.export.to_ct import hf_names
+from moec.runtime import weightcodecs
+
+from .packs import ARGS, integer_zero_rtn, pack, rule, runtime_weights
+
+
+def _decompressed(out) -> dict[str, torch.Tensor]:
+    """{HF module name: weight} of every quantized module, decompressed by compressed-tensors from the files."""
+    qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    got = {}
+    with safe_open(out / "model.safetensors", "pt") as h:
+        keys = list(h.keys())  # noqa: SIM118 (safe_open handles are not mappings)
+        for scheme in qc.config_groups.values():
+            compressor = BaseCompressor.get_value_from_registry(scheme.format)
+            for m in scheme.targets:
+                sd = {k.removeprefix(m + "."): h.get_tensor(k) for k in keys if k.startswith(m + ".")}
+                got[m] = compressor.decompress(sd, scheme)["weight"]
+    return got
+
+
+def _check_exact(packed, out) -> int:
+    got = _decompressed(out)
+    n = 0
+    for param, w in runtime_weights(packed).items():  # [E, O, I] fp32
+        for e, name in enumerate(hf_names(param, ARGS)):
+            back = got.pop(name.removesuffix(".weight"))
+            assert back.dtype == torch.float32 and torch.equal(back, w[e]), (name, (back - w[e]).abs().max())
+            n += 1
+    assert not got, f"modules the runtime does not quantize: {sorted(got)}"
+    return n
+
+
+def test_integer_zero_rtn_exports_to_pack_quantized_exactly(tmp_path, monkeypatch):
+    # 3-bit groups of 16 (codes straddle int32 words; expert_dim 48: w2 rows of 1.5 words per group of 32
+    # codes) and 4-bit one group per row (channel strategy)
+    monkeypatch.setattr(weightcodecs, "random_rtn", integer_zero_rtn)
+    args = {**ARGS.to_dict(), "expert_dim": 48}
+    from moec.runtime.config import ModelArgs
+
+    p = pack(tmp_path / "p", rule(["experts"], "rtn", 3, 16), rule(["attention"], "rtn", 4, 0),
+             args=ModelArgs(**args))
+    info = export(p, "ct", tmp_path / "c")
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == info["quantization_format"] == "pack-quantized"
+    strategies = sorted(g["weights"]["strategy"] for g in cfg["config_groups"].values())
+    assert strategies == ["channel", "group"]
+    assert _check_exact(p, tmp_path / "c") == info["quantized_modules"] == 2 * (3 * 4 + 4)
+
+
+def test_fp8_exports_to_float_quantized_exactly(tmp_path):
+    p = pack(tmp_path / "p", rule(["experts"], "fp8", 8))
+    info = export(p, "ct", tmp_path / "c")
+    assert info["quantization_format"] == "float-quantized"
+    assert _check_exact(p, tmp_path / "c") == 2 * 3 * 4
+    with safe_open(tmp_path / "c" / "model.safetensors", "pt") as h:  # kept tensors under their HF names
+        assert h.get_tensor("model.layers.1.block_sparse_moe.gate.weight").dtype == torch.bfloat16
+        assert h.get_tensor("model.layers.0.self_attn.q_proj.weight").shape == (64, 64)
+
+
+def test_fractional_zero_rtn_is_refused(tmp_path):
+    p = pack(tmp_path / "p", rule(["experts"], "rtn", 4, 32))  # pack_random's rtn: zero = -7.5·scale
+    with pytest.raises(UserError, match=r"layers\.0\.moe\.w1: codec rtn 4-bit cannot be exported as ct: "
+                                        r"pack-quantized needs an integer zero point.*--format gguf"):
+        export(p, "ct", tmp_path / "c")
