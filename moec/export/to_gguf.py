@@ -102,6 +102,7 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
 
     _check_arch(model)
     refuse_unless_carried(model, "gguf")
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # gguf-py logs every step of the write at INFO
     a = model.args
     dense = not a.is_moe
     tensors: dict[str, tuple[np.ndarray, object]] = {}
