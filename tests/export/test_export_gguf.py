@@ -15,6 +15,7 @@ from moec.errors import UserError
 from moec.export import export
 from moec.export.to_gguf import gguf_name, permute_rope_rows
 from moec.formats.checkpoint import load_tensors, read_manifest
+from moec.runtime.config import ModelArgs
 
 from .packs import ARGS, pack, rule, runtime_weights
 
@@ -51,6 +52,19 @@ def test_rtn4_g32_exports_to_q4_1_exactly(tmp_path):
     assert (_field(r, "llama.expert_count"), _field(r, "llama.expert_used_count")) == (4, 2)
     assert (_field(r, "llama.attention.head_count"), _field(r, "llama.attention.head_count_kv")) == (4, 2)
     assert _field(r, "llama.feed_forward_length") == ARGS.expert_dim
+
+
+def test_dense_llama_mlp_goes_as_plain_ffn_matrices(tmp_path):
+    args = ModelArgs(**{**ARGS.to_dict(), "arch": "llama", "n_experts": 0, "top_k": 0, "expert_dim": 0,
+                        "ffn_kinds": [], "dense_dim": 96, "tie_embeddings": True})
+    p = pack(tmp_path / "p", rule(["mlp"], "rtn", 4, 32), args=args)
+    r = gguf.GGUFReader(tmp_path / "g" / export(p, "gguf", tmp_path / "g")["file"])
+    got = {t.name: t for t in r.tensors}
+    assert "output.weight" not in got and "llama.expert_count" not in r.fields  # tied: llama.cpp reuses token_embd
+    for param, w in runtime_weights(p).items():  # [1, O, I]
+        t = got[gguf_name(param, dense=True)]
+        assert t.name.startswith("blk.") and "_exps" not in t.name
+        assert torch.equal(torch.from_numpy(dequantize(t.data, t.tensor_type)).reshape(w.shape), w), param
 
 
 @pytest.mark.parametrize(("rules", "says"), [
