@@ -3,7 +3,7 @@ exact (the other runtime's dequantization gives bit for bit the weights moec's `
 
     gguf  llama.cpp (export/to_gguf.py): rtn 4-bit, groups of 32, fp16 scale and zero -> Q4_1
           (w = d·q + m with d = scale, m = zero); kept tensors as F32/F16/BF16. Llama and Mixtral only.
-    ct    compressed-tensors, an HF directory vLLM and transformers load (export/to_ct.py): rtn whose zero
+    ct    compressed-tensors, an HF directory in the layout vLLM reads (export/to_ct.py): rtn whose zero
           is an integer multiple of its scale -> `pack-quantized` (int, asymmetric, group or channel);
           fp8 -> `float-quantized` (e4m3, channel); kept tensors as they are.
 
