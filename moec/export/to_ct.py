@@ -1,8 +1,8 @@
 """compressed-tensors export: an HF model directory (HF tensor names, one Linear per expert as HF
 checkpoints store them on disk and llm-compressor writes them for vLLM, config.json with a
 `quantization_config`). The library decompresses it exactly (tests/export/test_export_ct.py); vLLM is not run
-here. transformers 5.17 loads only its dense and attention modules quantized: it fuses MoE experts into 3-D
-parameters (`experts.gate_up_proj`), which compressed-tensors' per-Linear targets do not match.
+here. transformers 5.17 does not load quantized experts from it: it fuses MoE experts into 3-D parameters
+(`experts.gate_up_proj`), which compressed-tensors' per-Linear targets do not match ("Could not match").
 
 Mappings (compressed_tensors.compressors; checked with the library in tests/export/test_export_ct.py):
   rtn -> `pack-quantized`, int, asymmetric, strategy group (g = the group size) or channel (one group per
