@@ -13,7 +13,7 @@ from moec.runtime import weightcodecs
 from moec.runtime.config import ModelArgs
 from moec.runtime.experts import pop_quant_experts
 
-# dims of multiples of 32 (Q4_1 blocks); expert_dim 48 gives w2 rows of one and a half 32-code words
+# dims of multiples of 32 (Q4_1 blocks)
 ARGS = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                  max_seq_len=128, n_experts=4, top_k=2, expert_dim=64)
 

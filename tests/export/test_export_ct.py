@@ -8,20 +8,24 @@ import json
 
 import pytest
 import torch
-from compressed_tensors.compressors import BaseCompressor
-from compressed_tensors.quantization import QuantizationConfig
 from safetensors import safe_open
 
 from moec.errors import UserError
 from moec.export import export
 from moec.export.to_ct import hf_names
 from moec.runtime import weightcodecs
+from moec.runtime.config import ModelArgs
 
 from .packs import ARGS, integer_zero_rtn, pack, rule, runtime_weights
 
 
 def _decompressed(out) -> dict[str, torch.Tensor]:
     """{HF module name: weight} of every quantized module, decompressed by compressed-tensors from the files."""
+    # imported here, not at collection: the library pulls ~6 s of transformers internals, which only the
+    # xdist worker that runs these tests should pay
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
     qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
     got = {}
     with safe_open(out / "model.safetensors", "pt") as h:
@@ -50,11 +54,8 @@ def test_integer_zero_rtn_exports_to_pack_quantized_exactly(tmp_path, monkeypatc
     # 3-bit groups of 16 (codes straddle int32 words; expert_dim 48: w2 rows of 1.5 words per group of 32
     # codes) and 4-bit one group per row (channel strategy)
     monkeypatch.setattr(weightcodecs, "random_rtn", integer_zero_rtn)
-    args = {**ARGS.to_dict(), "expert_dim": 48}
-    from moec.runtime.config import ModelArgs
-
     p = pack(tmp_path / "p", rule(["experts"], "rtn", 3, 16), rule(["attention"], "rtn", 4, 0),
-             args=ModelArgs(**args))
+             args=ModelArgs(**{**ARGS.to_dict(), "expert_dim": 48}))
     info = export(p, "ct", tmp_path / "c")
     cfg = json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
     assert cfg["format"] == info["quantization_format"] == "pack-quantized"

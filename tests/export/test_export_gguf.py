@@ -67,6 +67,24 @@ def test_dense_llama_mlp_goes_as_plain_ffn_matrices(tmp_path):
         assert torch.equal(torch.from_numpy(dequantize(t.data, t.tensor_type)).reshape(w.shape), w), param
 
 
+def test_bpe_tokenizer_goes_in_as_llamacpp_gpt2_vocabulary(tmp_path):
+    import shutil
+
+    from tests.conftest import _tiny_tokenizer
+
+    V = _tiny_tokenizer(tmp_path / "tok")  # byte-level BPE, ~300 entries, <|endoftext|> special (id 0)
+    p = pack(tmp_path / "p", rule(["experts"], "rtn", 4, 32), args=ModelArgs(**{**ARGS.to_dict(), "vocab_size": V}))
+    for f in (tmp_path / "tok").iterdir():  # where `moec pack` puts the source's tokenizer files
+        shutil.copy(f, p / f.name)
+    info = export(p, "gguf", tmp_path / "g")
+    r = gguf.GGUFReader(tmp_path / "g" / info["file"])
+    assert info["tokenizer"] and _field(r, "tokenizer.ggml.model") == "gpt2"
+    tokens, types = _field(r, "tokenizer.ggml.tokens"), _field(r, "tokenizer.ggml.token_type")
+    assert len(tokens) == len(types) == V and tokens[0] == "<|endoftext|>"
+    assert types[0] == gguf.TokenType.CONTROL and set(types[1:]) == {gguf.TokenType.NORMAL}
+    assert len(_field(r, "tokenizer.ggml.merges")) > 0 and _field(r, "tokenizer.ggml.eos_token_id") == 0
+
+
 @pytest.mark.parametrize(("rules", "says"), [
     ([rule(["experts"], "rtn", 4, 64)], ["layers.0.moe.w1", "rtn 4-bit", "groups of 64",
                                          "no export format carries it exactly"]),
