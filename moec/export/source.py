@@ -17,6 +17,7 @@ from ..errors import UserError
 from ..formats.checkpoint import MANIFEST, check_model_fields, load_tensors, verify
 from ..formats.codecs import KEEP
 from ..runtime.config import ModelArgs
+from ..runtime.loader import check_quant_parts
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class PackedModel:
         self.path = Path(path)
         self.manifest = verify(self.path)
         check_model_fields(self.manifest, self.path / MANIFEST)
+        check_quant_parts(self.path, self.manifest)  # parts, shapes and dtypes each codec stores (untrusted input)
         self.args = ModelArgs.from_dict(self.manifest["model_args"])
         cfg = self.path / "config.json"
         self.config = json.loads(cfg.read_text()) if cfg.is_file() else {}

@@ -51,8 +51,8 @@ def _check_exact(packed, out) -> int:
 
 
 def test_integer_zero_rtn_exports_to_pack_quantized_exactly(tmp_path, monkeypatch):
-    # 3-bit groups of 16 (codes straddle int32 words; expert_dim 48: w2 rows of 1.5 words per group of 32
-    # codes) and 4-bit one group per row (channel strategy)
+    # 3-bit groups of 16 (codes straddle int32 words; with expert_dim 48 a w2 row's 144 bits end mid-word)
+    # and 4-bit one group per row (channel strategy)
     monkeypatch.setattr(weightcodecs, "random_rtn", integer_zero_rtn)
     p = pack(tmp_path / "p", rule(["experts"], "rtn", 3, 16), rule(["attention"], "rtn", 4, 0),
              args=ModelArgs(**{**ARGS.to_dict(), "expert_dim": 48}))
