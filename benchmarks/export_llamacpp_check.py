@@ -26,17 +26,7 @@ import numpy as np
 import torch
 from benchutil import ROOT, cli
 
-RECIPE = """name: export-q4_1
-description: experts and attention rtn 4-bit groups of 32 (GGUF Q4_1 exactly)
-weights:
-  - targets: [experts, mlp, attention]
-    codec: rtn
-    bits: 4
-    group_size: 32
-    gptq: false
-calibration:
-  seed: 0
-"""
+RECIPE = ROOT / "recipes" / "rtn4-g32-q4_1.yaml"  # rtn 4-bit g32 on experts and attention: Q4_1 exactly
 TEXT = ("The quick brown fox jumps over the lazy dog. In the beginning was the word, and the word was "
         "with the model, which compressed its experts and ran them on a small runtime.")
 
@@ -80,8 +70,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        (work / "recipe.yaml").write_text(RECIPE)
-        cli("calibrate", a.model, "-r", work / "recipe.yaml", "--samples", a.samples, "--seq-len", a.seq_len,
+        cli("calibrate", a.model, "-r", RECIPE, "--samples", a.samples, "--seq-len", a.seq_len,
             "-o", work / "calib")
         cli("pack", a.model, work / "calib", "-o", work / "packed")
         cli("export", work / "packed", "--format", "gguf", "-o", work / "gguf")
