@@ -24,5 +24,5 @@ def export(
     with console.status(f"exporting {packed} as {fmt}"):
         info = run_export(packed, fmt, out)
     what = f"{info['q4_1_tensors']} Q4_1 tensors" if fmt == "gguf" else \
-        f"{info['quantized_modules']} {info['quantization_format']} modules"
+        f"{info['quantized_modules']} {info['quantization_format'] or 'quantized'} modules"
     out_console.print(f"exported {packed} → {out} ({fmt}): {info['tensors']} tensors, {what}")

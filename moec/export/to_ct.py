@@ -129,7 +129,7 @@ def write_ct(model: PackedModel, out: Path) -> dict:
     qcfg = {"quant_method": "compressed-tensors", "quantization_status": "compressed",
             "format": formats.pop() if len(formats) == 1 else "mixed-precision",
             "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
-            "ignore": [], "kv_cache_scheme": None}
+            "ignore": [], "kv_cache_scheme": None} if groups else None  # nothing quantized: a plain HF directory
     shards = _shards(tensors)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     with atomic_dir(out, is_output=is_export, what="a moec export", size_hint=size) as tmp:
@@ -141,13 +141,13 @@ def write_ct(model: PackedModel, out: Path) -> dict:
         if len(shards) > 1:
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=1))
-        cfg = {**model.config, "quantization_config": qcfg}
+        cfg = {**model.config, **({"quantization_config": qcfg} if qcfg else {})}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
         kept = {MANIFEST, "config.json", *model.manifest["shards"]}
         for f in sorted(model.path.iterdir()):  # tokenizer, generation config, the recipe
             if f.is_file() and not f.is_symlink() and f.name not in kept:
                 shutil.copy2(f, tmp / f.name)
-        info = {"format": "ct", "source": str(model.path), "quantization_format": qcfg["format"],
+        info = {"format": "ct", "source": str(model.path), "quantization_format": qcfg["format"] if qcfg else None,
                 "quantized_modules": sum(len(g["targets"]) for g in groups.values()), "tensors": len(tensors)}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
     return info

@@ -79,3 +79,46 @@ def test_fractional_zero_rtn_is_refused(tmp_path):
     with pytest.raises(UserError, match=r"layers\.0\.moe\.w1: codec rtn 4-bit cannot be exported as ct: "
                                         r"pack-quantized needs an integer zero point.*--format gguf"):
         export(p, "ct", tmp_path / "c")
+
+
+def _hf_config(a: ModelArgs) -> dict:
+    """The HF config.json of `a` (what runtime/hf_layout.args_from_config reads; pack --random writes less)."""
+    cfg = {"model_type": a.arch, "vocab_size": a.vocab_size, "hidden_size": a.dim, "num_hidden_layers": a.n_layers,
+           "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
+           "tie_word_embeddings": a.tie_embeddings, "attention_bias": a.qkv_bias, "qkv_bias": a.qkv_bias,
+           "rms_norm_eps": a.norm_eps, "max_position_embeddings": a.max_seq_len}
+    if a.arch == "llama":
+        return {**cfg, "intermediate_size": a.dense_dim}
+    moe = {"num_experts_per_tok": a.top_k, "num_local_experts" if a.arch == "mixtral" else "num_experts": a.n_experts}
+    if a.arch in ("mixtral", "olmoe"):
+        return {**cfg, **moe, "intermediate_size": a.expert_dim}
+    return {**cfg, **moe, "moe_intermediate_size": a.expert_dim, "intermediate_size": a.dense_dim,
+            "mlp_only_layers": [i for i, k in enumerate(a.ffn_kinds) if k == "dense"],
+            "shared_expert_intermediate_size": a.shared_dim}
+
+
+_SMALL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=64)
+_MOE = dict(n_experts=3, top_k=2, expert_dim=16)
+
+
+@pytest.mark.parametrize("args", [
+    ModelArgs(arch="llama", **_SMALL, dense_dim=24, tie_embeddings=True),
+    ModelArgs(arch="mixtral", **_SMALL, **_MOE),
+    ModelArgs(arch="olmoe", **_SMALL, **_MOE, qk_norm="full", norm_topk=False),
+    ModelArgs(arch="qwen2_moe", **_SMALL, **_MOE, qkv_bias=True, ffn_kinds=["dense", "moe"], dense_dim=24,
+              shared_dim=8, shared_gate=True, norm_topk=False),
+    ModelArgs(arch="qwen3_moe", **_SMALL, **_MOE, qk_norm="head", norm_topk=False),
+], ids=lambda a: a.arch)
+def test_ct_names_are_the_hf_names_moec_reads(tmp_path, args):
+    """A kept-only export, read back by moec's own HF reader (runtime/hf_layout.py), gives every packed tensor."""
+    from moec.formats.checkpoint import load_tensors, read_manifest
+    from moec.runtime.hf_layout import HFCheckpoint
+
+    p = pack(tmp_path / "p", args=args)
+    export(p, "ct", tmp_path / "c")
+    (tmp_path / "c" / "config.json").write_text(json.dumps(_hf_config(args)))
+    ck = HFCheckpoint(tmp_path / "c")
+    assert ck.args == args
+    back, packed = ck.state_dict(), load_tensors(p, read_manifest(p))
+    assert back.keys() == packed.keys()
+    assert all(torch.equal(back[k], packed[k]) for k in packed)
