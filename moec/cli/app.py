@@ -16,7 +16,7 @@ from rich.logging import RichHandler
 
 from .. import __version__
 from ..errors import UserError
-from . import calibrate_cmd, eval_cmd, generate_cmd, inspect_cmd, models_cmd, pack_cmd
+from . import calibrate_cmd, eval_cmd, export_cmd, generate_cmd, inspect_cmd, models_cmd, pack_cmd
 from .common import console
 
 # -h beside --help: click inherits help_option_names into every subcommand's context.
@@ -42,6 +42,7 @@ app.command("pack")(pack_cmd.pack)
 app.command("eval")(eval_cmd.eval_)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("generate")(generate_cmd.generate)
+app.command("export")(export_cmd.export)
 
 
 def _click_errors(name: str) -> tuple[type, ...]:

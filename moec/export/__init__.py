@@ -1,0 +1,36 @@
+"""`moec export`: a packed checkpoint rewritten in a format other runtimes read, only where the mapping is
+exact (the other runtime's dequantization gives bit for bit the weights moec's `dequant_ref` gives).
+
+    gguf  llama.cpp (export/to_gguf.py): rtn 4-bit, groups of 32, fp16 scale and zero -> Q4_1
+          (w = d·q + m with d = scale, m = zero); kept tensors as F32/F16/BF16. Llama and Mixtral only.
+    ct    compressed-tensors, an HF directory in the layout vLLM reads (export/to_ct.py): rtn whose zero
+          is an integer multiple of its scale -> `pack-quantized` (int, asymmetric, group or channel);
+          fp8 -> `float-quantized` (e4m3, channel); kept tensors as they are.
+
+Anything else (hls and fp3 codebooks, rtn of other group sizes or bits for GGUF, rtn with a fractional
+zero for ct, fp8 for GGUF) is a UserError naming the tensor, its codec and the formats that can carry it.
+The KV codec of a checkpoint is a runtime setting of moec; no format here carries it (a warning says so).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FORMATS = ("gguf", "ct")
+
+
+def export(packed: str | Path, fmt: str, out: str | Path) -> dict:
+    """Write the export of `packed` in format `fmt` to the directory `out`; returns its summary."""
+    from ..errors import UserError
+    from .source import PackedModel
+
+    if fmt not in FORMATS:
+        raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    model = PackedModel(packed)
+    if fmt == "gguf":
+        from .to_gguf import write_gguf
+
+        return write_gguf(model, Path(out))
+    from .to_ct import write_ct
+
+    return write_ct(model, Path(out))

@@ -1,0 +1,130 @@
+"""The packed checkpoint as export sees it: each canonical parameter with its codec and stored parts, and
+which export formats can carry it exactly (`carriers`), with the reason for each that cannot.
+
+Shape legend: E = experts, O = output rows, I = inputs, G = groups per row, g = I / G, K = 2^bits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..formats.checkpoint import MANIFEST, check_model_fields, load_tensors, verify
+from ..formats.codecs import KEEP
+from ..runtime.config import ModelArgs
+from ..runtime.loader import check_quant_parts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Param:
+    """One canonical parameter: `tensor` when kept, else its codec's stored parts (`parts`, stacked
+    [E, O, ...]; attention projections get E = 1 here, as the runtime's QuantMatrix gives them)."""
+
+    name: str
+    codec: str
+    bits: int
+    shape: tuple[int, ...]  # canonical shape ([O, I] for attention, [E, O, I] for experts)
+    tensor: torch.Tensor | None = None
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def group(self) -> int:
+        """Inputs per group (g) of a grouped codec."""
+        return self.shape[-1] // self.parts["scale"].shape[-1]
+
+
+class PackedModel:
+    """A verified packed checkpoint: `manifest`, `args`, `config` (the HF config.json it carries, without
+    moec's own quantization_config) and `params` {canonical name: Param} in manifest order."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest = verify(self.path)
+        check_model_fields(self.manifest, self.path / MANIFEST)
+        check_quant_parts(self.path, self.manifest)  # parts, shapes and dtypes each codec stores (untrusted input)
+        self.args = ModelArgs.from_dict(self.manifest["model_args"])
+        cfg = self.path / "config.json"
+        self.config = json.loads(cfg.read_text()) if cfg.is_file() else {}
+        self.config.pop("quantization_config", None)
+        if self.manifest.get("kv"):
+            log.warning("the KV codec %s is a runtime setting of moec: no export format carries it (the export "
+                        "holds the weights)", self.manifest["kv"].get("codec"))
+        tensors = load_tensors(self.path, self.manifest)
+        self.params: dict[str, Param] = {}
+        for name, e in self.manifest["tensors"].items():
+            if name.startswith("kv."):  # KV-codec calibration tensors (see the warning above)
+                continue
+            p = e["param"]
+            if e["codec"] == KEEP:
+                self.params[name] = Param(name, KEEP, e["bits"], tuple(tensors[name].shape), tensors[name])
+                continue
+            if p not in self.params:
+                self.params[p] = Param(p, e["codec"], e["bits"], tuple(e.get("param_shape") or ()))
+            part = tensors[name]
+            if len(self.params[p].shape) == 2:  # attention: stored without the E axis
+                part = part[None]
+            self.params[p].parts[name.removeprefix(p + ".")] = part
+
+
+# -- which format carries what ----------------------------------------------------------------------------
+
+def rtn_zero_points(p: Param) -> torch.Tensor | None:
+    """Integer zero points k [E, O, G] (0 <= k < K) with zero + scale·q == (q - k)·scale bit for bit in fp32
+    for every level q (what compressed-tensors computes), or None when some group's zero is not one."""
+    scale, zero = p.parts["scale"].float(), p.parts["zero"].float()
+    K = 1 << p.bits
+    k = torch.where(scale == 0, torch.zeros_like(zero), (-zero / scale).round())
+    if not bool(((k >= 0) & (k < K)).all()):
+        return None
+    q = torch.arange(K, dtype=torch.float32)
+    moec = zero[..., None] + scale[..., None] * q  # runtime/weightcodecs.lut_rtn
+    ct = (q - k[..., None]) * scale[..., None]
+    return k.to(torch.int32) if torch.equal(moec, ct) else None
+
+
+def gguf_reason(p: Param) -> str | None:
+    """Why GGUF cannot carry `p` exactly (None: it can)."""
+    if p.codec == KEEP:
+        return None
+    if p.codec == "rtn":
+        if p.bits == 4 and p.group == 32 and p.parts["scale"].dtype == p.parts["zero"].dtype == torch.float16:
+            return None
+        return (f"Q4_1 holds rtn 4-bit in groups of 32 with fp16 scale and zero; this is {p.bits}-bit in groups "
+                f"of {p.group}")
+    if p.codec == "fp8":
+        return "GGUF has no e4m3 type"
+    return f"GGUF has no type for {p.codec} levels"
+
+
+def ct_reason(p: Param) -> str | None:
+    """Why compressed-tensors cannot carry `p` exactly (None: it can)."""
+    if p.codec in (KEEP, "fp8"):
+        return None
+    if p.codec == "rtn":
+        if rtn_zero_points(p) is not None:
+            return None
+        return ("pack-quantized needs an integer zero point (zero = -k·scale, 0 <= k < 2^bits); this rtn's zeros "
+                "are fractional multiples of its scales")
+    return f"compressed-tensors has no format for {p.codec} levels (per-group codebooks or a fixed grid)"
+
+
+REASONS = {"gguf": gguf_reason, "ct": ct_reason}
+
+
+def refuse_unless_carried(model: PackedModel, fmt: str) -> None:
+    """UserError naming the first parameter `fmt` cannot carry, its codec, and the formats that can."""
+    for p in model.params.values():
+        why = REASONS[fmt](p)
+        if why is None:
+            continue
+        others = [f for f, r in REASONS.items() if f != fmt and r(p) is None]
+        where = f"it exports to --format {' or '.join(others)}" if others else \
+            "no export format carries it exactly (moec eval/generate run it)"
+        raise UserError(f"{p.name}: codec {p.codec} {p.bits}-bit cannot be exported as {fmt}: {why}; {where}")

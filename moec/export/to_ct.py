@@ -1,0 +1,165 @@
+"""compressed-tensors export: an HF model directory (HF tensor names, one Linear per expert as HF
+checkpoints store them on disk and llm-compressor writes them for vLLM, config.json with a
+`quantization_config`). The library decompresses it exactly (tests/export/test_export_ct.py); vLLM is not run
+here. transformers 5.17 does not load quantized experts from it: it fuses MoE experts into 3-D parameters
+(`experts.gate_up_proj`), which compressed-tensors' per-Linear targets do not match ("Could not match").
+
+Mappings (compressed_tensors.compressors; checked with the library in tests/export/test_export_ct.py):
+  rtn -> `pack-quantized`, int, asymmetric, strategy group (g = the group size) or channel (one group per
+      row). The library computes w = (q - zp)·scale in the scale's dtype, with q = code - 2^(b-1) and
+      zp = k - 2^(b-1) (both stored offset by 2^(b-1)). moec computes w = zero + scale·code, so the export
+      takes k = -zero / scale, and is exact only when every level agrees bit for bit in fp32
+      (source.rtn_zero_points); scales are written as fp32 so the library's arithmetic is fp32 too
+      ((code - k)·scale, an fp16 scale times an integer below 2^bits, is exact there).
+      `weight_packed` int32 [O, ceil(I·b/32)]: code j of a row at bit j·b of the row's bit string, words
+      little-endian (32 codes fill b words); `weight_zero_point` the same packing of k along O
+      (int32 [ceil(O·b/32), G]); `weight_scale` fp32 [O, G]; `weight_shape` int64 [2].
+  fp8 -> `float-quantized`, float 8-bit, channel: `weight` e4m3 [O, I] and `weight_scale` fp32 [O, 1];
+      the library computes fp8.float() · scale, moec the same product.
+  keep -> the tensor as stored, under its HF name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from ..atomic import atomic_dir
+from ..errors import UserError
+from ..formats import bitpack
+from ..formats.checkpoint import MANIFEST, SHARD_BYTES
+from ..formats.codecs import KEEP
+from ..runtime.config import ModelArgs
+from .source import PackedModel, Param, refuse_unless_carried, rtn_zero_points
+from .to_gguf import EXPORT_INFO, is_export
+
+_ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+_MLP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_NORMS = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+          "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight",
+          "moe.shared_gate.weight": "mlp.shared_expert_gate.weight"}
+_GLOBAL = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+
+
+def hf_names(name: str, args: ModelArgs) -> list[str]:
+    """HF parameter names of a canonical parameter (hf_layout.py in reverse); stacked experts give one
+    name per expert, in expert order."""
+    if name in _GLOBAL:
+        return [_GLOBAL[name]]
+    _, i, rest = name.split(".", 2)
+    p = f"model.layers.{i}."
+    moe = "block_sparse_moe" if args.arch == "mixtral" else "mlp"
+    if rest in _NORMS:
+        return [p + _NORMS[rest]]
+    if rest.startswith("attn.w"):
+        c, kind = rest.removeprefix("attn.").split(".")
+        return [f"{p}self_attn.{_ATTN[c]}.{kind}"]
+    if rest == "moe.router.weight":
+        return [f"{p}{moe}.gate.weight"]
+    if rest.startswith("moe.shared.w"):
+        return [f"{p}mlp.shared_expert.{_MLP[rest.split('.')[2]]}.weight"]
+    if rest in ("moe.w1", "moe.w3", "moe.w2"):
+        c = rest[-2:]
+        if args.ffn_kinds[int(i)] == "dense":
+            return [f"{p}mlp.{_MLP[c]}.weight"]
+        h = c if args.arch == "mixtral" else _MLP[c]
+        return [f"{p}{moe}.experts.{e}.{h}.weight" for e in range(args.n_experts)]
+    raise UserError(f"{name}: no Hugging Face name known for this parameter")
+
+
+def pack_int32(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes [R, n] < 2^bits -> int32 [R, ceil(n·bits/32)]: compressed-tensors' pack_to_int32
+    layout (code j at bit j·bits of the row's bit string, 32-bit words, least significant bit first)."""
+    out = []
+    for rows in v.split(1024):  # bounds the bit tensor at 1024·n·bits int64
+        b = ((rows.long()[..., None] >> torch.arange(bits)) & 1).flatten(-2)
+        b = F.pad(b, (0, -b.shape[-1] % 32)).view(rows.shape[0], -1, 32)
+        words = (b << torch.arange(32)).sum(-1)  # [r, W] in [0, 2^32)
+        out.append(torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32))
+    return torch.cat(out)
+
+
+def _module_tensors(p: Param, names: list[str]) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """({HF tensor name: tensor}, the scheme's weight args or None when kept) of one parameter."""
+    if p.codec == KEEP:
+        stacked = p.name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")  # [E, O, I], one HF name per expert
+        return ({n: p.tensor[e] for e, n in enumerate(names)} if stacked else {names[0]: p.tensor}), None
+    out = {}
+    if p.codec == "fp8":
+        for e, n in enumerate(names):
+            m = n.removesuffix(".weight")
+            out[m + ".weight"] = p.parts["fp8"][e].contiguous()
+            out[m + ".weight_scale"] = p.parts["scale"][e].float()[:, None].contiguous()
+        return out, {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
+    k = rtn_zero_points(p)  # [E, O, G], checked by refuse_unless_carried
+    I, G = p.shape[-1], p.parts["scale"].shape[-1]
+    codes = bitpack.unpack(p.parts["codes"], p.bits, I)
+    for e, n in enumerate(names):
+        m = n.removesuffix(".weight")
+        out[m + ".weight_packed"] = pack_int32(codes[e], p.bits)
+        out[m + ".weight_scale"] = p.parts["scale"][e].float().contiguous()
+        out[m + ".weight_zero_point"] = pack_int32(k[e].T, p.bits).T.contiguous()
+        out[m + ".weight_shape"] = torch.tensor([p.parts["codes"].shape[1], I])
+    group = {"strategy": "channel"} if G == 1 else {"strategy": "group", "group_size": I // G}
+    return out, {"num_bits": p.bits, "type": "int", "symmetric": False, **group, "dynamic": False}
+
+
+def write_ct(model: PackedModel, out: Path) -> dict:
+    refuse_unless_carried(model, "ct")
+    tensors: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict] = {}  # scheme key -> config group
+    for p in model.params.values():
+        names = hf_names(p.name, model.args)
+        ts, weights = _module_tensors(p, names)
+        tensors.update(ts)
+        if weights is None:
+            continue
+        fmt = "float-quantized" if weights["type"] == "float" else "pack-quantized"
+        key = json.dumps([fmt, weights], sort_keys=True)
+        g = groups.setdefault(key, {"targets": [], "weights": weights, "input_activations": None,
+                                    "output_activations": None, "format": fmt})
+        g["targets"] += [n.removesuffix(".weight") for n in names]
+    formats = {g["format"] for g in groups.values()}
+    qcfg = {"quant_method": "compressed-tensors", "quantization_status": "compressed",
+            "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+            "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
+            "ignore": [], "kv_cache_scheme": None} if groups else None  # nothing quantized: a plain HF directory
+    shards = _shards(tensors)
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    with atomic_dir(out, is_output=is_export, what="a moec export", size_hint=size) as tmp:
+        weight_map = {}
+        for i, group in enumerate(shards):
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({k: v.contiguous() for k, v in group.items()}, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(group, fname))
+        if len(shards) > 1:
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=1))
+        cfg = {**model.config, **({"quantization_config": qcfg} if qcfg else {})}
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+        kept = {MANIFEST, "config.json", *model.manifest["shards"]}
+        for f in sorted(model.path.iterdir()):  # tokenizer, generation config, the recipe
+            if f.is_file() and not f.is_symlink() and f.name not in kept:
+                shutil.copy2(f, tmp / f.name)
+        info = {"format": "ct", "source": str(model.path), "quantization_format": qcfg["format"] if qcfg else None,
+                "quantized_modules": sum(len(g["targets"]) for g in groups.values()), "tensors": len(tensors)}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
+    return info
+
+
+def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    shards, size = [{}], 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    return shards

@@ -1,0 +1,181 @@
+"""GGUF export (llama.cpp), written with gguf-py's GGUFWriter under the `llama` architecture, which
+llama.cpp runs for Llama and for Mixtral (experts stacked as `blk.N.ffn_{gate,up,down}_exps`).
+
+The one quantized mapping, rtn 4-bit in groups of 32 (formats/codecs.py: codes + fp16 scale, zero [E, O, G];
+w = zero + scale·idx) -> GGML Q4_1, whose 20-byte block of 32 weights is fp16 d, fp16 m, then 16 bytes of
+which byte j holds q[j] in its low nibble and q[j + 16] in its high one; w = d·q + m. With d = scale,
+m = zero, q = idx both sides compute fl32(m + d·q) from the same fp16 values (d·q, an 11-bit mantissa
+times a 4-bit integer, is exact in fp32), so gguf.quants.dequantize and moec's dequant_ref agree bit for
+bit (tests/export/test_export_gguf.py). llama.cpp's own matmuls then quantize activations (Q8_1): its
+logits differ from moec's by that, not by the weights (benchmarks/export_llamacpp_check.py).
+
+Kept tensors keep their values: 1-D ones and the router as F32 (as llama.cpp's converter writes them),
+matrices in their stored dtype (F16, BF16 or F32). Attention q/k rows are permuted from the HF
+rotate-half layout to GGML's interleaved RoPE pairs, as llama.cpp's converter does; a row permutation moves
+whole Q4_1 rows, so it stays exact. The tokenizer (a BPE tokenizer.json beside the checkpoint) goes in as
+llama.cpp's `gpt2` model with the `default` pre-tokenizer; without one the file holds no vocabulary and
+llama.cpp can load it only with a vocabulary from elsewhere (a warning says so).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..atomic import atomic_dir
+from ..errors import UserError
+from ..formats import bitpack
+from ..formats.codecs import KEEP
+from .source import PackedModel, Param, refuse_unless_carried
+
+log = logging.getLogger(__name__)
+
+GGUF_FILE = "model.gguf"
+EXPORT_INFO = "moec-export.json"
+_GLOBAL = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+           "output.weight": "output.weight"}
+_LAYER = {"attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+          "attn.wq.weight": "attn_q.weight", "attn.wk.weight": "attn_k.weight", "attn.wv.weight": "attn_v.weight",
+          "attn.wo.weight": "attn_output.weight", "moe.router.weight": "ffn_gate_inp.weight",
+          "moe.w1": "ffn_gate", "moe.w3": "ffn_up", "moe.w2": "ffn_down"}
+
+
+def is_export(path: Path) -> bool:
+    return (path / EXPORT_INFO).is_file()
+
+
+def gguf_name(name: str, dense: bool) -> str:
+    """GGUF tensor name of a canonical parameter (experts get `_exps`, a dense MLP the plain name)."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    _, layer, rest = name.split(".", 2)
+    base = _LAYER[rest]
+    if rest.startswith("moe.w"):
+        base += ".weight" if dense else "_exps.weight"
+    return f"blk.{layer}.{base}"
+
+
+def q4_1_blocks(p: Param) -> torch.Tensor:
+    """uint8 [E, O, G·20]: the Q4_1 blocks of an rtn 4-bit g32 parameter (layout in the module docstring)."""
+    E, O, I = p.parts["codes"].shape[0], p.parts["scale"].shape[1], p.shape[-1]
+    G = I // 32
+    idx = bitpack.unpack(p.parts["codes"], 4, I).view(E, O, G, 32).to(torch.uint8)
+    qs = idx[..., :16] | (idx[..., 16:] << 4)
+    d = p.parts["scale"].contiguous().view(torch.uint8).view(E, O, G, 2)
+    m = p.parts["zero"].contiguous().view(torch.uint8).view(E, O, G, 2)
+    return torch.cat([d, m, qs], -1).reshape(E, O, G * 20)
+
+
+def permute_rope_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows [n_head·hd, ...] from HF's rotate-half order to GGML's interleaved pairs (per head: rows
+    0, hd/2, 1, hd/2 + 1, ...), what llama.cpp's converter does to q and k."""
+    return t.reshape(n_head, 2, t.shape[0] // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+def _check_arch(model: PackedModel) -> None:
+    a = model.args
+    if a.arch not in ("llama", "mixtral"):
+        raise UserError(f"GGUF export maps the llama and mixtral architectures; this checkpoint is {a.arch} "
+                        f"(--format ct carries it)")
+    if a.rope_scaling or a.qkv_bias or a.o_bias or a.qk_norm != "none" or a.shared_dim:
+        raise UserError("GGUF export maps plain Llama/Mixtral layers; this checkpoint has RoPE scaling, biases, "
+                        "q/k norms or shared experts (--format ct carries it)")
+
+
+def _np(t: torch.Tensor) -> tuple[np.ndarray, object]:
+    """(array, raw_dtype) for GGUFWriter.add_tensor; bf16 goes as its raw 16-bit words."""
+    from gguf import GGMLQuantizationType
+
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy(), GGMLQuantizationType.BF16
+    if t.dtype in (torch.float16, torch.float32):
+        return t.contiguous().numpy(), None
+    raise UserError(f"kept tensor of dtype {t.dtype} has no GGUF type here")
+
+
+def write_gguf(model: PackedModel, out: Path) -> dict:
+    import gguf
+
+    _check_arch(model)
+    refuse_unless_carried(model, "gguf")
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # gguf-py logs every step of the write at INFO
+    a = model.args
+    dense = not a.is_moe
+    tensors: dict[str, tuple[np.ndarray, object]] = {}
+    q4 = 0
+    for p in model.params.values():
+        if p.codec == KEEP:  # 1-D tensors and the router in F32, as llama.cpp's converter writes them
+            t = p.tensor.float() if p.tensor.dim() == 1 or p.name.endswith("router.weight") else p.tensor
+        else:
+            t, q4 = q4_1_blocks(p), q4 + 1  # [E, O, G·20]
+        if t.dim() == 3 and (len(p.shape) == 2 or (dense and ".moe.w" in p.name)):
+            t = t[0]  # attention projections and dense MLPs are plain matrices in GGUF
+        if p.name.endswith(("attn.wq.weight", "attn.wk.weight")):
+            t = permute_rope_rows(t, a.n_heads if p.name.endswith("wq.weight") else a.n_kv_heads)
+        tensors[gguf_name(p.name, dense)] = _np(t) if p.codec == KEEP else \
+            (t.contiguous().numpy(), gguf.GGMLQuantizationType.Q4_1)
+
+    size = sum(arr.nbytes for arr, _ in tensors.values())
+    with atomic_dir(out, is_output=is_export, what="a moec export", size_hint=size) as tmp:
+        w = gguf.GGUFWriter(str(tmp / GGUF_FILE), "llama")
+        w.add_name(str(model.manifest["source"].get("model", "moec export")))
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if q4 else gguf.LlamaFileType.MOSTLY_F16)
+        w.add_vocab_size(a.vocab_size)
+        w.add_context_length(a.max_seq_len)
+        w.add_embedding_length(a.dim)
+        w.add_block_count(a.n_layers)
+        w.add_feed_forward_length(a.dense_dim if dense else a.expert_dim)
+        w.add_head_count(a.n_heads)
+        w.add_head_count_kv(a.n_kv_heads)
+        w.add_key_length(a.head_dim)
+        w.add_value_length(a.head_dim)
+        w.add_rope_dimension_count(a.head_dim)
+        w.add_rope_freq_base(a.rope_theta)
+        w.add_layer_norm_rms_eps(a.norm_eps)
+        if not dense:
+            w.add_expert_count(a.n_experts)
+            w.add_expert_used_count(a.top_k)
+        vocab = _add_tokenizer(w, model.path, a.vocab_size)
+        for name, (arr, raw) in tensors.items():
+            w.add_tensor(name, arr, raw_dtype=raw)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        info = {"format": "gguf", "file": GGUF_FILE, "source": str(model.path), "arch": "llama",
+                "q4_1_tensors": q4, "tensors": len(tensors), "tokenizer": vocab}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
+    return info
+
+
+def _add_tokenizer(w, path: Path, vocab_size: int) -> bool:
+    """The BPE vocabulary of `path/tokenizer.json` as llama.cpp's `gpt2` tokenizer; False when there is none."""
+    import gguf
+
+    f = path / "tokenizer.json"
+    tok = json.loads(f.read_text()) if f.is_file() else {}
+    if (tok.get("model") or {}).get("type") != "BPE":
+        log.warning("%s: no BPE tokenizer.json, so the GGUF holds no vocabulary (llama.cpp needs one to load it)",
+                    path)
+        return False
+    ids = {i: t for t, i in tok["model"]["vocab"].items()}
+    special = set()
+    for t in tok.get("added_tokens", []):
+        ids[t["id"]] = t["content"]
+        if t.get("special"):
+            special.add(t["id"])
+    tokens, types = [], []
+    for i in range(vocab_size):
+        tokens.append(ids.get(i, f"[PAD{i}]"))
+        types.append(gguf.TokenType.CONTROL if i in special else
+                     gguf.TokenType.NORMAL if i in ids else gguf.TokenType.UNUSED)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(path, load_merges=True, n_vocab=vocab_size).add_to_gguf(w)
+    return True
