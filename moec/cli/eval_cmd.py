@@ -1,7 +1,12 @@
-"""`moec eval MODEL_OR_PACKED --data ptb --split test [--mode tf|dec|both] [--baseline MODEL] [--json OUT]`."""
+"""`moec eval MODEL_OR_PACKED --data ptb --split test [--mode tf|dec|both] [--baseline MODEL] [--json OUT]`.
+
+KL without a second model in memory: `moec eval BASE --save-logits base.logits` once, then
+`moec eval PACKED --baseline-logits base.logits` (moec/runtime/saved_logits.py).
+"""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -11,8 +16,10 @@ from rich.table import Table
 from ..calibrate.data import load_text
 from ..calibrate.sources import load_tokenizer, resolve_model, tokenize
 from ..errors import UserError
+from ..runtime.hf_layout import HFCheckpoint
 from ..runtime.loader import kv_cache_factory, load_model
 from ..runtime.perplexity import CONTEXT, evaluate, fp16_cache, make_windows
+from ..runtime.saved_logits import LogitRecorder, SavedLogits, tokens_sha
 from .common import base_record, console, out_console, progress_bar, write_json_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,6 +47,10 @@ def eval_(
     bf16_peer: bool = typer.Option(True, "--bf16-peer/--no-bf16-peer", help="--latency --random: bf16 peer"),
     breakdown: bool = typer.Option(False, "--breakdown", help="--latency: per-kernel breakdown at batch 1, 32k"),
     plot: Path | None = typer.Option(None, "--plot", help="--latency: PNG of ms/token against context"),
+    save_logits: Path | None = typer.Option(None, "--save-logits", help="write this model's log-probs (fp16) at "
+                                            "the scored positions, for a later --baseline-logits"),
+    baseline_logits: Path | None = typer.Option(None, "--baseline-logits", help="KL against log-probs saved by "
+                                                "--save-logits (same data, split, windows), not a baseline model"),
 ) -> None:
     """Perplexity, KL to a baseline, effective bits (BENCHMARKS.md protocol)."""
     if mode not in ("tf", "dec", "both"):
@@ -56,6 +67,8 @@ def eval_(
         return
     if model is None:
         raise UserError("eval needs MODEL (a packed checkpoint, HF directory, GGUF file or built-in name)")
+    if baseline is not None and baseline_logits is not None:
+        raise UserError("--baseline and --baseline-logits both give the baseline; pass one")
     if window <= CONTEXT + 1:
         raise UserError(f"--window must exceed the {CONTEXT}-token context, got {window}")
     model_dir = resolve_model(model)
@@ -72,15 +85,19 @@ def eval_(
     windows = make_windows(ids, window, max_windows or None)
     if len(windows) == 0:
         raise UserError(f"{data}/{split} has {ids.numel()} tokens, fewer than one window of {window}")
+    modes = ["tf", "dec"] if mode == "both" else [mode]
+    what = {"data": data, "split": split, "windows": len(windows), "window": window, "context": CONTEXT,
+            "vocab": cand.args.vocab_size, "tokens_sha256": tokens_sha(windows)}
+    saved = SavedLogits(baseline_logits, what, modes) if baseline_logits is not None else None
+    record = LogitRecorder(len(windows), window - CONTEXT, cand.args.vocab_size) if save_logits else None
 
     recipe = info["manifest"]["recipe"]["name"] if info["kind"] == "packed" else "source"
     cache_factory = kv_cache_factory(info, cand.args) or fp16_cache  # the checkpoint's KV codec (dec mode)
-    modes = ["tf", "dec"] if mode == "both" else [mode]
     records = []
     for m in modes:
         with progress_bar(f"{m} windows", len(windows)) as advance:
             r = evaluate(cand, windows, m, base, batch_size=batch_size, progress=advance,
-                         cache_factory=cache_factory)
+                         cache_factory=cache_factory, saved=saved, record=record)
         rec = base_record("moec-eval", device) | {
             "model": model, "method": "packed" if info["kind"] == "packed" else "source", "recipe": recipe,
             "context": window, "batch": batch_size, "mode": m, "dtype": dtype, "data": data, "split": split,
@@ -90,13 +107,26 @@ def eval_(
             "top1": r.get("top1"), "kv_bits": r.get("kv_bits", 16.0) if m == "dec" else None,
             "kv_bits_32k": r.get("kv_bits_32k", 16.0) if m == "dec" else None, "kv_codec": r.get("kv_codec", "fp16"),
             "w_bits": info["w_bits"], "scored_tokens": r["scored_tokens"],
-            "baseline": baseline, "peer": {},
+            "baseline": baseline if saved is None else f"{saved.manifest['model']} (logits {baseline_logits})",
+            "peer": {},
         }
         records.append(rec)
+    if record is not None:
+        record.save(save_logits, what | {"model": model, "model_sha256": _model_sha(model_dir, info),
+                                         "dtype": dtype})
+        console.log(f"wrote the log-probs of {len(windows)} windows ({', '.join(modes)}) to {save_logits}")
     _print_table(records)
     if json_out is not None:
         write_json_atomic(json_out, records)
         console.log(f"wrote {json_out}")
+
+
+def _model_sha(model_dir: Path, info: dict) -> str:
+    """What identifies the evaluated model: a packed checkpoint's manifest (it holds its shards' hashes),
+    a source model's weight files."""
+    if info["kind"] == "packed":
+        return hashlib.sha256((model_dir / "moec.json").read_bytes()).hexdigest()
+    return HFCheckpoint(model_dir).fingerprint()["weights_sha256"]
 
 
 def _fmt(x, spec: str) -> str:
