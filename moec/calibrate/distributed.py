@@ -153,8 +153,9 @@ def free_port() -> int:
 
 def launch(n: int, argv: list[str]) -> int:
     """Run `python -m moec.cli.app *argv` as n ranks on this machine (what torchrun would set up); the
-    first nonzero exit status, once every rank has stopped. A rank that fails makes the others fail
-    at their next collective (gloo/NCCL see the closed connection), so none is left waiting."""
+    first nonzero exit status (128 + N for a rank killed by signal N), once every rank has stopped. A rank
+    that fails makes the others fail at their next collective (gloo/NCCL see the closed connection), so
+    none is left waiting."""
     env = dict(os.environ, WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, "-m", "moec.cli.app", *argv],
@@ -167,6 +168,6 @@ def launch(n: int, argv: list[str]) -> int:
                 continue
             procs.remove(p)
             if code and not rc:
-                rc = code
+                rc = code if code > 0 else 128 - code
         time.sleep(0.1)
     return rc

@@ -51,7 +51,7 @@ def _env(**extra) -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", MOEC_PROGRESS="0", MOEC_DIST_TIMEOUT="60", **extra)
 
 
-def _rank(rank: int, port: int, model, recipe, out, kill: str | None = None) -> None:
+def _rank(rank: int, port: int, model, recipe, out, kill: str | None, resume_: bool) -> None:
     """One rank of a forked 2-process run (the imports are the parent's: no start-up cost). A UserError
     is written to out.rank-<r>.err and exits 2, as the CLI would print it (moec/cli/app.py)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -60,18 +60,18 @@ def _rank(rank: int, port: int, model, recipe, out, kill: str | None = None) -> 
         os.environ[resume.KILL_ENV] = kill
     try:
         dist = distributed.from_env("cpu")
-        calibrate(model, str(model), load_recipe(recipe), "ptb", "valid", 4, 24, 0, out, dist=dist)
+        calibrate(model, str(model), load_recipe(recipe), "ptb", "valid", 4, 24, 0, out, dist=dist, resume=resume_)
         dist.close()
     except UserError as e:
         out.with_name(f"{out.name}.rank-{rank}.err").write_text(str(e))
         os._exit(2)
 
 
-def _run2(model, recipe, out, kill: str | None = None) -> list[int]:
+def _run2(model, recipe, out, kill: str | None = None, resume_: bool = False) -> list[int]:
     """Both ranks, forked; their exit codes."""
     ctx = mp.get_context("fork")
     port = distributed.free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, model, recipe, out, kill)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, model, recipe, out, kill, resume_)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -96,7 +96,9 @@ def test_two_gloo_processes_match_one_process(tiny_moe_dir, setup):
 
 def test_rank_killed_fails_cleanly_and_resumes(tiny_moe_dir, setup):
     """Rank 1 SIGKILLed after layer 0: rank 0 stops at its next collective with one line (exit 2) and
-    keeps its layer-0 checkpoint; a one-process --resume finishes with the one-process bytes."""
+    keeps its layer-0 checkpoint; a 2-process --resume (rank 0 reads the checkpoint and broadcasts where
+    to start and the hidden states) finishes with the one-process bytes. A one-process resume of a
+    multi-process checkpoint is the same code path as resuming a one-process run (test_resume.py)."""
     tmp, recipe, ref = setup
     out = tmp / "killed"
     assert _run2(tiny_moe_dir, recipe, out, kill="rank-1-layer-0") == [2, -9]
@@ -107,7 +109,8 @@ def test_rank_killed_fails_cleanly_and_resumes(tiny_moe_dir, setup):
     assert json.loads((resume.partial_dir(out) / "state.json").read_text())["layer"] == 0
     with pytest.raises(UserError, match="pass --resume"):
         calibrate(tiny_moe_dir, "tiny", load_recipe(recipe), "ptb", "valid", 4, 24, 0, out)
-    calibrate(tiny_moe_dir, str(tiny_moe_dir), load_recipe(recipe), "ptb", "valid", 4, 24, 0, out, resume=True)
+    assert _run2(tiny_moe_dir, recipe, out, resume_=True) == [0, 0]
+    assert not resume.partial_dir(out).exists()
     assert (out / "calib.safetensors").read_bytes() == (ref / "calib.safetensors").read_bytes()
 
 
