@@ -25,6 +25,7 @@ from ..runtime.config import ModelArgs
 from ..runtime.experts import ATTN_PARAM
 from ..runtime.model import Transformer
 from . import hls
+from .distributed import Dist
 from .hessian import regularize
 from .recipe import Recipe, WeightRule
 
@@ -73,8 +74,8 @@ class ExpertFitter:
     """The `on_layer` callback of ExpertHessians: fit, keep stored tensors and report, drop H."""
 
     def __init__(self, targets: dict[str, WeightRule], layer_state: Callable[[int], dict], policy: str,
-                 min_tokens: int):
-        self.targets, self.layer_state = targets, layer_state
+                 min_tokens: int, dist: Dist | None = None):
+        self.targets, self.layer_state, self.dist = targets, layer_state, dist or Dist()
         self.policy, self.min_tokens = policy, min_tokens
         self.tensors: dict[str, torch.Tensor] = {}
         self.report: dict[int, dict] = {}
@@ -89,10 +90,10 @@ class ExpertFitter:
         """Layers with a targeted attention projection (for AttentionHessians)."""
         return {int(m.group(1)) for n in self.targets if (m := ATTN_PARAM.search(n))}
 
-    def _fit(self, name: str, W: torch.Tensor, H: torch.Tensor, rule: WeightRule) -> dict:
+    def _fit(self, name: str, W: torch.Tensor, H: torch.Tensor, rule: WeightRule) -> tuple[dict, dict]:
         """Quantize W [E, O, I] (or [O, I] with H [I, I]: an attention projection, one "expert") under
-        `rule`, keep its stored parts as `fit.<name>.<part>` (a 2-D parameter's without the E axis)
-        and return the report entry."""
+        `rule`; returns the stored parts {part: [E, ...]} (a 2-D parameter's without the E axis) and
+        the report entry."""
         flat = W.dim() == 2
         W3, H3 = (W[None], H[None]) if flat else (W, H)
         spec = weight_codec(rule.codec)
@@ -100,47 +101,60 @@ class ExpertFitter:
         W_hat = spec.hook("dequantize")(rule.bits, tuple(W3.shape), stored)
         assert torch.isfinite(W_hat).all(), f"{name}: non-finite dequantized weights"
         err = hls.output_error(W3, W_hat, H3)
-        for part, t in stored.items():
-            self.tensors[f"fit.{name}.{part}"] = (t[0] if flat else t).cpu().contiguous()
-        return {"codec": rule.codec, "bits": rule.bits, "group_size": rule.group_size, "gptq": rule.gptq,
-                "rel_output_error": [round(x, 6) for x in err.tolist()]}
+        parts = {part: (t[0] if flat else t).cpu().contiguous() for part, t in stored.items()}
+        return parts, {"codec": rule.codec, "bits": rule.bits, "group_size": rule.group_size, "gptq": rule.gptq,
+                       "rel_output_error": [round(x, 6) for x in err.tolist()]}
 
-    def _hessians(self, stats: dict, key: str) -> tuple[torch.Tensor, list[dict]]:
-        H = stats[key].clone()  # [E, n, n]
+    def _hessians(self, stats: dict, key: str, experts: list[int]) -> tuple[torch.Tensor, list[dict]]:
+        """The damped Hessians [n, m, m] of `experts` (stats[key] holds them in that order) and a note each."""
+        H = stats[key].clone()  # [n, m, m]
         notes = []
-        for e, c in enumerate(stats["count"].tolist()):
-            source = "routed"
+        count = stats["count"].tolist()
+        for j, e in enumerate(experts):
+            c, source = count[e], "routed"
             if c < self.min_tokens:
                 if self.policy == "all-experts-for-stats" and f"{key}_all" in stats:
-                    H[e] = stats[f"{key}_all"] if stats[f"{key}_all"].dim() == 2 else stats[f"{key}_all"][e]
+                    H[j] = stats[f"{key}_all"] if stats[f"{key}_all"].dim() == 2 else stats[f"{key}_all"][j]
                     source = "all-tokens"
                 else:
-                    H[e] = torch.eye(H.shape[-1], device=H.device)
+                    H[j] = torch.eye(H.shape[-1], device=H.device)
                     source = "identity"
-            Hd, note = regularize(H[e])
-            H[e] = Hd
+            Hd, note = regularize(H[j])
+            H[j] = Hd
             if note["status"] in ("non-finite", "zero", "singular"):
                 source = "identity"
             notes.append({"tokens": c, "hessian": source, **note})
         return H, notes
 
     def on_layer(self, layer: int, stats: dict) -> None:
+        """Fit the layer's targeted matrices for the experts in stats["experts"] (all by default; an
+        expert-parallel rank's share otherwise), then gather every rank's share on rank 0."""
         t0 = time.time()
         sd = self.layer_state(layer)
-        H1, n1 = self._hessians(stats, "H1")
-        H2, n2 = self._hessians(stats, "H2")
+        experts = stats.get("experts", list(range(len(stats["count"]))))
+        H1, n1 = self._hessians(stats, "H1", experts)
+        H2, n2 = self._hessians(stats, "H2", experts)
         entry = {"experts": [{"tokens": a["tokens"], "hessian_w13": a["hessian"], "status_w13": a["status"],
                               "damp_w13": a["damp"], "hessian_w2": b["hessian"], "status_w2": b["status"],
                               "damp_w2": b["damp"]}
                              for a, b in zip(n1, n2, strict=True)]}
+        tensors = {}
         for p in ("w1", "w3", "w2"):
             name = f"layers.{layer}.moe.{p}"
             rule = self.targets.get(name)
-            if rule is None:
+            if rule is None or not experts:  # a rank that owns no expert of this layer (a dense MLP's one)
                 continue
             H = H2 if p == "w2" else H1
-            W = sd[name].to(H.device, torch.float32)  # fits run where the statistics are (cpu or cuda)
-            entry[p] = self._fit(name, W, H, rule)
+            W = sd[name][experts].to(H.device, torch.float32)  # fits run where the statistics are (cpu or cuda)
+            parts, entry[p] = self._fit(name, W, H, rule)
+            tensors.update({f"fit.{name}.{part}": t for part, t in parts.items()})
+        if self.dist.grouped:
+            shares = self.dist.gather(tensors, {"entry": entry, "experts": experts})
+            if shares is None:  # not rank 0: its share is sent, nothing kept
+                self.seconds += time.time() - t0
+                return
+            tensors, entry = _merge(shares, len(stats["count"]))
+        self.tensors.update(tensors)
         self.report.setdefault(layer, {}).update(entry)
         self.seconds += time.time() - t0
 
@@ -161,7 +175,8 @@ class ExpertFitter:
             if rule is None:
                 continue
             H = Hs["Ho" if p == "wo" else "Hqkv"]
-            entry[p] = self._fit(name, sd[name].to(H.device, torch.float32), H, rule)
+            parts, entry[p] = self._fit(name, sd[name].to(H.device, torch.float32), H, rule)
+            self.tensors.update({f"fit.{name}.{part}": t for part, t in parts.items()})
         self.report.setdefault(layer, {})["attention"] = entry
         self.seconds += time.time() - t0
 
@@ -191,3 +206,29 @@ class ExpertFitter:
                                           {n: r.bits for n, r in hls_params.items()}, tokens, steps, lr, batch, seed,
                                           device)
         self.tune_report["seconds"] = round(time.time() - t0, 2)
+
+
+def _merge(shares: list[tuple[dict, dict]], n_experts: int) -> tuple[dict, dict]:
+    """One layer's fitted parts and report entry from every rank's share (distributed.py): expert e's
+    slice and per-expert report items come from the rank whose `experts` list holds it."""
+    where = {e: (r, j) for r, (_, meta) in enumerate(shares) for j, e in enumerate(meta["experts"])}
+    n = n_experts  # the MoE layer's experts, or 1 for a dense MLP
+    assert sorted(where) == list(range(n)), sorted(where)  # every expert of the layer exactly once
+
+    def interleave(items: list) -> list:
+        return [items[r][j] for r, j in (where[e] for e in range(n))]
+
+    tensors = {}
+    for name in shares[0][0]:
+        ts = [t.get(name) for t, _ in shares]  # None: a rank that owns no expert of this layer
+        out = torch.empty((n, *ts[0].shape[1:]), dtype=ts[0].dtype)
+        for e, (r, j) in where.items():
+            out[e] = ts[r][j]
+        tensors[name] = out
+    entries = [meta["entry"] for _, meta in shares]
+    entry = {"experts": interleave([en["experts"] for en in entries])}
+    for p in ("w1", "w3", "w2"):
+        if p in entries[0]:
+            errs = interleave([en.get(p, {}).get("rel_output_error") for en in entries])
+            entry[p] = {**entries[0][p], "rel_output_error": errs}
+    return tensors, entry

@@ -62,12 +62,17 @@ class ExpertHessians:
     `layer_state(i)` returns the canonical tensors of layer i (for the w1/w3 weights that produce
     the down projection's inputs); `on_layer(i, stats)` is called when layer i is complete, so the
     caller can fit and drop the statistics (memory stays at one layer's Hessians).
+
+    `experts`: the experts this process accumulates (distributed.Dist.owned; None: all of them). H1, H2
+    and H2_all hold only those, in that order (stats["experts"]), so each rank of an expert-parallel run
+    holds 1/world of the Hessians; an expert's sums see the same tokens in the same order as in one
+    process. Token counts are kept for every expert (the report needs them; they cost nothing).
     """
 
     def __init__(self, args: ModelArgs, layers: set[int], layer_state: Callable[[int], dict],
-                 on_layer: Callable[[int, dict], None], all_tokens: bool):
+                 on_layer: Callable[[int, dict], None], all_tokens: bool, experts: list[int] | None = None):
         self.args, self.layers, self.layer_state, self.on_layer = args, layers, layer_state, on_layer
-        self.all_tokens = all_tokens
+        self.all_tokens, self.experts = all_tokens, experts
         self.cur: int | None = None
         self.stats: dict = {}
         self.x: torch.Tensor | None = None
@@ -83,11 +88,14 @@ class ExpertHessians:
         self.w1 = sd[f"layers.{layer}.moe.w1"].to(device, torch.float32)  # [E, I, D]
         self.w3 = sd[f"layers.{layer}.moe.w3"].to(device, torch.float32)
         E, I, D = self.w1.shape
-        z = dict(dtype=torch.float32, device=device)
-        self.stats = {"H1": torch.zeros(E, D, D, **z), "H2": torch.zeros(E, I, I, **z),
-                      "count": torch.zeros(E, dtype=torch.long)}
+        # dense layers have one expert (0), owned by rank 0
+        mine = [e for e in (range(E) if self.experts is None else self.experts) if e < E]
+        self.local = {e: j for j, e in enumerate(mine)}  # expert -> index into H1/H2/H2_all
+        n, z = len(mine), dict(dtype=torch.float32, device=device)
+        self.stats = {"H1": torch.zeros(n, D, D, **z), "H2": torch.zeros(n, I, I, **z),
+                      "count": torch.zeros(E, dtype=torch.long), "experts": mine}
         if self.all_tokens:
-            self.stats.update(H1_all=torch.zeros(D, D, **z), H2_all=torch.zeros(E, I, I, **z), n_all=0)
+            self.stats.update(H1_all=torch.zeros(D, D, **z), H2_all=torch.zeros(n, I, I, **z), n_all=0)
 
     def _act(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t())  # [n, I]
@@ -104,8 +112,8 @@ class ExpertHessians:
             elif self.all_tokens:
                 accumulate_hessian(s["H1_all"], self.x)
                 s["n_all"] += self.x.shape[0]
-                for e in range(self.w1.shape[0]):
-                    accumulate_hessian(s["H2_all"][e], self._act(e, self.x))
+                for e, j in self.local.items():
+                    accumulate_hessian(s["H2_all"][j], self._act(e, self.x))
             return
         ids = t.detach().to(self.x.device) if self.x is not None else t.detach()  # [N, A]
         assert self.x is not None and ids.shape[0] == self.x.shape[0], (ids.shape, None if self.x is None
@@ -117,9 +125,10 @@ class ExpertHessians:
 
     def _add(self, e: int, x: torch.Tensor) -> None:
         s = self.stats
-        accumulate_hessian(s["H1"][e], x)
-        accumulate_hessian(s["H2"][e], self._act(e, x))
         s["count"][e] += x.shape[0]  # count stays on the CPU (the report reads it)
+        if (j := self.local.get(e)) is not None:
+            accumulate_hessian(s["H1"][j], x)
+            accumulate_hessian(s["H2"][j], self._act(e, x))
 
     def flush(self) -> None:
         if self.cur is not None:

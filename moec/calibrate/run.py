@@ -10,11 +10,18 @@ CALIB_DIR holds:
 The directory is written through moec.atomic.atomic_dir: a temporary sibling renamed into place when
 complete. While it runs, OUT.partial/ holds a checkpoint after every layer and post-loop step, which
 `--resume` continues from after an interruption (resume.py).
+
+Under torch.distributed (`dist`, distributed.py) every rank runs the layer forward, each accumulates and
+fits its share of every layer's experts, and rank 0 gathers them, fits the attention projections, saves
+the checkpoints, runs the post-loop steps and writes CALIB_DIR; the other ranks return None after the
+layer loop.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -31,12 +38,13 @@ from ..runtime.hf_layout import HFCheckpoint
 from .capture import ExpertTokenCounts, KVRange, run_layers
 from .data import load_text
 from .dataspec import check_specs, describe, parse_data, sample_mix
+from .distributed import Dist
 from .faults import FiniteActivations, check_final_hidden, checked_global_state, checked_layer_state, fault_report
 from .fit_experts import ExpertFitter, plan
 from .hessian import AttentionHessians, ExpertHessians
 from .memory import check_memory
 from .recipe import Recipe
-from .resume import PartialState, refuse_without_resume, run_key
+from .resume import KILL_ENV, PartialState, refuse_without_resume, run_key
 from .sources import load_tokenizer, tokenize
 
 
@@ -52,7 +60,9 @@ def load_balance(counts: torch.Tensor, top_k: int) -> dict:
 
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,
               seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None, resume: bool = False,
-              data_config: str | None = None, text_column: str = "text") -> dict:
+              data_config: str | None = None, text_column: str = "text", dist: Dist | None = None
+              ) -> dict | None:
+    dist = dist or Dist()
     if is_packed(model_dir):
         raise UserError(f"{model_dir}: is a packed checkpoint; calibrate the source model instead")
     if samples < 1 or seq_len < 2:
@@ -80,31 +90,43 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     counts, kv = ExpertTokenCounts(args), KVRange()
     observers: list = [counts, kv]
     # the KV codec's capture observer (K/V samples its fit needs), None: nothing to calibrate
-    kv_sampler = kv_spec.hook("sampler")(kv_cfg, seed) if kv_spec.sampler is not None else None
+    kv_sampler = kv_spec.hook("sampler")(kv_cfg, seed) if kv_spec.sampler is not None and dist.main else None
     if kv_sampler is not None:
         observers.append(kv_sampler)
     cal = recipe.calibration
-    fitter = ExpertFitter(targets, ckpt.layer_state, cal.expert_policy, cal.min_expert_tokens) if targets else None
+    fitter = (ExpertFitter(targets, ckpt.layer_state, cal.expert_policy, cal.min_expert_tokens, dist=dist)
+              if targets else None)
     hessians: list = []
     if fitter is not None:  # per-expert and attention Hessians, fitted and dropped layer by layer
         if fitter.layers():
             hessians.append(ExpertHessians(args, fitter.layers(), ckpt.layer_state, fitter.on_layer, all_tokens=(
-                cal.expert_policy == "all-experts-for-stats" and cal.min_expert_tokens > 0)))
-        if fitter.attention_layers():
+                cal.expert_policy == "all-experts-for-stats" and cal.min_expert_tokens > 0),
+                experts=dist.owned(max(args.n_experts, 1)) if dist.grouped else None))
+        if fitter.attention_layers() and dist.main:  # attention is not sharded: rank 0 fits it
             hessians.append(AttentionHessians(args, fitter.attention_layers(), fitter.on_attention_layer))
         observers += hessians
     fingerprint = ckpt.fingerprint()
     partial = PartialState(out_dir, run_key(fingerprint, recipe, data, split, tokens, seed, samples, seq_len, device),
                            {"counts": counts, "kv_range": kv, "kv_sampler": kv_sampler, "fitter": fitter})
-    resumed = partial.open(resume)  # observers and RNG states restored to where an interrupted run stopped
+    resumed = _open(partial, resume, dist)  # observers and RNG states restored to where an interrupted run stopped
     t0 = time.time() - (resumed.elapsed if resumed else 0.0)
 
     def end_of_layer(i: int, h: torch.Tensor) -> None:
         for hs in hessians:  # fit layer i now (not at layer i + 1's first event), so its checkpoint holds it
-            hs.flush()
-        partial.save("layers", i, time.time() - t0, hidden=h)
+            hs.flush()  # (expert parallel: the layer's shares are gathered on rank 0 here)
+        if dist.main:
+            partial.save("layers", i, time.time() - t0, hidden=h)
+        elif os.environ.get(KILL_ENV) == f"rank-{dist.rank}-layer-{i}":  # tests only: a rank that dies
+            os.kill(os.getpid(), signal.SIGKILL)
 
     start = 0 if resumed is None else resumed.layer + 1 if resumed.stage == "layers" else args.n_layers
+    hidden = resumed.hidden if resumed is not None else None
+    if dist.grouped:  # rank 0 read the checkpoint; the others start where it does, from its hidden states
+        start = dist.broadcast_int(start)
+        if start < 0:
+            raise UserError(f"rank {dist.rank}: rank 0 refused the run (its message says why)")
+        if 0 < start < args.n_layers:
+            hidden = dist.broadcast(hidden, (*tokens.shape, args.dim), torch.float32)
     if progress is not None:
         for i in range(start):
             progress(i + 1, args.n_layers)
@@ -112,9 +134,11 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         final = run_layers(args, checked_global_state(ckpt.global_state(), str(model_dir)),
                            checked_layer_state(ckpt.layer_state, str(model_dir)), tokens,
                            [FiniteActivations(), *observers], device=device, progress=progress,
-                           resume=(start, resumed.hidden) if start else None, on_layer_end=end_of_layer)
+                           resume=(start, hidden) if start else None, on_layer_end=end_of_layer)
         check_final_hidden(final, args.n_layers)
         del final
+    if not dist.main:  # its shares are on rank 0, which does the rest
+        return None
     if fitter is not None:
         for hs in hessians:
             hs.flush()
@@ -134,6 +158,7 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         "text_tokens": sum(int(x.numel()) for x in ids), "capture_seconds": round(seconds, 2),
         "device": device, "environment": environment(device), "recipe": recipe.name,
         "expert_policy": policy.expert_policy, "min_expert_tokens": policy.min_expert_tokens,
+        "processes": dist.world,
         "layers": [],
     }
     tensors = {}
@@ -169,6 +194,19 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     _write_dir(out_dir, {"calib.safetensors": tensors, "report.json": report, "recipe.yaml": recipe.to_yaml()})
     partial.remove()
     return report
+
+
+def _open(partial: PartialState, resume: bool, dist: Dist):
+    """partial.open on rank 0; under torch.distributed a refusal there is told to the other ranks (a
+    resume point of -1), which stop with a pointer to rank 0's message instead of waiting for it."""
+    if not dist.main:
+        return None
+    try:
+        return partial.open(resume)
+    except UserError:
+        if dist.grouped:
+            dist.broadcast_int(-1)
+        raise
 
 
 def _write_dir(out: Path, files: dict) -> None:

@@ -1,15 +1,23 @@
-"""`moec calibrate MODEL --recipe R.yaml --data ptb --split train -o CALIB_DIR`.
+"""`moec calibrate MODEL --recipe R.yaml --data ptb --split train -o CALIB_DIR [--gpus N]`.
 
 `--data` is one source or a mix (moec/calibrate/dataspec.py), checked before the model is resolved.
+Expert parallel over N processes (moec/calibrate/distributed.py): `--gpus N` starts one process per
+GPU (NCCL); `torchrun --nproc-per-node N -m moec.cli.app calibrate ...` does the same under torchrun,
+and is the way on the CPU (gloo): --gpus is refused with --device cpu, as a CPU run gains nothing from
+processes that would share the same cores.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
+import torch
 import typer
 from rich.table import Table
 
+from ..calibrate import distributed
 from ..calibrate.dataspec import check_data, parse_data
 from ..calibrate.recipe import load_recipe
 from ..calibrate.run import calibrate as run_calibrate
@@ -38,21 +46,40 @@ def calibrate(
     device: str = typer.Option("cpu", help="cpu or cuda"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run from OUT.partial/ (the same "
                                 "model, recipe, data and settings); without one, start from the first layer"),
+    gpus: int | None = typer.Option(None, "--gpus", help="expert parallel over N GPUs, one process each (NCCL); "
+                                    "the output is the same as one process's"),
 ) -> None:
     """Capture statistics layer by layer and fit what the recipe needs."""
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be cpu or cuda, got {device!r}")
+    if gpus is not None:
+        if device != "cuda":
+            raise UserError(f"--gpus {gpus} needs --device cuda; on the CPU start gloo processes with torchrun "
+                            f"--nproc-per-node {gpus} -m moec.cli.app calibrate ...")
+        have = torch.cuda.device_count()
+        if not 1 <= gpus <= have:
+            raise UserError(f"--gpus {gpus}: this machine has {have} GPU{'s' * (have != 1)}")
+        if "WORLD_SIZE" not in os.environ:  # the launcher: the same command as `gpus` ranks, then their status
+            raise typer.Exit(distributed.launch(gpus, sys.argv[1:]))
+        if int(os.environ["WORLD_SIZE"]) != gpus:
+            raise UserError(f"--gpus {gpus} under a launcher of {os.environ['WORLD_SIZE']} processes")
     r = load_recipe(recipe)
     if seed is not None:
         r.calibration.seed = seed
     check_data(parse_data(data, split, data_config, text_column), samples)  # before a model is downloaded or read
     model_dir = resolve_model(model)
     n_layers = HFCheckpoint(model_dir).args.n_layers if not is_packed(model_dir) else 1  # validates the config
-    console.log(f"calibrating {model} with recipe {r.name} on {data}/{split}: {samples} × {seq_len} tokens")
+    dist = distributed.from_env(device)
+    if dist.main:
+        procs = f" on {dist.world} processes" if dist.grouped else ""
+        console.log(f"calibrating {model} with recipe {r.name} on {data}/{split}: {samples} × {seq_len} tokens{procs}")
     with progress_bar("layers", n_layers) as advance:
         report = run_calibrate(model_dir, model, r, data, split, samples, seq_len, r.calibration.seed, out,
-                               device=device, progress=lambda i, n: advance(), resume=resume,
-                               data_config=data_config, text_column=text_column)
+                               device=device, progress=lambda i, n: advance() if dist.main else None,
+                               resume=resume, data_config=data_config, text_column=text_column, dist=dist)
+    dist.close()  # on success only: after a lost rank, leaving it to the process's exit cannot hang
+    if report is None:  # not rank 0: rank 0 wrote the output
+        return
     t = Table(title=f"calibration → {out}")
     for c in ("layer", "ffn", "expert tokens (min / max)", "min/max", "|k| max", "|v| max"):
         t.add_column(c)

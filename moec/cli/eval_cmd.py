@@ -1,10 +1,13 @@
 """`moec eval MODEL_OR_PACKED --data ptb --split test [--mode tf|dec|both] [--baseline MODEL] [--json OUT]`.
 
 The metrics and the columns of the table it prints: docs/metrics.md.
+KL without a second model in memory: `moec eval BASE --save-logits base.logits` once, then
+`moec eval PACKED --baseline-logits base.logits` (moec/runtime/saved_logits.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -14,8 +17,10 @@ from rich.table import Table
 from ..calibrate.data import load_text
 from ..calibrate.sources import load_tokenizer, resolve_model, tokenize
 from ..errors import UserError
+from ..runtime.hf_layout import HFCheckpoint
 from ..runtime.loader import kv_cache_factory, load_model
 from ..runtime.perplexity import CONTEXT, evaluate, fp16_cache, make_windows
+from ..runtime.saved_logits import LogitRecorder, SavedLogits, tokens_sha
 from .common import base_record, console, out_console, progress_bar, write_json_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -42,6 +47,12 @@ def eval_(
                               rich_help_panel=QUALITY),
     device: str = typer.Option("cpu", help="cpu or cuda"),
     json_out: Path | None = typer.Option(None, "--json", help="write the result records here"),
+    save_logits: Path | None = typer.Option(None, "--save-logits", help="write this model's log-probs (fp16) at "
+                                            "the scored positions, for a later --baseline-logits",
+                                            rich_help_panel=QUALITY),
+    baseline_logits: Path | None = typer.Option(None, "--baseline-logits", help="KL against log-probs saved by "
+                                                "--save-logits (same data, split, windows), not a baseline model",
+                                                rich_help_panel=QUALITY),
     latency: bool = typer.Option(False, "--latency", help="decode ms/token against the HBM floor instead",
                                  rich_help_panel=LATENCY),
     random: str | None = typer.Option(None, "--random", help="random weights at a performance shape (`moec "
@@ -80,6 +91,8 @@ def eval_(
         raise UserError(f"--random {random} is for speed runs: add --latency (GPU); perplexity needs a real MODEL")
     if model is None:
         raise UserError("eval needs MODEL (a packed checkpoint, HF directory, GGUF file or built-in name)")
+    if baseline is not None and baseline_logits is not None:
+        raise UserError("--baseline and --baseline-logits both give the baseline; pass one")
     if window <= CONTEXT + 1:
         raise UserError(f"--window must exceed the {CONTEXT}-token context, got {window}")
     model_dir = resolve_model(model)
@@ -96,15 +109,19 @@ def eval_(
     windows = make_windows(ids, window, max_windows or None)
     if len(windows) == 0:
         raise UserError(f"{data}/{split} has {ids.numel()} tokens, fewer than one window of {window}")
+    modes = ["tf", "dec"] if mode == "both" else [mode]
+    what = {"data": data, "split": split, "windows": len(windows), "window": window, "context": CONTEXT,
+            "vocab": cand.args.vocab_size, "tokens_sha256": tokens_sha(windows)}
+    saved = SavedLogits(baseline_logits, what, modes) if baseline_logits is not None else None
+    record = LogitRecorder(len(windows), window - CONTEXT, cand.args.vocab_size) if save_logits else None
 
     recipe = info["manifest"]["recipe"]["name"] if info["kind"] == "packed" else "source"
     cache_factory = kv_cache_factory(info, cand.args) or fp16_cache  # the checkpoint's KV codec (dec mode)
-    modes = ["tf", "dec"] if mode == "both" else [mode]
     records = []
     for m in modes:
         with progress_bar(f"{m} windows", len(windows)) as advance:
             r = evaluate(cand, windows, m, base, batch_size=batch_size, progress=advance,
-                         cache_factory=cache_factory)
+                         cache_factory=cache_factory, saved=saved, record=record)
         rec = base_record("moec-eval", device) | {
             "model": model, "method": "packed" if info["kind"] == "packed" else "source", "recipe": recipe,
             "context": window, "batch": batch_size, "mode": m, "dtype": dtype, "data": data, "split": split,
@@ -115,13 +132,26 @@ def eval_(
             "kv_bits_32k": r.get("kv_bits_32k", 16.0) if m == "dec" else None, "kv_codec": r.get("kv_codec", "fp16"),
             "w_bits": info["w_bits"], "scored_tokens": r["scored_tokens"],
             "q_bits": info["manifest"]["effective_bits"].get("q_bits") if info["kind"] == "packed" else None,
-            "baseline": baseline, "peer": {},
+            "baseline": baseline if saved is None else f"{saved.manifest['model']} (logits {baseline_logits})",
+            "peer": {},
         }
         records.append(rec)
+    if record is not None:
+        record.save(save_logits, what | {"model": model, "model_sha256": _model_sha(model_dir, info),
+                                         "dtype": dtype})
+        console.log(f"wrote the log-probs of {len(windows)} windows ({', '.join(modes)}) to {save_logits}")
     _print_table(records)
     if json_out is not None:
         write_json_atomic(json_out, records)
         console.log(f"wrote {json_out}")
+
+
+def _model_sha(model_dir: Path, info: dict) -> str:
+    """What identifies the evaluated model: a packed checkpoint's manifest (it holds its shards' hashes),
+    a source model's weight files."""
+    if info["kind"] == "packed":
+        return hashlib.sha256((model_dir / "moec.json").read_bytes()).hexdigest()
+    return HFCheckpoint(model_dir).fingerprint()["weights_sha256"]
 
 
 def _fmt(x, spec: str) -> str:

@@ -7,7 +7,9 @@ positions CONTEXT..W-1 are scored (the first 32 are context only), in every mode
         the (possibly compressed) cache, teacher forced. Windows of a batch decode together, each
         with its own cache row.
 With a baseline model the candidate and baseline run in lockstep on the same windows and mode, and
-we accumulate KL(p_base || p_cand) and argmax agreement at the same positions.
+we accumulate KL(p_base || p_cand) and argmax agreement at the same positions. The baseline can also be
+its log-probabilities saved by an earlier eval (`saved`, saved_logits.py), and `record` collects the
+evaluated model's for saving.
 """
 
 from __future__ import annotations
@@ -71,9 +73,14 @@ def fp16_cache(model: Transformer, batch: int, max_len: int) -> DenseKVCache:
 @torch.no_grad()
 def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Transformer | None = None,
              batch_size: int = 4, cache_factory: CacheFactory = fp16_cache,
-             progress: Callable[[int], None] | None = None) -> dict:
-    """Perplexity (and kld/top1 against `baseline`) over `windows` [n, W] in mode 'tf' or 'dec'."""
+             progress: Callable[[int], None] | None = None, saved=None, record=None) -> dict:
+    """Perplexity (and kld/top1 against `baseline`) over `windows` [n, W] in mode 'tf' or 'dec'.
+
+    saved(mode, rows, cols) -> baseline log-probs [rows, cols, V] (saved_logits.SavedLogits) replaces
+    `baseline`; record(mode, rows, cols, logits) receives the model's logits at the scored positions."""
     assert mode in ("tf", "dec"), mode
+    assert baseline is None or saved is None, "one baseline"
+    with_base = baseline is not None or saved is not None
     n, W = windows.shape
     assert W > CONTEXT + 1, f"window {W} must exceed the {CONTEXT}-token context"
     dev = model.tok_embeddings.weight.device
@@ -86,24 +93,39 @@ def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Tra
                 x = batch[b : b + 1]
                 logits = model(x)[0, CONTEXT - 1 : W - 1]
                 base = baseline(x)[0, CONTEXT - 1 : W - 1] if baseline is not None else None
+                if saved is not None:
+                    base = saved(mode, slice(s + b, s + b + 1), slice(None))[0].to(dev)
+                if record is not None:
+                    record(mode, slice(s + b, s + b + 1), slice(None), logits[None])
                 tot.add(logits, x[0, CONTEXT:], base)
         else:
             cache = cache_factory(model, B, W)
             bcache = fp16_cache(baseline, B, W) if baseline is not None else None  # the baseline: fp16 KV
+            rows = slice(s, s + B)
+            sbase = saved(mode, rows, slice(None)).to(dev) if saved is not None else None  # [B, W - CONTEXT, V]
             logits = model(batch[:, :CONTEXT], cache, 0)[:, -1]
             base = baseline(batch[:, :CONTEXT], bcache, 0)[:, -1] if baseline is not None else None
+            if sbase is not None:
+                base = sbase[:, 0]
+            if record is not None:
+                record(mode, rows, slice(0, 1), logits[:, None])
             tot.add(logits, batch[:, CONTEXT], base)
             for t in range(CONTEXT, W - 1):
                 x = batch[:, t : t + 1]
                 logits = model(x, cache, t)[:, -1]
                 base = baseline(x, bcache, t)[:, -1] if baseline is not None else None
+                k = t - CONTEXT + 1  # the scored position's row
+                if sbase is not None:
+                    base = sbase[:, k]
+                if record is not None:
+                    record(mode, rows, slice(k, k + 1), logits[:, None])
                 tot.add(logits, batch[:, t + 1], base)
             kv_bits.append(cache.bits_per_element())
             if hasattr(cache, "bits_at"):  # tiered caches: the stored-byte formula projected to 32k tokens
                 out_32k = cache.bits_at(32768)
         if progress is not None:
             progress(B)
-    out = tot.result(baseline is not None)
+    out = tot.result(with_base)
     out["windows"] = n
     out["window_len"] = W
     if kv_bits:

@@ -1,0 +1,139 @@
+"""Calibration at a real MoE shape: N decoder layers of mixtral-8x7b (moec/runtime/config.py PRESETS) with
+random weights generated per layer from a seed as the layer loop asks for them, so no checkpoint is read
+or stored (the bf16 model is 93 GB, more than the GPU machine's disk holds). It runs the calibration's own
+layer loop (capture.run_layers) with its observers: token counts, KV ranges, per-expert Hessians and the
+recipe's expert fits (ExpertHessians → ExpertFitter.on_layer), expert parallel under torchrun.
+
+    python3 benchmarks/bench_calibrate_scale.py --layers 2 --samples 64 --seq-len 512 --device cuda \\
+        --out $OUT/calibrate_scale.json
+    torchrun --nproc-per-node 2 benchmarks/bench_calibrate_scale.py --layers 2 ... --device cuda   # 2 GPUs
+    OMP_NUM_THREADS=1 python3 benchmarks/bench_calibrate_scale.py --dry --out /tmp/scale.json      # CPU, toy
+
+Record fields: shape, recipe, gpus (processes), layers, samples, seq_len, wall_s (the layer loop, fits
+included), tokens_per_s (samples × seq_len × layers / wall_s), peak_gpu_gb (torch.cuda.max_memory_allocated
+of rank 0), one_layer_plus_act_gb (from the shapes, per rank: one layer's fp32 weights on the device, the
+hidden states, and rank 0's share of the statistics: E/world expert Hessians of D² + I² fp32, plus the
+all-token H1 (D²) and H2 of its experts under all-experts-for-stats: 8 × 14336² fp32 alone is 6.6 GB),
+peak_host_gb (ru_maxrss of rank 0). Results are for random weights: routing is near uniform, which is the
+costly case for per-expert statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import resource
+import sys
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moec.calibrate import distributed  # noqa: E402
+from moec.calibrate.capture import ExpertTokenCounts, KVRange, run_layers  # noqa: E402
+from moec.calibrate.fit_experts import ExpertFitter, canonical_names, plan  # noqa: E402
+from moec.calibrate.hessian import ExpertHessians  # noqa: E402
+from moec.calibrate.recipe import load_recipe  # noqa: E402
+from moec.cli.common import base_record, write_json_atomic  # noqa: E402
+from moec.runtime.config import PRESETS  # noqa: E402
+
+# --dry: the mixtral layout at a size the CPU calibrates in seconds
+TOY = dict(vocab_size=512, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, expert_dim=192, max_seq_len=4096)
+
+
+def random_layers(args, seed: int):
+    """(global_state, layer_state): canonical tensors drawn from `seed` and the name, bf16 like a real
+    checkpoint; one layer is held at a time (the capture loop, the Hessians and the fitter ask for the same
+    layer in turn, hence the one-entry cache)."""
+    names = canonical_names(args)
+
+    def draw(name: str, shape: tuple, salt: int) -> torch.Tensor:
+        if name.endswith("norm.weight"):  # RMSNorm gains
+            return torch.ones(shape, dtype=torch.bfloat16)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + salt)
+        fan_in = shape[-1]
+        return (torch.randn(shape, generator=g) / fan_in**0.5).to(torch.bfloat16)
+
+    glob = {n: draw(n, s, i) for i, (n, s) in enumerate(names.items()) if not n.startswith("layers.")}
+
+    @lru_cache(maxsize=1)
+    def layer_state(i: int) -> dict:
+        prefix = f"layers.{i}."
+        return {n: draw(n, s, j) for j, (n, s) in enumerate(names.items()) if n.startswith(prefix)}
+
+    return glob, layer_state
+
+
+def one_layer_plus_act_bytes(args, samples: int, seq_len: int, world: int, all_tokens: bool) -> int:
+    """Rank 0's device bytes from the shapes: one layer's weights as the loop holds them (fp32), the hidden
+    states [N, L, D] fp32, and its share of the statistics (run_layers, hessian.ExpertHessians)."""
+    names = canonical_names(args)
+    layer = sum(torch.Size(s).numel() for n, s in names.items() if n.startswith("layers.0.")) * 4
+    D, I, E = args.dim, args.expert_dim, args.n_experts
+    mine = len(range(0, E, world))
+    stats = mine * (D * D + I * I) * 4 + (D * D + mine * I * I) * 4 * all_tokens
+    w13 = 2 * E * I * D * 4  # ExpertHessians' fp32 copy of w1, w3 (the down projection's inputs)
+    return layer + w13 + samples * seq_len * D * 4 + stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="mixtral-8x7b", choices=[k for k, v in PRESETS.items() if v.is_moe])
+    ap.add_argument("--recipe", type=Path, default=ROOT / "recipes/experts-hls2.yaml")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dry", action="store_true", help="toy sizes on the CPU (checks the script, measures nothing)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    if a.dry:
+        a.device, a.samples, a.seq_len, a.layers = "cpu", 4, 64, min(a.layers, 2)
+    args = dataclasses.replace(PRESETS[a.shape], n_layers=a.layers, ffn_kinds=[], **(TOY if a.dry else {}))
+    recipe = load_recipe(a.recipe)
+    cal = recipe.calibration
+    all_tokens = cal.expert_policy == "all-experts-for-stats" and cal.min_expert_tokens > 0
+    dist = distributed.from_env(a.device)
+    glob, layer_state = random_layers(args, a.seed)
+    tokens = torch.randint(0, args.vocab_size, (a.samples, a.seq_len), generator=torch.Generator().manual_seed(a.seed))
+
+    targets = plan(args, recipe)
+    fitter = ExpertFitter(targets, layer_state, cal.expert_policy, cal.min_expert_tokens, dist=dist)
+    hessians = ExpertHessians(args, fitter.layers(), layer_state, fitter.on_layer, all_tokens=all_tokens,
+                              experts=dist.owned(args.n_experts) if dist.grouped else None)
+    observers = [ExpertTokenCounts(args), KVRange(), hessians]
+    if a.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+    t0 = time.time()
+    run_layers(args, glob, layer_state, tokens, observers, device=a.device,
+               on_layer_end=lambda i, h: hessians.flush())
+    if a.device == "cuda":
+        torch.cuda.synchronize()
+    wall = time.time() - t0
+    dist.close()
+    if not dist.main:
+        return
+    assert len(fitter.report) == a.layers and all(f"fit.layers.{i}.moe.w1.codes" in fitter.tensors
+                                                  for i in range(a.layers)), sorted(fitter.tensors)[:4]
+    rec = base_record("calibrate-scale", a.device) | {
+        "shape": a.shape + (" (toy)" if a.dry else ""), "recipe": recipe.name, "gpus": dist.world, "layers": a.layers,
+        "samples": a.samples, "seq_len": a.seq_len, "wall_s": round(wall, 2),
+        "tokens_per_s": round(a.samples * a.seq_len * a.layers / wall, 1),
+        "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3) if a.device == "cuda" else None,
+        "one_layer_plus_act_gb": round(one_layer_plus_act_bytes(args, a.samples, a.seq_len, dist.world,
+                                                                all_tokens) / 1e9, 3),
+        "peak_host_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3),  # KiB on Linux
+    }
+    print(rec)
+    if a.out is not None:
+        write_json_atomic(a.out, [rec])
+
+
+if __name__ == "__main__":
+    main()
