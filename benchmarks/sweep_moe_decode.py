@@ -1,6 +1,6 @@
 """Launch-config sweep of the fused 2-bit MoE decode kernels (issue 16 item 3), one phase at a time.
 
-    python3 benchmarks/sweep_moe_decode.py --out X.json [--budget 240]
+    python3 benchmarks/sweep_moe_decode.py --out X.json [--budget 240] [--kind hls2|bf16] [--batches 1,16]
 
 For each shape (Mixtral-8x7B, Qwen3-30B-A3B) and batch (1, 16): the whole `moe_decode` (hls2, prmt path)
 timed under a CUDA graph over L layers with separate weights (more bytes than L2, as bench_moe_kernel.py),
@@ -25,12 +25,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_kernel import SHAPES, copy_bandwidth, graph_time, make_weight, nbytes, rel_err  # noqa: E402
 
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.kernels.moe_decode import DECODE_CONFIG, moe_decode, moe_decode_ref  # noqa: E402
+from moec.kernels.moe_decode import DECODE_CONFIG, LEGACY_CONFIG, moe_decode, moe_decode_ref  # noqa: E402
 
 GATE_UP = [dict(block_o=bo, block_k=bk, num_warps=nw, num_stages=st)
            for bo, bk, nw, st in itertools.product((8, 16, 32), (1024, 2048, 4096), (4, 8), (1, 3))]
 DOWN = [dict(block_o_down=bo, block_k_down=bk, num_warps_down=nw, num_stages_down=st, split=sp)
         for bo, bk, nw, st, sp in itertools.product((8, 16, 32), (1024, 2048), (4, 8), (1, 3), (None, 1))]
+# --kind bf16 (the dense path: 2 bytes per weight, no lookup; tiles of fewer inputs)
+GATE_UP_DENSE = [dict(block_o=bo, block_k=bk, num_warps=nw) for bo, bk, nw in
+                 itertools.product((8, 16, 32), (256, 512, 1024), (4, 8))]
+DOWN_DENSE = [dict(block_o_down=bo, block_k_down=bk, num_warps_down=nw, split=sp) for bo, bk, nw, sp in
+              itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (None, 1))]
 
 
 def time_layers(x, ids, wts, ws, cfg) -> float:
@@ -43,15 +48,21 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds, shared equally by the 4 (shape, batch)")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--kind", default="hls2", choices=("hls2", "bf16"))
+    ap.add_argument("--batches", default="1,16")
     a = ap.parse_args()
+    grids = (("gate_up", GATE_UP), ("down", DOWN)) if a.kind == "hls2" else \
+        (("gate_up", GATE_UP_DENSE), ("down", DOWN_DENSE))
+    batches = [int(b) for b in a.batches.split(",")]
+    slots = len(SHAPES) * len(batches)
     t0 = time.time()
     bw = copy_bandwidth()
     g = torch.Generator(device="cuda").manual_seed(0)
     records = []
     for shape, (E, A, D, I) in SHAPES.items():
         L = a.layers
-        ws = [tuple(make_weight("hls2", E, o, n, g) for o, n in ((I, D), (I, D), (D, I))) for _ in range(L)]
-        for N in (1, 16):
+        ws = [tuple(make_weight(a.kind, E, o, n, g) for o, n in ((I, D), (I, D), (D, I))) for _ in range(L)]
+        for N in batches:
             x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, generator=g)
             ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:A] for _ in range(N)])
             wts = torch.softmax(torch.randn(N, A, device="cuda", generator=g), -1)
@@ -60,14 +71,15 @@ def main():
             ref = moe_decode_ref(x, ids, wts, *ws[0])
             best: dict = {}
             t_slot = time.time()  # each (shape, batch) gets an equal share of the budget
-            for phase, grid in (("gate_up", GATE_UP), ("down", DOWN)):
+            for phase, grid in grids:
                 times = []
                 for cfg in grid:
-                    if time.time() - t_slot > a.budget / 4 or time.time() - t0 > a.budget:
+                    if time.time() - t_slot > a.budget / slots or time.time() - t0 > a.budget:
                         break
                     full = {**best, **cfg}
                     rec = base_record("moec-moe-decode-sweep", "cuda") | dict(
-                        shape=shape, batch=N, phase=phase, config=cfg, bytes_per_step=act, copy_gbps=bw)
+                        shape=shape, batch=N, kind=a.kind, phase=phase, config=cfg, bytes_per_step=act,
+                        copy_gbps=bw)
                     try:
                         err = rel_err(moe_decode(x, ids, wts, *ws[0], **full), ref)
                         rec["max_rel_err_vs_ref"] = err
@@ -87,7 +99,8 @@ def main():
                     best.update(cfg)
                     print("best", shape, N, phase, cfg, f"{ms:.4f} ms", flush=True)
             records.append(base_record("moec-moe-decode-sweep", "cuda") | dict(
-                shape=shape, batch=N, phase="best", config=best, default=DECODE_CONFIG))
+                shape=shape, batch=N, kind=a.kind, phase="best", config=best,
+                default=DECODE_CONFIG if a.kind == "hls2" else LEGACY_CONFIG))
             write_json_atomic(a.out, records)
         ws.clear()
         torch.cuda.empty_cache()

@@ -498,13 +498,15 @@ def _kv_decode_attention_kernel(
 
 @triton.jit
 def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, D: tl.constexpr, P_P2: tl.constexpr, DC: tl.constexpr,
-                   CHUNK: tl.constexpr, ROT: tl.constexpr):
+                   CHUNK: tl.constexpr, ROT: tl.constexpr, OUTC: tl.constexpr = 0):
     """out[bh, c] = sum_s 2^(m_s - M)·acc_s[c] / sum_s 2^(m_s - M)·l_s over the splits of one (b, head), for
     the DC channels c of program_id(1). The splits stream in CHUNK rows: a [P_P2, D] tile in one program
     spilled (Qwen3 at 32k batch 1: 135 splits, 31 us per call, more than the attention kernel itself).
-    ROT (DC == D): out[bh] = o·Rᵀ, the cache's head_dim rotation undone here, in out's dtype."""
+    ROT (DC == D): out[bh] = o·Rᵀ, the cache's head_dim rotation undone here, in out's dtype; each program
+    reduces all D channels and writes OUTC of the output's (a row in one program left Qwen3's 32 rows on
+    32 SMs: 10 us per call)."""
     bh = tl.program_id(0)
-    offs_c = tl.program_id(1) * DC + tl.arange(0, DC)
+    offs_c = (0 if ROT else tl.program_id(1) * DC) + tl.arange(0, DC)
     base = part_ptr + bh * n_splits * (D + 2)
     offs_p = tl.arange(0, P_P2)
     mx = tl.max(tl.load(base + offs_p * (D + 2) + D, mask=offs_p < n_splits, other=float("-inf")), axis=0)
@@ -522,8 +524,8 @@ def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, D: tl.constexpr, P_P2: tl
     o = acc / tl.sum(den, axis=0)
     if ROT:  # out[c] = sum_i o[i]·R[c, i], RC output channels at a time
         RC: tl.constexpr = 32
-        for c0 in tl.static_range(0, D, RC):
-            offs_r = c0 + tl.arange(0, RC)
+        for c0 in tl.static_range(0, OUTC, RC):
+            offs_r = tl.program_id(1) * OUTC + c0 + tl.arange(0, RC)
             r = tl.load(r_ptr + offs_r[None, :] * D + offs_c[:, None])  # [D, RC]: R[c, i] at [i, c]
             tl.store(out_ptr + bh * D + offs_r, tl.sum(o[:, None] * r, axis=0).to(out_ptr.dtype.element_ty))
     else:
@@ -645,8 +647,9 @@ def combine_splits(part: torch.Tensor, BH: int, P: int, d: int, rotation: torch.
     p2 = triton.next_power_of_2(P)
     if rotation is not None:
         assert rotation.shape == (d, d) and rotation.dtype == torch.float32 and rotation.is_contiguous()
-        _reduce_kernel[(BH, 1)](part, out, rotation, P, D=d, P_P2=p2, DC=d, CHUNK=min(16, p2), ROT=True,
-                                num_warps=4)
+        outc = min(d, 32)
+        _reduce_kernel[(BH, d // outc)](part, out, rotation, P, D=d, P_P2=p2, DC=d, CHUNK=min(16, p2), ROT=True,
+                                        OUTC=outc, num_warps=4)
         return out
     dc = min(d, 32)
     _reduce_kernel[(BH, d // dc)](part, out, part, P, D=d, P_P2=p2, DC=dc, CHUNK=min(32, p2), ROT=False,

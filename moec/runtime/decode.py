@@ -105,6 +105,11 @@ class StaticFP16Cache:
         K = k.shape[1]
         pos = self.pos[:b]
         kc, vc = self.k[layer], self.v[layer]
+        if kernels_enabled(q.device) and d & (d - 1) == 0 and d >= 16:
+            # one kernel: the new token's write and flash-decoding over slots <= pos
+            from ..kernels.fp16_decode_attention import fp16_decode_attention
+
+            return fp16_decode_attention(q[:, :, 0], kc, vc, k[:, :, 0], v[:, :, 0], pos).view(b, H, 1, d)
         kc[self.rows[:b], :, pos] = k[:, :, 0].to(kc.dtype)
         vc[self.rows[:b], :, pos] = v[:, :, 0].to(vc.dtype)
         if q.is_cuda and self.max_len % SPLIT == 0:

@@ -32,6 +32,41 @@ def demo():
     return model, make_windows(ids, W, max_windows=2)
 
 
+def test_fp16_cache_kernel_matches_torch_path(monkeypatch):
+    """StaticFP16Cache.attend through the fp16 decode-attention kernel (MOEC_KERNELS=1; the interpreter on
+    the CPU) equals the torch path step by step: outputs, and the cache the kernel writes."""
+    from moec.runtime.config import ModelArgs
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=1, n_heads=8, n_kv_heads=2, head_dim=32,
+                  max_seq_len=64, n_experts=2, top_k=1, expert_dim=32)
+    import moec.kernels.fp16_decode_attention as fk
+
+    calls = []
+    real = fk.fp16_decode_attention
+    monkeypatch.setattr(fk, "fp16_decode_attention", lambda *x, **kw: calls.append(1) or real(*x, **kw))
+    caches = {m: StaticFP16Cache(a, 2, 64, device=dev) for m in ("0", "1")}
+    g = torch.Generator().manual_seed(0)
+    for c in caches.values():
+        c.pos = torch.tensor([0, 0], device=dev)
+    pre = [torch.randn(2, 10, 32, generator=g) for _ in range(2)]  # a 10-token prefix on row 0, 3 on row 1
+    for c in caches.values():
+        c.prefill_row(0, 0, pre[0].half().to(dev), pre[1].half().to(dev))
+        c.prefill_row(1, 0, pre[0][:, :3].half().to(dev), pre[1][:, :3].half().to(dev))
+    for step in range(4):
+        q, k, v = (torch.randn(2, n, 1, 32, generator=g).to(dev) for n in (8, 2, 2))
+        outs = {}
+        for m, c in caches.items():
+            monkeypatch.setenv("MOEC_KERNELS", m)
+            c.pos = torch.tensor([10 + step, 3 + step], device=dev)
+            outs[m] = c.attend(0, q, k, v)
+        torch.testing.assert_close(outs["1"], outs["0"], atol=2e-3, rtol=2e-3)
+    assert torch.equal(caches["0"].k[0], caches["1"].k[0]) and torch.equal(caches["0"].v[0], caches["1"].v[0])
+    assert len(calls) == 4  # the kernel ran on every MOEC_KERNELS=1 step, and only there
+
+
 def test_fp16_engine_matches_reference(demo):
     model, windows = demo
     ref = evaluate(model, windows, "dec", batch_size=2)
