@@ -648,7 +648,7 @@ def combine_splits(part: torch.Tensor, BH: int, P: int, d: int, rotation: torch.
     if rotation is not None:
         assert rotation.shape == (d, d) and rotation.dtype == torch.float32 and rotation.is_contiguous()
         outc = min(d, 32)
-        _reduce_kernel[(BH, d // outc)](part, out, rotation, P, D=d, P_P2=p2, DC=d, CHUNK=min(16, p2), ROT=True,
+        _reduce_kernel[(BH, d // outc)](part, out, rotation, P, D=d, P_P2=p2, DC=d, CHUNK=min(32, p2), ROT=True,
                                         OUTC=outc, num_warps=4)
         return out
     dc = min(d, 32)
