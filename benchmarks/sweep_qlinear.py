@@ -26,8 +26,10 @@ from moec.cli.common import base_record, write_json_atomic  # noqa: E402
 from moec.kernels.qlinear import GEMV_CONFIG, qlinear, qlinear_ref  # noqa: E402
 
 SHAPES = ((4096, 4096), (4096, 1024), (2048, 4096), (2048, 512), (4096, 2048))  # (K inputs, O outputs)
-GRID = [dict(block_o=bo, block_k=bk, num_warps=nw)
-        for bo, bk, nw in itertools.product((2, 4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8))]
+# block_k is capped at the group size's power-of-two divisor (128 here): the unroll is what varies the bytes
+# in flight per loop step
+GRID = [dict(block_o=bo, block_k=128, num_warps=nw, unroll=u)
+        for bo, nw, u in itertools.product((4, 8, 16), (4, 8), (1, 2, 4, 8))]
 
 
 def main():

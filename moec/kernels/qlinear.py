@@ -21,7 +21,10 @@ from .dequant import QWeight, codes_per_chunk, dequant_ref, dequant_tile, gemv_c
 from .moe_prefill import dot_dtype
 
 GEMV_MAX_M = 8
-GEMV_CONFIG = {"block_o": 4, "block_k": 1024, "num_warps": 4}  # best of the H200 sweep (4096 x 4096, M = 1)
+# decode (M = 1) on the H200, benchmarks/sweep_qlinear.py (results/qlinear_sweep2_h200.json): 4 rows, 8 warps,
+# 4 group tiles per loop step; 4-bit g128 4096 -> 1024 17.3 -> 7.7 us, 4096 -> 4096 18.0 -> 13.5 us
+# (bf16 torch linear 8.2 / 13.2 us). block_k is capped by the group size (pick_block_k).
+GEMV_CONFIG = {"block_o": 4, "block_k": 1024, "num_warps": 8, "unroll": 4}
 GEMM_CONFIG = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
 SMALL_GEMM_CONFIG = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3}  # M <= 64
 
@@ -30,14 +33,17 @@ SMALL_GEMM_CONFIG = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 
 def _gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, O, stride_xm, stride_wo, stride_ao,
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                  C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
-                 BO: tl.constexpr, BKC: tl.constexpr):
+                 BO: tl.constexpr, BKC: tl.constexpr, UNROLL: tl.constexpr):
     m = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
     mask_o = offs_o < O
     acc = tl.zeros((BO, BKC), dtype=tl.float32)
-    for k0 in range(0, K, BKC * C):
-        acc = gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr + m * stride_xm, offs_o, mask_o, stride_wo, stride_ao,
-                          k0, K, MODE, BITS, C, BPC, G, GS, BKC)
+    # a tile never straddles a quantization group (pick_block_k: <= 128 inputs at group 128), so at K = 4096
+    # the loop is 32 dependent steps of ~1 KB each; UNROLL tiles per step put more loads in flight
+    for k0 in range(0, K, BKC * C * UNROLL):
+        for u in tl.static_range(UNROLL):
+            acc = gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr + m * stride_xm, offs_o, mask_o, stride_wo,
+                              stride_ao, k0 + u * BKC * C, K, MODE, BITS, C, BPC, G, GS, BKC)
     y = tl.sum(acc, axis=1)
     if MODE == 2:
         y *= tl.load(a_ptr + offs_o, mask=mask_o, other=0.0)
@@ -93,9 +99,12 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
     if M <= GEMV_MAX_M:
         c = GEMV_CONFIG | cfg
         bk = pick_block_k(K, K // G, c["block_k"], C)
+        unroll = c.get("unroll", 1)
+        while unroll > 1 and K % (bk * unroll):
+            unroll //= 2
         _gemv_kernel[(M, triton.cdiv(O, c["block_o"]))](
             x2, d, a, b, bias_arg, y, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
-            HAS_BIAS=bias is not None, BO=c["block_o"], BKC=bk // C, num_warps=c["num_warps"], **st)
+            HAS_BIAS=bias is not None, BO=c["block_o"], BKC=bk // C, UNROLL=unroll, num_warps=c["num_warps"], **st)
     else:
         c = (SMALL_GEMM_CONFIG if M <= 64 else GEMM_CONFIG) | cfg
         bk = pick_block_k(K, K // G, c["block_k"], C)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from .backend import kernels_enabled
 from .config import ModelArgs
+from .experts import QLinear
 from .kvtiered import HistoryStore, LayerRotations, TierPolicy, biased_scores, history_bias, kernel_path, rope_table
 from .model import MoE, Transformer, rope_cos_sin, route
 
@@ -443,6 +444,49 @@ def _gather_moe(moe: MoE, x, w, ids) -> torch.Tensor:
     return (y.float() * w[..., None]).sum(1).to(x.dtype)
 
 
+class _QuantQKV(torch.nn.Module):
+    """q, k, v projections of one quantized codec as one kernel launch (moec/kernels/qlinear.py): their
+    stored parts concatenated along the outputs, the three QuantMatrix buffers re-pointed to views of the
+    concatenation (no extra memory). Three GEMVs of 4096 -> 4096 / 1024 / 1024 at 4 bits cost ~28 us of
+    which ~2/3 is per-launch latency (results/qlinear_sweep2_h200.json)."""
+
+    PARTS = ("codes", "scale", "zero", "lut16", "poly", "fp8", "lut")
+
+    def __init__(self, qw, bias):
+        super().__init__()
+        self.qw, self.bias = qw, bias
+
+    @classmethod
+    def fuse(cls, ws) -> _QuantQKV | None:
+        qs = [w.q for w in ws]
+        key = {(q.codec, q.bits, q.shape[2], q.kernel_mode) for q in qs}
+        if len(key) != 1 or not all(q.kernel_ok() for q in qs) or any(w.bias is not None for w in ws):
+            return None
+        names = [n for n in cls.PARTS if all(isinstance(getattr(q, n, None), torch.Tensor) for q in qs)]
+        if any(len({getattr(q, n).shape[2:] for q in qs}) != 1 for n in names):  # groups differ
+            return None
+        with torch.no_grad():
+            fused = {n: torch.cat([getattr(q, n) for q in qs], dim=1) for n in names}
+            o = 0
+            for q in qs:
+                for n in names:
+                    setattr(q, n, fused[n][:, o : o + q.shape[1]])
+                o += q.shape[1]
+        q0 = qs[0]
+        q0_parts = {n: getattr(q0, n) for n in names}
+        for n in names:  # qweight() of the first matrix, pointed at the whole concatenation
+            setattr(q0, n, fused[n])
+        qw = q0.qweight()
+        for n, t in q0_parts.items():
+            setattr(q0, n, t)
+        return cls(qw, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.qlinear import qlinear
+
+        return qlinear(x, self.qw, self.bias)
+
+
 class DecodeEngine:
     """Prefill + static decode steps for `batch` rows of up to `max_len` tokens each."""
 
@@ -473,8 +517,11 @@ class DecodeEngine:
     @staticmethod
     def _fuse_qkv(attn):
         """One [H·d + 2·K·d, D] projection for q, k, v where they are plain Linear layers of one dtype:
-        wq/wk/wv become views of the concatenated weight (no extra memory); None otherwise."""
+        wq/wk/wv become views of the concatenated weight (no extra memory); quantized ones of one codec
+        likewise (_QuantQKV); None otherwise."""
         ws = (attn.wq, attn.wk, attn.wv)
+        if all(type(w) is QLinear for w in ws):
+            return _QuantQKV.fuse(ws)
         if not all(type(w) is torch.nn.Linear for w in ws) or len({w.weight.dtype for w in ws}) != 1:
             return None
         if len({w.bias is None for w in ws}) != 1:
@@ -555,7 +602,7 @@ class DecodeEngine:
             if self.qkv[i] is not None:
                 qkv = self.qkv[i](h)  # [b, (H + 2K)·d]
                 q, k, v = qkv[:, : H * d], qkv[:, H * d : (H + K) * d], qkv[:, (H + K) * d :]
-            else:  # quantized projections (QLinear) stay separate
+            else:  # projections of different codecs stay separate
                 q, k, v = at.wq(h), at.wk(h), at.wv(h)
             norm = a.qk_norm == "head"
             q, k = qk_norm_rope(q, k, cos, sin, H, K, at.q_norm.weight if norm else None,

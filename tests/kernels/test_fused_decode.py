@@ -84,3 +84,38 @@ def test_engine_fused_step_matches_plain_step(qk_norm):
             logits.append(eng.step(1, feed_next=True)[0].clone())
         out.append(torch.stack(logits))
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
+
+
+def test_engine_fuses_quantized_qkv():
+    """4-bit q/k/v projections (QLinear) run as one qlinear launch in the fused step: the same logits as
+    the plain step (per-projection QLinear), and wq/wk/wv still hold their own weights (views)."""
+    from moec.calibrate import hls
+    from moec.runtime.decode import _QuantQKV
+    from moec.runtime.experts import QLinear, QuantMatrix, attach
+
+    args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                     max_seq_len=64, n_experts=4, top_k=2, expert_dim=48)
+    prompt = torch.tensor([3, 9, 27, 17, 51])
+    out = []
+    for fuse in (False, True):
+        model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=4)
+        quant = {}
+        for i, blk in enumerate(model.layers):
+            for n in ("wq", "wk", "wv"):
+                W = getattr(blk.attn, n).weight.data.float().cpu()
+                stored = hls.quantize(W[None], None, "rtn", 4, 32, False)
+                quant[f"layers.{i}.attn.{n}.weight"] = QuantMatrix("rtn", 4, tuple(W.shape),
+                                                                  {k: v[0] for k, v in stored.items()})
+        attach(model, quant, DEVICE)
+        ref = [model.layers[0].attn.wk.q.dequant_ref(0)]
+        eng = DecodeEngine(model, StaticFP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32), graphs=False,
+                           fuse=fuse)
+        if fuse:
+            assert all(isinstance(f, _QuantQKV) for f in eng.qkv)
+            assert isinstance(model.layers[0].attn.wk, QLinear)
+            assert torch.equal(model.layers[0].attn.wk.q.dequant_ref(0), ref[0])  # the views hold wk's parts
+        logits = [eng.prefill(0, prompt)]
+        for _ in range(3):
+            logits.append(eng.step(1, feed_next=True)[0].clone())
+        out.append(torch.stack(logits))
+    assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()

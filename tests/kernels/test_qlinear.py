@@ -19,14 +19,17 @@ from tests.kernels.moe_cases import qweight  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("kind,M,K,O,G", [("rtn4", 1, 64, 40, 2), ("rtn4", 19, 64, 24, 1), ("lut4", 3, 32, 20, 2),
-                                          ("fp8", 2, 48, 24, 1), ("bf16", 18, 32, 24, 1)])
-def test_qlinear_matches_reference(kind, M, K, O, G):
+@pytest.mark.parametrize("kind,M,K,O,G,unroll", [("rtn4", 1, 64, 40, 2, 1), ("rtn4", 19, 64, 24, 1, 1),
+                                                 ("lut4", 3, 32, 20, 2, 1), ("fp8", 2, 48, 24, 1, 1),
+                                                 ("bf16", 18, 32, 24, 1, 1), ("rtn4", 2, 128, 24, 4, 2),
+                                                 ("lut4", 1, 128, 20, 4, 4)])
+def test_qlinear_matches_reference(kind, M, K, O, G, unroll):
+    """unroll > 1: several group-sized tiles per loop step of the GEMV."""
     g = torch.Generator().manual_seed(M * K + O)
     w = qweight(kind, 1, O, K, G, g, DEVICE)
     x = torch.randn(M, K, generator=g).to(DEVICE)
     bias = torch.randn(O, generator=g).to(DEVICE)
-    cfg = {} if M <= GEMV_MAX_M else dict(block_m=16, block_n=16, block_k=32, num_warps=4)
+    cfg = dict(unroll=unroll) if M <= GEMV_MAX_M else dict(block_m=16, block_n=16, block_k=32, num_warps=4)
     got = qlinear(x, w, bias, **cfg)
     want = qlinear_ref(x, w, bias)
     tol = (1e-4 if M <= GEMV_MAX_M else 2e-2) * want.abs().max().item()  # GEMM: bf16 operands on CUDA
