@@ -18,6 +18,7 @@ from .. import __version__
 from ..errors import UserError
 from . import calibrate_cmd, eval_cmd, export_cmd, generate_cmd, inspect_cmd, models_cmd, pack_cmd
 from .common import console
+from .progress import install as install_progress
 
 # -h beside --help: click inherits help_option_names into every subcommand's context.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -63,6 +64,7 @@ def main() -> None:
                         handlers=[RichHandler(console=console, show_path=False, show_time=False)])
     for noisy in ("httpx", "datasets", "filelock", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    install_progress(console)  # every long step's progress and ETA: bars on a terminal, timestamped lines elsewhere
     try:
         rc = app(prog_name="moec", standalone_mode=False)  # `moec` in usage lines under python -m too
         sys.exit(rc if isinstance(rc, int) else 0)
