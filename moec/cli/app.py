@@ -1,4 +1,4 @@
-"""The `moec` command: calibrate, pack, eval, inspect, models, generate.
+"""The `moec` command: calibrate, pack, eval, inspect, models, generate, export, report.
 
 Exit codes: 0 success, 2 bad usage or input (one line naming the problem, no traceback), 1 for
 anything else (one line; MOEC_DEBUG=1 shows the traceback).
@@ -16,7 +16,7 @@ from rich.logging import RichHandler
 
 from .. import __version__
 from ..errors import UserError
-from . import calibrate_cmd, eval_cmd, export_cmd, generate_cmd, inspect_cmd, models_cmd, pack_cmd
+from . import calibrate_cmd, eval_cmd, export_cmd, generate_cmd, inspect_cmd, models_cmd, pack_cmd, report_cmd
 from .common import console
 from .progress import install as install_progress
 
@@ -44,6 +44,7 @@ app.command("eval")(eval_cmd.eval_)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("generate")(generate_cmd.generate)
 app.command("export")(export_cmd.export)
+app.command("report")(report_cmd.report)
 
 
 def _click_errors(name: str) -> tuple[type, ...]:
