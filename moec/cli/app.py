@@ -16,6 +16,7 @@ from rich.logging import RichHandler
 
 from .. import __version__
 from ..errors import UserError
+from ..progress import install as set_reporter
 from . import calibrate_cmd, eval_cmd, export_cmd, generate_cmd, inspect_cmd, models_cmd, pack_cmd, report_cmd
 from .common import console
 from .progress import install as install_progress
@@ -89,6 +90,8 @@ def main() -> None:
         print(f"moec: internal error: {type(e).__name__}: {msg} (MOEC_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         sys.exit(1)
+    finally:  # main() called in-process (tests, gpu_smoke) leaves no reporter behind
+        set_reporter(None)
 
 
 if __name__ == "__main__":

@@ -59,16 +59,18 @@ def eta(elapsed: float, done: float, total: float, since: tuple[float, float] | 
 class PlainLines:
     """Timestamped lines on `stream`: one per step every `interval` seconds at most, and a final one."""
 
-    def __init__(self, stream: TextIO, clock: Callable[[], float] = time.time, interval: float = 5.0):
-        self.stream, self.clock, self.interval = stream, clock, interval
+    def __init__(self, stream: TextIO | None = None, clock: Callable[[], float] = time.time, interval: float = 5.0):
+        self.stream, self.clock, self.interval = stream, clock, interval  # None: sys.stderr when a line is written
 
     def start(self, label: str, total: float, unit: str) -> _PlainTask:
         return _PlainTask(self, label, total, unit)
 
     def line(self, now: float, text: str) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now))
-        self.stream.write(f"{stamp} {text}\n")
-        self.stream.flush()
+        text = "".join(c if c.isprintable() else "?" for c in text)  # a file name may hold control characters
+        out = self.stream or sys.stderr
+        out.write(f"{stamp} {text}\n")
+        out.flush()
 
 
 class _PlainTask:
@@ -164,7 +166,7 @@ def reporter_for(console: Console, env: Mapping[str, str] = os.environ, stream: 
             interval = float(env.get("MOEC_PROGRESS_SECONDS", "5"))
         except ValueError:
             interval = 5.0
-        return PlainLines(stream or sys.stderr, interval=interval)
+        return PlainLines(stream, interval=interval)
     return RichBars(console)
 
 
