@@ -79,7 +79,8 @@ def _ticks(scale: str, lo: float, hi: float) -> list[float]:
 
 
 def _fmt(v: float) -> str:
-    return f"{v:.3g}" if v != 0 else "0"
+    """1000 rather than 1e+03 for whole numbers (Δppl of a broken quantizer reaches thousands of %)."""
+    return str(int(v)) if v == int(v) and abs(v) < 1e7 else f"{v:.3g}"
 
 
 def scatter_svg(p: Panel, width: int = 760, height: int = 420) -> str:
