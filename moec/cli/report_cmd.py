@@ -186,10 +186,13 @@ def write_png(ps: list[Panel], path: Path) -> None:
 
 
 def report(
-    files: list[Path] = typer.Argument(..., help="result JSON files (moec eval --json, benchmarks/results/*.json)"),
+    files: list[Path] = typer.Argument(..., metavar="RESULTS.json",
+                                       help="result JSON files (moec eval --json, benchmarks/results/*.json)"),
     out: Path = typer.Option(..., "-o", "--out", help="report.html (inline SVG) or report.png (needs matplotlib)"),
 ) -> None:
-    """Plot the frontier: Δppl against effective bits per recipe, and ms per token against the floor, with peers."""
+    """Plot the frontier: Δppl against effective bits per recipe, and ms per token against the floor, with peers.
+
+    One plot per model (quality) and per shape (speed); peers are red diamonds. HTML is self-contained."""
     if out.suffix.lower() not in (".html", ".htm", ".png"):
         raise UserError(f"-o {out}: expected a .html or .png file")
     ps = panels(files)
