@@ -128,8 +128,8 @@ class RichBars:
         p = self.progress
         t = p.tasks[[x.id for x in p.tasks].index(task_id)]
         # the bars are transient: a finished step leaves one line saying how long it took
-        self.console.log(f"{label}: {amount(t.completed, t.total or 0, t.fields['unit'])} in "
-                         f"{duration(t.elapsed or 0.0)}")
+        self.console.print(f"{label}: {amount(t.completed, t.total or 0, t.fields['unit'])} in "
+                           f"{duration(t.elapsed or 0.0)}", markup=False, highlight=False, style="dim")
         p.remove_task(task_id)
         self.open -= 1
         if self.open == 0:
