@@ -1,5 +1,6 @@
 """`moec report`: one SVG point per plottable record of the committed results, axes and scales, bad input."""
 
+import importlib.util
 import json
 import math
 import re
@@ -103,6 +104,10 @@ def test_bad_input(tmp_path):
     r = moec("report", empty, "-o", tmp_path / "r.html")
     assert r.returncode == 2 and r.stderr.startswith("moec: error:") and "no plottable records" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    if importlib.util.find_spec("matplotlib") is None:  # PNG needs it; without it, a one-line error naming HTML
+        with pytest.raises(UserError, match=r"needs matplotlib.*r\.html"):
+            report_cmd.write_png([], tmp_path / "r.png")
+        assert not (tmp_path / "r.png").exists()
     r = moec("report", empty, "-o", tmp_path / "r.pdf")
     assert r.returncode == 2 and "expected a .html or .png" in r.stderr
     assert not (tmp_path / "r.html").exists()
