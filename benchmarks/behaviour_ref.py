@@ -1,6 +1,7 @@
 """Behaviour references: what every `kv-*` / `experts-*` recipe produces on demo-moe, recorded once.
 
-For each recipe in `recipes/` whose name starts with `kv-` or `experts-`, through the CLI as a user runs it:
+For each recipe in `recipes/` and `recipes/ablations/` whose name starts with `kv-` or `experts-`, through
+the CLI as a user runs it:
 calibrate demo-moe (PTB train, 4 × 256 tokens, the recipe's seed), pack, and eval one PTB-test window of
 512 tokens in `tf` and `dec` mode (fp32, CPU). Recorded: the sha256 of every packed tensor's bytes and
 both perplexities. A refactor must keep the bytes identical and the perplexities within 1e-6 relative.
@@ -50,7 +51,14 @@ def platform() -> str:
 
 
 def recipes() -> list[Path]:
-    return sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.stem.startswith(("kv-", "experts-")))
+    """The shipped recipes and their ablations (recipes/ablations/), in name order."""
+    return sorted((p for p in (ROOT / "recipes").glob("**/*.yaml") if p.stem.startswith(("kv-", "experts-"))),
+                  key=lambda p: p.stem)
+
+
+def recipe_file(name: str) -> Path:
+    """recipes/NAME.yaml, or recipes/ablations/NAME.yaml for an ablation."""
+    return next(p for p in recipes() if p.stem == name)
 
 
 def _moec(*args: str | Path) -> subprocess.CompletedProcess:

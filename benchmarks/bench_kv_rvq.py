@@ -16,7 +16,7 @@ The baseline is the same model with an fp16 cache (keys/values rounded to fp16, 
 are computed in chunks from kept final hidden states (an 8192-token window of SmolLM2 has 1.6 G logits).
 
     OMP_NUM_THREADS=1 python3 benchmarks/bench_kv_rvq.py --model smollm2-135m \\
-        --recipes recipes/kv-rvq-tiered.yaml recipes/kv-rvq2.yaml recipes/kv-rvq1.yaml
+        --recipes recipes/kv-rvq-tiered.yaml recipes/ablations/kv-rvq2.yaml recipes/ablations/kv-rvq1.yaml
 
 Writes benchmarks/results/kv_rvq_<model>.json (BENCHMARKS.md records; `kmeans_seconds` from calibration).
 """

@@ -76,7 +76,7 @@ def use_ids(path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--recipe", type=Path, default=ROOT / "recipes/kv-nuq2-outlier.yaml")
+    ap.add_argument("--recipe", type=Path, default=ROOT / "recipes/ablations/kv-nuq2-outlier.yaml")
     ap.add_argument("--data", default="ptb")
     ap.add_argument("--split", default="train")
     ap.add_argument("--ids", type=Path, help="pre-tokenized windows (.pt with 'calib') instead of --data")

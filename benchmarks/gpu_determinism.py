@@ -29,7 +29,7 @@ from moec.atomic import write_json  # noqa: E402
 from moec.calibrate.recipe import load_recipe  # noqa: E402
 from moec.calibrate.sources import resolve_model  # noqa: E402
 
-RECIPES = ["recipes/experts-hls2.yaml", "recipes/experts-hls3-tuned.yaml", "recipes/experts-fp8.yaml",
+RECIPES = ["recipes/experts-hls2.yaml", "recipes/ablations/experts-hls3-tuned.yaml", "recipes/experts-fp8.yaml",
            "recipes/kv-nuq2-rot.yaml", "recipes/kv-rvq-tiered.yaml", "recipes/kv-latent-layer-g2.yaml"]
 
 

@@ -5,7 +5,8 @@
 CI runs on a CPU, where the runtime takes the torch path, so a slip in the GPU path lands silently (one
 did: the static engine crashed on its first decode step with default arguments). This script is the gate
 before anything else runs on the GPU (benchmarks/gpu_sweep.sh starts with it). For each shipped recipe
-(`shipped_gpu_recipes`: every recipe under recipes/ but the identity and the ablations) on the
+(`shipped_gpu_recipes`: every recipe under recipes/ and recipes/ablations/ but the identity and the
+ablations of one setting, whose description starts "ablation of") on the
 `smoke-moe` preset (head_dim 128 as in the big shapes, one dense and three MoE layers; random weights):
 
   pack      `moec pack --random smoke-moe --recipe R` (stand-in calibration for every codec), plus
@@ -64,12 +65,13 @@ PROMPT = ("The committee met on Tuesday to review the budget for the coming year
 
 
 def shipped_gpu_recipes(recipes_dir: Path = RECIPES) -> list[str]:
-    """The recipes the smoke must cover: every recipe file but the identity (no codec, nothing on the GPU
-    path to check) and ablations (a description starting "ablation of")."""
+    """The recipes the smoke must cover: every recipe file, recipes/ablations/ included (their GPU paths ship
+    too), but the identity (no codec, nothing on the GPU path to check) and ablations of a single setting
+    (a description starting "ablation of")."""
     import yaml
 
     out = []
-    for p in sorted(recipes_dir.glob("*.yaml")):
+    for p in sorted([*recipes_dir.glob("*.yaml"), *recipes_dir.glob("ablations/*.yaml")], key=lambda p: p.stem):
         d = yaml.safe_load(p.read_text())
         if not d.get("kv") and not d.get("weights"):
             continue
@@ -77,6 +79,12 @@ def shipped_gpu_recipes(recipes_dir: Path = RECIPES) -> list[str]:
             continue
         out.append(p.stem)
     return out
+
+
+def recipe_file(name: str) -> Path:
+    """recipes/NAME.yaml, or recipes/ablations/NAME.yaml."""
+    shipped = RECIPES / f"{name}.yaml"
+    return shipped if shipped.is_file() else RECIPES / "ablations" / f"{name}.yaml"
 
 
 def source_tree() -> str:
@@ -117,7 +125,7 @@ def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda
         recs.append({"recipe": name, "check": check, "wall_s": round(time.time() - t0, 2)} | kw)
 
     t0 = time.time()
-    rc, out = run_cli("pack", "--random", SHAPE, "--recipe", str(RECIPES / f"{name}.yaml"), "-o", str(packed))
+    rc, out = run_cli("pack", "--random", SHAPE, "--recipe", str(recipe_file(name)), "-o", str(packed))
     record("pack", t0, ok=rc == 0, error=None if rc == 0 else _tail(out))
     if rc != 0:
         return recs

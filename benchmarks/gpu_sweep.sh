@@ -34,7 +34,7 @@ step() {  # step GPU SECONDS NAME CMD...
 }
 
 kernel_tests() { step "$1" "$2" kernel_tests python3 -m pytest -q -rs tests/kernels; }
-kv_attention() { step "$1" "$2" kv_attention python3 benchmarks/bench_kv_attention.py --recipe recipes/kv-nuq2-outlier-post.yaml --out "$OUT/kv_attention_h200.json"; }
+kv_attention() { step "$1" "$2" kv_attention python3 benchmarks/bench_kv_attention.py --recipe recipes/ablations/kv-nuq2-outlier-post.yaml --out "$OUT/kv_attention_h200.json"; }
 kv_sweep() { step "$1" "$2" kv_sweep python3 benchmarks/bench_kv_attention.py --sweep --out "$OUT/kv_attention_sweep_h200.json"; }
 kv_tests() { step "$1" "$2" kv_tests python3 -m pytest -q -rs tests/kernels/test_fused_decode.py tests/kernels/test_kv_decode_attention.py tests/kernels/test_kv_quantize_pack.py tests/kernels/test_moe_decode.py::test_split_and_paths_agree; }
 moe_kernel() { step "$1" "$2" moe_kernel python3 benchmarks/bench_moe_kernel.py --out "$OUT/moe_kernel_h200.json"; }

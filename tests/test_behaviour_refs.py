@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from benchmarks.behaviour_ref import REFS, ROOT, compare, platform, run_one
+from benchmarks.behaviour_ref import REFS, compare, platform, recipe_file, run_one
 
 ONE_PER_CODEC = ["kv-kivi2", "kv-nuq2-outlier", "kv-latent-head", "kv-latent-layer-g2", "kv-rvq-tiered",
                  "experts-hls2", "experts-rtn3", "experts-fp3", "experts-fp8"]
@@ -20,7 +20,7 @@ def test_recipe_behaviour_unchanged(name, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the references were recorded single-threaded
     refs = json.loads(REFS.read_text())
     ref = refs["recipes"][name]
-    got = run_one(ROOT / "recipes" / f"{name}.yaml", tmp_path)
+    got = run_one(recipe_file(name), tmp_path)
     assert got["applies"] and ref["applies"], got
     same = refs["protocol"]["platform"] == platform()
     if not same:  # other CPU kernels: the last bits of fp32 math may move, so bytes are not comparable

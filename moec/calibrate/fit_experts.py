@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import UserError
+from ..progress import tracked
 from ..registry import weight_codec, weight_codecs
 from ..runtime.config import ModelArgs
 from ..runtime.experts import ATTN_PARAM
@@ -139,7 +140,7 @@ class ExpertFitter:
                               "damp_w2": b["damp"]}
                              for a, b in zip(n1, n2, strict=True)]}
         tensors = {}
-        for p in ("w1", "w3", "w2"):
+        for p in tracked(("w1", "w3", "w2"), f"layer {layer}: fitting {len(experts)} experts", 3, "matrices"):
             name = f"layers.{layer}.moe.{p}"
             rule = self.targets.get(name)
             if rule is None or not experts:  # a rank that owns no expert of this layer (a dense MLP's one)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from ..errors import UserError
 from ..formats import checkpoint
 from ..formats.codecs import KEEP, WEIGHT_PATTERN
+from ..progress import tracked
 from ..provenance import environment
 from ..runtime.hf_layout import HFCheckpoint
 from .pack_kv import encode_kv_tensors
@@ -40,7 +41,7 @@ def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe,
     """
     tensors, info = {}, {}
     fitted = fitted or {}
-    for name, t in state.items():
+    for name, t in tracked(state.items(), "packing tensors", len(state)):
         rule = recipe.rule_for(name)
         codec = rule.codec if rule else KEEP
         if codec == KEEP:  # exactly as the source stores it, dtype included: bit-exact and never larger

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from ..formats import bitpack
+from ..progress import tracked
 from ..runtime.config import ModelArgs
 from ..runtime.model import build_model
 from . import hls
@@ -55,7 +56,7 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
     g = torch.Generator().manual_seed(seed)
     tokens = tokens.to(dev)
     kls = []
-    for step in range(steps):
+    for step in tracked(range(steps), "tuning codebooks", steps, "steps"):
         b = tokens[torch.randint(0, tokens.shape[0], (batch,), generator=g).to(dev)]  # [batch, L]
         with torch.no_grad():
             logp_src = torch.log_softmax(teacher(b).float(), -1)  # [batch, L, V]

@@ -1,4 +1,4 @@
-"""The `moec` command: calibrate, pack, eval, inspect, models, generate.
+"""The `moec` command: calibrate, pack, eval, inspect, models, generate, export, report.
 
 Exit codes: 0 success, 2 bad usage or input (one line naming the problem, no traceback), 1 for
 anything else (one line; MOEC_DEBUG=1 shows the traceback).
@@ -16,8 +16,10 @@ from rich.logging import RichHandler
 
 from .. import __version__
 from ..errors import UserError
-from . import calibrate_cmd, eval_cmd, export_cmd, generate_cmd, inspect_cmd, models_cmd, pack_cmd
+from ..progress import install as set_reporter
+from . import calibrate_cmd, eval_cmd, export_cmd, generate_cmd, inspect_cmd, models_cmd, pack_cmd, report_cmd
 from .common import console
+from .progress import install as install_progress
 
 # -h beside --help: click inherits help_option_names into every subcommand's context.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -43,6 +45,7 @@ app.command("eval")(eval_cmd.eval_)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("generate")(generate_cmd.generate)
 app.command("export")(export_cmd.export)
+app.command("report")(report_cmd.report)
 
 
 def _click_errors(name: str) -> tuple[type, ...]:
@@ -63,6 +66,7 @@ def main() -> None:
                         handlers=[RichHandler(console=console, show_path=False, show_time=False)])
     for noisy in ("httpx", "datasets", "filelock", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    install_progress(console)  # every long step's progress and ETA: bars on a terminal, timestamped lines elsewhere
     try:
         rc = app(prog_name="moec", standalone_mode=False)  # `moec` in usage lines under python -m too
         sys.exit(rc if isinstance(rc, int) else 0)
@@ -86,6 +90,8 @@ def main() -> None:
         print(f"moec: internal error: {type(e).__name__}: {msg} (MOEC_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         sys.exit(1)
+    finally:  # main() called in-process (tests, gpu_smoke) leaves no reporter behind
+        set_reporter(None)
 
 
 if __name__ == "__main__":

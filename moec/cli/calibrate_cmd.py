@@ -73,7 +73,7 @@ def calibrate(
     if dist.main:
         procs = f" on {dist.world} processes" if dist.grouped else ""
         console.log(f"calibrating {model} with recipe {r.name} on {data}/{split}: {samples} × {seq_len} tokens{procs}")
-    with progress_bar("layers", n_layers) as advance:
+    with progress_bar("calibrate layers" if dist.main else "", n_layers if dist.main else 0) as advance:
         report = run_calibrate(model_dir, model, r, data, split, samples, seq_len, r.calibration.seed, out,
                                device=device, progress=lambda i, n: advance() if dist.main else None,
                                resume=resume, data_config=data_config, text_column=text_column, dist=dist)

@@ -6,27 +6,21 @@ import os
 import platform
 import subprocess
 import time
-from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..atomic import write_json
+from ..progress import track
 
 console = Console(stderr=True)
 out_console = Console()
 
 
-@contextmanager
 def progress_bar(description: str, total: int):
-    """Yields advance(n) for a rich progress bar on stderr."""
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False, disable=not console.is_terminal and
-                  os.environ.get("MOEC_PROGRESS") != "1") as p:
-        task = p.add_task(description, total=total)
-        yield lambda n=1: p.advance(task, n)
+    """Yields advance(n=1) for a long step, shown with elapsed time and ETA (moec/cli/progress.py)."""
+    return track(description, total)
 
 
 @lru_cache(maxsize=1)  # one sha per run, even if commits land while a long eval runs

@@ -119,7 +119,7 @@ def eval_(
     cache_factory = kv_cache_factory(info, cand.args) or fp16_cache  # the checkpoint's KV codec (dec mode)
     records = []
     for m in modes:
-        with progress_bar(f"{m} windows", len(windows)) as advance:
+        with progress_bar(f"eval {m} windows", len(windows)) as advance:
             r = evaluate(cand, windows, m, base, batch_size=batch_size, progress=advance,
                          cache_factory=cache_factory, saved=saved, record=record)
         rec = base_record("moec-eval", device) | {

@@ -26,8 +26,7 @@ def pack(
     if model is None or calib is None:
         raise UserError("pack needs MODEL and CALIB_DIR (or --random SHAPE --recipe R.yaml)")
     model_dir = resolve_model(model)
-    with console.status("packing"):
-        m = run_pack(model_dir, model, calib, out)
+    m = run_pack(model_dir, model, calib, out)  # its long steps show their progress (moec/progress.py)
     b = m["effective_bits"]
     out_console.print(f"packed {model} → {out}: {len(m['recipe']['weights'])} weight rules, "
                       f"w_bits {b['w_bits']:.3f}, {b['model_bytes'] / 2**20:.1f} MiB")
@@ -48,8 +47,8 @@ def _pack_random(shape: str, recipe: Path | None, out: Path, model, calib) -> No
         raise UserError("--random needs --recipe R.yaml (the codecs to pack with)")
     r = load_recipe(recipe)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with console.status(f"packing random {shape} on {device}"):
-        m = pack_random(PRESETS[shape], shape, r, out, device=device)
+    console.log(f"packing random {shape} on {device}")
+    m = pack_random(PRESETS[shape], shape, r, out, device=device)
     b = m["effective_bits"]
     out_console.print(f"packed random {shape} ({r.name}) → {out}: w_bits {b['w_bits']:.3f}, "
                       f"{b['model_bytes'] / 2**30:.2f} GiB")

@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..atomic import atomic_dir
 from ..errors import FormatError, UserError
+from ..progress import track, tracked
 from ..provenance import created_timestamp
 from . import kvsection
 
@@ -55,9 +56,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, track(f"hashing {Path(path).name}", os.fstat(f.fileno()).st_size, "B") as advance:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
+            advance(len(chunk))
     return h.hexdigest()
 
 
@@ -84,7 +86,7 @@ def write_packed(out_dir: str | Path, tensors: dict[str, torch.Tensor], tensor_i
     with atomic_dir(out, is_output=is_packed, what="a moec checkpoint", size_hint=size) as tmp:
         groups = _shard(tensors)
         entries, shard_meta = {}, {}
-        for i, group in enumerate(groups):
+        for i, group in tracked(enumerate(groups), f"writing {out.name}", len(groups), "shards"):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             save_file({k: v.contiguous() for k, v in group.items()}, str(tmp / fname),
                       metadata={"format": FORMAT})  # one key: safetensors orders them by a per-process hash

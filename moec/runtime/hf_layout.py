@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
+from ..progress import track
 from .config import ModelArgs
 
 SUPPORTED = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -178,9 +179,11 @@ class HFCheckpoint:
     def fingerprint(self) -> dict:
         """sha256 of config.json and of the weight files, for provenance in every output."""
         h = hashlib.sha256()
-        for f in self.files:
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 24), b""):
-                    h.update(chunk)
+        with track(f"hashing {self.path.name} weights", sum(f.stat().st_size for f in self.files), "B") as advance:
+            for f in self.files:
+                with open(f, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 24), b""):
+                        h.update(chunk)
+                        advance(len(chunk))
         return {"config_sha256": hashlib.sha256((self.path / "config.json").read_bytes()).hexdigest(),
                 "weights_sha256": h.hexdigest()}

@@ -98,6 +98,8 @@ def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Tra
                 if record is not None:
                     record(mode, slice(s + b, s + b + 1), slice(None), logits[None])
                 tot.add(logits, x[0, CONTEXT:], base)
+                if progress is not None:  # per window: a teacher-forced window is the slow unit here
+                    progress(1)
         else:
             cache = cache_factory(model, B, W)
             bcache = fp16_cache(baseline, B, W) if baseline is not None else None  # the baseline: fp16 KV
@@ -123,8 +125,8 @@ def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Tra
             kv_bits.append(cache.bits_per_element())
             if hasattr(cache, "bits_at"):  # tiered caches: the stored-byte formula projected to 32k tokens
                 out_32k = cache.bits_at(32768)
-        if progress is not None:
-            progress(B)
+            if progress is not None:
+                progress(B)
     out = tot.result(with_base)
     out["windows"] = n
     out["window_len"] = W

@@ -64,9 +64,10 @@ def assert_nothing_beside(out: Path) -> None:
 def work(tiny_moe_dir, tmp_path_factory):
     """Two calibrations of the tiny model whose packs differ in every shard, and a pack of the first."""
     d = tmp_path_factory.mktemp("atomic")
-    for recipe in ("fp16", "experts-rtn2"):
-        calibrate(tiny_moe_dir, str(tiny_moe_dir), load_recipe(Path(f"recipes/{recipe}.yaml")), "ptb", "valid",
-                  2, 16, 0, d / recipe)
+    for recipe in ("fp16.yaml", "ablations/experts-rtn2.yaml"):
+        name = Path(recipe).stem
+        calibrate(tiny_moe_dir, str(tiny_moe_dir), load_recipe(Path("recipes") / recipe), "ptb", "valid",
+                  2, 16, 0, d / name)
     pack(tiny_moe_dir, str(tiny_moe_dir), d / "fp16", d / "previous")
     return d
 

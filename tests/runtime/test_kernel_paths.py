@@ -36,9 +36,9 @@ ARGS = ModelArgs(arch="llama", vocab_size=96, dim=64, n_layers=2, n_heads=4, n_k
 # (recipe, kernel expected by default) for every KV codec family. Window 32, block 16, 4 sinks: the 83-token
 # prompt leaves 2 history blocks and 47 window tokens, so the first of the 5 decode steps encodes a third
 # block (through the quantize-pack kernel where there is one) and the later ones read it.
-CASES = [("kv-nuq2-outlier", True), ("kv-nuq2-outlier-post", True), ("kv-nuq2-rot", True), ("kv-kivi2", False),
-         ("kv-latent-head", True), ("kv-latent-head-post", True), ("kv-latent-layer-g2", True),
-         ("kv-rvq-tiered", True)]
+CASES = [("ablations/kv-nuq2-outlier", True), ("ablations/kv-nuq2-outlier-post", True), ("kv-nuq2-rot", True),
+         ("kv-kivi2", False), ("ablations/kv-latent-head", True), ("ablations/kv-latent-head-post", True),
+         ("kv-latent-layer-g2", True), ("kv-rvq-tiered", True)]
 TOL = 1e-3
 
 

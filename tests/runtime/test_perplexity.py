@@ -25,7 +25,9 @@ def test_make_windows_drops_partial_tail():
 def test_scored_positions_and_kl_against_itself(tiny_moe_dir):
     model, _ = load_model(tiny_moe_dir)
     windows = torch.randint(0, model.args.vocab_size, (3, 80), generator=torch.Generator().manual_seed(0))
-    r = evaluate(model, windows, "tf", baseline=model, batch_size=2)
+    done = []
+    r = evaluate(model, windows, "tf", baseline=model, batch_size=2, progress=done.append)
+    assert done == [1, 1, 1]  # teacher forcing: progress per window (the eval's ETA)
     assert r["scored_tokens"] == 3 * (80 - CONTEXT)
     assert r["kld"] == pytest.approx(0.0, abs=1e-9) and r["top1"] == 1.0 and r["delta_pct"] == 0.0
     # teacher forcing by hand: mean NLL of tokens 32..79 given their prefixes
@@ -39,7 +41,10 @@ def test_dec_equals_tf_tiny(tiny_moe_dir):
     model, _ = load_model(tiny_moe_dir)
     windows = torch.randint(0, model.args.vocab_size, (3, 100), generator=torch.Generator().manual_seed(1))
     tf = evaluate(model, windows, "tf")
-    dec = evaluate(model, windows, "dec", batch_size=2)  # batches of 2 and 1: each window its own cache row
+    done = []
+    # batches of 2 and 1: each window its own cache row
+    dec = evaluate(model, windows, "dec", batch_size=2, progress=done.append)
+    assert done == [2, 1]  # decode: progress per batch of windows
     assert dec["ppl"] == pytest.approx(tf["ppl"], rel=1e-3)
     assert dec["kv_bits"] == 16.0
 
