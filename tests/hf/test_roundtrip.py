@@ -12,6 +12,7 @@ codec's history.
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -155,3 +156,36 @@ def test_unsupported_caches_are_refused(tmp_path):
     pack_random(args, "tiny", parse_recipe({"name": "none"}), tmp_path / "fp16")
     with pytest.raises(UserError, match="no KV codec"):
         moec.hf.MoecCache.from_packed(tmp_path / "fp16")
+
+
+@pytest.mark.parametrize("recipe, extra", [("kv-kivi2", {}), ("kv-rvq-tiered-pre", {"archive_after": 48})])
+def test_moec_cache_update_attends_as_moec_cache(tmp_path, recipe, extra):
+    """MoecCache.update + SDPA equals moec's own cache.attend step for step, through the history (and, for
+    RVQ, the archive tier: blocks re-encoded 48 tokens back, pre-RoPE keys), on random stand-in codecs."""
+    from moec.runtime.kvcache import causal_attention
+
+    args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                     max_seq_len=128, n_experts=4, top_k=2, expert_dim=64)
+    kv = {**yaml.safe_load(open(f"recipes/{recipe}.yaml"))["kv"], **KV_SMALL}
+    if extra:
+        kv["rvq"] = {**kv["rvq"], **extra}
+    p = tmp_path / "p"
+    pack_random(args, "tiny", parse_recipe({"name": recipe, "kv": kv}), p)
+    hc = moec.hf.MoecCache.from_packed(p, max_len=128)
+    m = checkpoint.read_manifest(p)
+    kv_names = [n for n in m["tensors"] if n.startswith("kv.")]
+    info = {"kv": m["kv"], "kv_tensors": checkpoint.load_tensors(p, m, kv_names)}
+    model = SimpleNamespace(args=args, tok_embeddings=SimpleNamespace(weight=torch.empty(0)))  # what factories read
+    rc = kv_cache_factory(info, args)(model, 1, 128)
+    g = torch.Generator().manual_seed(0)
+    pos = 0
+    for T in [10] + [1] * 70:
+        q, k, v = (torch.randn(1, h, T, 32, generator=g) for h in (4, 2, 2))
+        for layer in range(2):
+            keys, vals = hc.update(k, v, layer)
+            torch.testing.assert_close(causal_attention(q, keys, vals, pos), rc.attend(layer, q, k, v, pos),
+                                       rtol=1e-5, atol=1e-5)
+        pos += T
+    assert hc.get_seq_length() == pos == 80 and hc.cache.n_blocks == rc.n_blocks == [3, 3]  # (80 - 2 - 16) // 16
+    if extra:
+        assert hc.cache.n_arch == rc.n_arch == [1, 1]  # (80 - 48 - 2) // 16
