@@ -197,10 +197,17 @@ class MoecHfQuantizer(HfQuantizer):
         # transformers' loader matches none of the canonical names: every key is expected to miss (filled below)
         model._keys_to_ignore_on_load_unexpected = {r".*"}
         model._keys_to_ignore_on_load_missing = {r".*"}
+        # nor the tied embeddings (transformers would warn that the checkpoint looks corrupted): attach_packed
+        # ties them, and the mapping is restored for what reads it later (saving, resizing embeddings)
+        self.tied = getattr(model, "all_tied_weights_keys", None)
+        if self.tied is not None:
+            model.all_tied_weights_keys = {}
         use_moec_attention(model)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.tied is not None:
+            model.all_tied_weights_keys = self.tied
         return attach_packed(model, self.path)
 
     def is_serializable(self):

@@ -72,6 +72,7 @@ def models(packs):
 def test_transformers_logits_equal_runtime(packs, models, tmp_path):
     hf, rt, _ = models["experts_rot"]
     assert type(hf.model.layers[0].mlp.experts).__name__ == "MoecExperts"  # the quantized experts: moec's modules
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight  # demo-moe ties them
     x = torch.randint(0, rt.args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = hf(x).logits, rt(x)
