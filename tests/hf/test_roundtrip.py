@@ -11,6 +11,7 @@ codec's history.
 
 from __future__ import annotations
 
+import json
 import shutil
 from types import SimpleNamespace
 
@@ -191,3 +192,26 @@ def test_moec_cache_update_attends_as_moec_cache(tmp_path, recipe, extra):
     assert hc.get_seq_length() == pos == 80 and hc.cache.n_blocks == rc.n_blocks == [3, 3]  # (80 - 2 - 16) // 16
     if extra:
         assert hc.cache.n_arch == rc.n_arch == [1, 1]  # (80 - 48 - 2) // 16
+
+
+def test_quantized_attention_through_from_pretrained(tmp_path):
+    """Quantized attention projections (4-bit rtn, runtime QLinear) and 2-bit hls experts, random stand-in
+    weights at a tiny Mixtral shape: moec.hf.from_pretrained's model computes moec's runtime logits."""
+    args = ModelArgs(arch="mixtral", vocab_size=300, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64,
+                     max_seq_len=256, n_experts=4, top_k=2, expert_dim=96)
+    p = tmp_path / "p"
+    pack_random(args, "tiny", load_recipe("recipes/latency-hls2-nuq2-attn4.yaml"), p)
+    # pack --random writes a stub config.json (no source model): the full one transformers builds from
+    cfg = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 300, "hidden_size": 128,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 256,
+           "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+           "tie_word_embeddings": False, "quantization_config": json.loads((p / "config.json").read_text())[
+               "quantization_config"]}
+    (p / "config.json").write_text(json.dumps(cfg))
+    hf = moec.hf.from_pretrained(p)
+    assert type(hf.model.layers[1].self_attn.q_proj).__name__ == "QLinear"
+    rt, _ = load_model(p)
+    x = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, rt(x), rtol=1e-5, atol=1e-5)
