@@ -2,7 +2,7 @@
 
     moec/kernels/*   imports only torch, triton, numpy, the standard library, moec.formats, moec.kernels and
                      moec.errors: a kernel takes plain tensors (or a NamedTuple view of a codec's tensors)
-    moec/runtime/*   never imports moec.calibrate or moec.cli
+    moec/runtime/*   never imports moec.calibrate, moec.cli or moec.hf (the transformers adapters)
     moec/formats/*   imports none of moec.runtime, moec.calibrate, moec.cli
 """
 
@@ -67,8 +67,8 @@ def _kernel_import_ok(mod: str) -> bool:
 RULES = {
     "kernels": (_kernel_import_ok, "moec/kernels imports only torch, triton, numpy, the standard library, "
                                    "moec.formats, moec.kernels, moec.errors"),
-    "runtime": (lambda m: not (_within(m, "moec.calibrate") or _within(m, "moec.cli")),
-                "moec/runtime never imports moec.calibrate or moec.cli"),
+    "runtime": (lambda m: not any(_within(m, p) for p in ("moec.calibrate", "moec.cli", "moec.hf")),
+                "moec/runtime never imports moec.calibrate, moec.cli or moec.hf"),
     "formats": (lambda m: not any(_within(m, p) for p in ("moec.runtime", "moec.calibrate", "moec.cli")),
                 "moec/formats imports none of moec.runtime, moec.calibrate, moec.cli"),
 }

@@ -3,7 +3,12 @@
 A directory:
     moec.json               manifest (below); readers check `format` and `format_version` first
     model-00001-of-000NN.safetensors   canonical tensors (no pickle anywhere), shards ≤ 2 GB
+    model.safetensors.index.json   the standard shard index (every stored tensor -> its shard), derived from
+                            the manifest and written beside it, so that transformers finds the shards
+                            (`AutoModelForCausalLM.from_pretrained` with moec.hf's quantizer); checkpoints
+                            packed before it lack it (moec.hf.from_pretrained reads those); moec reads the manifest
     config.json             the source HF config plus a compressed-tensors style `quantization_config`
+                            (`quant_method: "moec"`, the key transformers dispatches on)
     tokenizer files         copied from the source model
 
 Manifest fields: format, format_version, moec_version, created (SOURCE_DATE_EPOCH when set), source
@@ -48,6 +53,7 @@ from . import kvsection
 FORMAT = "moec-packed"
 FORMAT_VERSION = 2
 MANIFEST = "moec.json"
+HF_INDEX = "model.safetensors.index.json"
 SHARD_BYTES = 2 << 30
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -98,6 +104,9 @@ def write_packed(out_dir: str | Path, tensors: dict[str, torch.Tensor], tensor_i
                 "created": created_timestamp(), **manifest,
                 "tensors": entries, "shards": shard_meta}
         (tmp / MANIFEST).write_text(json.dumps(full, indent=1))
+        index = {"metadata": {"format": FORMAT, "total_size": sum(e["bytes"] for e in entries.values())},
+                 "weight_map": {name: e["shard"] for name, e in entries.items()}}
+        (tmp / HF_INDEX).write_text(json.dumps(index, indent=1))
         cfg = dict(hf_config)
         cfg["quantization_config"] = quantization_config
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -228,6 +237,7 @@ def verify(path: str | Path, manifest: dict | None = None) -> dict:
     p = Path(path)
     manifest = manifest or read_manifest(p)
     check_manifest(manifest, p / MANIFEST)
+    check_index(p, manifest)
     for fname, meta in manifest["shards"].items():
         f = _shard_path(p, fname)
         if not f.is_file():
@@ -256,6 +266,21 @@ def verify(path: str | Path, manifest: dict | None = None) -> dict:
                     raise FormatError(f"{p / fname}: tensor {name!r} has dtype {got_dtype}, "
                                       f"manifest says {want['dtype']}")
     return manifest
+
+
+def check_index(p: Path, manifest: dict) -> None:
+    """The shard index, where there is one, maps exactly the manifest's tensors to their shards (FormatError):
+    transformers reads the index, moec the manifest, and both must load the same checkpoint."""
+    f = p / HF_INDEX
+    if not f.is_file():
+        return  # packed before the index was written: moec.hf.from_pretrained loads it without
+    try:
+        weight_map = json.loads(f.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError):
+        weight_map = None
+    if weight_map != {name: e["shard"] for name, e in manifest["tensors"].items()}:
+        raise FormatError(f"{f}: its weight_map does not list the manifest's tensors and shards (a stale or "
+                          f"edited index; delete it or re-pack)")
 
 
 def _open_shard(p: Path, fname: str):

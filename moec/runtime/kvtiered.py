@@ -312,22 +312,11 @@ class TieredKVCache:
 
     def _attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
         T = k.shape[2]
-        h = self.n_blocks[layer] * self.block
-        held = self.win["k"][layer].shape[2]
-        assert start_pos == held + h, (start_pos, held, h)
-        assert start_pos + T <= self.max_len, (start_pos, T, self.max_len)
-        wk = torch.cat([self.win["k"][layer], k.half()], dim=2)
-        wv = torch.cat([self.win["v"][layer], v.half()], dim=2)
-        s = min(self.sinks, wk.shape[2])
+        wk, wv, s, h = self._append(layer, k, v, start_pos)
         if T == 1 and self.use_kernel:
             out = self._attend_kernel(layer, q, wk, wv)
         else:
-            if self.mirror is not None:
-                hk, hv = self.mirror["k"][layer][:, :, :h], self.mirror["v"][layer][:, :, :h]
-            else:
-                hk, hv = self.decode_history(layer, "k"), self.decode_history(layer, "v")
-            keys = torch.cat([wk[:, :, :s].to(q.dtype), hk.to(q.dtype), wk[:, :, s:].to(q.dtype)], dim=2)
-            vals = torch.cat([wv[:, :, :s].to(q.dtype), hv.to(q.dtype), wv[:, :, s:].to(q.dtype)], dim=2)
+            keys, vals = self._keys_values(layer, wk, wv, s, h, q.dtype)
             bias = history_bias(self.codecs[layer], q)
             if bias is None:
                 out = causal_attention(q, keys, vals, start_pos)
@@ -336,16 +325,64 @@ class TieredKVCache:
                 is_hist = ((pos >= s) & (pos < s + h))[None, None, :, None]
                 q2, keys2, scale = biased_scores(q, keys, is_hist, bias)
                 out = causal_attention(q2, keys2, vals, start_pos, scale=scale)
-        # Age the window: move whole blocks of its oldest (non-sink) tokens into the history (TierPolicy).
-        target = self.policy.blocks_at(start_pos + T)
+        self._age(layer, wk, wv, s, start_pos + T)
+        return out
+
+    def _append(self, layer: int, k, v, start_pos: int):
+        """The layer's fp16 sinks + window with the new tokens k, v [B, K, T, d] appended (not yet stored):
+        (wk, wv, s, h), s the sinks held, h the history tokens."""
+        T = k.shape[2]
+        h = self.n_blocks[layer] * self.block
+        held = self.win["k"][layer].shape[2]
+        assert start_pos == held + h, (start_pos, held, h)
+        assert start_pos + T <= self.max_len, (start_pos, T, self.max_len)
+        wk = torch.cat([self.win["k"][layer], k.half()], dim=2)
+        wv = torch.cat([self.win["v"][layer], v.half()], dim=2)
+        return wk, wv, min(self.sinks, wk.shape[2]), h
+
+    def _keys_values(self, layer: int, wk, wv, s: int, h: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, K, s + h + n, d] in position order: sinks, dequantized history, window."""
+        if self.mirror is not None:
+            hk, hv = self.mirror["k"][layer][:, :, :h], self.mirror["v"][layer][:, :, :h]
+        else:
+            hk, hv = self.decode_history(layer, "k"), self.decode_history(layer, "v")
+        keys = torch.cat([wk[:, :, :s].to(dtype), hk.to(dtype), wk[:, :, s:].to(dtype)], dim=2)
+        vals = torch.cat([wv[:, :, :s].to(dtype), hv.to(dtype), wv[:, :, s:].to(dtype)], dim=2)
+        return keys, vals
+
+    def _age(self, layer: int, wk, wv, s: int, tokens: int) -> None:
+        """Store the window after `tokens` tokens, moving whole blocks of its oldest (non-sink) tokens into the
+        history (TierPolicy), then the subclass's `_aged` hook."""
+        target = self.policy.blocks_at(tokens)
         while self.n_blocks[layer] < target:
             self._encode_block(layer, wk[:, :, s : s + self.block], wv[:, :, s : s + self.block])
             wk = torch.cat([wk[:, :, :s], wk[:, :, s + self.block :]], dim=2)
             wv = torch.cat([wv[:, :, :s], wv[:, :, s + self.block :]], dim=2)
         self.win["k"][layer], self.win["v"][layer] = wk, wv
         if layer == self.args.n_layers - 1:
-            self.length = start_pos + T
-        return out
+            self.length = tokens
+        self._aged(layer, tokens)
+
+    def _aged(self, layer: int, tokens: int) -> None:
+        """Work after the window aged (the RVQ cache archives old blocks here)."""
+
+    def read_append(self, layer: int, k, v, start_pos: int, dtype) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """For callers that attend themselves (transformers' Cache.update, moec/hf/cache.py): store k, v
+        [B, K, T, d] (post-RoPE, positions start_pos..) as `attend` would and return what `attend` attends
+        over, (keys, values [B, K, start_pos + T, d] in `dtype`, in position order, and (s, h): the history
+        occupies key positions [s, s + h)). With head_dim rotations the cache stores k·R, v·R: the keys and
+        values come back rotated by Rᵀ (q·k and p·v are unchanged by an orthogonal R, so attending over them
+        equals attending in the rotated basis up to rounding). A codec with a history score bias
+        (nuq-outlier `score_bias`) needs it added to the scores of [s, s + h): `history_bias(codecs[layer], q)`."""
+        R = self.rot.get(layer, torch.float32) if self.rot is not None else None
+        if R is not None:
+            k, v = k.float() @ R, v.float() @ R
+        wk, wv, s, h = self._append(layer, k, v, start_pos)
+        keys, vals = self._keys_values(layer, wk, wv, s, h, torch.float32 if R is not None else dtype)
+        self._age(layer, wk, wv, s, start_pos + k.shape[2])
+        if R is not None:
+            keys, vals = (keys @ R.T).to(dtype), (vals @ R.T).to(dtype)
+        return keys, vals, (s, h)
 
     def _attend_kernel(self, layer: int, q, wk, wv) -> torch.Tensor:
         """One decode step of a nuq-outlier cache through the fused kernel (moec/kernels/kv_decode_attention.py;

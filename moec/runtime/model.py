@@ -153,6 +153,18 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
     return logits, weights, ids
 
 
+def combine_experts(expert: Callable[[int, torch.Tensor], torch.Tensor], x: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """Σ_a weights[n, a] · expert(ids[n, a], x[n]): the reference combine over the experts taken.
+    x: [N, D], weights/ids: [N, A] -> [N, D]. Shared with moec/hf (transformers' experts module)."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        tok, slot = torch.where(ids == e)
+        y = expert(e, x[tok]) * weights[tok, slot, None]
+        out.index_add_(0, tok, y.to(x.dtype))
+    return out
+
+
 class MoE(nn.Module):
     """Router + stacked experts (+ optional shared expert). A dense MLP is E = 1 without a router."""
 
@@ -189,11 +201,7 @@ class MoE(nn.Module):
             observer(layer, "expert_ids", ids)
         out = self.codec.fused(x, weights, ids) if self.codec is not None else None  # Triton decode on CUDA
         if out is None:
-            out = torch.zeros_like(x)
-            for e in ids.unique().tolist():
-                tok, slot = torch.where(ids == e)
-                y = self.expert(e, x[tok]) * weights[tok, slot, None]
-                out.index_add_(0, tok, y.to(x.dtype))
+            out = combine_experts(self.expert, x, weights, ids)
         if hasattr(self, "shared"):
             s = self.shared(x)
             if hasattr(self, "shared_gate"):

@@ -188,12 +188,11 @@ class RVQTieredCache(TieredKVCache):
                 self.mirror[kind][layer][:, :, sl] = y
         self.n_arch[layer] = b + 1
 
-    def attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
-        out = super().attend(layer, q, k, v, start_pos)  # attends, then evicts window blocks to the middle tier
-        target = self.arch_at(start_pos + k.shape[2])
+    def _aged(self, layer: int, tokens: int) -> None:
+        """After the window aged into the middle tier (TieredKVCache._age): archive its oldest blocks."""
+        target = self.arch_at(tokens)
         while self.n_arch[layer] < target:
             self.archive_block(layer)
-        return out
 
     def _attend_kernel(self, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
         """One decode step (post-RoPE keys) through moec/kernels/rvq_lut_attention.py, one code segment per tier.

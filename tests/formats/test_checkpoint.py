@@ -30,6 +30,20 @@ def test_round_trip_exact_across_dtypes_and_shards(tmp_path, monkeypatch):
     assert json.loads((out / "config.json").read_text())["quantization_config"] == {"quant_method": "moec"}
     assert (out / "recipe.yaml").read_text() == "name: t\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temporary, no lock file
+    # the standard shard index transformers reads names every tensor's shard, as the manifest does
+    index = json.loads((out / checkpoint.HF_INDEX).read_text())
+    assert index["weight_map"] == {n: e["shard"] for n, e in m["tensors"].items()}
+
+
+def test_stale_index_is_a_format_error_and_no_index_is_read(tmp_path):
+    out = _write(tmp_path, {"a": torch.zeros(3), "b": torch.ones(2)})
+    f = out / checkpoint.HF_INDEX
+    index = json.loads(f.read_text())
+    f.write_text(json.dumps({**index, "weight_map": {"a": index["weight_map"]["a"]}}))
+    with pytest.raises(FormatError, match="weight_map does not list"):
+        checkpoint.verify(out)
+    f.unlink()  # a checkpoint packed before the index existed
+    assert set(checkpoint.verify(out)["tensors"]) == {"a", "b"}
 
 
 def test_failed_write_leaves_nothing(tmp_path):

@@ -1,0 +1,244 @@
+"""A moec packed checkpoint as a transformers model: the quantizer transformers dispatches to for
+`quant_method: "moec"`, and `from_pretrained` for checkpoints transformers cannot open by itself.
+
+Shape legend: E = experts, I = expert intermediate size, D = model dim, N = tokens, A = experts per token.
+
+Both paths end in `attach_packed(model, PACKED_DIR)`: moec's runtime loader reads and checks the checkpoint
+(runtime/loader.load_state: version, hashes, shapes, the parts each codec stores), the kept tensors become
+the transformers parameters (canonical names mapped back onto transformers' in-memory names, experts
+fused into `gate_up_proj [E, 2I, D]` and `down_proj [E, D, I]` as transformers 5 holds them), and each
+quantized matrix is served by moec's own runtime modules: `MoecExperts` / `MoecMLP` wrap
+runtime/experts.ExpertWeights (Triton kernels on CUDA, the torch reference elsewhere) and quantized
+attention projections become runtime/experts.QLinear. Nothing here dequantizes by itself.
+
+Why the quantizer loads in its after-load hook: the shards hold moec's canonical names and codec parts
+(`layers.0.moe.w1.codes`), not transformers' names, so transformers' own loader finds none of its
+parameters there; the hook then fills every one of them from moec's loader (the keys transformers reports
+as missing/unexpected are expected, and silenced). `AutoModelForCausalLM.from_pretrained` needs the
+checkpoint's `model.safetensors.index.json` (written by `moec pack` since it was added to the format);
+`from_pretrained` below also reads checkpoints packed before it, building the model from its config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..errors import FormatError
+from ..formats import checkpoint
+from ..runtime.experts import ExpertWeights, QLinear, QuantMatrix, pop_quant_experts
+from ..runtime.loader import check_state_shapes, load_state
+from ..runtime.model import combine_experts
+
+QUANT_METHOD = "moec"
+_ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+# canonical per-layer names -> transformers' (the in-memory names of Llama, Mixtral, Qwen2/3-MoE, OLMoE in
+# transformers 5: every MoE block is `mlp` with `gate`, `experts` and the shared expert beside them)
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "moe.router.weight": "mlp.gate.weight", "moe.shared_gate.weight": "mlp.shared_expert_gate.weight",
+    **{f"moe.shared.{c}.weight": f"mlp.shared_expert.{h}.weight"
+       for c, h in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
+    **{f"attn.{c}.{s}": f"self_attn.{h}.{s}" for c, h in _ATTN.items() for s in ("weight", "bias")},
+}
+
+
+class MoecExperts(nn.Module):
+    """Stands in for transformers' fused experts module (forward(x [N, D], top_k_index, top_k_weights [N, A])
+    -> [N, D]): moec's ExpertWeights, through the fused Triton MoE kernels where they apply (CUDA), else the
+    runtime's reference combine (model.combine_experts over ExpertWeights.expert)."""
+
+    def __init__(self, codec: ExpertWeights):
+        super().__init__()
+        self.codec = codec
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        out = self.codec.fused(hidden_states, top_k_weights, top_k_index)
+        if out is None:
+            out = combine_experts(self.codec.expert, hidden_states, top_k_weights, top_k_index)
+        return out
+
+
+class MoecMLP(nn.Module):
+    """Stands in for a dense MLP (gate/up/down) whose matrices moec quantized: one always-taken expert, as
+    moec's runtime runs it (model.MoE, kind dense)."""
+
+    def __init__(self, codec: ExpertWeights):
+        super().__init__()
+        self.codec = codec
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.codec.expert(0, x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
+def hf_tensors(args, state: dict[str, torch.Tensor], quantized_layers: set[int]) -> dict[str, torch.Tensor]:
+    """transformers' parameter names -> tensors, from moec's canonical kept tensors. Experts of the layers in
+    `quantized_layers` are left out (MoecExperts / MoecMLP hold them, kept matrices included)."""
+    out = {"model.embed_tokens.weight": state["tok_embeddings.weight"], "model.norm.weight": state["norm.weight"]}
+    if "output.weight" in state:
+        out["lm_head.weight"] = state["output.weight"]
+    for i in range(args.n_layers):
+        p, m = f"layers.{i}.", f"model.layers.{i}."
+        out.update({m + h: state[p + c] for c, h in _LAYER_NAMES.items() if p + c in state})
+        if i in quantized_layers:
+            continue
+        w1, w3, w2 = (state[f"{p}moe.{c}"] for c in ("w1", "w3", "w2"))  # [E, I, D] ×2, [E, D, I]
+        if args.ffn_kinds[i] == "dense":
+            out.update({m + "mlp.gate_proj.weight": w1[0], m + "mlp.up_proj.weight": w3[0],
+                        m + "mlp.down_proj.weight": w2[0]})
+        else:  # transformers 5 fuses gate (first I rows) and up
+            out.update({m + "mlp.experts.gate_up_proj": torch.cat([w1, w3], dim=1), m + "mlp.experts.down_proj": w2})
+    return out
+
+
+def attach_packed(model: nn.Module, path: str | Path) -> nn.Module:
+    """Fill a transformers model of the checkpoint's architecture from moec packed checkpoint `path`: kept
+    tensors as its parameters (in the model's dtype, on its device), quantized matrices as moec runtime
+    modules. FormatError when the checkpoint and the model disagree (the first mismatch named)."""
+    path = Path(path)
+    args, state, info = load_state(path)
+    quant = pop_quant_experts(state, info["manifest"])
+    check_state_shapes(path, args, {n: t.shape for n, t in state.items()} |
+                       {p: torch.Size(q.param_shape) for p, q in quant.items()})
+    first = next(model.parameters())
+    device, dtype = first.device, first.dtype
+    layers = model.model.layers
+    by_layer: dict[int, dict[str, QuantMatrix]] = {}
+    for p, q in quant.items():
+        i, rest = int(p.split(".")[1]), p.split(".", 2)[2]  # layers.<i>.<rest>
+        if rest.startswith("attn."):  # attn.w[qkvo].weight
+            c = rest.split(".")[1]
+            bias = state.get(f"layers.{i}.attn.{c}.bias")
+            setattr(layers[i].self_attn, _ATTN[c],
+                    QLinear(q.to(device), None if bias is None else bias.to(device, dtype)))
+        else:
+            by_layer.setdefault(i, {})[rest.rsplit(".", 1)[-1]] = q
+    for i, qs in by_layer.items():
+        ws = [qs[c].to(device) if c in qs else state[f"layers.{i}.moe.{c}"].to(device, dtype)
+              for c in ("w1", "w3", "w2")]
+        if args.ffn_kinds[i] == "dense":
+            layers[i].mlp = MoecMLP(ExpertWeights(*ws))
+        else:
+            layers[i].mlp.experts = MoecExperts(ExpertWeights(*ws))
+    want = {n: t for n, t in model.state_dict().items()
+            if not any(isinstance(mod, (MoecExperts, MoecMLP, QLinear)) for mod in _owners(model, n))}
+    got = hf_tensors(args, state, set(by_layer))
+    tied = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in got
+    if tied:
+        want.pop("lm_head.weight", None)
+    for name in [*want, *sorted(got.keys() - want.keys())]:
+        if name not in got:
+            raise FormatError(f"{path}: no tensor for transformers parameter {name!r}")
+        if name not in want:
+            raise FormatError(f"{path}: tensor for {name!r}, which the transformers model does not have")
+        if got[name].shape != want[name].shape:
+            raise FormatError(f"{path}: {name!r} has shape {list(got[name].shape)}, transformers wants "
+                              f"{list(want[name].shape)}")
+        mod, attr = _module_attr(model, name)
+        setattr(mod, attr, nn.Parameter(got[name].to(device, dtype), requires_grad=False))
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _module_attr(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    mod, _, attr = name.rpartition(".")
+    return model.get_submodule(mod), attr
+
+
+def _owners(model: nn.Module, name: str):
+    """The modules along a parameter's dotted path."""
+    parts = name.split(".")
+    for j in range(1, len(parts)):
+        yield model.get_submodule(".".join(parts[:j]))
+
+
+@register_quantization_config(QUANT_METHOD)
+class MoecConfig(QuantizationConfigMixin):
+    """config.json's `quantization_config` as `moec pack` writes it (calibrate/pack.py): the format and the
+    recipe's rules, for display; what is loaded comes from the manifest (moec.json)."""
+
+    def __init__(self, format: str = checkpoint.FORMAT, format_version: int = checkpoint.FORMAT_VERSION,
+                 config_groups: dict | None = None, kv_cache_scheme: dict | None = None, ignore: list | None = None,
+                 w_bits: float | None = None, **kwargs):
+        self.quant_method = QUANT_METHOD
+        self.format, self.format_version = format, format_version
+        self.config_groups, self.kv_cache_scheme = config_groups or {}, kv_cache_scheme
+        self.ignore, self.w_bits = ignore or [], w_bits
+        for k, v in kwargs.items():  # keys a later moec writes: kept, so the config round-trips
+            setattr(self, k, v)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@register_quantizer(QUANT_METHOD)
+class MoecHfQuantizer(HfQuantizer):
+    """Loads a moec packed checkpoint (pre-quantized only): see the module docstring."""
+
+    requires_calibration = True
+
+    def validate_environment(self, *args, **kwargs):
+        if not self.pre_quantized:
+            raise ValueError("moec quantizes offline (`moec calibrate` + `moec pack`); load a packed checkpoint")
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        if not checkpoint_files:
+            raise ValueError("moec: no checkpoint files (a packed checkpoint directory has a "
+                             f"{checkpoint.HF_INDEX})")
+        self.path = Path(checkpoint_files[0]).parent
+        # transformers' loader matches none of the canonical names: every key is expected to miss (filled below)
+        model._keys_to_ignore_on_load_unexpected = {r".*"}
+        model._keys_to_ignore_on_load_missing = {r".*"}
+        # nor the tied embeddings (transformers would warn that the checkpoint looks corrupted): attach_packed
+        # ties them, and the mapping is restored for what reads it later (saving, resizing embeddings)
+        self.tied = getattr(model, "all_tied_weights_keys", None)
+        if self.tied is not None:
+            model.all_tied_weights_keys = {}
+        use_moec_attention(model)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.tied is not None:
+            model.all_tied_weights_keys = self.tied
+        return attach_packed(model, self.path)
+
+    def is_serializable(self):
+        return False  # `moec pack` writes the format; save_pretrained would write transformers' names
+
+    @property
+    def is_trainable(self):
+        return False
+
+
+def use_moec_attention(model) -> None:
+    """Attend through moec.hf.cache.moec_attention (SDPA, plus the history score bias a MoecCache asks for)."""
+    from .cache import ATTENTION
+
+    model.config._attn_implementation = ATTENTION
+    for sub in model.modules():
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = ATTENTION
+
+
+def from_pretrained(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """A transformers model of moec packed checkpoint `path` on `device`, computing in `dtype` (fp32: the
+    CPU reference), for any packed checkpoint, those packed before `model.safetensors.index.json` was
+    written included: built from its config.json (random init, then every tensor replaced) and filled by
+    `attach_packed`. `AutoModelForCausalLM.from_pretrained(path)` gives the same model where the index exists."""
+    path = Path(path)
+    checkpoint.read_manifest(path)  # a clear FormatError before transformers reads anything
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    config = AutoConfig.for_model(**cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    use_moec_attention(model)
+    return attach_packed(model, path).to(device).eval()
