@@ -46,7 +46,7 @@ def packs(tmp_path_factory):
     recipes = {
         "experts_rot": {"name": "hf-experts-rot", "weights": experts["weights"], "calibration": experts["calibration"],
                         "kv": {**yaml.safe_load(open("recipes/kv-nuq2-rot.yaml"))["kv"], **KV_SMALL}},
-        "nuq_pre": {"name": "hf-nuq-pre", "kv": {**yaml.safe_load(open("recipes/kv-nuq2-outlier.yaml"))["kv"],
+        "nuq_pre": {"name": "hf-nuq-pre", "kv": {**yaml.safe_load(open("recipes/ablations/kv-nuq2-outlier.yaml"))["kv"],
                                                  **KV_SMALL}},
     }
     mp = pytest.MonkeyPatch()
@@ -153,7 +153,7 @@ def test_score_bias_without_moec_attention_is_refused(packs, models):
 def test_unsupported_caches_are_refused(tmp_path):
     args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                      max_seq_len=128, n_experts=4, top_k=2, expert_dim=64)
-    pack_random(args, "tiny", load_recipe("recipes/kv-latent-head.yaml"), tmp_path / "latent")
+    pack_random(args, "tiny", load_recipe("recipes/ablations/kv-latent-head.yaml"), tmp_path / "latent")
     with pytest.raises(UserError, match="latent-head"):
         moec.hf.MoecCache.from_packed(tmp_path / "latent")
     pack_random(args, "tiny", parse_recipe({"name": "none"}), tmp_path / "fp16")
