@@ -161,7 +161,7 @@ def test_unsupported_caches_are_refused(tmp_path):
         moec.hf.MoecCache.from_packed(tmp_path / "fp16")
 
 
-@pytest.mark.parametrize("recipe, extra", [("kv-kivi2", {}), ("kv-rvq-tiered-pre", {"archive_after": 48})])
+@pytest.mark.parametrize("recipe, extra", [("kv-kivi2", {}), ("ablations/kv-rvq-tiered-pre", {"archive_after": 48})])
 def test_moec_cache_update_attends_as_moec_cache(tmp_path, recipe, extra):
     """MoecCache.update + SDPA equals moec's own cache.attend step for step, through the history (and, for
     RVQ, the archive tier: blocks re-encoded 48 tokens back, pre-RoPE keys), on random stand-in codecs."""
