@@ -8,6 +8,8 @@ recipe's expert fits (ExpertHessians → ExpertFitter.on_layer), expert parallel
         --out $OUT/calibrate_scale.json
     torchrun --nproc-per-node 2 benchmarks/bench_calibrate_scale.py --layers 2 ... --device cuda   # 2 GPUs
     OMP_NUM_THREADS=1 python3 benchmarks/bench_calibrate_scale.py --dry --out /tmp/scale.json      # CPU, toy
+    OMP_NUM_THREADS=1 python3 benchmarks/bench_calibrate_scale.py --mid --device cpu --layers 1 --samples 8 \
+        --seq-len 256 --trace          # CPU memory timeline: peak live tensor bytes per phase, what is alive
 
 Record fields: shape, recipe, gpus (processes), layers, samples, seq_len, wall_s (the layer loop, fits
 included), tokens_per_s (samples × seq_len × layers / wall_s), peak_gpu_gb (torch.cuda.max_memory_allocated
@@ -21,6 +23,7 @@ costly case for per-expert statistics.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import resource
 import sys
@@ -43,6 +46,9 @@ from moec.runtime.config import PRESETS  # noqa: E402
 
 # --dry: the mixtral layout at a size the CPU calibrates in seconds
 TOY = dict(vocab_size=512, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, expert_dim=192, max_seq_len=4096)
+# --mid: a mixtral-like layer a quarter of the width (dim 1024, 8 experts of 3584), for CPU memory timelines
+BATCH = 8  # run_layers' batch (sequences per forward)
+MID = dict(vocab_size=4096, dim=1024, n_heads=8, n_kv_heads=2, head_dim=128, expert_dim=3584, max_seq_len=4096)
 
 
 def random_layers(args, seed: int):
@@ -70,7 +76,8 @@ def random_layers(args, seed: int):
 
 def one_layer_plus_act_bytes(args, samples: int, seq_len: int, world: int, all_tokens: bool) -> int:
     """Rank 0's device bytes from the shapes: one layer's weights as the loop holds them (fp32), the hidden
-    states [N, L, D] fp32, and its share of the statistics (run_layers, hessian.ExpertHessians)."""
+    states [N, L, D] fp32 (with --offload-activations, pass N = run_layers' batch, what the device holds),
+    and its share of the statistics (run_layers, hessian.ExpertHessians)."""
     names = canonical_names(args)
     layer = sum(torch.Size(s).numel() for n, s in names.items() if n.startswith("layers.0.")) * 4
     D, I, E = args.dim, args.expert_dim, args.n_experts
@@ -78,6 +85,27 @@ def one_layer_plus_act_bytes(args, samples: int, seq_len: int, world: int, all_t
     stats = mine * (D * D + I * I) * 4 + (D * D + mine * I * I) * 4 * all_tokens
     w13 = 2 * E * I * D * 4  # ExpertHessians' fp32 copy of w1, w3 (the down projection's inputs)
     return layer + w13 + samples * seq_len * D * 4 + stats
+
+
+def label_phases(trace, observers: list, hessians) -> list:
+    """Set trace.phase around the statistics observers, the fit and its quantizer steps (--trace)."""
+    from moec.calibrate import fit_experts, hls
+
+    def labelled(fn, phase):
+        def call(*args, **kw):
+            before, trace.phase = trace.phase, phase
+            try:
+                return fn(*args, **kw)
+            finally:
+                trace.phase = before
+        return call
+
+    for mod, name in ((hls, "fit_lut"), (hls, "gptq_assign"), (hls, "refit_lut"), (hls, "output_error"),
+                      (fit_experts, "regularize")):
+        setattr(mod, name, labelled(getattr(mod, name), f"fit:{name}"))
+    hessians.on_layer = labelled(hessians.on_layer, "fit")
+    trace.phase = "capture"
+    return [labelled(ob, f"stats:{type(ob).__name__}") for ob in observers]
 
 
 def main() -> None:
@@ -90,11 +118,23 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry", action="store_true", help="toy sizes on the CPU (checks the script, measures nothing)")
+    ap.add_argument("--mid", action="store_true", help="dim 1024, expert_dim 3584 (CPU memory timelines)")
+    ap.add_argument("--dim", type=int, default=None, help="override the shape's hidden size")
+    ap.add_argument("--expert-dim", type=int, default=None, help="override the shape's expert width")
+    ap.add_argument("--trace", action="store_true",
+                    help="track live tensor bytes per phase (memtrace.py; slow, meant for the CPU)")
+    ap.add_argument("--offload-activations", action="store_true",
+                    help="hidden states of the calibration set in host memory, one batch on the device at a time")
+    ap.add_argument("--memory-fraction", type=float, default=None,
+                    help="cap usable GPU memory (torch.cuda.set_per_process_memory_fraction) to this many times "
+                         "one_layer_plus_act_gb")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.dry:
         a.device, a.samples, a.seq_len, a.layers = "cpu", 4, 64, min(a.layers, 2)
-    args = dataclasses.replace(PRESETS[a.shape], n_layers=a.layers, ffn_kinds=[], **(TOY if a.dry else {}))
+    size = dict(TOY if a.dry else MID if a.mid else {})
+    size.update({k: v for k, v in (("dim", a.dim), ("expert_dim", a.expert_dim)) if v is not None})
+    args = dataclasses.replace(PRESETS[a.shape], n_layers=a.layers, ffn_kinds=[], **size)
     recipe = load_recipe(a.recipe)
     cal = recipe.calibration
     all_tokens = cal.expert_policy == "all-experts-for-stats" and cal.min_expert_tokens > 0
@@ -107,12 +147,25 @@ def main() -> None:
     hessians = ExpertHessians(args, fitter.layers(), layer_state, fitter.on_layer, all_tokens=all_tokens,
                               experts=dist.owned(args.n_experts) if dist.grouped else None)
     observers = [ExpertTokenCounts(args), KVRange(), hessians]
+    on_device = min(a.samples, BATCH) if a.offload_activations else a.samples
+    act_bytes = one_layer_plus_act_bytes(args, on_device, a.seq_len, dist.world, all_tokens)
     if a.device == "cuda":
+        if a.memory_fraction is not None:
+            dev = torch.cuda.current_device()
+            cap = a.memory_fraction * act_bytes / torch.cuda.get_device_properties(dev).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(cap, 1.0), dev)
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
+    trace = None
+    if a.trace:
+        from memtrace import LiveTensors
+        trace = LiveTensors()
+        observers = label_phases(trace, observers, hessians)
     t0 = time.time()
-    run_layers(args, glob, layer_state, tokens, observers, device=a.device,
-               on_layer_end=lambda i, h: hessians.flush())
+    with trace if trace is not None else contextlib.nullcontext():
+        run_layers(args, glob, layer_state, tokens, observers, batch_size=BATCH, device=a.device,
+                   on_layer_end=lambda i, h: hessians.flush(),
+                   **({"offload": True} if a.offload_activations else {}))
     if a.device == "cuda":
         torch.cuda.synchronize()
     wall = time.time() - t0
@@ -122,14 +175,21 @@ def main() -> None:
     assert len(fitter.report) == a.layers and all(f"fit.layers.{i}.moe.w1.codes" in fitter.tensors
                                                   for i in range(a.layers)), sorted(fitter.tensors)[:4]
     rec = base_record("calibrate-scale", a.device) | {
-        "shape": a.shape + (" (toy)" if a.dry else ""), "recipe": recipe.name, "gpus": dist.world, "layers": a.layers,
-        "samples": a.samples, "seq_len": a.seq_len, "wall_s": round(wall, 2),
+        "shape": a.shape + (" (toy)" if a.dry else f" (dim {args.dim}, expert_dim {args.expert_dim})" if size else ""),
+        "recipe": recipe.name, "gpus": dist.world, "layers": a.layers,
+        "samples": a.samples, "seq_len": a.seq_len, "offload_activations": a.offload_activations,
+        "wall_s": round(wall, 2),
         "tokens_per_s": round(a.samples * a.seq_len * a.layers / wall, 1),
         "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3) if a.device == "cuda" else None,
-        "one_layer_plus_act_gb": round(one_layer_plus_act_bytes(args, a.samples, a.seq_len, dist.world,
-                                                                all_tokens) / 1e9, 3),
+        "one_layer_plus_act_gb": round(act_bytes / 1e9, 3),
         "peak_host_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3),  # KiB on Linux
     }
+    if a.device == "cuda":
+        rec["peak_ratio"] = round(torch.cuda.max_memory_allocated() / act_bytes, 3)
+        rec["memory_fraction"] = a.memory_fraction
+    if trace is not None:
+        rec["trace"] = trace.summary()
+        rec["peak_ratio"] = round(trace.peak / act_bytes, 3)  # live CPU tensor bytes / the shapes' bound
     print(rec)
     if a.out is not None:
         write_json_atomic(a.out, [rec])

@@ -107,8 +107,11 @@ class ExpertFitter:
                        "rel_output_error": [round(x, 6) for x in err.tolist()]}
 
     def _hessians(self, stats: dict, key: str, experts: list[int]) -> tuple[torch.Tensor, list[dict]]:
-        """The damped Hessians [n, m, m] of `experts` (stats[key] holds them in that order) and a note each."""
-        H = stats[key].clone()  # [n, m, m]
+        """The damped Hessians [n, m, m] of `experts` (stats[key] holds them in that order) and a note each.
+
+        Damped in place: stats[key] becomes the result (the raw sums are not needed after this; a copy of
+        the stack is 6.6 GB at the Mixtral shape), and the all-token sums are dropped once used."""
+        H = stats[key]  # [n, m, m]
         notes = []
         count = stats["count"].tolist()
         for j, e in enumerate(experts):
@@ -125,6 +128,7 @@ class ExpertFitter:
             if note["status"] in ("non-finite", "zero", "singular"):
                 source = "identity"
             notes.append({"tokens": c, "hessian": source, **note})
+        stats.pop(f"{key}_all", None)
         return H, notes
 
     def on_layer(self, layer: int, stats: dict) -> None:
@@ -146,9 +150,15 @@ class ExpertFitter:
             if rule is None or not experts:  # a rank that owns no expert of this layer (a dense MLP's one)
                 continue
             H = H2 if p == "w2" else H1
-            W = sd[name][experts].to(H.device, torch.float32)  # fits run where the statistics are (cpu or cuda)
-            parts, entry[p] = self._fit(name, W, H, rule)
-            tensors.update({f"fit.{name}.{part}": t for part, t in parts.items()})
+            # one expert at a time, so a fit's temporaries (GPTQ's Cholesky factors of I x I, the Lloyd
+            # distance tables) are one expert's, not E times that; experts fit independently (the expert-
+            # parallel ranks rely on it too), so the stored parts are the same as from one batched call.
+            # Fits run where the statistics are (cpu or cuda).
+            fits = [self._fit(name, sd[name][e : e + 1].to(H.device, torch.float32), H[j : j + 1], rule)
+                    for j, e in enumerate(experts)]
+            entry[p] = {**fits[0][1], "rel_output_error": [x for _, r in fits for x in r["rel_output_error"]]}
+            tensors.update({f"fit.{name}.{part}": torch.cat([f[part] for f, _ in fits]) for part in fits[0][0]})
+            del fits
         if self.dist.grouped:
             shares = self.dist.gather(tensors, {"entry": entry, "experts": experts})
             if shares is None:  # not rank 0: its share is sent, nothing kept
