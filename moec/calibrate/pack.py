@@ -7,20 +7,23 @@ what was calibrated. The source model must be the one calibrated (checked by wei
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from ..errors import UserError
 from ..formats import checkpoint
 from ..formats.codecs import KEEP, WEIGHT_PATTERN
 from ..progress import tracked
 from ..provenance import environment
-from ..runtime.hf_layout import HFCheckpoint
+from ..runtime.hf_layout import ST_DTYPES, HFCheckpoint
 from .pack_kv import encode_kv_tensors
 from .recipe import Recipe, load_recipe
 from .sources import TOKENIZER_FILES
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 def read_calib(calib_dir: Path) -> tuple[Recipe, dict]:
@@ -81,8 +84,11 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
     if fp["weights_sha256"] != report.get("weights_sha256"):
         raise UserError(f"{calib_dir} was calibrated on another model ({report.get('model')!r}, weights "
                         f"sha256 {str(report.get('weights_sha256'))[:12]}...), not {model_spec!r}")
-    state = ckpt.state_dict()
-    tensors, info = encode_tensors(state, recipe, load_file(str(calib_dir / "calib.safetensors")))
+    # streamed: shards are planned from shapes and dtypes (meta tensors); each tensor is read when its
+    # shard is written, the source one decoder layer at a time, the fitted parts from calib.safetensors
+    state = ckpt.meta_state_dict()
+    calib_file = str(calib_dir / "calib.safetensors")
+    tensors, info = encode_tensors(state, recipe, _meta_file(calib_file))
     bits = effective_bits(state, tensors, info)
     kv_tensors, kv_info, kv_section = encode_kv_tensors(calib_dir, recipe, ckpt.args)
     tensors.update(kv_tensors)
@@ -107,8 +113,36 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
              "ignore": [], "w_bits": bits["w_bits"]}
     extra = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
     checkpoint.write_packed(out_dir, tensors, info, manifest, ckpt.config, quant, extra_files=extra,
-                            extra_texts={"recipe.yaml": recipe.to_yaml()})
+                            extra_texts={"recipe.yaml": recipe.to_yaml()},
+                            load=_source_loader(ckpt, set(state), calib_file))
     return manifest
+
+
+def _meta_file(path: str) -> dict[str, torch.Tensor]:
+    """{name: meta tensor} of a safetensors file, from its header, in load_file's order (by offset)."""
+    with safe_open(path, "pt") as f:
+        return {k: torch.empty(f.get_slice(k).get_shape(), dtype=ST_DTYPES[f.get_slice(k).get_dtype()],
+                               device="meta") for k in f.offset_keys()}
+
+
+def _source_loader(ckpt: HFCheckpoint, names: set[str], calib_file: str):
+    """load(stored name) for write_packed: a source tensor (`names`: the canonical ones; its decoder layer
+    read once and kept until the next one is asked for, as shards take tensors in state_dict order, the
+    global tensors likewise) or a fitted part (`<param>.<part>`, `fit.<param>.<part>` in calib)."""
+    held: dict = {"key": None, "sd": {}}
+
+    def load(name: str) -> torch.Tensor:
+        if name not in names:
+            with safe_open(calib_file, "pt") as f:
+                return f.get_tensor(f"fit.{name}")
+        m = _LAYER.match(name)
+        key = int(m.group(1)) if m else "global"
+        if held["key"] != key:
+            held["key"], held["sd"] = None, {}  # the previous layer freed before the next is read
+            held["key"], held["sd"] = key, ckpt.global_state() if m is None else ckpt.layer_state(key)
+        return held["sd"][name]
+
+    return load
 
 
 def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: str = "cpu", seed: int = 0) -> dict:

@@ -36,7 +36,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -85,8 +85,13 @@ def _shard(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 def write_packed(out_dir: str | Path, tensors: dict[str, torch.Tensor], tensor_info: dict[str, dict],
                  manifest: dict, hf_config: dict, quantization_config: dict,
-                 extra_files: Iterable[Path] = (), extra_texts: dict[str, str] | None = None) -> Path:
-    """Write a packed checkpoint atomically. `tensor_info[name]` holds codec and bits per tensor."""
+                 extra_files: Iterable[Path] = (), extra_texts: dict[str, str] | None = None,
+                 load: Callable[[str], torch.Tensor] | None = None) -> Path:
+    """Write a packed checkpoint atomically. `tensor_info[name]` holds codec and bits per tensor.
+
+    Streamed: with `load`, `tensors` may hold meta tensors (shapes and dtypes only, which plan the
+    shards) and load(name) reads the data when its shard is written, so only one shard's tensors are
+    held at a time; the files are the same bytes as with the tensors in memory."""
     out = Path(out_dir)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     with atomic_dir(out, is_output=is_packed, what="a moec checkpoint", size_hint=size) as tmp:
@@ -94,8 +99,11 @@ def write_packed(out_dir: str | Path, tensors: dict[str, torch.Tensor], tensor_i
         entries, shard_meta = {}, {}
         for i, group in tracked(enumerate(groups), f"writing {out.name}", len(groups), "shards"):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            save_file({k: v.contiguous() for k, v in group.items()}, str(tmp / fname),
-                      metadata={"format": FORMAT})  # one key: safetensors orders them by a per-process hash
+            data = {k: _loaded(k, v, load).contiguous() for k, v in group.items()}
+            part = tmp / (fname + ".partial")  # each shard complete under its name, the manifest last
+            save_file(data, str(part), metadata={"format": FORMAT})  # one key: safetensors orders them by a hash
+            del data
+            os.replace(part, tmp / fname)
             shard_meta[fname] = {"sha256": sha256_file(tmp / fname), "bytes": (tmp / fname).stat().st_size}
             for name, t in group.items():
                 entries[name] = {"shard": fname, **tensor_info[name], "shape": list(t.shape),
@@ -115,6 +123,14 @@ def write_packed(out_dir: str | Path, tensors: dict[str, torch.Tensor], tensor_i
         for fname, text in (extra_texts or {}).items():
             (tmp / fname).write_text(text)
     return out
+
+
+def _loaded(name: str, t: torch.Tensor, load: Callable[[str], torch.Tensor] | None) -> torch.Tensor:
+    if load is None or not t.is_meta:
+        return t
+    v = load(name)
+    assert v.shape == t.shape and v.dtype == t.dtype, (name, v.shape, v.dtype, t.shape, t.dtype)
+    return v
 
 
 def is_packed(path: str | Path) -> bool:

@@ -20,6 +20,9 @@ from ..errors import UserError
 from ..progress import track
 from .config import ModelArgs
 
+ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 SUPPORTED = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -108,6 +111,7 @@ class HFCheckpoint:
         if not self.files:
             raise UserError(f"{self.path}: no *.safetensors weights (pickled .bin checkpoints are not read)")
         self._where: dict[str, Path] = {}
+        self._meta = False
         for f in self.files:
             with safe_open(f, "pt") as h:
                 for k in h.keys():  # noqa: SIM118 (safe_open handles are not mappings)
@@ -121,6 +125,9 @@ class HFCheckpoint:
         if name not in self._where:
             raise UserError(f"{self.path}: tensor {name!r} missing from the checkpoint")
         with safe_open(self._where[name], "pt") as h:
+            if self._meta:  # shape and dtype from the header, no data read (meta_state_dict)
+                sl = h.get_slice(name)
+                return torch.empty(sl.get_shape(), dtype=ST_DTYPES[sl.get_dtype()], device="meta")
             return h.get_tensor(name)
 
     # -- canonical views --------------------------------------------------------------------------
@@ -175,6 +182,15 @@ class HFCheckpoint:
         for i in range(self.args.n_layers):
             out.update(self.layer_state(i))
         return out
+
+    def meta_state_dict(self) -> dict[str, torch.Tensor]:
+        """state_dict() as meta tensors: the canonical names in the same order, with their shapes and
+        dtypes, read from the safetensors headers only (what a streamed pack plans its shards from)."""
+        self._meta = True
+        try:
+            return self.state_dict()
+        finally:
+            self._meta = False
 
     def fingerprint(self) -> dict:
         """sha256 of config.json and of the weight files, for provenance in every output."""
