@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import typer
@@ -18,9 +19,10 @@ from ..calibrate.data import load_text
 from ..calibrate.sources import load_tokenizer, resolve_model, tokenize
 from ..errors import UserError
 from ..runtime.hf_layout import HFCheckpoint
-from ..runtime.loader import kv_cache_factory, load_model
+from ..runtime.loader import kv_cache_factory, load_model, weight_bits
 from ..runtime.perplexity import CONTEXT, evaluate, fp16_cache, make_windows
 from ..runtime.saved_logits import LogitRecorder, SavedLogits, tokens_sha
+from ..runtime.stream_eval import LayerSource, evaluate_streamed, model_bytes
 from .common import base_record, console, out_console, progress_bar, write_json_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,6 +55,9 @@ def eval_(
     baseline_logits: Path | None = typer.Option(None, "--baseline-logits", help="KL against log-probs saved by "
                                                 "--save-logits (same data, split, windows), not a baseline model",
                                                 rich_help_panel=QUALITY),
+    stream_layers: bool = typer.Option(False, "--stream-layers", help="tf mode with one layer's weights on the "
+                                       "device at a time (by itself on cuda when the model does not fit)",
+                                       rich_help_panel=QUALITY),
     latency: bool = typer.Option(False, "--latency", help="decode ms/token against the HBM floor instead",
                                  rich_help_panel=LATENCY),
     random: str | None = typer.Option(None, "--random", help="random weights at a performance shape (`moec "
@@ -96,7 +101,24 @@ def eval_(
     if window <= CONTEXT + 1:
         raise UserError(f"--window must exceed the {CONTEXT}-token context, got {window}")
     model_dir = resolve_model(model)
-    cand, info = load_model(model_dir, DTYPES[dtype], device)
+    src = None
+    if stream_layers or device == "cuda":
+        src = LayerSource(model_dir, DTYPES[dtype], device)
+        if not stream_layers and model_bytes(src) > 0.9 * torch.cuda.mem_get_info()[0]:
+            stream_layers = True
+            console.log(f"{model}: {model_bytes(src) / 1e9:.1f} GB at {dtype} does not fit the free GPU memory; "
+                        f"evaluating layer by layer (--stream-layers)")
+    if stream_layers:
+        if mode != "tf":
+            raise UserError(f"--stream-layers evaluates teacher-forced perplexity only: pass --mode tf, not {mode}")
+        if baseline is not None:
+            raise UserError("--stream-layers holds one model's layer at a time: give the baseline as log-probs "
+                            "(`moec eval BASE --save-logits F` once, then --baseline-logits F), not --baseline")
+        cand = SimpleNamespace(args=src.args)
+        info = {"kind": "hf", "w_bits": weight_bits(src.hf.meta_state_dict())} if src.manifest is None else {
+            "kind": "packed", "manifest": src.manifest, "w_bits": src.manifest["effective_bits"]["w_bits"]}
+    else:
+        cand, info = load_model(model_dir, DTYPES[dtype], device)
     if window > cand.args.max_seq_len:
         raise UserError(f"--window {window} is longer than the model supports ({cand.args.max_seq_len} tokens)")
     base = None
@@ -116,12 +138,16 @@ def eval_(
     record = LogitRecorder(len(windows), window - CONTEXT, cand.args.vocab_size) if save_logits else None
 
     recipe = info["manifest"]["recipe"]["name"] if info["kind"] == "packed" else "source"
-    cache_factory = kv_cache_factory(info, cand.args) or fp16_cache  # the checkpoint's KV codec (dec mode)
+    cache_factory = None if stream_layers else kv_cache_factory(info, cand.args) or fp16_cache  # dec mode's
     records = []
     for m in modes:
-        with progress_bar(f"eval {m} windows", len(windows)) as advance:
-            r = evaluate(cand, windows, m, base, batch_size=batch_size, progress=advance,
-                         cache_factory=cache_factory, saved=saved, record=record)
+        if stream_layers:
+            with progress_bar("eval tf layers (streamed)", cand.args.n_layers) as advance:
+                r = evaluate_streamed(src, windows, saved=saved, record=record, progress=advance)
+        else:
+            with progress_bar(f"eval {m} windows", len(windows)) as advance:
+                r = evaluate(cand, windows, m, base, batch_size=batch_size, progress=advance,
+                             cache_factory=cache_factory, saved=saved, record=record)
         rec = base_record("moec-eval", device) | {
             "model": model, "method": "packed" if info["kind"] == "packed" else "source", "recipe": recipe,
             "context": window, "batch": batch_size, "mode": m, "dtype": dtype, "data": data, "split": split,
@@ -133,6 +159,7 @@ def eval_(
             "w_bits": info["w_bits"], "scored_tokens": r["scored_tokens"],
             "q_bits": info["manifest"]["effective_bits"].get("q_bits") if info["kind"] == "packed" else None,
             "baseline": baseline if saved is None else f"{saved.manifest['model']} (logits {baseline_logits})",
+            "stream_layers": stream_layers,
             "peer": {},
         }
         records.append(rec)

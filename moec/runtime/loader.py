@@ -31,22 +31,7 @@ def weight_bits(tensors: dict[str, torch.Tensor]) -> float:
 def load_state(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
     """(args, canonical state dict, info) where info has kind, w_bits and, for packed, the manifest."""
     if checkpoint.is_packed(path):
-        manifest = checkpoint.verify(path)
-        checkpoint.check_model_fields(manifest, Path(path) / checkpoint.MANIFEST)
-        stored_layers = len({n.split(".")[1] for n in manifest["tensors"] if n.startswith("layers.")})
-        if manifest["model_args"].get("n_layers") != stored_layers:  # before ModelArgs builds per-layer lists
-            raise FormatError(f"{path}: model_args.n_layers {manifest['model_args'].get('n_layers')!r}, but the "
-                              f"checkpoint stores {stored_layers} layers")
-        try:
-            args = ModelArgs.from_dict(manifest["model_args"])
-        except UserError as e:
-            raise FormatError(f"{path}: {e}") from None
-        for name, e in manifest["tensors"].items():
-            if e["codec"] != KEEP and not name.startswith("kv.") and not is_quant_expert(name, e) \
-                    and not is_quant_attention(name, e):
-                raise FormatError(f"{path}: tensor {name!r} uses codec {e['codec']!r}, which this runtime "
-                                  f"version cannot execute")
-        check_quant_parts(path, manifest)
+        args, manifest = open_packed(path)
         state = checkpoint.load_tensors(path, manifest)
         kv_tensors = {n: state.pop(n) for n in [n for n in state if n.startswith("kv.")]}  # KV codec calibration
         return args, state, {"kind": "packed", "manifest": manifest, "kv": manifest.get("kv"),
@@ -54,6 +39,28 @@ def load_state(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], di
     ckpt = HFCheckpoint(path)
     state = ckpt.state_dict()
     return ckpt.args, state, {"kind": "hf", "w_bits": weight_bits(state)}
+
+
+def open_packed(path: str | Path) -> tuple[ModelArgs, dict]:
+    """(args, manifest) of a packed checkpoint, verified and checked for what this runtime executes; no
+    tensor is loaded (checkpoint.load_tensors reads them, all or by name)."""
+    manifest = checkpoint.verify(path)
+    checkpoint.check_model_fields(manifest, Path(path) / checkpoint.MANIFEST)
+    stored_layers = len({n.split(".")[1] for n in manifest["tensors"] if n.startswith("layers.")})
+    if manifest["model_args"].get("n_layers") != stored_layers:  # before ModelArgs builds per-layer lists
+        raise FormatError(f"{path}: model_args.n_layers {manifest['model_args'].get('n_layers')!r}, but the "
+                          f"checkpoint stores {stored_layers} layers")
+    try:
+        args = ModelArgs.from_dict(manifest["model_args"])
+    except UserError as e:
+        raise FormatError(f"{path}: {e}") from None
+    for name, e in manifest["tensors"].items():
+        if e["codec"] != KEEP and not name.startswith("kv.") and not is_quant_expert(name, e) \
+                and not is_quant_attention(name, e):
+            raise FormatError(f"{path}: tensor {name!r} uses codec {e['codec']!r}, which this runtime "
+                              f"version cannot execute")
+    check_quant_parts(path, manifest)
+    return args, manifest
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = torch.float32,
