@@ -23,13 +23,17 @@ def run_layers(args: ModelArgs, global_state: dict, layer_state: Callable[[int],
                observers: list, batch_size: int = 8, dtype=torch.float32, device="cpu",
                progress: Progress | None = None, resume: tuple[int, torch.Tensor] | None = None,
                on_layer_end: Callable[[int, torch.Tensor], None] | None = None,
-               offload: bool = False) -> torch.Tensor:
+               offload: bool = False, requantize: Callable[[int], Block | None] | None = None) -> torch.Tensor:
     """Feed tokens [N, L] through every layer; returns the final normed hidden states [N, L, D].
 
     resume = (start, h): continue an interrupted run (resume.py) at layer `start`, h [N, L, D] the hidden
     states entering it. on_layer_end(i, h) is called once layer i is complete, h entering layer i + 1.
     offload: the hidden states of the whole set stay in host memory and go to `device` one batch at a
-    time (4.3 GB fp32 at 128 x 2048 x 4096 that the device then does not hold); the numbers are the same."""
+    time (4.3 GB fp32 at 128 x 2048 x 4096 that the device then does not hold); the numbers are the same.
+    requantize(i): quantized propagation (llm-compressor's sequential pipeline): called once layer i's
+    statistics are complete, it fits the layer and returns it with its quantized weights (None: nothing
+    quantized there); layer i + 1 then sees that block's outputs instead of the original layer's. It
+    costs a copy of the hidden states (the layer's inputs) and a second forward per layer."""
     home = "cpu" if offload else device  # where h lives
     tokens = tokens.to(home)
     start, h = resume if resume is not None else (0, None)
@@ -45,6 +49,7 @@ def run_layers(args: ModelArgs, global_state: dict, layer_state: Callable[[int],
 
     for i in range(start, args.n_layers):
         prefix = f"layers.{i}."
+        h_in = h.clone() if requantize is not None else None
         sd = {k.removeprefix(prefix): v.to(device, dtype) for k, v in layer_state(i).items()}
         with torch.device("meta"):
             block = Block(args, i)
@@ -52,6 +57,12 @@ def run_layers(args: ModelArgs, global_state: dict, layer_state: Callable[[int],
         for s in range(0, h.shape[0], batch_size):
             h[s : s + batch_size] = block(h[s : s + batch_size].to(device), cos, sin, observer=observe).to(home)
         del block, sd
+        qblock = requantize(i) if requantize is not None else None
+        if qblock is not None:
+            for s in range(0, h.shape[0], batch_size):
+                h[s : s + batch_size] = qblock(h_in[s : s + batch_size].to(device), cos, sin).to(home)
+            del qblock
+        del h_in
         if on_layer_end is not None:
             on_layer_end(i, h)
         if progress is not None:

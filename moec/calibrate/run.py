@@ -34,7 +34,9 @@ from ..errors import UserError
 from ..formats.checkpoint import is_packed
 from ..provenance import created_timestamp, environment
 from ..registry import kv_codec
+from ..runtime.experts import pop_quant_experts
 from ..runtime.hf_layout import HFCheckpoint
+from ..runtime.stream_eval import build_block
 from .capture import ExpertTokenCounts, KVRange, run_layers
 from .data import load_text
 from .dataspec import check_specs, describe, parse_data, sample_mix
@@ -60,9 +62,17 @@ def load_balance(counts: torch.Tensor, top_k: int) -> dict:
 
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,
               seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None, resume: bool = False,
-              data_config: str | None = None, text_column: str = "text", dist: Dist | None = None
-              ) -> dict | None:
+              data_config: str | None = None, text_column: str = "text", dist: Dist | None = None,
+              offload: bool = False, propagate: str = "fp") -> dict | None:
+    """offload: hidden states on the host (capture.run_layers). propagate: what feeds layer i + 1: "fp" the
+    original layer i's outputs (statistics of every layer from the unquantized model), "quantized" the
+    outputs of layer i with its fitted weights (one process only: the fits of a layer are on rank 0)."""
     dist = dist or Dist()
+    if propagate not in ("fp", "quantized"):
+        raise UserError(f"--propagate must be fp or quantized, got {propagate!r}")
+    if propagate == "quantized" and dist.grouped:
+        raise UserError("--propagate quantized needs every expert's fit in the process that runs the next layer: "
+                        "run it in one process (no --gpus / torchrun)")
     if is_packed(model_dir):
         raise UserError(f"{model_dir}: is a packed checkpoint; calibrate the source model instead")
     if samples < 1 or seq_len < 2:
@@ -106,8 +116,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
             hessians.append(AttentionHessians(args, fitter.attention_layers(), fitter.on_attention_layer))
         observers += hessians
     fingerprint = ckpt.fingerprint()
-    partial = PartialState(out_dir, run_key(fingerprint, recipe, data, split, tokens, seed, samples, seq_len, device),
-                           {"counts": counts, "kv_range": kv, "kv_sampler": kv_sampler, "fitter": fitter})
+    key = run_key(fingerprint, recipe, data, split, tokens, seed, samples, seq_len, device) | {"propagate": propagate}
+    partial = PartialState(out_dir, key, {"counts": counts, "kv_range": kv, "kv_sampler": kv_sampler, "fitter": fitter})
     resumed = _open(partial, resume, dist)  # observers and RNG states restored to where an interrupted run stopped
     t0 = time.time() - (resumed.elapsed if resumed else 0.0)
 
@@ -118,6 +128,27 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
             partial.save("layers", i, time.time() - t0, hidden=h)
         elif os.environ.get(KILL_ENV) == f"rank-{dist.rank}-layer-{i}":  # tests only: a rank that dies
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def requantize(i: int):
+        """Layer i with its fitted weights (propagate quantized), for the outputs that feed layer i + 1."""
+        for hs in hessians:
+            hs.flush()
+        prefix = f"fit.layers.{i}."
+        fitted = {k.removeprefix("fit."): v for k, v in (fitter.tensors if fitter else {}).items()
+                  if k.startswith(prefix)}
+        if not fitted:
+            return None
+        state = ckpt.layer_state(i)
+        entries = {}
+        for name in fitted:
+            param = next(p for p in fitter.targets if name.startswith(p + "."))
+            rule = fitter.targets[param]
+            entries[name] = {"codec": rule.codec, "bits": rule.bits, "param": param,
+                             "param_shape": list(state[param].shape)}
+        for param in {e["param"] for e in entries.values()}:
+            del state[param]
+        state.update(fitted)
+        return build_block(args, i, state, pop_quant_experts(state, {"tensors": entries}), torch.float32, device)
 
     start = 0 if resumed is None else resumed.layer + 1 if resumed.stage == "layers" else args.n_layers
     hidden = resumed.hidden if resumed is not None else None
@@ -134,7 +165,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         final = run_layers(args, checked_global_state(ckpt.global_state(), str(model_dir)),
                            checked_layer_state(ckpt.layer_state, str(model_dir)), tokens,
                            [FiniteActivations(), *observers], device=device, progress=progress,
-                           resume=(start, hidden) if start else None, on_layer_end=end_of_layer)
+                           resume=(start, hidden) if start else None, on_layer_end=end_of_layer, offload=offload,
+                           requantize=requantize if propagate == "quantized" else None)
         check_final_hidden(final, args.n_layers)
         del final
     if not dist.main:  # its shares are on rank 0, which does the rest
@@ -158,7 +190,7 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         "text_tokens": sum(int(x.numel()) for x in ids), "capture_seconds": round(seconds, 2),
         "device": device, "environment": environment(device), "recipe": recipe.name,
         "expert_policy": policy.expert_policy, "min_expert_tokens": policy.min_expert_tokens,
-        "processes": dist.world,
+        "processes": dist.world, "propagate": propagate,
         "layers": [],
     }
     tensors = {}

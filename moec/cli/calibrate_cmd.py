@@ -48,10 +48,16 @@ def calibrate(
                                 "model, recipe, data and settings); without one, start from the first layer"),
     gpus: int | None = typer.Option(None, "--gpus", help="expert parallel over N GPUs, one process each (NCCL); "
                                     "the output is the same as one process's"),
+    offload_activations: bool = typer.Option(False, "--offload-activations", help="keep the calibration set's "
+                                             "hidden states in host memory, one batch on the device at a time"),
+    propagate: str = typer.Option("fp", "--propagate", help="what feeds layer i + 1: fp (layer i's original "
+                                  "outputs) or quantized (its outputs with the weights just fitted; one process)"),
 ) -> None:
     """Capture statistics layer by layer and fit what the recipe needs."""
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be cpu or cuda, got {device!r}")
+    if propagate not in ("fp", "quantized"):
+        raise UserError(f"--propagate must be fp or quantized, got {propagate!r}")
     if gpus is not None:
         if device != "cuda":
             raise UserError(f"--gpus {gpus} needs --device cuda; on the CPU start gloo processes with torchrun "
@@ -76,7 +82,8 @@ def calibrate(
     with progress_bar("calibrate layers" if dist.main else "", n_layers if dist.main else 0) as advance:
         report = run_calibrate(model_dir, model, r, data, split, samples, seq_len, r.calibration.seed, out,
                                device=device, progress=lambda i, n: advance() if dist.main else None,
-                               resume=resume, data_config=data_config, text_column=text_column, dist=dist)
+                               resume=resume, data_config=data_config, text_column=text_column, dist=dist,
+                               offload=offload_activations, propagate=propagate)
     dist.close()  # on success only: after a lost rank, leaving it to the process's exit cannot hang
     if report is None:  # not rank 0: rank 0 wrote the output
         return

@@ -62,17 +62,24 @@ class LayerSource:
         else:
             state = checkpoint.load_tensors(self.path, self.manifest, self._layer_names[i])
             quant = pop_quant_experts(state, {"tensors": {n: self.manifest["tensors"][n] for n in state}})
-        prefix = f"layers.{i}."
-        sd = {k: v.to(self.device, self.dtype) for k, v in state.items()} | placeholders(quant, self.dtype, self.device)
-        with torch.device("meta"):
-            block = Block(self.args, i)
-        block.load_state_dict({k.removeprefix(prefix): v for k, v in sd.items()}, strict=True, assign=True)
-        attach(SimpleNamespace(layers={i: block}), quant, self.device)  # attach finds layer i in .layers
-        return block.eval()
+        return build_block(self.args, i, state, quant, self.dtype, self.device)
 
     def lm_head(self, glob: dict, h: torch.Tensor) -> torch.Tensor:
         w = glob["tok_embeddings.weight"] if self.args.tie_embeddings else glob["output.weight"]
         return rms_norm(h, glob["norm.weight"], self.args.norm_eps) @ w.t()
+
+
+def build_block(args: ModelArgs, i: int, state: dict[str, torch.Tensor], quant: dict, dtype: torch.dtype,
+                device) -> Block:
+    """Decoder layer i from its canonical tensors (`layers.i.*`, quantized params popped into `quant`:
+    experts.pop_quant_experts), as load_model builds a layer."""
+    prefix = f"layers.{i}."
+    sd = {k: v.to(device, dtype) for k, v in state.items()} | placeholders(quant, dtype, device)
+    with torch.device("meta"):
+        block = Block(args, i)
+    block.load_state_dict({k.removeprefix(prefix): v for k, v in sd.items()}, strict=True, assign=True)
+    attach(SimpleNamespace(layers={i: block}), quant, device)  # attach finds layer i in .layers
+    return block.eval()
 
 
 @torch.no_grad()

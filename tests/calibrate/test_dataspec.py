@@ -142,4 +142,5 @@ def test_cli_checks_data_before_resolving_the_model(tmp_path, monkeypatch):
         with pytest.raises(UserError, match=re.escape(needle)):
             calibrate_cmd.calibrate(model="m", recipe=Path("recipes/fp16.yaml"), data=data, split="train",
                                     data_config=None, text_column="text", samples=4, seq_len=32,
-                                    out=tmp_path / "calib", seed=None, device="cpu", resume=False, gpus=None)
+                                    out=tmp_path / "calib", seed=None, device="cpu", resume=False, gpus=None,
+                                    offload_activations=False, propagate="fp")
