@@ -56,8 +56,6 @@ def calibrate(
     """Capture statistics layer by layer and fit what the recipe needs."""
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device must be cpu or cuda, got {device!r}")
-    if propagate not in ("fp", "quantized"):
-        raise UserError(f"--propagate must be fp or quantized, got {propagate!r}")
     if gpus is not None:
         if device != "cuda":
             raise UserError(f"--gpus {gpus} needs --device cuda; on the CPU start gloo processes with torchrun "
