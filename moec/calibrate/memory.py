@@ -17,9 +17,10 @@ What is held, and where (N samples, L = seq_len, D = dim, T = N·L tokens, b = 8
                                                until the KV fit (nuq.KVSampler, latent.LatentSampler)
   one layer's Hessians                         hessian.ExpertHessians: E·(D² + I²) fp32 (and the
                                                all-token sums), w1/w3 in fp32; AttentionHessians D² + (H·d)²
-  the fit of one layer                         fit_experts: H1/H2 regularized copies, then per matrix
-                                               GPTQ's H⁻¹ and Cholesky factors, W copies, refit_lut's
-                                               H·A [O, I, G·K]
+  the fit of one layer                         fit_experts, one expert at a time: H damped in place
+                                               (regularize's eye, H + λI and Cholesky factor), GPTQ's
+                                               permuted H, H⁻¹ and factors, W copies, refit_lut's
+                                               H·A [O, I, G·K]; w1/w3's fp32 copies freed before it
 Checked against the measured peak in benchmarks/bench_memory_estimate.py (results/memory_estimate_*.json).
 Codebook tuning (calibration.tune_steps) is a coarse term: the full model in fp32 plus one training
 batch; it has not been measured.
@@ -161,20 +162,22 @@ def _fit_bytes(args: ModelArgs, targets: dict, all_tokens: bool) -> tuple[int, i
         if (m := EXPERT_PARAM.search(name)) is not None:
             dense = args.ffn_kinds[int(m.group(1))] == "dense"
             E, I = (1, args.dense_dim) if dense else (args.n_experts, args.expert_dim)
-            h = E * (D * D + I * I) * F32 + 2 * E * I * D * F32  # H1, H2; w1/w3 in fp32
+            w13 = 2 * E * I * D * F32  # w1/w3 in fp32 (ExpertHessians), freed before the fit
+            h = E * (D * D + I * I) * F32 + w13  # H1, H2
             if all_tokens and not dense:
                 h += (D * D + E * I * I) * F32
             O, I_in = (D, I) if m.group(2) == "w2" else (I, D)
         elif ATTN_PARAM.search(name) is not None:
-            E, h = 1, (D * D + Hd * Hd) * F32
+            E, h, w13 = 1, (D * D + Hd * Hd) * F32, 0
             O, I_in = (D, Hd) if ".wo." in name else (Hd if ".wq." in name else args.n_kv_heads * args.head_dim, D)
         else:
             continue
         G = I_in // rule.group_size if rule.group_size else 1
         GK = G * (1 << rule.bits) if rule.codec == "hls" else 0  # refit_lut's one-hot system (hls only)
-        # H regularized (all of the layer's H copied) + GPTQ's permuted H, H⁻¹ and factors (4 E·I²),
-        # W, its permuted copy, W_hat and the error terms (6 E·O·I), refit_lut's H·A and normal matrix
-        f = h + F32 * (4 * E * I_in * I_in + 6 * E * O * I_in + O * I_in * GK + O * GK * GK)
+        # one expert at a time (fit_experts.on_layer): regularize's eye, H + λI and Cholesky factor, GPTQ's
+        # permuted H, H⁻¹ and factors (7 I²), W, its permuted copy, W_hat and the error terms (6 O·I),
+        # refit_lut's H·A and normal matrix; beside the layer's Hessians (h less the w1/w3 copies)
+        f = h - w13 + F32 * (7 * I_in * I_in + 6 * O * I_in + O * I_in * GK + O * GK * GK)
         hess, fit = max(hess, h), max(fit, f)
     return hess, fit
 
