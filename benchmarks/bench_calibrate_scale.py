@@ -16,8 +16,12 @@ included), tokens_per_s (samples × seq_len × layers / wall_s), peak_gpu_gb (to
 of rank 0), one_layer_plus_act_gb (from the shapes, per rank: one layer's fp32 weights on the device, the
 hidden states, and rank 0's share of the statistics: E/world expert Hessians of D² + I² fp32, plus the
 all-token H1 (D²) and H2 of its experts under all-experts-for-stats: 8 × 14336² fp32 alone is 6.6 GB),
-peak_host_gb (ru_maxrss of rank 0). Results are for random weights: routing is near uniform, which is the
-costly case for per-expert statistics.
+peak_host_gb (ru_maxrss of rank 0), peak_ratio (the peak over one_layer_plus_act_gb: the GPU's allocator
+peak, or with --trace the peak of live CPU tensor bytes), offload_activations (--offload-activations: the
+bound then counts one batch of hidden states), memory_fraction (--memory-fraction: usable GPU memory capped
+at that many times one_layer_plus_act_gb), trace (--trace: peak per phase and the largest tensors alive at
+the peak). Results are for random weights: routing is near uniform, which is the costly case for
+per-expert statistics.
 """
 
 from __future__ import annotations
