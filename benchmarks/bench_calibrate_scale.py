@@ -16,7 +16,8 @@ included), tokens_per_s (samples × seq_len × layers / wall_s), peak_gpu_gb (to
 of rank 0), one_layer_plus_act_gb (from the shapes, per rank: one layer's fp32 weights on the device, the
 hidden states, and rank 0's share of the statistics: E/world expert Hessians of D² + I² fp32, plus the
 all-token H1 (D²) and H2 of its experts under all-experts-for-stats: 8 × 14336² fp32 alone is 6.6 GB),
-peak_host_gb (ru_maxrss of rank 0), peak_ratio (the peak over one_layer_plus_act_gb: the GPU's allocator
+peak_host_gb (ru_maxrss of rank 0), extrapolated_model_wall_s (wall_s per layer × the shape's model_layers),
+peak_ratio (the peak over one_layer_plus_act_gb: the GPU's allocator
 peak, or with --trace the peak of live CPU tensor bytes), offload_activations (--offload-activations: the
 bound then counts one batch of hidden states), memory_fraction (--memory-fraction: usable GPU memory capped
 at that many times one_layer_plus_act_gb), trace (--trace: peak per phase and the largest tensors alive at
@@ -184,6 +185,9 @@ def main() -> None:
         "samples": a.samples, "seq_len": a.seq_len, "offload_activations": a.offload_activations,
         "wall_s": round(wall, 2),
         "tokens_per_s": round(a.samples * a.seq_len * a.layers / wall, 1),
+        # the whole model at this rate: every layer costs the same (same shapes, same token count)
+        "model_layers": PRESETS[a.shape].n_layers,
+        "extrapolated_model_wall_s": round(wall / a.layers * PRESETS[a.shape].n_layers, 1),
         "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 3) if a.device == "cuda" else None,
         "one_layer_plus_act_gb": round(act_bytes / 1e9, 3),
         "peak_host_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3),  # KiB on Linux
