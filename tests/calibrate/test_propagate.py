@@ -37,6 +37,7 @@ def test_quantized_propagation_changes_only_later_layers(tiny_moe_dir, tmp_path)
 
 
 def test_bad_propagate_exits_2(tmp_path):
-    r = moec("calibrate", "demo-moe", "--recipe", "recipes/experts-rtn2.yaml", "--propagate", "int4",
-             "-o", tmp_path / "c")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(RECIPE))
+    r = moec("calibrate", "demo-moe", "--recipe", recipe, "--propagate", "int4", "-o", tmp_path / "c")
     assert r.returncode == 2 and "--propagate must be fp or quantized" in r.stderr and "Traceback" not in r.stderr
