@@ -13,7 +13,6 @@ Records: check, device, max_abs_diff, mean_abs_diff, top1_agree, and which kerne
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -22,9 +21,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_latency import hf_config  # noqa: E402, I001
 
 import moec.hf  # noqa: E402
 from moec.atomic import write_json  # noqa: E402
@@ -61,12 +57,6 @@ def main():
         d = Path(tmp) / "packed"
         args = PRESETS["smoke-moe"]
         pack_random(args, "smoke-moe", recipe, d)
-        # `pack --random` writes a minimal config.json (shape fields only); transformers needs the whole one
-        cfg = json.loads((d / "config.json").read_text())
-        dense = [i for i, k in enumerate(args.ffn_kinds) if k == "dense"]
-        full = hf_config(args).to_dict() | {"mlp_only_layers": dense, "intermediate_size": args.dense_dim}
-        (d / "config.json").write_text(json.dumps(full | {k: cfg[k] for k in ("quantization_config",
-                                                                                "moec_random_shape") if k in cfg}))
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).to("cuda").eval()
         rt, info = load_model(d, device="cuda")
         ids = torch.randint(0, rt.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0)).cuda()

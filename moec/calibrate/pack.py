@@ -18,7 +18,7 @@ from ..formats import checkpoint
 from ..formats.codecs import KEEP, WEIGHT_PATTERN
 from ..progress import tracked
 from ..provenance import environment
-from ..runtime.hf_layout import ST_DTYPES, HFCheckpoint
+from ..runtime.hf_layout import ST_DTYPES, HFCheckpoint, config_from_args
 from .pack_kv import encode_kv_tensors
 from .recipe import Recipe, load_recipe
 from .sources import TOKENIZER_FILES
@@ -188,9 +188,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     manifest = {"source": {"model": f"random:{shape_name}", "path": None, "seed": seed},
                 "model_args": args.to_dict(), "recipe": recipe.to_dict(),
                 "calibration": {"data": None, "random": True, "seed": seed}, "effective_bits": bits, "kv": kv_section}
-    hf_config = {"model_type": args.arch, "moec_random_shape": shape_name, "vocab_size": args.vocab_size,
-                 "hidden_size": args.dim, "num_hidden_layers": args.n_layers,
-                 "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads}
+    hf_config = config_from_args(args) | {"moec_random_shape": shape_name}  # whole: transformers loads it
     quant = {"quant_method": "moec", "format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION,
              "config_groups": {f"group_{i}": {"targets": r.targets, "weights": {"codec": r.codec, "num_bits": r.bits}}
                                for i, r in enumerate(recipe.weights)}, "ignore": [], "w_bits": bits["w_bits"]}

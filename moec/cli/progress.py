@@ -2,7 +2,8 @@
 
 On a terminal: rich bars on stderr (one live display shared by nested steps, e.g. hashing inside a
 calibration). Elsewhere (a log file, CI, a pipe): plain timestamped lines, at most one per step every
-MOEC_PROGRESS_SECONDS (default 5) plus a final line, with no control characters, e.g.
+MOEC_PROGRESS_SECONDS (default 5) plus a final line (steps quicker than that print nothing), with no control
+characters, e.g.
 
     2026-12-01T23:59:01 calibrate layers: 3/24, 41 s elapsed, ETA 4m47s
 
@@ -57,7 +58,8 @@ def eta(elapsed: float, done: float, total: float, since: tuple[float, float] | 
 
 
 class PlainLines:
-    """Timestamped lines on `stream`: one per step every `interval` seconds at most, and a final one."""
+    """Timestamped lines on `stream`: one per step every `interval` seconds at most, and a final one for a
+    step that took at least `interval` seconds or printed a line before."""
 
     def __init__(self, stream: TextIO | None = None, clock: Callable[[], float] = time.time, interval: float = 5.0):
         self.stream, self.clock, self.interval = stream, clock, interval  # None: sys.stderr when a line is written
@@ -94,6 +96,8 @@ class _PlainTask:
 
     def close(self) -> None:
         now = self.out.clock()
+        if now - self.t0 < self.out.interval and self.last == self.t0:
+            return  # a step quicker than one interval, with no line yet, stays silent (a one-line error stays one)
         what = "done in" if self.done >= self.total else "stopped after"
         self.out.line(now, f"{self.label}: {amount(self.done, self.total, self.unit)} {what} "
                            f"{duration(now - self.t0)}")

@@ -143,7 +143,8 @@ def write_ct(model: PackedModel, out: Path) -> dict:
                 json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}, indent=1))
         cfg = {**model.config, **({"quantization_config": qcfg} if qcfg else {})}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-        kept = {MANIFEST, "config.json", *model.manifest["shards"]}
+        # the packed shards and their index are replaced by the export's own (written above)
+        kept = {MANIFEST, "config.json", "model.safetensors.index.json", *model.manifest["shards"]}
         for f in sorted(model.path.iterdir()):  # tokenizer, generation config, the recipe
             if f.is_file() and not f.is_symlink() and f.name not in kept:
                 shutil.copy2(f, tmp / f.name)

@@ -88,6 +88,37 @@ def args_from_config(cfg: dict) -> ModelArgs:
     return ModelArgs(**common, **extra, qk_norm="head", qkv_bias=bias, o_bias=bias)
 
 
+def config_from_args(args: ModelArgs) -> dict:
+    """The HF config.json dict of `args` (the inverse of args_from_config for the fields it reads), so a
+    `pack --random` checkpoint loads in transformers like a packed real one."""
+    a = args
+    cfg = {"model_type": a.arch, "architectures": [ARCHITECTURES[a.arch]], "vocab_size": a.vocab_size,
+           "hidden_size": a.dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
+           "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "rms_norm_eps": a.norm_eps,
+           "max_position_embeddings": a.max_seq_len, "tie_word_embeddings": a.tie_embeddings,
+           "hidden_act": "silu", "rope_theta": a.rope_theta,
+           "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta, **(a.rope_scaling or {})}}
+    if a.rope_scaling:
+        cfg["rope_scaling"] = dict(a.rope_scaling)
+    if a.arch == "llama":
+        return cfg | {"intermediate_size": a.dense_dim, "attention_bias": a.qkv_bias, "mlp_bias": False}
+    moe = {"num_experts_per_tok": a.top_k, "norm_topk_prob": a.norm_topk}
+    if a.arch == "mixtral":
+        return cfg | moe | {"num_local_experts": a.n_experts, "intermediate_size": a.expert_dim}
+    moe |= {"num_experts": a.n_experts}
+    if a.arch == "olmoe":
+        return cfg | moe | {"intermediate_size": a.expert_dim, "clip_qkv": a.clip_qkv, "attention_bias": a.qkv_bias}
+    moe |= {"moe_intermediate_size": a.expert_dim, "intermediate_size": a.dense_dim, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, k in enumerate(a.ffn_kinds) if k == "dense"], "use_sliding_window": False}
+    if a.arch == "qwen2_moe":
+        return cfg | moe | {"qkv_bias": a.qkv_bias, "shared_expert_intermediate_size": a.shared_dim}
+    return cfg | moe | {"attention_bias": a.qkv_bias}
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+
+
 def _moe_prefix(arch: str) -> str:
     return "block_sparse_moe" if arch == "mixtral" else "mlp"
 

@@ -70,8 +70,13 @@ def test_plain_lines_bounded_rate_and_interrupted_step():
     assert len(lines) == 13, lines
     assert lines[0].endswith("hashing w.safetensors: 40.0/1000.0 MiB, 5 s elapsed, ETA 2m00s"), lines[0]
     assert lines[-1].endswith("hashing w.safetensors: 480.0/1000.0 MiB stopped after 1m00s"), lines[-1]
-    rep.start("hashing \x1b[31mred\rx", 1, "").close()  # a file name's control characters are not passed on
-    assert out.getvalue().splitlines()[-1].endswith("hashing ?[31mred?x: 0/1 stopped after 0 s")
+    t = rep.start("hashing \x1b[31mred\rx", 1, "")  # a file name's control characters are not passed on
+    clock.t += 6
+    t.close()
+    assert out.getvalue().splitlines()[-1].endswith("hashing ?[31mred?x: 0/1 stopped after 6 s")
+    n = len(out.getvalue().splitlines())
+    rep.start("hashing quick", 1, "").close()  # quicker than the interval, no line before: silent
+    assert len(out.getvalue().splitlines()) == n
 
 
 def test_resumed_units_do_not_count_in_the_rate():

@@ -215,3 +215,24 @@ def test_quantized_attention_through_from_pretrained(tmp_path):
     x = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, rt(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_random_pack_loads_in_transformers(tmp_path, arch):
+    """`pack --random` writes a whole config.json (hf_layout.config_from_args): transformers loads the packed
+    random model and its logits equal moec's runtime (hls2 experts, 4-bit attention, a dense first layer)."""
+    from transformers import AutoModelForCausalLM
+
+    kinds = ["dense", "moe"] if arch == "qwen3_moe" else []
+    args = ModelArgs(arch=arch, vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                     max_seq_len=128, n_experts=4, top_k=2, expert_dim=64, dense_dim=96 if kinds else 0,
+                     ffn_kinds=kinds, qk_norm="head" if arch == "qwen3_moe" else "none", norm_topk=True)
+    recipe = parse_recipe({"name": "rnd", "weights": [
+        {"targets": ["experts", "mlp"], "codec": "hls", "bits": 2, "group_size": 0, "gptq": False},
+        {"targets": ["attention"], "codec": "rtn", "bits": 4, "group_size": 32, "gptq": False}]})
+    pack_random(args, "tiny", recipe, tmp_path / "p")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "p", dtype=torch.float32)
+    rt, _ = load_model(tmp_path / "p")
+    x = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, rt(x), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,28 @@
+"""hf_layout.config_from_args is the inverse of args_from_config: every preset shape and one ModelArgs per
+supported architecture survive ModelArgs -> config.json dict -> ModelArgs unchanged."""
+
+import pytest
+
+from moec.runtime.config import PRESETS, ModelArgs
+from moec.runtime.hf_layout import SUPPORTED, args_from_config, config_from_args
+
+COMMON = dict(vocab_size=96, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=256)
+CASES = {
+    "llama": ModelArgs(arch="llama", **COMMON, dense_dim=128, qkv_bias=True, o_bias=True, tie_embeddings=True),
+    "mixtral": ModelArgs(arch="mixtral", **COMMON, n_experts=4, top_k=2, expert_dim=80, rope_theta=1e6),
+    "qwen2_moe": ModelArgs(arch="qwen2_moe", **COMMON, ffn_kinds=["dense", "moe", "moe"], dense_dim=96, n_experts=4,
+                           top_k=2, expert_dim=48, norm_topk=False, qkv_bias=True, shared_dim=64, shared_gate=True),
+    "qwen3_moe": ModelArgs(arch="qwen3_moe", **COMMON, ffn_kinds=["moe", "dense", "moe"], dense_dim=96, n_experts=8,
+                           top_k=2, expert_dim=48, qk_norm="head"),
+    "olmoe": ModelArgs(arch="olmoe", **COMMON, n_experts=4, top_k=2, expert_dim=48, qk_norm="full", clip_qkv=8.0,
+                       norm_topk=False),
+}
+
+
+@pytest.mark.parametrize("args", [*PRESETS.values(), *CASES.values()], ids=[*PRESETS, *CASES])
+def test_config_round_trip(args):
+    assert args_from_config(config_from_args(args)).to_dict() == args.to_dict()
+
+
+def test_every_supported_architecture_has_a_case():
+    assert set(CASES) == set(SUPPORTED)
