@@ -91,3 +91,22 @@ def test_block_that_does_not_divide_names_the_matrix(tiny_moe_dir):
     with pytest.raises(UserError, match=re.escape("incoherence block 16 does not divide the input dim 40 of "
                                                   "layers.0.moe.w2")):
         plan(args, recipe)
+
+
+def test_expert_parallel_merge_keeps_the_shared_rotation():
+    """Two ranks' shares of one layer (experts 0, 2 and 1): per-expert parts interleave, the layer's
+    rotation (no E axis, the same on every rank) is kept once."""
+    from moec.calibrate.fit_experts import _merge
+
+    signs = torch.ones(2, 8, dtype=torch.int8)
+    codes = torch.arange(3 * 4).view(3, 4)
+    entry = {"experts": [{"tokens": 1}], "w2": {"codec": "hls", "rel_output_error": [0.1]}}
+    shares = [({"fit.layers.0.moe.w2.codes": codes[[0, 2]], "fit.layers.0.moe.w2.had_signs": signs},
+               {"entry": {"experts": [{"tokens": 0}, {"tokens": 2}], "w2": {"rel_output_error": [0.0, 0.2]}},
+                "experts": [0, 2]}),
+              ({"fit.layers.0.moe.w2.codes": codes[[1]], "fit.layers.0.moe.w2.had_signs": signs},
+               {"entry": {**entry, "experts": [{"tokens": 1}]}, "experts": [1]})]
+    tensors, merged = _merge(shares, 3)
+    assert torch.equal(tensors["fit.layers.0.moe.w2.codes"], codes)
+    assert torch.equal(tensors["fit.layers.0.moe.w2.had_signs"], signs)
+    assert merged["w2"]["rel_output_error"] == [0.0, 0.1, 0.2]
