@@ -18,6 +18,7 @@ matrices only (benchmarks/bench_hls_study.py --scope all has HQQ on attention to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -39,12 +40,12 @@ W = W_LEN = 1024
 
 
 @torch.no_grad()
-def score(model, windows, base_logits: list | None) -> dict:
+def score(model, windows, base_logits: list | None, start: int = CONTEXT) -> dict:
     tot = Totals()
     for b in range(windows.shape[0]):
         x = windows[b : b + 1]
-        logits = model(x)[0, CONTEXT - 1 : W - 1]
-        tot.add(logits, x[0, CONTEXT:], None if base_logits is None else base_logits[b])
+        logits = model(x)[0, start - 1 : W - 1]
+        tot.add(logits, x[0, start:], None if base_logits is None else base_logits[b])
     return tot.result(base_logits is not None)
 
 
@@ -58,6 +59,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--score-from", type=int, default=CONTEXT,
+                    help="first scored position (32 by BENCHMARKS.md; 1 = the llama.cpp peers' protocol)")
     ap.add_argument("--keep", type=Path, default=None, help="keep calib/packed dirs here")
     a = ap.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
@@ -68,7 +71,7 @@ def main() -> None:
     base, _ = load_model(model_dir)
     t0 = time.time()
     with torch.no_grad():
-        base_logits = [base(windows[b : b + 1])[0, CONTEXT - 1 : W - 1] for b in range(windows.shape[0])]
+        base_logits = [base(windows[b : b + 1])[0, a.score_from - 1 : W - 1] for b in range(windows.shape[0])]
     base_s = time.time() - t0
     del base
     work = a.keep or Path(tempfile.mkdtemp(prefix="bench-eq-"))
@@ -83,7 +86,7 @@ def main() -> None:
         manifest = pack(model_dir, a.model, calib, packed)
         model, info = load_model(packed)
         t0 = time.time()
-        r = score(model, windows, base_logits)
+        r = score(model, windows, base_logits, a.score_from)
         eval_s = time.time() - t0
         rule = recipe.weights[0] if recipe.weights else None
         bits = manifest["effective_bits"]
@@ -93,10 +96,11 @@ def main() -> None:
             "targets": rule.targets if rule else [], "group_size": rule.group_size if rule else None,
             "gptq": rule.gptq if rule else None,
             "rules": [{"targets": x.targets, "codec": x.codec, "bits": x.bits, "group_size": x.group_size,
-                       "gptq": x.gptq} for x in recipe.weights],
+                       "gptq": x.gptq, "incoherence": x.incoherence and dataclasses.asdict(x.incoherence)}
+                      for x in recipe.weights],
             "context": W, "batch": 1, "mode": "tf", "dtype": "fp32",
             "data": "ptb/test", "windows": f"{windows.shape[0]} windows (0-{windows.shape[0] - 1}) of {W}, "
-                                          f"scored {CONTEXT}..{W - 1}",
+                                          f"scored {a.score_from}..{W - 1}",
             "ppl": r["ppl"], "ppl_base": r["ppl_base"], "delta_pct": r["delta_pct"], "kld": r["kld"],
             "top1": r["top1"], "kv_bits": 16.0, "w_bits": bits["w_bits"], "q_bits": bits.get("q_bits"),
             "calibration": {"data": "ptb/train", "samples": a.samples, "seq_len": a.seq_len,
@@ -108,7 +112,8 @@ def main() -> None:
         }
         print(json.dumps({k: rec[k] for k in ("recipe", "q_bits", "ppl", "ppl_base", "delta_pct", "kld", "top1")}),
               flush=True)
-        records = [x for x in records if not (x["model"] == a.model and x["recipe"] == recipe.name)] + [rec]
+        records = [x for x in records if not (x["model"] == a.model and x["recipe"] == recipe.name
+                                              and x["windows"] == rec["windows"])] + [rec]
         write_json_atomic(out, records)
         if a.keep is None:
             shutil.rmtree(calib, ignore_errors=True)
@@ -147,7 +152,7 @@ def hqq_record(a, model_dir, windows, base_logits, bits: int, base_s: float) -> 
         bits_sum += W.numel() * (bits + 32 / g)
     fit_s = time.time() - t0
     model = build_model(ck.args, state, dtype=torch.float32)
-    r = score(model, windows, base_logits)
+    r = score(model, windows, base_logits, a.score_from)
     rec = base_record("expert-quality", "cpu") | {
         "model": a.model, "method": f"hqq{bits}", "recipe": f"hqq{bits}-g{a.hqq_group}", "targets": ["experts", "mlp"],
         "group_size": a.hqq_group, "gptq": False, "context": W_LEN, "batch": 1, "mode": "tf", "dtype": "fp32",

@@ -31,3 +31,40 @@ def block_hadamard(n: int, block: int = 0, seed: int = 0) -> torch.Tensor:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
     return torch.block_diag(*[h] * (n // block)) * signs[None, :] / block**0.5
+
+
+def hadamard(block: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """The Sylvester Hadamard matrix H_b [b, b] (entries ±1, b a power of two), unnormalized."""
+    h = torch.ones(1, 1, device=device, dtype=dtype)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard_signs(n: int, block: int, seed: int) -> torch.Tensor:
+    """The ±1 sign vector of a randomized block-Hadamard rotation of n channels, as int8 [n / block, block]
+    (the shape carries the block: this is what a packed checkpoint stores, runtime/experts.QuantMatrix).
+    Same signs as block_hadamard(n, block, seed)."""
+    assert block >= 1 and block & (block - 1) == 0 and n % block == 0, (n, block)
+    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return signs.to(torch.int8).view(n // block, block)
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor, h: torch.Tensor | None = None,
+           inverse: bool = False) -> torch.Tensor:
+    """x @ R (inverse: x @ Rᵀ) along the last dim for R = blockdiag(H_b)·diag(signs)/√b, without forming
+    R: x [..., n], signs [n / b, b] (±1, any dtype) -> [..., n] in x's dtype. Cost n·b per row (one
+    batched matmul); `h` is a cached hadamard(b) in x's dtype/device. No host sync (CUDA-graph safe)."""
+    nb, b = signs.shape
+    if h is None:
+        h = hadamard(b, x.device, x.dtype)
+    s = signs.to(x.dtype) * b**-0.5
+    xb = x.reshape(*x.shape[:-1], nb, b)
+    y = (xb * s) @ h if inverse else (xb @ h) * s  # Rᵀ = diag(s) H_b / √b (H_b symmetric)
+    return y.reshape(x.shape)
+
+
+def rotate_hessian(H: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Rᵀ H R for H [..., n, n] symmetric: the second moment of x @ R when H is that of x."""
+    HR = rotate(H, signs)  # H R
+    return rotate(HR.transpose(-1, -2), signs)  # (H R)ᵀ R = Rᵀ H R

@@ -20,8 +20,10 @@ from collections.abc import Callable
 import torch
 
 from ..errors import UserError
+from ..formats.codecs import ROTATION_PART
 from ..progress import tracked
 from ..registry import weight_codec, weight_codecs
+from ..rotation import hadamard_signs, rotate, rotate_hessian
 from ..runtime.config import ModelArgs
 from ..runtime.experts import ATTN_PARAM
 from ..runtime.model import Transformer
@@ -32,6 +34,20 @@ from .recipe import Recipe, WeightRule
 
 EXPERT_PARAM = re.compile(r"layers\.(\d+)\.moe\.(w[123])$")
 QUANTIZABLE = re.compile(rf"{EXPERT_PARAM.pattern}|{ATTN_PARAM.pattern}")
+# which input a matrix reads: matrices of one layer reading the same input share its rotation
+_INPUT_OF = {"w1": 0, "w3": 0, "w2": 1, "wq": 2, "wk": 2, "wv": 2, "wo": 3}
+
+
+def rotation_signs(name: str, n: int, rule: WeightRule, seed: int) -> torch.Tensor | None:
+    """The incoherence rotation of matrix `name` (input dim n) under `rule`, or None: its sign vector
+    (rotation.hadamard_signs), seeded by (calibration seed, layer, input) so that gate and up of a layer
+    share one rotation and every process of a distributed run draws the same."""
+    if rule.incoherence is None:
+        return None
+    block = rule.incoherence.block_for(n)
+    assert block, (name, n)  # plan() refused it
+    layer, p = int(name.split(".")[1]), name.removesuffix(".weight").rsplit(".", 1)[-1]
+    return hadamard_signs(n, block, (seed * 100_003 + layer) * 4 + _INPUT_OF[p])
 
 
 def canonical_names(args: ModelArgs) -> dict[str, tuple]:
@@ -67,6 +83,10 @@ def plan(args: ModelArgs, recipe: Recipe) -> dict[str, WeightRule]:
                 divs = [d for d in range(8, I + 1, 8) if I % d == 0]
                 raise UserError(f"weights rule {ri}: group_size {rule.group_size} does not divide the input dim "
                                 f"{I} of {n} (divisors that are multiples of 8: {divs}; or 0 for one group per row)")
+            if rule.incoherence is not None and not rule.incoherence.block_for(I):
+                raise UserError(f"weights rule {ri}: incoherence block {rule.incoherence.block} does not divide the "
+                                f"input dim {I} of {n} (powers of two that do: "
+                                f"{[1 << k for k in range((I & -I).bit_length())]}; or 0 for auto)")
             targets[n] = rule
     return targets
 
@@ -75,8 +95,9 @@ class ExpertFitter:
     """The `on_layer` callback of ExpertHessians: fit, keep stored tensors and report, drop H."""
 
     def __init__(self, targets: dict[str, WeightRule], layer_state: Callable[[int], dict], policy: str,
-                 min_tokens: int, dist: Dist | None = None):
+                 min_tokens: int, dist: Dist | None = None, seed: int = 0):
         self.targets, self.layer_state, self.dist = targets, layer_state, dist or Dist()
+        self.seed = seed  # of the incoherence rotations
         self.policy, self.min_tokens = policy, min_tokens
         self.tensors: dict[str, torch.Tensor] = {}
         self.report: dict[int, dict] = {}
@@ -94,17 +115,25 @@ class ExpertFitter:
     def _fit(self, name: str, W: torch.Tensor, H: torch.Tensor, rule: WeightRule) -> tuple[dict, dict]:
         """Quantize W [E, O, I] (or [O, I] with H [I, I]: an attention projection, one "expert") under
         `rule`; returns the stored parts {part: [E, ...]} (a 2-D parameter's without the E axis) and
-        the report entry."""
+        the report entry. With `rule.incoherence` the fit sees W·R and RᵀHR (the same output error, in the
+        rotated basis) and the parts carry R's signs (ROTATION_PART, shared by the layer: no E axis)."""
         flat = W.dim() == 2
         W3, H3 = (W[None], H[None]) if flat else (W, H)
+        signs = rotation_signs(name, W3.shape[-1], rule, self.seed)
+        if signs is not None:
+            W3, H3 = rotate(W3, signs.to(W3.device)), rotate_hessian(H3, signs.to(H3.device))
         spec = weight_codec(rule.codec)
         stored = spec.hook("quantize")(W3, H3, rule)
         W_hat = spec.hook("dequantize")(rule.bits, tuple(W3.shape), stored)
         assert torch.isfinite(W_hat).all(), f"{name}: non-finite dequantized weights"
         err = hls.output_error(W3, W_hat, H3)
         parts = {part: (t[0] if flat else t).cpu().contiguous() for part, t in stored.items()}
-        return parts, {"codec": rule.codec, "bits": rule.bits, "group_size": rule.group_size, "gptq": rule.gptq,
-                       "rel_output_error": [round(x, 6) for x in err.tolist()]}
+        entry = {"codec": rule.codec, "bits": rule.bits, "group_size": rule.group_size, "gptq": rule.gptq,
+                 "rel_output_error": [round(x, 6) for x in err.tolist()]}
+        if signs is not None:
+            parts[ROTATION_PART] = signs
+            entry["incoherence_block"] = signs.shape[1]
+        return parts, entry
 
     def _hessians(self, stats: dict, key: str, experts: list[int]) -> tuple[torch.Tensor, list[dict]]:
         """The damped Hessians [n, m, m] of `experts` (stats[key] holds them in that order) and a note each.
@@ -157,7 +186,9 @@ class ExpertFitter:
             fits = [self._fit(name, sd[name][e : e + 1].to(H.device, torch.float32), H[j : j + 1], rule)
                     for j, e in enumerate(experts)]
             entry[p] = {**fits[0][1], "rel_output_error": [x for _, r in fits for x in r["rel_output_error"]]}
-            tensors.update({f"fit.{name}.{part}": torch.cat([f[part] for f, _ in fits]) for part in fits[0][0]})
+            # the rotation's signs are the layer's, not per expert: kept once
+            tensors.update({f"fit.{name}.{part}": fits[0][0][part] if part == ROTATION_PART else
+                            torch.cat([f[part] for f, _ in fits]) for part in fits[0][0]})
             del fits
         if self.dist.grouped:
             shares = self.dist.gather(tensors, {"entry": entry, "experts": experts})
@@ -232,6 +263,9 @@ def _merge(shares: list[tuple[dict, dict]], n_experts: int) -> tuple[dict, dict]
     tensors = {}
     for name in shares[0][0]:
         ts = [t.get(name) for t, _ in shares]  # None: a rank that owns no expert of this layer
+        if name.endswith("." + ROTATION_PART):  # the layer's rotation, the same on every rank
+            tensors[name] = next(t for t in ts if t is not None)
+            continue
         out = torch.empty((n, *ts[0].shape[1:]), dtype=ts[0].dtype)
         for e, (r, j) in where.items():
             out[e] = ts[r][j]

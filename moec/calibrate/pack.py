@@ -151,7 +151,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     No calibration: quantized experts get random codes and plausible codebooks/scales
     (runtime/latency.random_stored), KV codecs their stand-in calibration (runtime/latency.random_kv_tensors).
     Built on `device` (the GPU when there is one), written atomically like any packed checkpoint."""
-    from ..runtime.latency import param_shapes, random_kv_tensors, random_stored
+    from ..runtime.latency import param_shapes, random_kv_tensors, random_rotation, random_stored
     from .pack_kv import kv_manifest, kv_tensor_info
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -166,8 +166,10 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
                 raise UserError(f"--random packs quantized experts and attention projections only; recipe rule "
                                 f"{rule.targets} ({rule.codec}) also matches {name!r}")
             stacked = shape if is_expert else (1, *shape)  # attention parts are stored without the E axis
-            for part, v in random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen).items():
-                tensors[f"{name}.{part}"] = (v if is_expert else v[0]).cpu()
+            parts = {k: (v if is_expert else v[0]).cpu() for k, v in
+                     random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen).items()}
+            for part, v in (parts | random_rotation(rule, name, shape[-1])).items():  # signs: no E axis
+                tensors[f"{name}.{part}"] = v
                 info[f"{name}.{part}"] = {"codec": rule.codec, "bits": rule.bits, "param": name,
                                           "group_size": rule.group_size, "param_shape": list(shape)}
             continue

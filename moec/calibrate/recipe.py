@@ -11,6 +11,7 @@
         bits: 16
         group_size: 64        # must divide the input dim of every targeted matrix (checked at calibrate)
         gptq: true            # hls/fp3: GPTQ error feedback (act-order) after the codebook fit
+        incoherence: {block: 0}   # optional: fit in a randomized block-Hadamard basis (0: auto block)
     calibration:
       expert_policy: all-experts-for-stats   # or damped-identity
       min_expert_tokens: 0    # experts below this many routed tokens follow expert_policy
@@ -48,12 +49,41 @@ _V1_KV_DEFAULTS = {"bits": 16, "window": 128, "sinks": 4, "block": 32, "group_si
 
 
 @dataclass
+class Incoherence:
+    """Incoherence processing (QuIP#, Chee et al. 2023; QuaRot, Ashkboos et al. 2024): each targeted
+    matrix is fitted as W·R in the basis of a randomized block-Hadamard rotation R of its inputs
+    (moec/rotation.py), with the rotated Hessian RᵀHR, and the runtime rotates the input, x·R, before the
+    quantized matmul: y = (x·R)(W·R)ᵀ = x·Wᵀ. The rotation spreads outlier input channels over a block,
+    so the codebooks are not stretched by a few large weights. One rotation per (layer, input): gate and
+    up of a layer share one (their input is the same x), every expert of the layer uses it.
+    block: a power of two dividing each targeted matrix's input dim (checked at calibrate, naming the
+    matrix); 0 = auto: the largest power of two dividing it, at most max_block (576 -> 64, 1536 -> 512)."""
+
+    block: int = 0
+    max_block: int = 512
+
+    def __post_init__(self):
+        for key in ("block", "max_block"):
+            v = getattr(self, key)
+            if v < 0 or (v & (v - 1)) or (key == "max_block" and v == 0):
+                raise UserError(f"weights rule: incoherence.{key} must be a power of two"
+                                f"{' or 0 (auto)' if key == 'block' else ''}, got {v}")
+
+    def block_for(self, n: int) -> int:
+        """The block for an input dim n (0: none fits, the caller names the matrix)."""
+        if self.block:
+            return self.block if n % self.block == 0 else 0
+        return min(n & -n, self.max_block)
+
+
+@dataclass
 class WeightRule:
     targets: list[str]
     codec: str = "keep"  # a registered weight codec (moec/registry.py)
     bits: int = 16
     group_size: int = 0  # 0: one group per output row
     gptq: bool = True  # hls/fp3: GPTQ error feedback with the full Hessian after fitting the codebooks
+    incoherence: Incoherence | None = None  # fit and run in a randomized block-Hadamard basis (above)
 
     def __post_init__(self):
         if not self.targets:
@@ -73,6 +103,8 @@ class WeightRule:
         if allowed is not None and self.bits not in allowed:
             raise UserError(f"weights rule: codec {self.codec!r} takes bits in {{{', '.join(map(str, allowed))}}}, "
                             f"got {self.bits} (weight bits must be one of 2, 3, 4, 8)")
+        if self.incoherence is not None and self.codec == "keep":
+            raise UserError("weights rule: incoherence applies to quantized weights; codec keep stores them as is")
 
     def patterns(self) -> list[re.Pattern]:
         return [re.compile(TARGET_PATTERNS.get(t, t)) for t in self.targets]

@@ -104,8 +104,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if kv_sampler is not None:
         observers.append(kv_sampler)
     cal = recipe.calibration
-    fitter = (ExpertFitter(targets, ckpt.layer_state, cal.expert_policy, cal.min_expert_tokens, dist=dist)
-              if targets else None)
+    fitter = (ExpertFitter(targets, ckpt.layer_state, cal.expert_policy, cal.min_expert_tokens, dist=dist,
+                            seed=seed) if targets else None)
     hessians: list = []
     if fitter is not None:  # per-expert and attention Hessians, fitted and dropped layer by layer
         if fitter.layers():

@@ -20,6 +20,7 @@ from torch.func import functional_call
 
 from ..formats import bitpack
 from ..progress import tracked
+from ..rotation import rotate
 from ..runtime.config import ModelArgs
 from ..runtime.model import build_model
 from . import hls
@@ -52,6 +53,8 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
         idx[name] = codes.view(E, O, G, I // G).long()  # [E, O, G, g]
         scale[name] = lut0[name].abs().amax(-1, keepdim=True)  # [E, O, G, 1]
         delta[name] = torch.zeros_like(lut0[name], requires_grad=True)
+    # incoherence: the codebooks reconstruct W·R (fit_experts.rotation_signs); the model needs W = (W·R)·Rᵀ
+    signs = {n: fitted[f"fit.{n}.had_signs"].to(dev) for n in lut0 if f"fit.{n}.had_signs" in fitted}
     opt = torch.optim.Adam(delta.values(), lr=lr)
     g = torch.Generator().manual_seed(seed)
     tokens = tokens.to(dev)
@@ -61,6 +64,7 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
         with torch.no_grad():
             logp_src = torch.log_softmax(teacher(b).float(), -1)  # [batch, L, V]
         weights = {n: (lut0[n] + scale[n] * delta[n]).gather(-1, idx[n]).reshape(state[n].shape) for n in lut0}
+        weights = {n: w if n not in signs else rotate(w, signs[n], inverse=True) for n, w in weights.items()}
         logp_q = torch.log_softmax(functional_call(student, weights, (b,)).float(), -1)
         loss = F.kl_div(logp_q, logp_src, log_target=True, reduction="none").sum(-1).mean()
         opt.zero_grad(set_to_none=True)

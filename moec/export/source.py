@@ -15,7 +15,7 @@ import torch
 
 from ..errors import UserError
 from ..formats.checkpoint import MANIFEST, check_model_fields, load_tensors, verify
-from ..formats.codecs import KEEP
+from ..formats.codecs import KEEP, ROTATION_PART
 from ..runtime.config import ModelArgs
 from ..runtime.loader import check_quant_parts
 
@@ -67,6 +67,10 @@ class PackedModel:
                 continue
             if p not in self.params:
                 self.params[p] = Param(p, e["codec"], e["bits"], tuple(e.get("param_shape") or ()))
+            if name == f"{p}.{ROTATION_PART}":  # W stored as W·R: the other runtimes do not rotate inputs
+                raise UserError(f"{p} ({e['codec']}, {e['bits']} bits) was fitted with incoherence processing "
+                                f"(a block-Hadamard rotation of its inputs that only moec applies); no export "
+                                f"format carries it: export a recipe without `incoherence`")
             part = tensors[name]
             if len(self.params[p].shape) == 2:  # attention: stored without the E axis
                 part = part[None]

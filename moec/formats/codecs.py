@@ -6,6 +6,7 @@ import re
 from enum import StrEnum
 
 KEEP = "keep"  # the `codec` of a tensor stored as the source has it
+ROTATION_PART = "had_signs"  # the stored part of a matrix fitted in a rotated basis (WeightCodec below)
 
 
 class WeightCodec(StrEnum):
@@ -24,6 +25,12 @@ class WeightCodec(StrEnum):
     FP3: codes (3-bit), scale fp16 [E, O, G] (signed); w = scale · FP3_GRID[idx], the fixed grid
         {-1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2}.
     FP8: fp8 float8_e4m3fn [E, O, I], scale fp32 [E, O]; w = scale · fp8.
+
+    Any of them may carry one more part, `P.had_signs` int8 [I / b, b] (b a power of two: the block), for a
+    matrix fitted with incoherence processing (calibrate/recipe.Incoherence): the parts above then store
+    W' = W·R with R = blockdiag(H_b)·diag(had_signs)/√b (moec/rotation.py, H_b the Sylvester Hadamard
+    matrix), and y = (x·R)·W'ᵀ. A layer's matrices that read one input (w1 and w3) hold the same signs.
+    Added within format version 2: a reader that predates it refuses such a checkpoint, naming the part.
     """
 
     KEEP = "keep"

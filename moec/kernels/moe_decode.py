@@ -188,17 +188,20 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                block_o_down: int | None = None, block_k_down: int | None = None, split: int | None = None,
                words: bool | None = None, poly: bool | None = None, prmt: bool | None = None,
                out_dtype: torch.dtype = torch.float32, num_stages: int | None = None,
-               num_warps_down: int | None = None, num_stages_down: int | None = None) -> torch.Tensor:
+               num_warps_down: int | None = None, num_stages_down: int | None = None,
+               h_rotate=None) -> torch.Tensor:
     """Fused MoE for few tokens. x [N, D]; ids, weights [N, A]; w1, w3 [E, I, D] and w2 [E, D, I] as
     QWeight (all of one mode). Returns out [N, D] in out_dtype. prmt (default: where it applies, i.e.
     CUDA 2-bit fp16 tables in the word layout and words not turned off): the PTX prmt lookup with fp16x2
-    products (dequant.gemv_prmt); False: the previous select-tree / cubic path."""
+    products (dequant.gemv_prmt); False: the previous select-tree / cubic path. h_rotate: a function
+    applied to the intermediate h [T, I] fp32 between the two launches (the incoherence rotation of w2's
+    inputs, runtime/experts.py; it takes the non-prmt path, whose h is fp32 in natural order)."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     x = x.float().contiguous()  # fp32 x: the GEMV loads each x element once per slot; no per-use conversion
     ids = ids.to(torch.int32).contiguous()
     weights = weights.float().contiguous()
     T = N * A
-    can = words is not False and all(use_prmt(w) for w in (w1, w3, w2)) and I % 16 == 0
+    can = words is not False and all(use_prmt(w) for w in (w1, w3, w2)) and I % 16 == 0 and h_rotate is None
     if prmt is None:  # the default: prmt where it applies, unless it failed to compile on this machine
         if can and not _PRMT_FAILED:
             try:
@@ -240,6 +243,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
         x, ids, weights, d1, a1, b1, d3, a3, b3, h, I,
         d1.stride(0), d1.stride(1), stride_ae1, row_a1,
         D=D, A=A, BO=block_o, **launch1, **s1)
+    if h_rotate is not None:
+        h = h_rotate(h).contiguous()
     bk2 = s2["BKC"] * s2["C"]
     n_d = triton.cdiv(D, block_o_down)
     if split is None:  # split I (fp32 atomics) until the grid has a few programs per SM; prmt: only below one
@@ -265,7 +270,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
 
 
 def moe_decode_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
-                   w2: QWeight) -> torch.Tensor:
+                   w2: QWeight, h_rotate=None) -> torch.Tensor:
     """Plain-torch reference of `moe_decode` (same arguments), out [N, D] fp32."""
     W1, W3, W2 = dequant_ref(w1), dequant_ref(w3), dequant_ref(w2)
     xf = x.float()
@@ -274,6 +279,8 @@ def moe_decode_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         for a in range(ids.shape[1]):
             e = int(ids[n, a])
             h = torch.nn.functional.silu(W1[e] @ xf[n]) * (W3[e] @ xf[n])
+            if h_rotate is not None:
+                h = h_rotate(h)
             out[n] += weights[n, a].float() * (W2[e] @ h)
     return out
 

@@ -150,7 +150,8 @@ _WARNED: set = set()
 log = logging.getLogger(__name__)
 
 
-def _launch(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight, cfg: dict, out_dtype) -> torch.Tensor:
+def _launch(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight, cfg: dict, out_dtype,
+            h_rotate=None) -> torch.Tensor:
     """align + the two launches; returns y [T, D] in slot order."""
     N, D = x.shape
     A = ids.shape[1]
@@ -165,6 +166,8 @@ def _launch(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight, cfg: dict, o
         x, sorted_ids, block_expert, d1, a1, b1, d3, a3, b3, h, T, I, E, x.stride(0),
         d1.stride(0), d1.stride(1), a1.stride(0) if w1.a is not None else 0, w1.row_stride_a(),
         D=D, A=A, BM=BM, BN=BN, DOT=dot_dtype(), **_static(w1, cfg["block_k"]), **launch)
+    if h_rotate is not None:  # rows of h are slots: every row is rotated alike
+        h = h_rotate(h).contiguous()
     y = torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
     _down_kernel[(block_expert.numel(), triton.cdiv(D, BN))](
         h, sorted_ids, block_expert, weights, d2, a2, b2, y, T, D, E,
@@ -176,9 +179,10 @@ def _launch(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight, cfg: dict, o
 def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
                 w2: QWeight, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None, small: bool | None = None,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, h_rotate=None) -> torch.Tensor:
     """Grouped quantized MoE. x [N, D] (bf16/fp16/fp32); ids, weights [N, A]; w1, w3 [E, I, D] and
-    w2 [E, D, I] as QWeight of one mode. Returns out [N, D] in out_dtype (default x.dtype)."""
+    w2 [E, D, I] as QWeight of one mode. Returns out [N, D] in out_dtype (default x.dtype). h_rotate: a
+    function applied to the intermediate h [T, I] between the launches (moe_decode's h_rotate)."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     T = N * A
     cfg = dict(SMALL_CONFIG if (small if small is not None else T <= 4 * E) else PREFILL_CONFIG)
@@ -196,21 +200,21 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: Q
         if "bk16" not in _WARNED:
             _WARNED.add("bk16")
             log.warning("grouped MoE: 16-input dequant tiles (D=%d, I=%d) run the torch reference on CUDA", D, I)
-        return moe_grouped_ref(x, ids, weights, w1, w3, w2).to(out_dtype or x.dtype)
+        return moe_grouped_ref(x, ids, weights, w1, w3, w2, h_rotate).to(out_dtype or x.dtype)
     key = (w1.mode, w1.bits, D, I, *cfg.values())
     if key in _BROKEN:
         cfg = dict(SMALL_CONFIG)
     try:
-        y = _launch(x, ids, weights, w1, w3, w2, cfg, out_dtype)
+        y = _launch(x, ids, weights, w1, w3, w2, cfg, out_dtype, h_rotate)
     except RuntimeError as ex:  # a Triton compile failure (first call of a config only)
         if "PassManager" not in str(ex) or cfg == SMALL_CONFIG:
             raise
         _BROKEN.add(key)
-        y = _launch(x, ids, weights, w1, w3, w2, dict(SMALL_CONFIG), out_dtype)
+        y = _launch(x, ids, weights, w1, w3, w2, dict(SMALL_CONFIG), out_dtype, h_rotate)
     return y.view(N, A, D).sum(1)
 
 
-def moe_grouped_ref(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight) -> torch.Tensor:
+def moe_grouped_ref(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight, h_rotate=None) -> torch.Tensor:
     """Plain-torch reference (fp32, per expert over its tokens), out [N, D] fp32."""
     W1, W3, W2 = dequant_ref(w1), dequant_ref(w3), dequant_ref(w2)
     xf = x.float()
@@ -218,5 +222,7 @@ def moe_grouped_ref(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight) -> t
     for e in ids.unique().tolist():
         tok, slot = torch.where(ids == e)
         h = torch.nn.functional.silu(xf[tok] @ W1[e].t()) * (xf[tok] @ W3[e].t())
+        if h_rotate is not None:
+            h = h_rotate(h)
         out.index_add_(0, tok, (h @ W2[e].t()) * weights[tok, slot, None].float())
     return out

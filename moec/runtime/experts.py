@@ -14,6 +14,12 @@ On CUDA the Triton kernels read what is stored, not the fp32 lut: hls/fp3 an fp1
 row scales (`qweight()` hands them over as kernels/dequant.QWeight). A MoE step on CUDA takes the fused
 decode GEMV (kernels/moe_decode.py) for up to DECODE_MAX_TOKENS tokens and the grouped dequant-GEMM
 (kernels/moe_prefill.py) above; a quantized attention projection the kernels/qlinear.py GEMV/GEMM.
+
+Incoherence processing (calibrate/recipe.Incoherence): a matrix stored with a `had_signs` part holds
+W' = W·R for a randomized block-Hadamard R of its inputs, so every path computes y = (x·R)·W'ᵀ: the
+input is rotated (moec/rotation.rotate, one batched [b, b] matmul per row, no host sync) and the
+dequantization and kernels are unchanged. w1 and w3 of a layer share one rotation: x is rotated once
+for all experts; the kernels' intermediate h is rotated between the gate/up and the down launch.
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import FormatError
 from ..formats import bitpack
+from ..formats.codecs import ROTATION_PART
 from ..registry import weight_codec, weight_codecs
+from ..rotation import hadamard, rotate
 from .backend import kernels_enabled
 
 log = logging.getLogger(__name__)
@@ -66,6 +75,16 @@ class QuantMatrix(nn.Module):
 
     def __init__(self, codec: str, bits: int, shape: tuple[int, ...], stored: dict[str, torch.Tensor]):
         super().__init__()
+        stored = dict(stored)
+        signs = stored.pop(ROTATION_PART, None)  # int8 [I / b, b]: W is stored as W·R (incoherence)
+        self.rotated = signs is not None
+        if self.rotated:
+            nb, b = signs.shape
+            if nb * b != shape[-1] or b & (b - 1) or not ((signs == 1) | (signs == -1)).all():
+                raise FormatError(f"{ROTATION_PART} {list(signs.shape)} is not a ±1 sign vector in blocks of a power "
+                                  f"of two over the {shape[-1]} inputs")
+            self.register_buffer("had_signs", signs.float())
+            self.register_buffer("had_h", hadamard(b))  # fp32; inputs are rotated in fp32
         if len(shape) == 2:  # a plain linear weight [O, I] (attention): one "expert"
             stored = {k: v[None] if v.dim() < 3 or (k == "scale" and codec == "fp8" and v.dim() == 1) else v
                       for k, v in stored.items()}
@@ -92,6 +111,18 @@ class QuantMatrix(nn.Module):
             self.parts = list(stored)
             for k, v in stored.items():
                 self.register_buffer(f"part_{k}", v)
+
+    def rotate_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., I] -> x·R (in fp32, returned in x's dtype): the input this matrix's stored W·R expects;
+        x itself when the matrix is not rotated."""
+        if not self.rotated:
+            return x
+        return rotate(x.float(), self.had_signs, self.had_h).to(x.dtype)
+
+    def same_rotation(self, other) -> bool:
+        """Whether `other` (a QuantMatrix or a plain tensor) reads its input in the same basis."""
+        r = getattr(other, "rotated", False)
+        return r == self.rotated and (not r or torch.equal(self.had_signs, other.had_signs))
 
     def kernel_ok(self) -> bool:
         """Whether the Triton kernels take this matrix (groups of multiples of 16 inputs, or one per row)."""
@@ -141,6 +172,12 @@ class ExpertWeights(nn.Module):
                 self.add_module(name, w)
             else:
                 self.register_buffer(name, w)
+        q13 = w1 if isinstance(w1, QuantMatrix) else w3 if isinstance(w3, QuantMatrix) else None
+        self.shared_x = q13 is None or q13.same_rotation(w3 if q13 is w1 else w1)  # x rotated once for w1 and w3
+
+    def rotate_input(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        w = getattr(self, name)
+        return w.rotate_input(x) if isinstance(w, QuantMatrix) else x
 
     def weight(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         w = getattr(self, name)
@@ -149,12 +186,15 @@ class ExpertWeights(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """x [n, D] -> [n, D] through expert e (reference path)."""
         w1, w3, w2 = (self.weight(n, e, x.dtype) for n in ("w1", "w3", "w2"))
-        return F.silu(x @ w1.t()) * (x @ w3.t()) @ w2.t()
+        x1 = self.rotate_input("w1", x)
+        x3 = x1 if self.shared_x else self.rotate_input("w3", x)
+        h = F.silu(x1 @ w1.t()) * (x3 @ w3.t())
+        return self.rotate_input("w2", h) @ w2.t()
 
     def fused_ok(self, x: torch.Tensor) -> bool:
         ws = (self.w1, self.w3, self.w2)
         return (kernels_enabled(x.device) and all(isinstance(w, QuantMatrix) and w.kernel_ok() for w in ws)
-                and len({(w.codec, w.bits) for w in ws}) == 1)
+                and len({(w.codec, w.bits) for w in ws}) == 1 and self.shared_x)
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """The fused Triton kernels (backend.kernels_enabled: CUDA by default; x [N, D], weights/ids [N, A]),
@@ -162,13 +202,15 @@ class ExpertWeights(nn.Module):
         if not self.fused_ok(x):
             return None
         qs = [w.qweight() for w in (self.w1, self.w3, self.w2)]
+        xr = self.w1.rotate_input(x)  # w1 and w3 read the same basis (fused_ok)
+        h_rotate = self.w2.rotate_input if self.w2.rotated else None
         if x.shape[0] <= DECODE_MAX_TOKENS:
             from ..kernels.moe_decode import moe_decode
 
-            return moe_decode(x, ids, weights, *qs, out_dtype=x.dtype)
+            return moe_decode(xr, ids, weights, *qs, out_dtype=x.dtype, h_rotate=h_rotate)
         from ..kernels.moe_prefill import moe_grouped
 
-        return moe_grouped(x, ids, weights, *qs)
+        return moe_grouped(xr, ids, weights, *qs, h_rotate=h_rotate)
 
 
 class QLinear(nn.Module):
@@ -182,6 +224,7 @@ class QLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.q.rotate_input(x)
         key = (self.q.codec, self.q.bits, tuple(self.q.shape), x.shape[0] > 1, x.dtype)
         if kernels_enabled(x.device) and self.q.kernel_ok() and key not in _QLINEAR_FAILED:
             from ..kernels.qlinear import qlinear

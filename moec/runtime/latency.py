@@ -21,7 +21,9 @@ import statistics
 
 import torch
 
+from ..errors import UserError
 from ..registry import weight_codec
+from ..rotation import hadamard_signs
 from .config import ModelArgs
 from .experts import QuantMatrix, attach, placeholders
 from .model import Transformer, build_model
@@ -38,6 +40,19 @@ def random_stored(codec: str, bits: int, shape: tuple[int, int, int], group_size
     if spec.random_stored is None:
         raise ValueError(f"weight codec {codec!r} has no random stand-in")
     return spec.hook("random_stored")(bits, shape, group_size, device, gen)
+
+
+def random_rotation(rule, name: str, n_in: int) -> dict[str, torch.Tensor]:
+    """{"had_signs": ...} for a rule with `incoherence` (calibrate/recipe.Incoherence), else {}: random
+    weights rotate like fitted ones, so a speed run pays for the input rotations. Seeded by the layer
+    and input so that w1 and w3 share one rotation, as calibration makes them."""
+    inc = getattr(rule, "incoherence", None)
+    if inc is None:
+        return {}
+    block = inc.block_for(n_in)
+    if not block:
+        raise UserError(f"incoherence block {inc.block} does not divide the input dim {n_in} of {name}")
+    return {"had_signs": hadamard_signs(n_in, block, int(name.split(".")[1]) * 4 + ("w2" in name))}
 
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -60,7 +75,8 @@ def random_model(args: ModelArgs, rule_for, device, dtype=torch.bfloat16, seed: 
         if rule is not None and rule.codec != "keep" and (is_expert or is_attn):
             stacked = shape if is_expert else (1, *shape)  # an attention projection is one "expert"
             quant[name] = QuantMatrix(rule.codec, rule.bits, shape,
-                                      random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen))
+                                      random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen)
+                                      | random_rotation(rule, name, shape[-1]))
             quant[name].param_shape = shape
         elif "norm" in name:
             state[name] = torch.ones(shape, dtype=dtype, device=device)

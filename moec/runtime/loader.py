@@ -9,7 +9,7 @@ import torch
 
 from ..errors import FormatError, UserError
 from ..formats import checkpoint
-from ..formats.codecs import KEEP, WEIGHT_PATTERN
+from ..formats.codecs import KEEP, ROTATION_PART, WEIGHT_PATTERN
 from ..registry import weight_codec
 from ..typed import build
 from .config import ModelArgs
@@ -103,6 +103,12 @@ def check_quant_parts(path, manifest: dict) -> None:
             continue  # a plugin codec without a stand-in: its dequantize hook checks its own parts
         want = spec.hook("random_stored")(bits, (1, *shape) if attention else tuple(shape), g, "meta", None)
         want = {k: v[0] if attention else v for k, v in want.items()}
+        rot = parts.pop(ROTATION_PART, None)  # an incoherence rotation: int8 [I / b, b], b a power of two
+        if rot is not None:
+            rs = rot["shape"]
+            if rot["dtype"] != "int8" or len(rs) != 2 or rs[1] < 1 or rs[1] & (rs[1] - 1) or rs[0] * rs[1] != shape[-1]:
+                raise FormatError(f"{where}: part {ROTATION_PART!r} is {rot['dtype']} {rs}, expected int8 "
+                                  f"[{shape[-1]} / b, b] with b a power of two")
         if set(parts) != set(want):
             raise FormatError(f"{where}: stored parts {sorted(parts)}, the codec stores {sorted(want)}")
         for k, e in parts.items():
