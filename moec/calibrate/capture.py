@@ -18,6 +18,9 @@ from ..runtime.model import Block, rms_norm, rope_cos_sin
 Progress = Callable[[int, int], None]
 
 
+SCORES_BYTES = 1 << 30  # the attention scores of one capture batch, at most (run_layers)
+
+
 @torch.no_grad()
 def run_layers(args: ModelArgs, global_state: dict, layer_state: Callable[[int], dict], tokens: torch.Tensor,
                observers: list, batch_size: int = 8, dtype=torch.float32, device="cpu",
@@ -42,6 +45,10 @@ def run_layers(args: ModelArgs, global_state: dict, layer_state: Callable[[int],
     else:
         h = h.to(home, dtype)
     cos, sin = rope_cos_sin(args, torch.arange(tokens.shape[1], device=device), dtype)
+    # the fp32 causal attention materializes batch x heads x L^2 scores (SDPA's math path): 4.3 GB at 8 x 32
+    # heads x 2048^2, more than the hidden states; long sequences go in smaller batches so the scores stay
+    # under SCORES_BYTES (the statistics are sums over tokens: the same numbers, summed in another order)
+    batch_size = max(1, min(batch_size, SCORES_BYTES // (4 * args.n_heads * tokens.shape[1] ** 2)))
 
     def observe(layer, name, t):
         for ob in observers:

@@ -73,7 +73,7 @@ def test_fused_kernels_with_rotation_match_dense(N, bits):
     # the kernels read fp16 tables (the reference: fp32 luts), the grouped one multiplies in bf16
     tol = (1e-2 if N > 2 else 2e-3) * want.abs().max().item()
     assert (got - want).abs().max().item() <= tol, (got - want).abs().max().item()
-    unrotated = _dense((ew.w1.dequant_ref(), ew.w3.dequant_ref(), ew.w2.dequant_ref()), x, ids, wts)
+    unrotated = _dense(tuple(w.dequant_ref().cpu() for w in (ew.w1, ew.w3, ew.w2)), x, ids, wts)
     assert (got - unrotated).abs().max().item() > 10 * tol  # the rotation is not a no-op here
 
 
