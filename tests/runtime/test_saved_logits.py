@@ -26,7 +26,7 @@ from moec.runtime.saved_logits import MATCH, SavedLogits
 
 EVAL = dict(data="ptb", split="test", mode="both", max_windows=2, window=48, batch_size=2, device="cpu",
             dtype="fp32", latency=False, random=None, recipe=None, batches="1", contexts="4k", steps=1,
-            prefill_contexts="4k", bf16_peer=False, breakdown=False, plot=None)
+            prefill_contexts="4k", bf16_peer=False, breakdown=False, plot=None, stream_layers=False)
 
 
 @pytest.fixture(scope="module")
