@@ -79,11 +79,11 @@ def test_compile_failure_falls_back_to_small_config(monkeypatch):
     calls = []
     real = mp._launch
 
-    def flaky(x, ids, weights, w1, w3, w2, cfg, out_dtype):
+    def flaky(x, ids, weights, w1, w3, w2, cfg, *rest):
         calls.append(cfg["block_m"])
         if cfg != mp.SMALL_CONFIG:
             raise RuntimeError("PassManager::run failed")
-        return real(x, ids, weights, w1, w3, w2, dict(cfg, block_n=16, block_k=32), out_dtype)
+        return real(x, ids, weights, w1, w3, w2, dict(cfg, block_n=16, block_k=32), *rest)
 
     monkeypatch.setattr(mp, "_launch", flaky)
     monkeypatch.setattr(mp, "_BROKEN", set())
