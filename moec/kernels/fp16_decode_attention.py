@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_decode_attention import LOG2E, NUM_SMS, combine_splits
+from .kv_decode_attention import LOG2E, NUM_SMS, _interpreting, combine_splits
 
 # launch defaults on CUDA (benchmarks/bench_fp16_attention.py on the H200)
 CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2}
@@ -139,12 +139,6 @@ def fp16_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         DT=tl.float16 if precision == "fp16" else tl.float32, STAGES=num_stages or CONFIG["num_stages"],
         INTERP=not cuda, num_warps=num_warps or CONFIG["num_warps"])
     return combine_splits(part, B * H, n_splits, d, None, out_dtype or q.dtype).view(B, H, d)
-
-
-def _interpreting() -> bool:
-    from .kv_decode_attention import _interpreting as interp
-
-    return interp()
 
 
 def fp16_decode_attention_ref(q, k_cache, v_cache, k_new, v_new, pos) -> torch.Tensor:

@@ -462,6 +462,8 @@ class _QuantQKV(torch.nn.Module):
         key = {(q.codec, q.bits, q.shape[2], q.kernel_mode) for q in qs}
         if len(key) != 1 or not all(q.kernel_ok() for q in qs) or any(w.bias is not None for w in ws):
             return None
+        if any(q.rotated for q in qs):  # incoherence: each QLinear rotates its input itself (separate launches)
+            return None
         names = [n for n in cls.PARTS if all(isinstance(getattr(q, n, None), torch.Tensor) for q in qs)]
         if any(len({getattr(q, n).shape[2:] for q in qs}) != 1 for n in names):  # groups differ
             return None

@@ -86,10 +86,13 @@ def test_engine_fused_step_matches_plain_step(qk_norm):
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
 
 
-def test_engine_fuses_quantized_qkv():
+@pytest.mark.parametrize("rotated", [False, True])
+def test_engine_fuses_quantized_qkv(rotated):
     """4-bit q/k/v projections (QLinear) run as one qlinear launch in the fused step: the same logits as
-    the plain step (per-projection QLinear), and wq/wk/wv still hold their own weights (views)."""
+    the plain step (per-projection QLinear), and wq/wk/wv still hold their own weights (views). Rotated
+    (incoherence) projections stay separate QLinears, which rotate their inputs, with the same logits."""
     from moec.calibrate import hls
+    from moec.rotation import hadamard_signs
     from moec.runtime.decode import _QuantQKV
     from moec.runtime.experts import QLinear, QuantMatrix, attach
 
@@ -103,15 +106,16 @@ def test_engine_fuses_quantized_qkv():
         for i, blk in enumerate(model.layers):
             for n in ("wq", "wk", "wv"):
                 W = getattr(blk.attn, n).weight.data.float().cpu()
-                stored = hls.quantize(W[None], None, "rtn", 4, 32, False)
-                quant[f"layers.{i}.attn.{n}.weight"] = QuantMatrix("rtn", 4, tuple(W.shape),
-                                                                  {k: v[0] for k, v in stored.items()})
+                stored = {k: v[0] for k, v in hls.quantize(W[None], None, "rtn", 4, 32, False).items()}
+                if rotated:
+                    stored["had_signs"] = hadamard_signs(W.shape[1], 16, i)
+                quant[f"layers.{i}.attn.{n}.weight"] = QuantMatrix("rtn", 4, tuple(W.shape), stored)
         attach(model, quant, DEVICE)
         ref = [model.layers[0].attn.wk.q.dequant_ref(0)]
         eng = DecodeEngine(model, StaticFP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32), graphs=False,
                            fuse=fuse)
         if fuse:
-            assert all(isinstance(f, _QuantQKV) for f in eng.qkv)
+            assert all((f is None) if rotated else isinstance(f, _QuantQKV) for f in eng.qkv)
             assert isinstance(model.layers[0].attn.wk, QLinear)
             assert torch.equal(model.layers[0].attn.wk.q.dequant_ref(0), ref[0])  # the views hold wk's parts
         logits = [eng.prefill(0, prompt)]
