@@ -3,12 +3,23 @@
 Shape legend: N = tokens, E = experts, A = experts per token (top_k).
 
     route_topk(logits [N, E], top_k, norm) -> weights [N, A] fp32, ids [N, A] int32
+    route_gemv_topk(x [N, D], router [E, D], top_k, norm) -> the same, the router GEMV included
 
 The same as `moec.runtime.model.route` after its router GEMV: softmax in fp32, the top_k largest
 probabilities in descending order, optionally renormalized to sum 1. torch runs this as ~6 kernels at
 decode (softmax, topk's gatherTopK + bitonicSort, sum, div, casts), a few microseconds each inside a CUDA
 graph, 48 times a step on Qwen3; here one program per token does it in registers: k rounds of argmax,
 each removing its winner (ties go to the lower expert index). `route_topk_ref` is the torch reference.
+
+route_gemv_topk also does the router GEMV, which cuBLAS runs as a separate ~5 us launch per layer at decode
+(Qwen3's [128, 2048] router: 0.23 ms of a 4.3 ms step, pure latency; issue 16 asks for on-chip routing). A
+single program cannot read the router fast enough (512 KB on one SM), so the GEMV is split over programs of
+BLOCK_E experts each; every program writes its logits to a scratch row and takes a ticket from a counter,
+and the program that takes the last ticket (all logits written: the ticket is an acq_rel atomic after a
+barrier) does the softmax/top-k for every token and puts the counter back to 0, so the next launch (a
+CUDA-graph replay) finds it zeroed. Launches sharing a counter must not overlap: one counter per device,
+used by one stream (the decode step). The logits are rounded to x's dtype before the softmax, as
+`x @ router.t()` rounds them in the torch path, so both pick the same experts.
 """
 
 from __future__ import annotations
@@ -19,12 +30,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_n,
-                       A: tl.constexpr, A_P2: tl.constexpr, E_P2: tl.constexpr, NORM: tl.constexpr):
-    n = tl.program_id(0)
-    offs = tl.arange(0, E_P2)
-    mask = offs < E
-    z = tl.load(logits_ptr + n * stride_n + offs, mask=mask, other=float("-inf")).to(tl.float32)
+def _topk_row(z, offs, mask, w_ptr, ids_ptr, n, E_P2: tl.constexpr, A: tl.constexpr, A_P2: tl.constexpr,
+              NORM: tl.constexpr):
+    """Softmax of one token's logits z [E_P2] (fp32, -inf past E), its top A, stored at row n."""
     p = tl.exp(z - tl.max(z, axis=0))
     p = p / tl.sum(p, axis=0)  # softmax over the experts, fp32
     p = tl.where(mask, p, -1.0)  # padding never wins
@@ -43,6 +51,50 @@ def _route_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_n,
     tl.store(ids_ptr + n * A + offs_a, top_i, mask=offs_a < A)
 
 
+@triton.jit
+def _route_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_n,
+                       A: tl.constexpr, A_P2: tl.constexpr, E_P2: tl.constexpr, NORM: tl.constexpr):
+    n = tl.program_id(0)
+    offs = tl.arange(0, E_P2)
+    mask = offs < E
+    z = tl.load(logits_ptr + n * stride_n + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    _topk_row(z, offs, mask, w_ptr, ids_ptr, n, E_P2, A, A_P2, NORM)
+
+
+@triton.jit
+def _route_gemv_topk_kernel(x_ptr, r_ptr, logit_ptr, count_ptr, w_ptr, ids_ptr, N, E, D: tl.constexpr,
+                            N_P2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                            A: tl.constexpr, A_P2: tl.constexpr, E_P2: tl.constexpr, NORM: tl.constexpr):
+    """Program e0: logits [N, BLOCK_E] of experts e0·BLOCK_E.. into logit_ptr [N, E] fp32; the last program
+    to finish routes every token."""
+    pid = tl.program_id(0)
+    offs_n = tl.arange(0, N_P2)
+    offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_d = tl.arange(0, BLOCK_D)
+    nmask = offs_n < N
+    emask = offs_e < E
+    acc = tl.zeros([N_P2, BLOCK_E], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):  # D constexpr (one compile per model width): the interpreter needs it
+        dm = d0 + offs_d < D
+        x = tl.load(x_ptr + offs_n[:, None] * D + d0 + offs_d[None, :], mask=nmask[:, None] & dm[None, :],
+                    other=0.0).to(tl.float32)  # [N_P2, BLOCK_D]
+        r = tl.load(r_ptr + offs_e[:, None] * D + d0 + offs_d[None, :], mask=emask[:, None] & dm[None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_E, BLOCK_D]
+        acc += tl.sum(x[:, None, :] * r[None, :, :], axis=2)
+    acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # the torch path's logits are in x's dtype
+    tl.store(logit_ptr + offs_n[:, None] * E + offs_e[None, :], acc, mask=nmask[:, None] & emask[None, :])
+    tl.debug_barrier()  # every thread's logits are stored before the ticket is taken
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:  # the last program: all logits are visible
+        offs = tl.arange(0, E_P2)
+        mask = offs < E
+        for n in tl.static_range(N_P2):
+            if n < N:
+                z = tl.load(logit_ptr + n * E + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+                _topk_row(z, offs, mask, w_ptr, ids_ptr, n, E_P2, A, A_P2, NORM)
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed")  # zeroed for the next launch
+
+
 def route_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """weights [N, A] fp32 and ids [N, A] int32 of softmax top-k routing over logits [N, E] (any float
     dtype; rows may be strided)."""
@@ -57,6 +109,34 @@ def route_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tens
     return w, ids
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # one zeroed ticket counter per device (see the docstring)
+GEMV_MAX_TOKENS = 16  # the GEMV holds [N, BLOCK_E, BLOCK_D] in registers: a decode batch, not a prefill
+
+
+def route_gemv_topk(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """weights [N, A] fp32 and ids [N, A] int32 of model.route(x, router): x [N, D] (N <= GEMV_MAX_TOKENS)
+    and router [E, D] of one dtype, contiguous. Capturable (no host syncs; the counter is made on the first
+    call, which must come before a capture, as the engine's warm-up step does)."""
+    N, D = x.shape
+    E = router.shape[0]
+    assert router.shape == (E, D) and x.dtype == router.dtype, (x.shape, router.shape, x.dtype, router.dtype)
+    assert x.is_contiguous() and router.is_contiguous() and 1 <= top_k <= E and 1 <= N <= GEMV_MAX_TOKENS
+    count = _COUNTERS.get(x.device)
+    if count is None:
+        count = _COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    w = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(N, top_k, dtype=torch.int32, device=x.device)
+    n_p2 = triton.next_power_of_2(N)
+    block_e = min(triton.next_power_of_2(E), max(1, triton.next_power_of_2(E) // 16))  # ~16 programs
+    block_d = max(16, min(512, 4096 // (n_p2 * block_e)))  # [N_P2, BLOCK_E, BLOCK_D] <= 4096 values
+    _route_gemv_topk_kernel[(triton.cdiv(E, block_e),)](
+        x, router, logits, count, w, ids, N, E, D, N_P2=n_p2, BLOCK_E=block_e, BLOCK_D=block_d, A=top_k,
+        A_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(E), NORM=norm, num_warps=4)
+    return w, ids
+
+
 def route_topk_ref(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference (moec.runtime.model.route after its GEMV): weights fp32, ids int32."""
     probs = torch.softmax(logits.float(), dim=-1)
@@ -66,4 +146,4 @@ def route_topk_ref(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.
     return w, ids.to(torch.int32)
 
 
-__all__ = ["route_topk", "route_topk_ref"]
+__all__ = ["route_gemv_topk", "route_topk", "route_topk_ref"]

@@ -364,12 +364,13 @@ class StaticTieredCache:
 def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
     """The MoE layer without host syncs (for capture). x [N, D].
 
-    Routing: the router GEMV, then softmax, top-k and renormalization in one kernel (kernels/route_topk.py;
-    torch's route is ~6 small kernels). Quantized experts go through their fused kernels
-    (QuantExperts.fused); unquantized (bf16) routed experts through the same fused kernels in their dense
-    mode (kernels/dequant.py MODE_DENSE), which read only the chosen experts; without them, a gather of the
-    chosen experts' matrices ([N·A, I, D] copies: capturable, but the active weights are written and read
-    again). Dense MLPs, CPU tensors and codecs without a fused kernel take MoE.forward."""
+    Routing: the router GEMV, softmax, top-k and renormalization in one kernel at decode batch sizes
+    (kernels/route_topk.py route_gemv_topk; torch's route is a GEMM and ~6 small kernels). Quantized
+    experts go through their fused kernels (QuantExperts.fused); unquantized (bf16) routed experts through
+    the same fused kernels in their dense mode (kernels/dequant.py MODE_DENSE), which read only the chosen
+    experts; without them, a gather of the chosen experts' matrices ([N·A, I, D] copies: capturable, but the
+    active weights are written and read again). Dense MLPs, CPU tensors and codecs without a fused kernel
+    take MoE.forward."""
     if moe.kind == "dense" or not kernels_enabled(x.device) or (moe.codec is not None and not moe.codec.fused_ok(x)):
         return moe(x, layer)
     a = moe.args
@@ -395,8 +396,10 @@ def _route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool) -> tup
     """(weights, ids) [N, A] of model.route, its softmax/top-k in one kernel where it compiles."""
     if not _ROUTE_FAILED:
         try:
-            from ..kernels.route_topk import route_topk
+            from ..kernels.route_topk import GEMV_MAX_TOKENS, route_gemv_topk, route_topk
 
+            if x.shape[0] <= GEMV_MAX_TOKENS and x.dtype == router.dtype and x.is_contiguous():
+                return route_gemv_topk(x, router, top_k, norm)  # the router GEMV in the same launch
             return route_topk(x @ router.t(), top_k, norm)
         except Exception as e:  # the warm-up step (outside capture) meets compile errors first
             if torch.cuda.is_current_stream_capturing():

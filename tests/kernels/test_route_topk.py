@@ -33,3 +33,31 @@ def test_route_topk_strided_rows_and_ties():
     w, ids = route_topk(logits, 4, norm=False)
     assert torch.equal(ids.cpu(), torch.arange(4, dtype=torch.int32).expand(3, 4))  # ties: lowest index first
     torch.testing.assert_close(w.cpu(), torch.full((3, 4), 1 / 8))
+
+
+@pytest.mark.parametrize("N,E,A,norm", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_gemv_topk_matches_torch_route(N, E, A, norm, dtype):
+    """The router GEMV fused in (split over programs, the last one routes) against model.route; called
+    twice, so the second launch shows the ticket counter was put back to 0."""
+    from moec.kernels.route_topk import route_gemv_topk
+    from moec.runtime.model import route
+
+    D = 80 if E != 128 else 256  # not a multiple of the GEMV's D tile
+    g = torch.Generator().manual_seed(N * 7 + E)
+    x = torch.randn(N, D, generator=g).to(dtype).to(DEV)
+    router = (torch.randn(E, D, generator=g) / D**0.5 * 3).to(dtype).to(DEV)
+    _, w_ref, ids_ref = route(x, router, A, norm)
+    for _ in range(2):
+        w, ids = route_gemv_topk(x, router, A, norm)
+        assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == w.shape == (N, A)
+        # fp32 summation order differs from the GEMM's: bf16-rounded logits may move by one ulp
+        tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(w, w_ref, **tol)
+        if dtype == torch.float32:
+            assert torch.equal(ids, ids_ref.to(torch.int32)), (ids, ids_ref)
+        else:  # where the reference's choice is clear (a margin of 1% in probability), the same experts
+            probs = torch.softmax((x @ router.t()).float(), -1)
+            top = probs.topk(min(A + 1, E), -1).values
+            clear = (top[:, A - 1] - (top[:, A] if A < E else 0)) > 1e-2
+            assert torch.equal(ids[clear].sort(-1).values, ids_ref.to(torch.int32)[clear].sort(-1).values)
