@@ -197,7 +197,9 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     applied to the intermediate h [T, I] fp32 between the two launches (the incoherence rotation of w2's
     inputs, runtime/experts.py; it takes the non-prmt path, whose h is fp32 in natural order)."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
-    x = x.float().contiguous()  # fp32 x: the GEMV loads each x element once per slot; no per-use conversion
+    # x in its own dtype: every GEMV path converts its loads to fp32 (and prmt_pairs rounds to fp16, which
+    # bf16 -> fp16 does exactly as bf16 -> fp32 -> fp16); an fp32 copy first was one more kernel per layer
+    x = x.contiguous() if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else x.float().contiguous()
     ids = ids.to(torch.int32).contiguous()
     weights = weights.float().contiguous()
     T = N * A

@@ -51,6 +51,18 @@ def test_moe_decode_matches_reference(case):
     assert err <= tol, f"max abs err {err:.3e} > {tol:.3e} for {case}"
 
 
+@pytest.mark.parametrize("kind", ["lut2", "bf16"])
+def test_low_precision_x_equals_its_fp32_copy(kind):
+    """x in bf16 (the engine's activations) is read in place and converted on load: the same output as
+    passing its exact fp32 copy (no extra conversion kernel, no change in the arithmetic)."""
+    x, ids, wts, w1, w3, w2 = moe_case(kind, 3, 2, 4, 32, 32, 1, 1, DEVICE, seed=11)
+    xb = x.to(torch.bfloat16)
+    kw = dict(block_o=32, block_k=32, block_o_down=32, block_k_down=32, prmt=False)
+    a = moe_decode(xb, ids, wts, w1, w3, w2, **kw)
+    b = moe_decode(xb.float(), ids, wts, w1, w3, w2, **kw)
+    assert torch.equal(a, b), (a - b).abs().max()
+
+
 def test_split_and_paths_agree():
     """Split-I atomics and the byte path give what the word path gives (same data; prmt off, so both
     take fp32 levels: the CUDA default would use fp16 prmt tables on the word path)."""
