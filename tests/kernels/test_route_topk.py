@@ -35,7 +35,7 @@ def test_route_topk_strided_rows_and_ties():
     torch.testing.assert_close(w.cpu(), torch.full((3, 4), 1 / 8))
 
 
-@pytest.mark.parametrize("N,E,A,norm", CASES)
+@pytest.mark.parametrize("N,E,A,norm", [c for c in CASES if c[0] <= 4] + [(4, 128, 8, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_route_gemv_topk_matches_torch_route(N, E, A, norm, dtype):
     """The router GEMV fused in (split over programs, the last one routes) against model.route; called
