@@ -550,26 +550,6 @@ def _prmt_x(xp_ptr, cw, NW: tl.constexpr):
 
 
 @triton.jit
-def _pair(x_ptr, lo, m):
-    """int32 fp16 pair (x[lo] low half, x[lo + 4] high half) [BKW] from x in any float dtype (0 where ~m)."""
-    a = tl.load(x_ptr + lo, mask=m, other=0.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    b = tl.load(x_ptr + lo + 4, mask=m, other=0.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    return a | (b << 16)
-
-
-@triton.jit
-def _prmt_x_raw(x_ptr, cw, NW: tl.constexpr):
-    """_prmt_x formed in registers from x itself [16·NW] (fp16/bf16/fp32): pair i = 2j + q of word cw holds
-    inputs 16cw + 8q + j and 16cw + 8q + 4 + j (prmt_pairs' order), so no separate conversion launch."""
-    m = cw < NW
-    base = cw * 16
-    return (_pair(x_ptr, base, m)[None, :], _pair(x_ptr, base + 8, m)[None, :],
-            _pair(x_ptr, base + 1, m)[None, :], _pair(x_ptr, base + 9, m)[None, :],
-            _pair(x_ptr, base + 2, m)[None, :], _pair(x_ptr, base + 10, m)[None, :],
-            _pair(x_ptr, base + 3, m)[None, :], _pair(x_ptr, base + 11, m)[None, :])
-
-
-@triton.jit
 def prmt_tab(a_ptr, rows, stride_ao, g):
     """Each row's fp16 table of group g as two int32 [BO, 1] (a_ptr: the tables viewed as int32, 2 per group;
     rows: row indices clamped into the matrix, so the loads need no mask and no select)."""
@@ -590,18 +570,14 @@ def gemv_prmt(acc, w_ptr, tlo, thi, xp_ptr, rows, stride_wo, k0, NW: tl.constexp
 
 @triton.jit
 def gemv_prmt2(acc_g, acc_u, w1_ptr, glo, ghi, w3_ptr, ulo, uhi, xp_ptr, rows, stride_wo, k0,
-               NW: tl.constexpr, BKW: tl.constexpr, XRAW: tl.constexpr = False):
-    """gemv_prmt for gate and up (same layout, same x): the x pairs load once. XRAW: xp_ptr is x itself
-    (the pairs are formed in registers, _prmt_x_raw)."""
+               NW: tl.constexpr, BKW: tl.constexpr):
+    """gemv_prmt for gate and up (same layout, same x): the x pairs load once."""
     cw = k0 // 16 + tl.arange(0, BKW)
     off = rows[:, None] * stride_wo + cw[None, :]
     m = (cw < NW)[None, :]
     wg = tl.load(w1_ptr + off, mask=m, other=0)
     wu = tl.load(w3_ptr + off, mask=m, other=0)
-    if XRAW:
-        x0, x1, x2, x3, x4, x5, x6, x7 = _prmt_x_raw(xp_ptr, cw, NW)
-    else:
-        x0, x1, x2, x3, x4, x5, x6, x7 = _prmt_x(xp_ptr, cw, NW)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _prmt_x(xp_ptr, cw, NW)
     acc_g += _prmt_dot16(wg, glo, ghi, x0, x1, x2, x3, x4, x5, x6, x7)
     acc_u += _prmt_dot16(wu, ulo, uhi, x0, x1, x2, x3, x4, x5, x6, x7)
     return acc_g, acc_u

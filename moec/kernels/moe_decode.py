@@ -49,6 +49,7 @@ from .dequant import (
     gemv_words,
     gemv_words2,
     pick_block_k,
+    prmt_pairs,
     prmt_tab,
     use_prmt,
     use_words,
@@ -95,12 +96,12 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
         glo, ghi = prmt_tab(a1_ptr + e * stride_ae, rows, stride_ao, 0)
         ulo, uhi = prmt_tab(a3_ptr + e * stride_ae, rows, stride_ao, 0)
     for k0 in range(0, D, BKC * C):
-        if PRMT:  # x's fp16 pairs formed in registers (gemv_prmt2 XRAW); a*_ptr: fp16 tables viewed as int32
+        if PRMT:  # x_ptr: x as prmt_pairs [N, 8, D/16] int32; a*_ptr: fp16 tables viewed as int32
             if G > 1:
                 glo, ghi = prmt_tab(a1_ptr + e * stride_ae, rows, stride_ao, k0 // GS)
                 ulo, uhi = prmt_tab(a3_ptr + e * stride_ae, rows, stride_ao, k0 // GS)
             acc_g, acc_u = gemv_prmt2(acc_g, acc_u, w1_ptr + e * stride_we, glo, ghi, w3_ptr + e * stride_we,
-                                      ulo, uhi, xr, rows, stride_wo, k0, D // 16, BKC, True)
+                                      ulo, uhi, x_ptr + n * (D // 2), rows, stride_wo, k0, D // 16, BKC)
         elif WORDS:
             acc_g, acc_u = gemv_words2(acc_g, acc_u, w1_ptr + e * stride_we, a1_ptr + e * stride_ae,
                                        b1_ptr + e * stride_ae, w3_ptr + e * stride_we, a3_ptr + e * stride_ae,
@@ -235,7 +236,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     (d1, a1, b1), (d3, a3, b3) = w1.ptrs(), w3.ptrs()
     if s1["WORDS"]:
         d1, d3 = d1.view(torch.int32), d3.view(torch.int32)
-    if prmt:  # tables as two int32 per group (x stays as it is: the kernel pairs it, no prmt_pairs launch)
+    if prmt:  # fp16 pairs in the prmt order; tables as two int32 per group
+        x = prmt_pairs(x)  # [N, 8, D/16] int32
         a1, a3 = a1.view(torch.int32), a3.view(torch.int32)
     stride_ae1 = a1.stride(0) if w1.a is not None else 0
     row_a1 = a1.stride(1) if prmt else w1.row_stride_a()

@@ -382,8 +382,9 @@ class StaticTieredCache:
 def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
     """The MoE layer without host syncs (for capture). x [N, D].
 
-    Routing: the router GEMV, softmax, top-k and renormalization in one kernel at decode batch sizes
-    (kernels/route_topk.py route_gemv_topk; torch's route is a GEMM and ~6 small kernels). Quantized
+    Routing: the router GEMV, softmax, top-k and renormalization in one kernel at decode batch sizes and up
+    to 32 experts (kernels/route_topk.py route_gemv_topk), else the GEMV then one kernel for the rest
+    (route_topk; torch's route is a GEMM and ~6 small kernels). Quantized
     experts go through their fused kernels (QuantExperts.fused); unquantized (bf16) routed experts through
     the same fused kernels in their dense mode (kernels/dequant.py MODE_DENSE), which read only the chosen
     experts; without them, a gather of the chosen experts' matrices ([N·A, I, D] copies: capturable, but the
@@ -414,9 +415,10 @@ def _route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool) -> tup
     """(weights, ids) [N, A] of model.route, its softmax/top-k in one kernel where it compiles."""
     if not _ROUTE_FAILED:
         try:
-            from ..kernels.route_topk import GEMV_MAX_TOKENS, route_gemv_topk, route_topk
+            from ..kernels.route_topk import GEMV_MAX_EXPERTS, GEMV_MAX_TOKENS, route_gemv_topk, route_topk
 
-            if x.shape[0] <= GEMV_MAX_TOKENS and x.dtype == router.dtype and x.is_contiguous():
+            if (x.shape[0] <= GEMV_MAX_TOKENS and router.shape[0] <= GEMV_MAX_EXPERTS and x.dtype == router.dtype
+                    and x.is_contiguous()):
                 return route_gemv_topk(x, router, top_k, norm)  # the router GEMV in the same launch
             return route_topk(x @ router.t(), top_k, norm)
         except Exception as e:  # the warm-up step (outside capture) meets compile errors first

@@ -11,12 +11,10 @@ if not torch.cuda.is_available():  # the CPU runs the kernels in Triton's interp
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from moec.calibrate import hls  # noqa: E402
 from moec.formats import bitpack  # noqa: E402
-from moec.kernels.dequant import _prmt_x_raw, prmt_decode_emulate, prmt_pairs, use_prmt, use_words  # noqa: E402
+from moec.kernels.dequant import prmt_decode_emulate, prmt_pairs, use_prmt, use_words  # noqa: E402
 from moec.kernels.moe_decode import moe_decode, moe_decode_ref  # noqa: E402
 from moec.runtime.experts import ExpertWeights, QuantMatrix  # noqa: E402
 from tests.kernels.moe_cases import moe_case  # noqa: E402
@@ -116,33 +114,6 @@ def test_prmt_selectors_bit_exact(O, n, G):
     ref = lut.gather(-1, idx.view(O, G, n // G))  # [O, G, n/G]
     want = prmt_pairs(ref).view(torch.float16).reshape(got.shape)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-
-
-@triton.jit
-def _pairs_kernel(x_ptr, out_ptr, NW: tl.constexpr, BKW: tl.constexpr):
-    """Stores _prmt_x_raw's eight [1, BKW] pair rows as out [8, BKW] (for the test below)."""
-    cw = tl.arange(0, BKW)[None, :]
-    x0, x1, x2, x3, x4, x5, x6, x7 = _prmt_x_raw(x_ptr, tl.arange(0, BKW), NW)
-    tl.store(out_ptr + cw, x0)
-    tl.store(out_ptr + BKW + cw, x1)
-    tl.store(out_ptr + 2 * BKW + cw, x2)
-    tl.store(out_ptr + 3 * BKW + cw, x3)
-    tl.store(out_ptr + 4 * BKW + cw, x4)
-    tl.store(out_ptr + 5 * BKW + cw, x5)
-    tl.store(out_ptr + 6 * BKW + cw, x6)
-    tl.store(out_ptr + 7 * BKW + cw, x7)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_prmt_pairs_formed_in_registers_equal_prmt_pairs(dtype):
-    """The gate/up prmt path forms x's fp16 pairs in registers (dequant._prmt_x_raw) instead of launching
-    prmt_pairs: bit-equal to prmt_pairs on every word, the masked tail (words past NW) zero."""
-    n = 48  # 3 words; the kernel reads 4 (one past NW)
-    x = (torch.randn(n, generator=torch.Generator().manual_seed(5)) * 3).to(dtype).to(DEVICE)
-    out = torch.full((8, 4), -1, dtype=torch.int32, device=DEVICE)
-    _pairs_kernel[(1,)](x, out, NW=n // 16, BKW=4)
-    assert torch.equal(out[:, :3], prmt_pairs(x))
-    assert torch.equal(out[:, 3], torch.zeros_like(out[:, 3]))
 
 
 def test_prmt_pair_order_matches_gemv():
