@@ -23,7 +23,7 @@ from ..errors import UserError
 from ..formats.codecs import ROTATION_PART
 from ..progress import tracked
 from ..registry import weight_codec, weight_codecs
-from ..rotation import hadamard_signs, rotate, rotate_hessian
+from ..rotation import hadamard_signs, pack_signs, rotate, rotate_hessian
 from ..runtime.config import ModelArgs
 from ..runtime.experts import ATTN_PARAM
 from ..runtime.model import Transformer
@@ -116,7 +116,8 @@ class ExpertFitter:
         """Quantize W [E, O, I] (or [O, I] with H [I, I]: an attention projection, one "expert") under
         `rule`; returns the stored parts {part: [E, ...]} (a 2-D parameter's without the E axis) and
         the report entry. With `rule.incoherence` the fit sees W·R and RᵀHR (the same output error, in the
-        rotated basis) and the parts carry R's signs (ROTATION_PART, shared by the layer: no E axis)."""
+        rotated basis) and the parts carry R's signs (ROTATION_PART bit-packed, rotation.pack_signs; shared by
+        the layer: no E axis)."""
         flat = W.dim() == 2
         W3, H3 = (W[None], H[None]) if flat else (W, H)
         signs = rotation_signs(name, W3.shape[-1], rule, self.seed)
@@ -131,7 +132,7 @@ class ExpertFitter:
         entry = {"codec": rule.codec, "bits": rule.bits, "group_size": rule.group_size, "gptq": rule.gptq,
                  "rel_output_error": [round(x, 6) for x in err.tolist()]}
         if signs is not None:
-            parts[ROTATION_PART] = signs
+            parts[ROTATION_PART] = pack_signs(signs)  # one bit per sign (formats/codecs.py)
             entry["incoherence_block"] = signs.shape[1]
         return parts, entry
 
