@@ -167,3 +167,16 @@ def test_mixed_widths_pipeline(tiny_moe_dir, tmp_path, unit):
                    for a in range(2))
         torch.testing.assert_close(fused.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
     json.dumps(report)  # the report (allocation included) is plain JSON
+    # benchmarks/bench_alloc.py: chosen again from the kept candidates at another budget, no refitting
+    from benchmarks.bench_alloc import reallocate
+
+    rep2, _ = reallocate(tiny_moe_dir, calib, tmp_path / "calib2", 3.5, "relative")
+    a2 = rep2["allocation"][0]
+    assert a2["q_bits"] <= 3.5 and a2["sensitivity"] == "relative" and a2["bits"] != bits
+    t2 = load_file(str(tmp_path / "calib2" / "calib.safetensors"))
+    assert not any(k.startswith("cand.") for k in t2)
+    for n, b in a2["bits"].items():
+        assert torch.equal(t2[f"fit.{n}.codes"], fitted[f"cand.{b}.fit.{n}.codes"])
+    man2 = pack(tiny_moe_dir, "tiny", tmp_path / "calib2", tmp_path / "packed2")
+    assert man2["effective_bits"]["q_bits"] == pytest.approx(a2["q_bits"], abs=1e-6)
+    assert man2["recipe"]["weights"][0]["allocate"]["budget"] == 3.5
