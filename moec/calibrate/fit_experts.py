@@ -14,6 +14,7 @@ the E axis ([O, ...], as the runtime loads a quantized attention projection: run
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from .distributed import Dist
 from .hessian import regularize
 from .recipe import Recipe, WeightRule
 
+log = logging.getLogger(__name__)
 EXPERT_PARAM = re.compile(r"layers\.(\d+)\.moe\.(w[123])$")
 QUANTIZABLE = re.compile(rf"{EXPERT_PARAM.pattern}|{ATTN_PARAM.pattern}")
 # which input a matrix reads: matrices of one layer reading the same input share its rotation
@@ -314,6 +316,12 @@ class ExpertFitter:
                         del self.tensors[k]
                 entry = self._entry(n)
                 entry.update(bits=b, rel_output_error=entry["candidates"][str(b)]["rel_output_error"])
+            mixed = sorted({int(n.split(".")[1]) for n in params if EXPERT_PARAM.search(n)
+                            and len({b for m, b in res["bits"].items() if m.startswith(n.rsplit(".", 1)[0] + ".")})
+                            > 1})
+            if mixed and a.unit == "matrix":
+                log.info("allocate: layers %s hold w1/w3/w2 of different widths; a routed-expert (MoE) layer "
+                         "then runs the unfused path on CUDA (unit: layer keeps one width per layer)", mixed)
             self.allocation.append({
                 "targets": rule.targets, "codec": rule.codec, "budget": a.budget, "candidates": a.bits,
                 "sensitivity": a.sensitivity, "unit": a.unit, "q_bits": round(res["q_bits"], 6),

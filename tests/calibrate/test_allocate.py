@@ -180,3 +180,21 @@ def test_mixed_widths_pipeline(tiny_moe_dir, tmp_path, unit):
     man2 = pack(tiny_moe_dir, "tiny", tmp_path / "calib2", tmp_path / "packed2")
     assert man2["effective_bits"]["q_bits"] == pytest.approx(a2["q_bits"], abs=1e-6)
     assert man2["recipe"]["weights"][0]["allocate"]["budget"] == 3.5
+
+
+def test_expert_parallel_merge_interleaves_candidates():
+    """Two ranks' shares of one layer (experts 0, 2 and 1) under allocate: each width's per-expert lists and
+    tensors interleave like the plain fit's."""
+    from moec.calibrate.fit_experts import _merge
+
+    codes = torch.arange(3 * 4).view(3, 4)
+
+    def share(experts, errs):
+        c = {"2": {"output_error": errs, "output_energy": [1.0] * len(errs), "rel_output_error": errs}}
+        return ({"cand.2.fit.layers.0.moe.w2.codes": codes[experts]},
+                {"entry": {"experts": [{"tokens": e} for e in experts],
+                           "w2": {"rel_output_error": errs, "candidates": c}}, "experts": experts})
+
+    tensors, merged = _merge([share([0, 2], [0.0, 0.2]), share([1], [0.1])], 3)
+    assert torch.equal(tensors["cand.2.fit.layers.0.moe.w2.codes"], codes)
+    assert merged["w2"]["candidates"]["2"]["output_error"] == [0.0, 0.1, 0.2]
