@@ -111,3 +111,28 @@ def test_bad_signs_are_a_format_error(signs):
     stored = hls.quantize(torch.randn(1, 8, 64), None, "hls", 2, 0, False)
     with pytest.raises(FormatError, match="had_signs"):
         QuantMatrix("hls", 2, (1, 8, 64), {**stored, "had_signs": signs})
+
+
+def test_random_pack_stores_bit_packed_signs_and_loads(tmp_path):
+    """pack --random with an incoherence recipe: signs stored one bit each (uint8 [I / b, ceil(b / 8)]), the
+    loader's part check takes them, and a manifest whose signs do not cover the inputs is a FormatError."""
+    import json
+
+    from moec.calibrate.pack import pack_random
+    from moec.calibrate.recipe import load_recipe
+    from moec.formats import checkpoint
+    from moec.runtime.config import ModelArgs
+    from moec.runtime.loader import check_quant_parts, load_model
+
+    args = ModelArgs(arch="mixtral", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                     max_seq_len=128, n_experts=4, top_k=2, expert_dim=16)
+    ck = tmp_path / "ck"
+    pack_random(args, "tiny", load_recipe("recipes/experts-hls2-had.yaml"), ck)
+    man = json.loads((ck / checkpoint.MANIFEST).read_text())
+    e = man["tensors"]["layers.0.moe.w1.had_signs"]  # 32 inputs, auto block 32: one row of 4 bytes
+    assert (e["dtype"], e["shape"]) == ("uint8", [1, 4])
+    model, _ = load_model(ck)
+    assert model.layers[0].moe.codec.w1.had_signs.shape == (1, 32)
+    e["shape"] = [1, 3]
+    with pytest.raises(FormatError, match="had_signs.*expected uint8"):
+        check_quant_parts(ck, man)
