@@ -102,8 +102,8 @@ def main() -> None:
         calib_s, fit_s = round(time.time() - t0, 1), rep.get("fit_seconds")
         print(json.dumps({"calibrated": recipe.name, "seconds": calib_s, "fit_seconds": fit_s}), flush=True)
     records = json.loads(out.read_text()) if out.is_file() else []
-    for sens in a.sensitivities:
-        for budget in a.budgets:
+    for budget in a.budgets:
+        for sens in a.sensitivities:
             name = f"{recipe.name}@{budget}-{sens}"
             sub, packed = work / f"calib-{name}", work / f"packed-{name}"
             shutil.rmtree(sub, ignore_errors=True)
