@@ -41,16 +41,18 @@ from moec.runtime.perplexity import CONTEXT, make_windows
 
 
 def reallocate(model_dir: Path, calib: Path, out: Path, budget: float, sensitivity: str) -> tuple[dict, float]:
-    """A calibration directory like `calib` (which kept its candidates) with the widths chosen again at
-    `budget` / `sensitivity` (the candidates dropped); returns (its report, seconds the choice took)."""
+    """A calibration directory like `calib` with the widths of its allocate rules that kept their candidates
+    chosen again at `budget` / `sensitivity` (the candidates dropped; other rules as calibrated); returns
+    (its report, seconds the choice took)."""
     recipe = load_recipe(calib / "recipe.yaml")
     report = json.loads((calib / "report.json").read_text())
-    for rule in recipe.weights:
-        if rule.allocate is not None:
-            rule.allocate = dataclasses.replace(rule.allocate, budget=budget, sensitivity=sensitivity,
-                                                keep_candidates=False)
+    kept = [r for r in recipe.weights if r.allocate is not None and r.allocate.keep_candidates]
+    for rule in kept:
+        rule.allocate = dataclasses.replace(rule.allocate, budget=budget, sensitivity=sensitivity,
+                                            keep_candidates=False)
     args = HFCheckpoint(model_dir).args
-    fitter = ExpertFitter(plan(args, recipe), lambda i: {}, recipe.calibration.expert_policy,
+    targets = {n: r for n, r in plan(args, recipe).items() if any(r is k for k in kept)}
+    fitter = ExpertFitter(targets, lambda i: {}, recipe.calibration.expert_policy,
                           recipe.calibration.min_expert_tokens)
     fitter.tensors = load_file(str(calib / "calib.safetensors"))
     fitter.report = {x["layer"]: copy.deepcopy(x["weights"]) for x in report["layers"] if "weights" in x}
@@ -60,7 +62,8 @@ def reallocate(model_dir: Path, calib: Path, out: Path, budget: float, sensitivi
     for x in report["layers"]:
         if "weights" in x:
             x["weights"] = fitter.report[x["layer"]]
-    report["allocation"] = fitter.allocation
+    report["allocation"] = fitter.allocation + [a for a in report["allocation"]
+                                                if not any(n in targets for n in a["bits"])]
     out.mkdir(parents=True)
     save_file(fitter.tensors, str(out / "calib.safetensors"), metadata={"format": "moec-calib"})
     (out / "report.json").write_text(json.dumps(report, indent=1))
