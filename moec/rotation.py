@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
+from .formats.bitpack import bitstream_width, pack_bits, unpack_bits
 
 
 def pow2_block(n: int) -> int:
@@ -48,6 +49,30 @@ def hadamard_signs(n: int, block: int, seed: int) -> torch.Tensor:
     assert block >= 1 and block & (block - 1) == 0 and n % block == 0, (n, block)
     signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
     return signs.to(torch.int8).view(n // block, block)
+
+
+def pack_signs(signs: torch.Tensor) -> torch.Tensor:
+    """±1 signs [n / b, b] (any dtype) -> uint8 [n / b, ceil(b / 8)], one bit per sign: sign k of block j is
+    bit k % 8 of byte [j, k // 8] (formats/bitpack.Layout.BITSTREAM with 1-bit codes), 1 for −1, 0 for +1;
+    a block of fewer than 8 signs takes one byte. What a checkpoint stores as `had_signs` (formats/codecs.py):
+    n / 8 bytes instead of the n of int8 signs. The block is the input dim over the number of rows."""
+    nb, b = signs.shape
+    return pack_bits((signs < 0).to(torch.int64), [1] * b)
+
+
+def unpack_signs(stored: torch.Tensor, n: int) -> torch.Tensor:
+    """A stored `had_signs` part -> int8 ±1 signs [n / b, b] for a matrix of n inputs: bit-packed uint8
+    [n / b, ceil(b / 8)] (pack_signs, b = n / rows), or int8 ±1 [n / b, b] as checkpoints before bit
+    packing stored them (returned as is). The dtype tells the two apart; AssertionError on any other
+    shape or dtype (the loader checks a checkpoint's parts first: runtime/loader.check_quant_parts)."""
+    if stored.dtype == torch.int8:
+        assert stored.dim() == 2 and stored.shape[0] * stored.shape[1] == n, (list(stored.shape), n)
+        return stored
+    assert stored.dtype == torch.uint8 and stored.dim() == 2 and stored.shape[0] and n % stored.shape[0] == 0, \
+        (stored.dtype, list(stored.shape), n)
+    b = n // stored.shape[0]
+    assert stored.shape[1] == bitstream_width([1] * b), (list(stored.shape), n, b)
+    return (1 - 2 * unpack_bits(stored, [1] * b)).to(torch.int8)
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor, h: torch.Tensor | None = None,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moec.errors import UserError
-from moec.rotation import block_hadamard, hadamard_signs, rotate, rotate_hessian
+from moec.rotation import block_hadamard, hadamard_signs, pack_signs, rotate, rotate_hessian, unpack_signs
 
 
 @pytest.mark.parametrize("n,block", [(576, 64), (1536, 512), (40, 8), (48, 16), (8, 1)])
@@ -35,3 +35,16 @@ def test_signs_are_seeded():
 def test_bad_block_is_a_user_error():
     with pytest.raises(UserError, match="must be a power of two dividing the dimension 576"):
         block_hadamard(576, 128)
+
+
+@pytest.mark.parametrize("n,block", [(576, 64), (1536, 512), (40, 8), (48, 16), (12, 4), (6, 2), (5, 1)])
+def test_signs_pack_round_trip(n, block):
+    """had_signs are stored one bit each (uint8 [n / b, ceil(b / 8)]): pack -> unpack is exact, int8 signs
+    (older packs) pass through, and the bytes are pinned: bit k % 8 of byte k // 8, 1 for −1."""
+    s = hadamard_signs(n, block, 7)
+    p = pack_signs(s)
+    assert p.dtype == torch.uint8 and p.shape == (n // block, -(-block // 8))
+    assert torch.equal(unpack_signs(p, n), s) and unpack_signs(p, n).dtype == torch.int8
+    assert torch.equal(unpack_signs(s, n), s)
+    bits = ((p[..., None].long() >> torch.arange(8)) & 1).flatten(-2)[:, :block]
+    assert torch.equal(bits, (s < 0).long())

@@ -13,6 +13,8 @@ the E axis ([O, ...], as the runtime loads a quantized attention projection: run
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -23,15 +25,16 @@ from ..errors import UserError
 from ..formats.codecs import ROTATION_PART
 from ..progress import tracked
 from ..registry import weight_codec, weight_codecs
-from ..rotation import hadamard_signs, rotate, rotate_hessian
+from ..rotation import hadamard_signs, pack_signs, rotate, rotate_hessian
 from ..runtime.config import ModelArgs
 from ..runtime.experts import ATTN_PARAM
 from ..runtime.model import Transformer
-from . import hls
+from . import allocate, hls
 from .distributed import Dist
 from .hessian import regularize
 from .recipe import Recipe, WeightRule
 
+log = logging.getLogger(__name__)
 EXPERT_PARAM = re.compile(r"layers\.(\d+)\.moe\.(w[123])$")
 QUANTIZABLE = re.compile(rf"{EXPERT_PARAM.pattern}|{ATTN_PARAM.pattern}")
 # which input a matrix reads: matrices of one layer reading the same input share its rotation
@@ -103,6 +106,7 @@ class ExpertFitter:
         self.report: dict[int, dict] = {}
         self.seconds = 0.0
         self.tune_report: dict | None = None
+        self.allocation: list[dict] | None = None  # per allocate rule: what each matrix got (allocate_bits)
 
     def layers(self) -> set[int]:
         """Layers with a targeted expert/MLP matrix (for ExpertHessians)."""
@@ -116,7 +120,8 @@ class ExpertFitter:
         """Quantize W [E, O, I] (or [O, I] with H [I, I]: an attention projection, one "expert") under
         `rule`; returns the stored parts {part: [E, ...]} (a 2-D parameter's without the E axis) and
         the report entry. With `rule.incoherence` the fit sees W·R and RᵀHR (the same output error, in the
-        rotated basis) and the parts carry R's signs (ROTATION_PART, shared by the layer: no E axis)."""
+        rotated basis) and the parts carry R's signs (ROTATION_PART bit-packed, rotation.pack_signs; shared by
+        the layer: no E axis)."""
         flat = W.dim() == 2
         W3, H3 = (W[None], H[None]) if flat else (W, H)
         signs = rotation_signs(name, W3.shape[-1], rule, self.seed)
@@ -131,9 +136,37 @@ class ExpertFitter:
         entry = {"codec": rule.codec, "bits": rule.bits, "group_size": rule.group_size, "gptq": rule.gptq,
                  "rel_output_error": [round(x, 6) for x in err.tolist()]}
         if signs is not None:
-            parts[ROTATION_PART] = signs
+            parts[ROTATION_PART] = pack_signs(signs)  # one bit per sign (formats/codecs.py)
             entry["incoherence_block"] = signs.shape[1]
         return parts, entry
+
+    def _fit_widths(self, name: str, Ws: list[torch.Tensor], Hs: list[torch.Tensor],
+                    rule: WeightRule) -> tuple[dict, dict]:
+        """Fit W [1, O, I] (or [O, I]) of each expert (Ws, with its Hessian in Hs) under `rule`: the stored
+        tensors ({f"fit.{name}.{part}"}: the experts concatenated, the rotation signs once) and the report
+        entry. A rule with `allocate` is fitted at each candidate width, stored as `cand.<bits>.fit.<name>.*`,
+        its entry holding each width's errors per expert (allocate_bits chooses once every layer is fitted)."""
+        widths = rule.allocate.bits if rule.allocate else [rule.bits]
+        tensors, entry = {}, {}
+        if rule.allocate is not None:  # tr(W H Wᵀ) per expert (the same in the rotated basis: R is orthogonal)
+            energy = [float(torch.einsum("...oi,...ij,...oj->", W, H, W)) for W, H in zip(Ws, Hs, strict=True)]
+        for b in widths:
+            r = rule if rule.allocate is None else dataclasses.replace(rule, bits=b, allocate=None)
+            fits = [self._fit(name, W, H, r) for W, H in zip(Ws, Hs, strict=True)]
+            pre = "fit" if rule.allocate is None else f"cand.{b}.fit"
+            # the rotation's signs are the layer's, not per expert: kept once
+            # attention (one 2-D matrix): its parts as they are; experts: concatenated along E
+            tensors.update({f"{pre}.{name}.{part}": fits[0][0][part] if part == ROTATION_PART or Ws[0].dim() == 2
+                            else torch.cat([f[part] for f, _ in fits]) for part in fits[0][0]})
+            e = {**fits[0][1], "rel_output_error": [x for _, r_ in fits for x in r_["rel_output_error"]]}
+            if rule.allocate is None:
+                entry = e
+                continue
+            entry.setdefault("candidates", {})[str(b)] = {
+                "rel_output_error": e["rel_output_error"], "output_energy": energy,
+                "output_error": [x * y for x, y in zip(e["rel_output_error"], energy, strict=True)]}
+            entry.update({k: v for k, v in e.items() if k not in ("bits", "rel_output_error")})
+        return tensors, entry
 
     def _hessians(self, stats: dict, key: str, experts: list[int]) -> tuple[torch.Tensor, list[dict]]:
         """The damped Hessians [n, m, m] of `experts` (stats[key] holds them in that order) and a note each.
@@ -183,13 +216,13 @@ class ExpertFitter:
             # distance tables) are one expert's, not E times that; experts fit independently (the expert-
             # parallel ranks rely on it too), so the stored parts are the same as from one batched call.
             # Fits run where the statistics are (cpu or cuda).
-            fits = [self._fit(name, sd[name][e : e + 1].to(H.device, torch.float32), H[j : j + 1], rule)
-                    for j, e in enumerate(experts)]
-            entry[p] = {**fits[0][1], "rel_output_error": [x for _, r in fits for x in r["rel_output_error"]]}
-            # the rotation's signs are the layer's, not per expert: kept once
-            tensors.update({f"fit.{name}.{part}": fits[0][0][part] if part == ROTATION_PART else
-                            torch.cat([f[part] for f, _ in fits]) for part in fits[0][0]})
-            del fits
+            fitted, entry[p] = self._fit_widths(name, [sd[name][e : e + 1].to(H.device, torch.float32)
+                                                       for e in experts], [H[j : j + 1] for j in range(len(experts))],
+                                                rule)
+            if rule.allocate is not None:
+                entry[p]["shape"] = list(sd[name].shape)  # all experts' (a rank fits its share)
+            tensors.update(fitted)
+            del fitted
         if self.dist.grouped:
             shares = self.dist.gather(tensors, {"entry": entry, "experts": experts})
             if shares is None:  # not rank 0: its share is sent, nothing kept
@@ -217,20 +250,86 @@ class ExpertFitter:
             if rule is None:
                 continue
             H = Hs["Ho" if p == "wo" else "Hqkv"]
-            parts, entry[p] = self._fit(name, sd[name].to(H.device, torch.float32), H, rule)
-            self.tensors.update({f"fit.{name}.{part}": t for part, t in parts.items()})
+            fitted, entry[p] = self._fit_widths(name, [sd[name].to(H.device, torch.float32)], [H], rule)
+            if rule.allocate is not None:
+                entry[p]["shape"] = list(sd[name].shape)
+            self.tensors.update(fitted)
         self.report.setdefault(layer, {})["attention"] = entry
         self.seconds += time.time() - t0
 
     def state_dict(self) -> dict:
         """Fitted tensors and report entries so far, for a resumable calibration (resume.py)."""
         return {**{f"tensors.{k}": t for k, t in self.tensors.items()}, "seconds": self.seconds,
-                "report": {str(i): e for i, e in self.report.items()}, "tune_report": self.tune_report}
+                "report": {str(i): e for i, e in self.report.items()}, "tune_report": self.tune_report,
+                "allocation": self.allocation}
 
     def load_state_dict(self, sd: dict) -> None:
         self.tensors = {k.removeprefix("tensors."): t for k, t in sd.items() if k.startswith("tensors.")}
         self.report = {int(i): e for i, e in sd["report"].items()}
         self.seconds, self.tune_report = sd["seconds"], sd["tune_report"]
+        self.allocation = sd.get("allocation")
+
+    def _entry(self, name: str) -> dict:
+        """The report entry of matrix `name` (expert/MLP: the layer's, attention: under "attention")."""
+        layer = self.report[int(name.split(".")[1])]
+        m = ATTN_PARAM.search(name)
+        return layer["attention"][m.group(2)] if m else layer[name.rsplit(".", 1)[-1]]
+
+    def bits_of(self, name: str) -> int:
+        """The width matrix `name` is stored at: its rule's, or the one allocate_bits chose."""
+        for a in self.allocation or []:
+            if name in a["bits"]:
+                return a["bits"][name]
+        return self.targets[name].bits
+
+    def allocate_bits(self) -> None:
+        """Once every layer is fitted: per rule with `allocate`, one width per unit at the rule's budget
+        (allocate.py); the chosen candidate's tensors become the matrix's `fit.*` tensors (the others are
+        dropped unless keep_candidates), and the report says what each matrix got. Idempotent (resume)."""
+        if self.allocation is not None:
+            return
+        t0 = time.time()
+        self.allocation = []
+        rules = list({id(r): r for r in self.targets.values() if r.allocate is not None}.values())
+        for rule in rules:
+            params = [n for n, r in self.targets.items() if r is rule]
+            cands = {}
+            for n in params:
+                entry = self._entry(n)
+                numel = 1
+                for d in entry["shape"]:
+                    numel *= d
+                cands[n] = {int(b): {"nbytes": sum(t.numel() * t.element_size() for k, t in self.tensors.items()
+                                                   if k.startswith(f"cand.{b}.fit.{n}.")),
+                                     "numel": numel, "output_error": sum(c["output_error"]),
+                                     "output_energy": sum(c["output_energy"])}
+                            for b, c in entry["candidates"].items()}
+            a = rule.allocate
+            res = allocate.allocate(cands, a.budget, a.unit, a.sensitivity)
+            for n in params:
+                b = res["bits"][n]
+                for k in [k for k in self.tensors if k.startswith(f"cand.{b}.fit.{n}.")]:
+                    t = self.tensors[k].clone() if a.keep_candidates else self.tensors.pop(k)
+                    self.tensors[k.removeprefix(f"cand.{b}.")] = t
+                if not a.keep_candidates:
+                    for k in [k for k in self.tensors if k.startswith("cand.") and f".fit.{n}." in k]:
+                        del self.tensors[k]
+                entry = self._entry(n)
+                entry.update(bits=b, rel_output_error=entry["candidates"][str(b)]["rel_output_error"])
+            mixed = sorted({int(n.split(".")[1]) for n in params if EXPERT_PARAM.search(n)
+                            and len({b for m, b in res["bits"].items() if m.startswith(n.rsplit(".", 1)[0] + ".")})
+                            > 1})
+            if mixed and a.unit == "matrix":
+                log.info("allocate: layers %s hold w1/w3/w2 of different widths; a routed-expert (MoE) layer "
+                         "then runs the unfused path on CUDA (unit: layer keeps one width per layer)", mixed)
+            self.allocation.append({
+                "targets": rule.targets, "codec": rule.codec, "budget": a.budget, "candidates": a.bits,
+                "sensitivity": a.sensitivity, "unit": a.unit, "q_bits": round(res["q_bits"], 6),
+                "error": res["error"], "bits": res["bits"],
+                "q_bits_per_matrix": {n: round(8.0 * c[res["bits"][n]]["nbytes"] / c[res["bits"][n]]["numel"], 6)
+                                      for n, c in cands.items()},
+                "histogram": {str(b): sum(1 for n in params if res["bits"][n] == b) for b in a.bits}})
+        self.seconds += time.time() - t0
 
     def tune(self, args: ModelArgs, state: dict[str, torch.Tensor], tokens: torch.Tensor, steps: int, lr: float,
              batch: int, seed: int, device: str = "cpu") -> None:
@@ -245,7 +344,7 @@ class ExpertFitter:
         t0 = time.time()
         shapes = {n: tuple(state[n].shape) if state[n].dim() == 3 else (1, *state[n].shape) for n in hls_params}
         self.tune_report = tune_codebooks(args, state, self.tensors, shapes,
-                                          {n: r.bits for n, r in hls_params.items()}, tokens, steps, lr, batch, seed,
+                                          {n: self.bits_of(n) for n in hls_params}, tokens, steps, lr, batch, seed,
                                           device)
         self.tune_report["seconds"] = round(time.time() - t0, 2)
 
@@ -276,4 +375,8 @@ def _merge(shares: list[tuple[dict, dict]], n_experts: int) -> tuple[dict, dict]
         if p in entries[0]:
             errs = interleave([en.get(p, {}).get("rel_output_error") for en in entries])
             entry[p] = {**entries[0][p], "rel_output_error": errs}
+            if "candidates" in entries[0][p]:  # allocate: each width's per-expert lists
+                entry[p]["candidates"] = {b: {k: interleave([en[p]["candidates"][b][k] if p in en else None
+                                                             for en in entries]) for k in c}
+                                          for b, c in entries[0][p]["candidates"].items()}
     return tensors, entry

@@ -110,25 +110,33 @@ def fit_lut(W: torch.Tensor, hdiag: torch.Tensor, codec: str, bits: int, group_s
     raise AssertionError(codec)
 
 
+def gptq_factor(H: torch.Tensor, act_order: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm [E, I], U [E, I, I]): the column order and the upper Cholesky factor of (H[perm][:, perm])⁻¹
+    that gptq_assign feeds the rounding errors through; computed once per H (the O(I³) part of GPTQ)."""
+    E, I, _ = H.shape
+    if act_order:
+        perm = torch.argsort(H.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True)  # [E, I]
+    else:
+        perm = torch.arange(I, device=H.device).expand(E, I)
+    H = H.float().gather(1, perm[:, :, None].expand(E, I, I)).gather(2, perm[:, None, :].expand(E, I, I))
+    Hinv = torch.cholesky_inverse(torch.linalg.cholesky(H))
+    return perm, torch.linalg.cholesky(Hinv, upper=True)  # [E, I, I]
+
+
 def gptq_assign(W: torch.Tensor, H: torch.Tensor, lut: torch.Tensor, block: int = 128,
-                act_order: bool = True) -> torch.Tensor:
+                act_order: bool = True, factor: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Indices [E, O, I] assigning W [E, O, I] to lut [E, O, G, K] with GPTQ error feedback.
 
     H [E, I, I] must be positive definite (hessian.regularize). Batched over experts. With
     `act_order` columns are visited by decreasing h_jj (GPTQ's act-order); each column still uses
     the codebook of its own group (static groups), so the stored layout does not change.
+    factor: gptq_factor(H, act_order), when the caller assigns several times against one H.
     """
     E, O, I = W.shape
     G = lut.shape[2]
     g = I // G
-    if act_order:
-        perm = torch.argsort(H.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True)  # [E, I]
-    else:
-        perm = torch.arange(I, device=W.device).expand(E, I)
+    perm, U = factor if factor is not None else gptq_factor(H, act_order)
     W = W.float().gather(-1, perm[:, None, :].expand(E, O, I)).clone()
-    H = H.float().gather(1, perm[:, :, None].expand(E, I, I)).gather(2, perm[:, None, :].expand(E, I, I))
-    Hinv = torch.cholesky_inverse(torch.linalg.cholesky(H))
-    U = torch.linalg.cholesky(Hinv, upper=True)  # [E, I, I]
     idx = torch.empty(E, O, I, dtype=torch.long, device=W.device)
     ar = torch.arange(E, device=W.device)
     for i1 in range(0, I, block):
@@ -206,11 +214,12 @@ def quantize(W: torch.Tensor, H: torch.Tensor | None, codec: str, bits: int, gro
     stored = fit_lut(W, hdiag, codec, bits, group_size)
     lut = lut_from_stored(codec, bits, stored)  # [E, O, G, K]
     if gptq and H is not None and codec != "rtn":
-        idx = gptq_assign(W, H, lut, act_order=act_order)
+        factor = gptq_factor(H, act_order)  # one factorization for every assignment below
+        idx = gptq_assign(W, H, lut, act_order=act_order, factor=factor)
         for _ in range(refit_rounds if codec == "hls" else 0):  # codebook values for the GPTQ assignment
             stored = int8_codebook(refit_lut(W, H, idx, lut))
             lut = lut_from_stored(codec, bits, stored)
-            idx = gptq_assign(W, H, lut, act_order=act_order)
+            idx = gptq_assign(W, H, lut, act_order=act_order, factor=factor)
     else:
         Wg = groups(W, group_size)
         idx = nearest(Wg, lut).reshape(E, O, I)

@@ -35,15 +35,21 @@ def read_calib(calib_dir: Path) -> tuple[Recipe, dict]:
     return load_recipe(calib_dir / "recipe.yaml"), json.loads((calib_dir / "report.json").read_text())
 
 
-def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe,
-                   fitted: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict]:
+def allocated_bits(report: dict) -> dict[str, int]:
+    """{param: bits} that a calibration's `allocate` rules chose (calibrate/allocate.py); {} without them."""
+    return {n: b for a in report.get("allocation") or [] for n, b in a["bits"].items()}
+
+
+def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe, fitted: dict[str, torch.Tensor] | None = None,
+                   bits: dict[str, int] | None = None) -> tuple[dict, dict]:
     """(stored tensors, per-tensor info) under the recipe's first-match rules.
 
     Quantized parameters are stored as the parts calibration fitted (`fit.<param>.<part>` in
-    calib.safetensors, see formats/codecs.py), each named `<param>.<part>` and carrying `param`.
+    calib.safetensors, see formats/codecs.py), each named `<param>.<part>` and carrying `param`;
+    `bits`: the width of each matrix an `allocate` rule chose (allocated_bits), else the rule's.
     """
     tensors, info = {}, {}
-    fitted = fitted or {}
+    fitted, bits = fitted or {}, bits or {}
     for name, t in tracked(state.items(), "packing tensors", len(state)):
         rule = recipe.rule_for(name)
         codec = rule.codec if rule else KEEP
@@ -57,7 +63,7 @@ def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe,
                             f"re-run `moec calibrate` with this recipe")
         for part, v in parts.items():
             tensors[f"{name}.{part}"] = v
-            info[f"{name}.{part}"] = {"codec": codec, "bits": rule.bits, "param": name,
+            info[f"{name}.{part}"] = {"codec": codec, "bits": bits.get(name, rule.bits), "param": name,
                                       "group_size": rule.group_size, "param_shape": list(t.shape)}
     return tensors, info
 
@@ -88,7 +94,7 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
     # shard is written, the source one decoder layer at a time, the fitted parts from calib.safetensors
     state = ckpt.meta_state_dict()
     calib_file = str(calib_dir / "calib.safetensors")
-    tensors, info = encode_tensors(state, recipe, _meta_file(calib_file))
+    tensors, info = encode_tensors(state, recipe, _meta_file(calib_file), allocated_bits(report))
     bits = effective_bits(state, tensors, info)
     kv_tensors, kv_info, kv_section = encode_kv_tensors(calib_dir, recipe, ckpt.args)
     tensors.update(kv_tensors)
@@ -98,6 +104,8 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
     provenance = {k: report[k] for k in ("data", "split", "samples", "seq_len", "seed", "tokens", "created",
                                           "device", "expert_policy", "min_expert_tokens")}
     provenance["environment"] = report.get("environment")  # what calibrated it (None: an older calibration)
+    if report.get("allocation"):  # what each matrix of an `allocate` rule got (calibrate/allocate.py)
+        provenance["allocation"] = report["allocation"]
     provenance["expert_tokens"] = {str(x["layer"]): x["experts"]["tokens"] for x in report["layers"]
                                    if "experts" in x}
     manifest = {"source": {"model": model_spec, "path": str(model_dir), **fp},

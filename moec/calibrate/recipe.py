@@ -12,6 +12,7 @@
         group_size: 64        # must divide the input dim of every targeted matrix (checked at calibrate)
         gptq: true            # hls/fp3: GPTQ error feedback (act-order) after the codebook fit
         incoherence: {block: 0}   # optional: fit in a randomized block-Hadamard basis (0: auto block)
+        allocate: {budget: 3.0, bits: [2, 3, 4]}  # optional: per-matrix widths at an average q_bits budget
     calibration:
       expert_policy: all-experts-for-stats   # or damped-identity
       min_expert_tokens: 0    # experts below this many routed tokens follow expert_policy
@@ -77,6 +78,32 @@ class Incoherence:
 
 
 @dataclass
+class Allocate:
+    """Per-matrix bit widths at a fixed budget (calibrate/allocate.py): each targeted matrix is fitted at
+    every width in `bits`, and after the last layer one width per unit is chosen, minimizing the summed
+    sensitivity while the average q_bits over the rule's matrices (stored bytes: codes, codebooks, scales,
+    signs) stays ≤ budget. A budget outside what the widths can reach is refused before any fitting.
+    sensitivity: output (Σ tr(ΔW H ΔWᵀ), the fit's own output error) or relative (divided by tr(W H Wᵀ)).
+    unit: matrix (each stored [E, O, I] projection / attention matrix alone) or layer (a layer's matrices of
+    this rule share one width: the fused MoE kernels take one width for w1, w3 and w2).
+    keep_candidates: also write every candidate fit to calib.safetensors (`cand.<bits>.fit.<param>.<part>`),
+    so allocate.reallocate can choose again at another budget or sensitivity without refitting."""
+
+    budget: float
+    bits: list[int] = field(default_factory=lambda: [2, 3, 4])
+    sensitivity: Literal["output", "relative"] = "output"
+    unit: Literal["matrix", "layer"] = "matrix"
+    keep_candidates: bool = False
+
+    def __post_init__(self):
+        if not self.bits or len(set(self.bits)) != len(self.bits):
+            raise UserError(f"weights rule: allocate.bits must list distinct candidate widths, got {self.bits}")
+        self.bits = sorted(self.bits)
+        if not self.budget > 0:
+            raise UserError(f"weights rule: allocate.budget must be > 0 q_bits, got {self.budget}")
+
+
+@dataclass
 class WeightRule:
     targets: list[str]
     codec: str = "keep"  # a registered weight codec (moec/registry.py)
@@ -84,6 +111,7 @@ class WeightRule:
     group_size: int = 0  # 0: one group per output row
     gptq: bool = True  # hls/fp3: GPTQ error feedback with the full Hessian after fitting the codebooks
     incoherence: Incoherence | None = None  # fit and run in a randomized block-Hadamard basis (above)
+    allocate: Allocate | None = None  # per-matrix widths at a budget (above); `bits` is then the widest
 
     def __post_init__(self):
         if not self.targets:
@@ -100,6 +128,17 @@ class WeightRule:
         if self.group_size < 0:
             raise UserError(f"weights rule: group_size must be >= 0, got {self.group_size}")
         allowed = None if self.codec == "keep" else weight_codec(self.codec).bits
+        if self.allocate is not None:
+            if self.codec == "keep" or self.codec not in ("hls", "rtn", "fp3"):
+                raise UserError(f"weights rule: allocate chooses widths of a LUT codec (hls, rtn, fp3), not "
+                                f"{self.codec!r}")
+            if bad := [b for b in self.allocate.bits if b not in allowed]:
+                raise UserError(f"weights rule: allocate.bits {bad} not taken by codec {self.codec!r} "
+                                f"(it takes {{{', '.join(map(str, allowed))}}})")
+            if self.bits not in (16, max(self.allocate.bits)):
+                raise UserError(f"weights rule: with allocate, give the candidate widths in allocate.bits "
+                                f"({self.allocate.bits}), not bits: {self.bits}")
+            self.bits = max(self.allocate.bits)  # the widest a matrix may get; each matrix's own is reported
         if allowed is not None and self.bits not in allowed:
             raise UserError(f"weights rule: codec {self.codec!r} takes bits in {{{', '.join(map(str, allowed))}}}, "
                             f"got {self.bits} (weight bits must be one of 2, 3, 4, 8)")

@@ -37,12 +37,13 @@ from ..registry import kv_codec
 from ..runtime.experts import pop_quant_experts
 from ..runtime.hf_layout import HFCheckpoint
 from ..runtime.stream_eval import build_block
+from .allocate import check_budgets
 from .capture import ExpertTokenCounts, KVRange, run_layers
 from .data import load_text
 from .dataspec import check_specs, describe, parse_data, sample_mix
 from .distributed import Dist
 from .faults import FiniteActivations, check_final_hidden, checked_global_state, checked_layer_state, fault_report
-from .fit_experts import ExpertFitter, plan
+from .fit_experts import ExpertFitter, canonical_names, plan
 from .hessian import AttentionHessians, ExpertHessians
 from .memory import check_memory
 from .recipe import Recipe
@@ -85,6 +86,10 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if seq_len > args.max_seq_len:
         raise UserError(f"--seq-len {seq_len} is longer than the model supports ({args.max_seq_len} tokens)")
     targets = plan(args, recipe)  # weight rules checked against the model before any work
+    check_budgets(recipe, targets, canonical_names(args))  # an allocate budget no choice of widths meets: refused now
+    if propagate == "quantized" and any(r.allocate for r in targets.values()):
+        raise UserError("--propagate quantized feeds each layer's fitted weights forward, and `allocate` chooses "
+                        "widths only once every layer is fitted: use --propagate fp with allocate")
     if not resume:
         refuse_without_resume(out_dir)
     kv_cfg = recipe.kv_or_default()
@@ -174,6 +179,7 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if fitter is not None:
         for hs in hessians:
             hs.flush()
+        fitter.allocate_bits()  # per-matrix widths at the allocate rules' budgets (allocate.py), if any
         # hls codebooks tuned end to end against the source model (tune.py)
         if cal.tune_steps and not (resumed and resumed.done("tune")):
             fitter.tune(args, ckpt.state_dict(), tokens, cal.tune_steps, cal.tune_lr, cal.tune_batch, seed, device)
@@ -211,6 +217,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if fitter is not None:
         tensors.update(tensors_fit)
         report["fit_seconds"] = round(fitter.seconds, 2)
+        if fitter.allocation:
+            report["allocation"] = fitter.allocation
         if fitter.tune_report is not None:
             report["tune"] = fitter.tune_report
     report["faults"] = fault_report(report["layers"])  # what was repaired (faults.py)

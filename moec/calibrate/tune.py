@@ -20,7 +20,7 @@ from torch.func import functional_call
 
 from ..formats import bitpack
 from ..progress import tracked
-from ..rotation import rotate
+from ..rotation import rotate, unpack_signs
 from ..runtime.config import ModelArgs
 from ..runtime.model import build_model
 from . import hls
@@ -54,7 +54,8 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
         scale[name] = lut0[name].abs().amax(-1, keepdim=True)  # [E, O, G, 1]
         delta[name] = torch.zeros_like(lut0[name], requires_grad=True)
     # incoherence: the codebooks reconstruct W·R (fit_experts.rotation_signs); the model needs W = (W·R)·Rᵀ
-    signs = {n: fitted[f"fit.{n}.had_signs"].to(dev) for n in lut0 if f"fit.{n}.had_signs" in fitted}
+    signs = {n: unpack_signs(fitted[f"fit.{n}.had_signs"], shapes[n][-1]).to(dev) for n in lut0
+             if f"fit.{n}.had_signs" in fitted}  # stored bit-packed (rotation.pack_signs)
     opt = torch.optim.Adam(delta.values(), lr=lr)
     g = torch.Generator().manual_seed(seed)
     tokens = tokens.to(dev)

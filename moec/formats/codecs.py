@@ -26,11 +26,15 @@ class WeightCodec(StrEnum):
         {-1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2}.
     FP8: fp8 float8_e4m3fn [E, O, I], scale fp32 [E, O]; w = scale · fp8.
 
-    Any of them may carry one more part, `P.had_signs` int8 [I / b, b] (b a power of two: the block), for a
-    matrix fitted with incoherence processing (calibrate/recipe.Incoherence): the parts above then store
-    W' = W·R with R = blockdiag(H_b)·diag(had_signs)/√b (moec/rotation.py, H_b the Sylvester Hadamard
-    matrix), and y = (x·R)·W'ᵀ. A layer's matrices that read one input (w1 and w3) hold the same signs.
-    Added within format version 2: a reader that predates it refuses such a checkpoint, naming the part.
+    Any of them may carry one more part, `P.had_signs`, for a matrix fitted with incoherence processing
+    (calibrate/recipe.Incoherence): the parts above then store W' = W·R with R = blockdiag(H_b)·diag(s)/√b
+    (moec/rotation.py, H_b the Sylvester Hadamard matrix, b a power of two: the block, s the ±1 signs
+    [I / b, b]), and y = (x·R)·W'ᵀ. A layer's matrices that read one input (w1 and w3) hold the same signs.
+    Stored bit-packed: uint8 [I / b, ceil(b / 8)], sign k of block j in bit k % 8 of byte [j, k // 8], 1 for
+    −1 (rotation.pack_signs; formats/bitpack.Layout.BITSTREAM of 1-bit codes), so b = I / rows and the signs
+    cost I/8 bytes. Packs written before bit packing store int8 ±1 [I / b, b] (1 byte per input); readers
+    take both, told apart by the dtype. Added within format version 2: a reader that predates the part
+    refuses such a checkpoint, naming it, and one that predates bit packing refuses the uint8 form likewise.
     """
 
     KEEP = "keep"

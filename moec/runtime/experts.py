@@ -35,7 +35,7 @@ from ..errors import FormatError
 from ..formats import bitpack
 from ..formats.codecs import ROTATION_PART
 from ..registry import weight_codec, weight_codecs
-from ..rotation import hadamard, rotate
+from ..rotation import hadamard, rotate, unpack_signs
 from .backend import kernels_enabled
 
 log = logging.getLogger(__name__)
@@ -70,19 +70,33 @@ def is_quantized(codec: str) -> bool:
     return codec in weight_codecs() and codec != "keep"
 
 
+def _signs_ok(signs: torch.Tensor, n: int) -> bool:
+    """Whether a stored `had_signs` part is a sign vector over n inputs (rotation.unpack_signs's forms)."""
+    if signs.dim() != 2 or not signs.shape[0] or n % signs.shape[0]:
+        return False
+    b = n // signs.shape[0]
+    if b & (b - 1):
+        return False
+    if signs.dtype == torch.uint8:
+        return signs.shape[1] == -(-b // 8) and (b >= 8 or not (signs >> b).any())  # padding bits zero
+    return signs.dtype == torch.int8 and signs.shape[1] == b and bool(((signs == 1) | (signs == -1)).all())
+
+
 class QuantMatrix(nn.Module):
     """A stacked matrix [E, O, I] held as codes + lut (LUT codecs) or fp8 + row scales."""
 
     def __init__(self, codec: str, bits: int, shape: tuple[int, ...], stored: dict[str, torch.Tensor]):
         super().__init__()
         stored = dict(stored)
-        signs = stored.pop(ROTATION_PART, None)  # int8 [I / b, b]: W is stored as W·R (incoherence)
-        self.rotated = signs is not None
+        signs = stored.pop(ROTATION_PART, None)  # W is stored as W·R (incoherence): R's signs, bit-packed
+        self.rotated = signs is not None  # uint8 [I / b, ceil(b / 8)] (or int8 ±1 [I / b, b]: older packs)
         if self.rotated:
-            nb, b = signs.shape
-            if nb * b != shape[-1] or b & (b - 1) or not ((signs == 1) | (signs == -1)).all():
-                raise FormatError(f"{ROTATION_PART} {list(signs.shape)} is not a ±1 sign vector in blocks of a power "
-                                  f"of two over the {shape[-1]} inputs")
+            if not _signs_ok(signs, shape[-1]):
+                raise FormatError(f"{ROTATION_PART} {signs.dtype} {list(signs.shape)} is not a sign vector over the "
+                                  f"{shape[-1]} inputs in blocks of a power of two (bit-packed uint8 [I / b, "
+                                  f"ceil(b / 8)], or int8 ±1 [I / b, b])")
+            signs = unpack_signs(signs, shape[-1])
+            b = signs.shape[1]
             self.register_buffer("had_signs", signs.float())
             self.register_buffer("had_h", hadamard(b))  # fp32; inputs are rotated in fp32
         if len(shape) == 2:  # a plain linear weight [O, I] (attention): one "expert"

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import UserError
 from ..registry import weight_codec
-from ..rotation import hadamard_signs
+from ..rotation import hadamard_signs, pack_signs
 from .config import ModelArgs
 from .experts import QuantMatrix, attach, placeholders
 from .model import Transformer, build_model
@@ -52,7 +52,7 @@ def random_rotation(rule, name: str, n_in: int) -> dict[str, torch.Tensor]:
     block = inc.block_for(n_in)
     if not block:
         raise UserError(f"incoherence block {inc.block} does not divide the input dim {n_in} of {name}")
-    return {"had_signs": hadamard_signs(n_in, block, int(name.split(".")[1]) * 4 + ("w2" in name))}
+    return {"had_signs": pack_signs(hadamard_signs(n_in, block, int(name.split(".")[1]) * 4 + ("w2" in name)))}
 
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

@@ -11,7 +11,7 @@ from moec.calibrate import hls
 from moec.calibrate.fit_experts import ExpertFitter, plan, rotation_signs
 from moec.calibrate.recipe import Incoherence, WeightRule, parse_recipe
 from moec.errors import UserError
-from moec.rotation import block_hadamard, hadamard
+from moec.rotation import block_hadamard, hadamard, unpack_signs
 from moec.runtime.experts import dequantize
 from moec.runtime.hf_layout import HFCheckpoint
 
@@ -37,7 +37,10 @@ def test_fit_in_rotated_basis_is_the_plain_fit_of_w_r(codec, bits, group):
     t = fitter.tensors
     s13, s2 = t["fit.layers.1.moe.w1.had_signs"], t["fit.layers.1.moe.w2.had_signs"]
     assert torch.equal(s13, t["fit.layers.1.moe.w3.had_signs"])  # gate and up read one x: one rotation
-    assert s13.shape == (1, 32) and s2.shape == (3, 16)  # auto blocks: largest powers of two dividing 32, 48
+    # stored bit-packed (uint8 [I / b, ceil(b / 8)]); auto blocks: the largest powers of two dividing 32, 48
+    assert s13.dtype == s2.dtype == torch.uint8 and s13.shape == (1, 4) and s2.shape == (3, 2)
+    s13, s2 = unpack_signs(s13, 32), unpack_signs(s2, 48)
+    assert s13.shape == (1, 32) and s2.shape == (3, 16)
     assert fitter.report[1]["w2"]["incoherence_block"] == 16
     for p, key, s in (("w1", "H1", s13), ("w2", "H2", s2)):
         R = block_hadamard(s.numel(), s.shape[1], seed=(5 * 100_003 + 1) * 4 + (p == "w2"))

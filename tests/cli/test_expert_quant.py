@@ -170,12 +170,15 @@ def test_demo_moe_hls3_perplexity_bound(tmp_path):
     assert -2.0 < rec["delta_pct"] < 12.0 and 0 < rec["kld"] < 0.2, rec
 
 
-def test_codebook_tuning_lowers_kl(tiny_moe_dir, tmp_path):
-    """calibration.tune_steps: codebooks tuned end to end, same stored layout, lower KL on the calibration data."""
+@pytest.mark.parametrize("rotated", [False, True])
+def test_codebook_tuning_lowers_kl(tiny_moe_dir, tmp_path, rotated):
+    """calibration.tune_steps: codebooks tuned end to end, same stored layout, lower KL on the calibration data;
+    rotated (incoherence): tuning reads the stored bit-packed signs to compute W = (W·R)·Rᵀ."""
     cal = {"expert_policy": "all-experts-for-stats", "min_expert_tokens": 0, "tune_steps": 12, "tune_lr": 0.02}
-    plain = calibrate(tiny_moe_dir, "tiny", load_recipe(_recipe(tmp_path, "plain")), "ptb", "valid", 4, 32, 0,
-                      tmp_path / "c0")
-    report = calibrate(tiny_moe_dir, "tiny", load_recipe(_recipe(tmp_path, "tuned", calibration=cal)), "ptb",
+    rule = {"incoherence": {"block": 8}} if rotated else {}
+    plain = calibrate(tiny_moe_dir, "tiny", load_recipe(_recipe(tmp_path, "plain", **rule)), "ptb", "valid", 4, 32,
+                      0, tmp_path / "c0")
+    report = calibrate(tiny_moe_dir, "tiny", load_recipe(_recipe(tmp_path, "tuned", calibration=cal, **rule)), "ptb",
                        "valid", 4, 32, 0, tmp_path / "c1")
     assert "tune" not in plain and report["tune"]["steps"] == 12
     assert report["tune"]["kl_last"] < report["tune"]["kl_first"], report["tune"]

@@ -3,15 +3,16 @@ rotation signs travel exactly from the fit to the packed checkpoint, the loaded 
 source model with W_hat = W'_hat·Rᵀ in place of W, and a block that does not divide a matrix exits 2."""
 
 import json
+import shutil
 
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from moec.calibrate.pack import pack
 from moec.calibrate.recipe import parse_recipe
 from moec.calibrate.run import calibrate
-from moec.rotation import rotate
+from moec.rotation import rotate, unpack_signs
 from moec.runtime.experts import dequantize
 from moec.runtime.hf_layout import HFCheckpoint
 from moec.runtime.loader import load_model
@@ -35,7 +36,9 @@ def test_incoherence_pipeline(tiny_moe_dir, tmp_path):
     man = json.loads((packed / "moec.json").read_text())
     for layer in (0, 1):
         p = f"layers.{layer}.moe"
-        assert stored[f"{p}.w1.had_signs"].shape == (3, 16) and stored[f"{p}.w2.had_signs"].shape == (5, 8)
+        # one bit per sign: uint8 [I / b, ceil(b / 8)] for blocks 16 (of 48 inputs) and 8 (of 40)
+        assert stored[f"{p}.w1.had_signs"].shape == (3, 2) and stored[f"{p}.w2.had_signs"].shape == (5, 1)
+        assert stored[f"{p}.w1.had_signs"].dtype == torch.uint8
         assert torch.equal(stored[f"{p}.w1.had_signs"], stored[f"{p}.w3.had_signs"])
         assert man["tensors"][f"{p}.w2.had_signs"]["param"] == f"{p}.w2"
     sign_parts = [k for k in stored if k.endswith(".had_signs")]
@@ -48,7 +51,7 @@ def test_incoherence_pipeline(tiny_moe_dir, tmp_path):
     for name in {man["tensors"][k]["param"] for k in sign_parts}:
         e = man["tensors"][f"{name}.had_signs"]
         parts = {k.removeprefix(name + "."): v for k, v in stored.items() if k.startswith(name + ".")}
-        signs = parts.pop("had_signs")
+        signs = unpack_signs(parts.pop("had_signs"), src[name].shape[-1])
         shape = tuple(src[name].shape) if src[name].dim() == 3 else (1, *src[name].shape)
         if len(shape) != src[name].dim():
             parts = {k: v[None] for k, v in parts.items()}
@@ -59,6 +62,21 @@ def test_incoherence_pipeline(tiny_moe_dir, tmp_path):
     x = torch.randint(0, model.args.vocab_size, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
+    # a pack of before bit packing (int8 signs, 1 byte each) loads and computes the same logits, bit for bit
+    old_calib, old_packed = tmp_path / "calib-int8", tmp_path / "packed-int8"
+    shutil.copytree(calib, old_calib)
+    t = {k: unpack_signs(v, src[k.removeprefix("fit.").removesuffix(".had_signs")].shape[-1])
+         if k.endswith(".had_signs") else v for k, v in fitted.items()}
+    save_file(t, str(old_calib / "calib.safetensors"), metadata={"format": "moec-calib"})
+    pack(tiny_moe_dir, "tiny", old_calib, old_packed)
+    old_man = json.loads((old_packed / "moec.json").read_text())
+    assert all(old_man["tensors"][k]["dtype"] == "int8" for k in sign_parts)
+    bits, old_bits = man["effective_bits"], old_man["effective_bits"]
+    n_signs = sum(src[man["tensors"][k]["param"]].shape[-1] for k in sign_parts)
+    assert bits["model_bytes"] == old_bits["model_bytes"] - n_signs + n_signs // 8  # I/8 bytes, not I (I % 8 == 0)
+    old_model, _ = load_model(old_packed)
+    with torch.no_grad():
+        assert torch.equal(old_model(x), model(x))
     # no export format carries the rotation: refused, naming the matrix
     r = moec("export", packed, "--format", "ct", "-o", tmp_path / "exported")
     assert r.returncode == 2 and "fitted with incoherence processing" in r.stderr, (r.returncode, r.stderr)

@@ -14,19 +14,22 @@ import torch.nn.functional as F  # noqa: E402
 
 from moec.calibrate import hls  # noqa: E402
 from moec.errors import FormatError  # noqa: E402
-from moec.rotation import block_hadamard, hadamard_signs  # noqa: E402
+from moec.rotation import block_hadamard, hadamard_signs, pack_signs  # noqa: E402
 from moec.runtime.backend import kernels_forced  # noqa: E402
 from moec.runtime.experts import ExpertWeights, QLinear, QuantMatrix  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _matrix(E, O, I, block, seed, codec="hls", bits=2):
-    """(QuantMatrix, dense W_eff [E, O, I]): a random fit stored with rotation signs (block 0: none)."""
+def _matrix(E, O, I, block, seed, codec="hls", bits=2, packed=True):
+    """(QuantMatrix, dense W_eff [E, O, I]): a random fit stored with rotation signs (block 0: none),
+    bit-packed as checkpoints store them (packed=False: int8, as packs before bit packing did)."""
     g = torch.Generator().manual_seed(seed)
     stored = hls.quantize(torch.randn(E, O, I, generator=g) * 0.1, None, codec, bits, 0, False)
-    q = QuantMatrix(codec, bits, (E, O, I), {**stored, **({"had_signs": hadamard_signs(I, block, seed)} if block
-                                                          else {})})
+    signs = hadamard_signs(I, block, seed) if block else None
+    if block:
+        stored["had_signs"] = pack_signs(signs) if packed else signs
+    q = QuantMatrix(codec, bits, (E, O, I), stored)
     W = q.dequant_ref()  # W' = the stored (rotated-basis) weights
     return q, (W @ block_hadamard(I, block, seed).T if block else W)
 
@@ -45,6 +48,15 @@ def _dense(Ws, x, ids, wts):
             e = int(ids[n, a])
             out[n] += wts[n, a] * ((F.silu(W1[e] @ x[n]) * (W3[e] @ x[n])) @ W2[e].T)
     return out
+
+
+def test_int8_and_bit_packed_signs_compute_the_same():
+    """Packs written before bit packing store int8 signs: the same rotation, bit for bit."""
+    for block in (1, 4, 8, 32):
+        (a, Wa), (b, Wb) = _matrix(2, 8, 64, block, 3), _matrix(2, 8, 64, block, 3, packed=False)
+        assert torch.equal(a.had_signs, b.had_signs) and torch.equal(Wa, Wb)
+        x = torch.randn(5, 64)
+        assert torch.equal(a.rotate_input(x), b.rotate_input(x))
 
 
 @pytest.mark.parametrize("b13,b2", [(16, 32), (64, 8), (0, 32), (16, 0)])
@@ -92,8 +104,35 @@ def test_qlinear_with_rotation_matches_dense():
 
 
 @pytest.mark.parametrize("signs", [torch.ones(3, 20, dtype=torch.int8), torch.full((2, 32), 2, dtype=torch.int8),
-                                   torch.ones(1, 32, dtype=torch.int8)])
+                                   torch.ones(1, 32, dtype=torch.int8), torch.zeros(2, 3, dtype=torch.uint8),
+                                   torch.zeros(3, 3, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.int16),
+                                   torch.full((16, 1), 0xF0, dtype=torch.uint8)])
 def test_bad_signs_are_a_format_error(signs):
     stored = hls.quantize(torch.randn(1, 8, 64), None, "hls", 2, 0, False)
     with pytest.raises(FormatError, match="had_signs"):
         QuantMatrix("hls", 2, (1, 8, 64), {**stored, "had_signs": signs})
+
+
+def test_random_pack_stores_bit_packed_signs_and_loads(tmp_path):
+    """pack --random with an incoherence recipe: signs stored one bit each (uint8 [I / b, ceil(b / 8)]), the
+    loader's part check takes them, and a manifest whose signs do not cover the inputs is a FormatError."""
+    import json
+
+    from moec.calibrate.pack import pack_random
+    from moec.calibrate.recipe import load_recipe
+    from moec.formats import checkpoint
+    from moec.runtime.config import ModelArgs
+    from moec.runtime.loader import check_quant_parts, load_model
+
+    args = ModelArgs(arch="mixtral", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                     max_seq_len=128, n_experts=4, top_k=2, expert_dim=16)
+    ck = tmp_path / "ck"
+    pack_random(args, "tiny", load_recipe("recipes/experts-hls2-had.yaml"), ck)
+    man = json.loads((ck / checkpoint.MANIFEST).read_text())
+    e = man["tensors"]["layers.0.moe.w1.had_signs"]  # 32 inputs, auto block 32: one row of 4 bytes
+    assert (e["dtype"], e["shape"]) == ("uint8", [1, 4])
+    model, _ = load_model(ck)
+    assert model.layers[0].moe.codec.w1.had_signs.shape == (1, 32)
+    e["shape"] = [1, 3]
+    with pytest.raises(FormatError, match="had_signs.*expected uint8"):
+        check_quant_parts(ck, man)

@@ -1,0 +1,155 @@
+"""Bit allocation at a fixed budget (recipe `allocate:`, calibrate/recipe.Allocate): every targeted matrix
+is fitted at each candidate bit width during the layer loop (fit_experts.ExpertFitter), and once every
+layer is fitted one width per allocation unit is chosen so that the average q_bits over the rule's
+matrices (stored bytes: codes, codebooks, scales, signs) stays within the budget while the summed
+sensitivity is smallest (HAWQ-V2, Dong et al. 2020; the error-vs-bytes knapsack of mixed-precision
+quantizers such as SqueezeLLM's and Slim-LLM's allocation).
+
+Sensitivity of a matrix at a width (what `sensitivity` picks):
+    output    Σ_e tr(ΔW_e H_e ΔW_eᵀ): the Hessian-weighted output error of the fit (the layer-wise
+              objective the fit minimizes), summed over experts;
+    relative  the same divided by the matrix's output energy Σ_e tr(W_e H_e W_eᵀ): the scale of
+              activations grows with depth and differs between gate/up and down, so absolute output
+              errors of different matrices are in different units.
+A unit is one stored matrix (`unit: matrix`: one [E, O, I] projection tensor, w1, w2 or w3 of a layer, or
+one attention projection; the stored format holds one bits value per such tensor, so experts of one
+projection share it) or the rule's matrices of one layer together (`unit: layer`: the fused MoE kernels
+take one bits value for w1, w3 and w2 of a layer, so a MoE layer with mixed widths runs the unfused path
+on CUDA).
+
+The choice is an exact dynamic program over the Pareto frontier of (bytes, error) of the units taken so
+far (bytes rounded up to `resolution`, so the budget is always met; exact when the resolution is 1).
+Pure functions: no file, model or Hessian is read here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserError
+from ..formats.bitpack import bitstream_width
+from ..registry import weight_codec
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+MAX_FRONTIER = 200_000  # partial solutions kept per step at most (the resolution grows past it)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One candidate of a unit: its width, stored bytes and sensitivity (summed over the unit's matrices)."""
+
+    bits: int
+    nbytes: int
+    error: float
+
+
+def choose(units: Sequence[Sequence[Option]], budget_bytes: int, resolution: int = 1) -> list[int]:
+    """Index of the chosen option per unit, minimizing Σ error subject to Σ nbytes ≤ budget_bytes.
+
+    units[u]: the options of unit u (any order). Exact over bytes rounded up to multiples of `resolution`
+    (the rounded sum bounds the true one, so the budget holds); AssertionError when even the smallest
+    options exceed the budget (check_budget refuses such a recipe before fitting)."""
+    assert units and all(units), "every unit needs at least one option"
+    res = max(1, int(resolution))
+    cost = [[-(-o.nbytes // res) for o in opts] for opts in units]
+    cap = budget_bytes // res
+    assert sum(min(c) for c in cost) <= cap, (sum(min(c) for c in cost) * res, budget_bytes)
+    # frontier: bytes -> (error, back-pointer chain of choices); only non-dominated entries survive
+    front: dict[int, tuple[float, tuple | None]] = {0: (0.0, None)}
+    for u, opts in enumerate(units):
+        nxt: dict[int, tuple[float, tuple | None]] = {}
+        for b, (e, chain) in front.items():
+            for k, o in enumerate(opts):
+                nb = b + cost[u][k]
+                if nb > cap:
+                    continue
+                ne = e + o.error
+                if nb not in nxt or ne < nxt[nb][0]:
+                    nxt[nb] = (ne, (k, chain))
+        front, best = {}, float("inf")
+        for b in sorted(nxt):  # keep an entry only if it has less error than every cheaper one
+            if nxt[b][0] < best:
+                best = nxt[b][0]
+                front[b] = nxt[b]
+        if len(front) > MAX_FRONTIER:  # coarser bytes for the rest; still within the budget (rounded up)
+            return choose(units, budget_bytes, res * 4)
+    _, (_, chain) = min(front.items(), key=lambda kv: (kv[1][0], kv[0]))
+    picks = []
+    while chain is not None:
+        picks.append(chain[0])
+        chain = chain[1]
+    return picks[::-1]
+
+
+def unit_key(param: str, unit: str) -> str:
+    """The allocation unit of a matrix: itself, or its layer's matrices together."""
+    if unit == "matrix":
+        return param
+    return f"layers.{_LAYER.search(param).group(1)}"
+
+
+def candidate_bytes(codec: str, bits: int, shape: tuple[int, ...], group_size: int, signs_block: int) -> int:
+    """Bytes a matrix of `shape` ([E, O, I], or [O, I] for attention) stores under `codec` at `bits`,
+    from the codec's own stand-in on the meta device (the shapes and dtypes it stores), plus the
+    bit-packed rotation signs when signs_block > 0 (rotation.pack_signs)."""
+    stacked = tuple(shape) if len(shape) == 3 else (1, *shape)
+    parts = weight_codec(codec).hook("random_stored")(bits, stacked, group_size, "meta", None)
+    n = sum(t.numel() * t.element_size() for t in parts.values())
+    if signs_block:
+        n += shape[-1] // signs_block * bitstream_width([1] * signs_block)
+    return n
+
+
+def check_budget(ri: int, rule, shapes: dict[str, tuple[int, ...]]) -> tuple[float, float]:
+    """(min, max) q_bits the rule's candidates can reach over its matrices `shapes` ({param: shape});
+    UserError (before any fitting) when the budget is outside that range."""
+    a = rule.allocate
+    n = sum(torch.Size(s).numel() for s in shapes.values())
+    per = {b: sum(candidate_bytes(rule.codec, b, s, rule.group_size,
+                                  rule.incoherence.block_for(s[-1]) if rule.incoherence else 0)
+                  for s in shapes.values()) for b in a.bits}
+    lo, hi = 8.0 * min(per.values()) / n, 8.0 * max(per.values()) / n
+    if not lo <= a.budget <= hi:
+        raise UserError(f"weights rule {ri}: allocate.budget {a.budget} q_bits cannot be met by bits {a.bits} "
+                        f"on its {len(shapes)} matrices: achievable {lo:.4f} (all {min(a.bits)}-bit) to {hi:.4f} "
+                        f"(all {max(a.bits)}-bit) q_bits")
+    return lo, hi
+
+
+def check_budgets(recipe, targets: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+    """check_budget for every rule of `recipe` with `allocate` over the matrices it targets (plan())."""
+    for ri, rule in enumerate(recipe.weights):
+        if rule.allocate is not None:
+            check_budget(ri, rule, {n: shapes[n] for n, r in targets.items() if r is rule})
+
+
+def allocate(cands: dict[str, dict[int, dict]], budget: float, unit: str, sensitivity: str) -> dict:
+    """Chosen bits per matrix for one rule. cands: {param: {bits: {"nbytes", "numel", "output_error",
+    "output_energy"}}} (sums over experts). Returns {"budget", "q_bits" (achieved), "bits": {param: b},
+    "error": the chosen total sensitivity}."""
+    keys: dict[str, list[str]] = {}
+    for p in cands:
+        keys.setdefault(unit_key(p, unit), []).append(p)
+    widths = sorted(set.intersection(*(set(c) for c in cands.values())))
+    units = []
+    for ps in keys.values():
+        opts = []
+        for b in widths:
+            err = 0.0
+            for p in ps:
+                c = cands[p][b]
+                err += c["output_error"] / (c["output_energy"] if sensitivity == "relative" else 1.0)
+            opts.append(Option(b, sum(cands[p][b]["nbytes"] for p in ps), err))
+        units.append(opts)
+    numel = sum(next(iter(c.values()))["numel"] for c in cands.values())
+    budget_bytes = int(budget * numel / 8)
+    total_min = sum(min(o.nbytes for o in opts) for opts in units)
+    picks = choose(units, budget_bytes, resolution=max(1, (budget_bytes - total_min) // 20_000))
+    bits = {p: units[u][k].bits for u, (ps, k) in enumerate(zip(keys.values(), picks, strict=True)) for p in ps}
+    nbytes = sum(units[u][k].nbytes for u, k in enumerate(picks))
+    return {"budget": budget, "q_bits": 8.0 * nbytes / numel, "bits": bits,
+            "error": sum(units[u][k].error for u, k in enumerate(picks))}
