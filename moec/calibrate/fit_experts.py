@@ -55,7 +55,7 @@ def rotation_signs(name: str, n: int, rule: WeightRule, seed: int) -> torch.Tens
         return None
     block = rule.incoherence.block_for(n)
     assert block, (name, n)  # plan() refused it
-    if name == HEAD:  # the final norm's output: a seed no layer's input takes (below 2^40 + ...)
+    if name == HEAD:  # the final norm's output: a seed no layer's input takes
         return hadamard_signs(n, block, (1 << 41) + seed)
     layer, p = int(name.split(".")[1]), name.removesuffix(".weight").rsplit(".", 1)[-1]
     if name.endswith("shared.w2.weight"):  # inputs 0..3 keep the seeds they had before shared experts
