@@ -6,6 +6,7 @@ quantized W replaced by its dequantized W_hat (rotations undone), its perplexity
 the decode engine gives the torch path's logits, and the input embedding of the tied model is untouched."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 
 from moec.calibrate.fit_experts import plan
 from moec.calibrate.pack import pack
-from moec.calibrate.recipe import parse_recipe
+from moec.calibrate.recipe import load_recipe, parse_recipe
 from moec.calibrate.run import calibrate
 from moec.calibrate.sources import load_tokenizer, tokenize
 from moec.errors import UserError
@@ -85,6 +86,10 @@ def test_plan_tells_experts_from_dense_mlps(tiny_qwen2_moe_dir):
                    "mlp": {"layers.1.moe.w1", "layers.1.moe.w2", "layers.1.moe.w3"},
                    "shared_experts": {f"layers.0.moe.shared.w{i}.weight" for i in (1, 2, 3)},
                    "router": {"layers.0.moe.router.weight"}, "lm_head": {"output.weight"}}
+    # the shipped recipe for shared-expert models is the first rule of the pipeline below
+    full = load_recipe(Path(__file__).parents[2] / "recipes" / "ablations" / "experts-hls3-had-full.yaml")
+    assert set(plan(args, full)) == got["experts"] | got["mlp"] | got["shared_experts"]
+    assert full.weights[0] == parse_recipe({"weights": RULES[:1]}).weights[0]
     with pytest.raises(UserError, match="quantizes only .* and LM-head matrices"):  # the [1, D] shared gate
         plan(args, parse_recipe({"weights": [{"targets": ["shared_gate"], "codec": "rtn", "bits": 4}]}))
 
