@@ -76,9 +76,10 @@ def random_model(args: ModelArgs, rule_for, device, dtype=torch.bfloat16, seed: 
         is_attn = LINEAR_PARAM.search(name) is not None
         if rule is not None and rule.codec != "keep" and (is_expert or is_attn):
             stacked = shape if is_expert else (1, *shape)  # a plain linear weight is one "expert"
-            quant[name] = QuantMatrix(rule.codec, rule.bits, shape,
-                                      random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen)
-                                      | random_rotation(rule, name, shape[-1]))
+            stored = random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen)
+            if not is_expert:  # stored without the E axis, as a packed checkpoint stores it (fp8 scales [O])
+                stored = {k: v[0] for k, v in stored.items()}
+            quant[name] = QuantMatrix(rule.codec, rule.bits, shape, stored | random_rotation(rule, name, shape[-1]))
             quant[name].param_shape = shape
         elif "norm" in name:
             state[name] = torch.ones(shape, dtype=dtype, device=device)
@@ -419,6 +420,7 @@ def estimate_model_bytes(args: ModelArgs, rule_for) -> int:
     n = 0
     for name, shape in param_shapes(args).items():
         rule = rule_for(name)
-        quant = rule is not None and rule.codec != "keep" and (".moe.w" in name or ".attn.w" in name)
+        quant = rule is not None and rule.codec != "keep" and (
+            (".moe.w" in name and name.rsplit(".", 1)[-1] in EXPERT_PARAM) or LINEAR_PARAM.search(name) is not None)
         n += math.prod(shape) * (rule.bits / 8 if quant else 2)
     return int(n)
