@@ -39,3 +39,16 @@ def tiny_moe_dir(tmp_path_factory):
     model = T.MixtralForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory):
+    """A 2-layer Qwen2-MoE (tests/runtime/tiny_hf.py: 6 experts top-3, a gated shared expert of 32, layer 1
+    a dense MLP via mlp_only_layers) with tied embeddings and the 300-token BPE tokenizer: what a recipe
+    covering experts, shared experts, dense MLPs, routers and the LM head runs on."""
+    from tests.runtime.tiny_hf import make_tiny
+
+    path = tmp_path_factory.mktemp("tiny-qwen2-moe")
+    vocab = _tiny_tokenizer(path)
+    make_tiny("qwen2_moe", path, vocab_size=vocab, tie_word_embeddings=True, eos_token_id=0, bos_token_id=0)
+    return path

@@ -1,6 +1,6 @@
-"""Weight fitting during `moec calibrate`: which tensors a recipe quantizes (experts, dense MLPs and
-attention projections), the starved-expert policy, Hessian regularization, and the call into the pure
-quantizers (hls.py).
+"""Weight fitting during `moec calibrate`: which tensors a recipe quantizes (experts, dense MLPs,
+attention projections, shared experts, routers and the LM head), the starved-expert policy, Hessian
+regularization, and the call into the pure quantizers (hls.py).
 
 For each targeted layer the capture observer (hessian.ExpertHessians) hands over H1 [E, D, D] (input
 of w1/w3), H2 [E, I, I] (input of w2) and token counts; `ExpertFitter.on_layer` picks each expert's
@@ -9,6 +9,12 @@ only the stored tensors (`fit.<param>.<part>`) and a report entry. Attention pro
 same path with E = 1: hessian.AttentionHessians hands over Hqkv [D, D] (input of wq/wk/wv) and Ho
 [H·d, H·d] (input of wo) to `ExpertFitter.on_attention_layer`, and their parts are stored without
 the E axis ([O, ...], as the runtime loads a quantized attention projection: runtime/experts.py).
+Shared experts and routers likewise (E = 1, stored [O, ...]): hessian.SharedHessians hands over Hx
+[D, D] (the normed x entering the MoE block, every token: input of the router and of the shared w1/w3)
+and Hs [S, S] (input of the shared w2) to `on_shared_layer`. The LM head's Hessian is the final norm's
+output (`fit_head`, called by run.py at the end of the layer loop); on a tied model its source is the
+embedding table, fitted as a separate `output.weight` (pack.py unties the packed model; the input
+embedding stays as it is).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from ..progress import tracked
 from ..registry import weight_codec, weight_codecs
 from ..rotation import hadamard_signs, pack_signs, rotate, rotate_hessian
 from ..runtime.config import ModelArgs
-from ..runtime.experts import ATTN_PARAM
+from ..runtime.experts import ATTN_PARAM, HEAD_PARAM, ROUTER_PARAM, SHARED_PARAM
 from ..runtime.model import Transformer
 from . import allocate, hls
 from .distributed import Dist
@@ -36,9 +42,12 @@ from .recipe import Recipe, WeightRule
 
 log = logging.getLogger(__name__)
 EXPERT_PARAM = re.compile(r"layers\.(\d+)\.moe\.(w[123])$")
-QUANTIZABLE = re.compile(rf"{EXPERT_PARAM.pattern}|{ATTN_PARAM.pattern}")
-# which input a matrix reads: matrices of one layer reading the same input share its rotation
-_INPUT_OF = {"w1": 0, "w3": 0, "w2": 1, "wq": 2, "wk": 2, "wv": 2, "wo": 3}
+QUANTIZABLE = re.compile(rf"{EXPERT_PARAM.pattern}|{ATTN_PARAM.pattern}|{SHARED_PARAM.pattern}|"
+                         rf"{ROUTER_PARAM.pattern}|{HEAD_PARAM.pattern}")
+HEAD = "output.weight"
+# which input a matrix reads: matrices of one layer reading the same input share its rotation (the
+# router and the shared w1/w3 read the experts' x; the shared w2 its own intermediate: rotation_signs)
+_INPUT_OF = {"w1": 0, "w3": 0, "w2": 1, "wq": 2, "wk": 2, "wv": 2, "wo": 3, "router": 0}
 
 
 def rotation_signs(name: str, n: int, rule: WeightRule, seed: int) -> torch.Tensor | None:
@@ -49,14 +58,31 @@ def rotation_signs(name: str, n: int, rule: WeightRule, seed: int) -> torch.Tens
         return None
     block = rule.incoherence.block_for(n)
     assert block, (name, n)  # plan() refused it
+    if name == HEAD:  # the final norm's output: a seed no layer's input takes
+        return hadamard_signs(n, block, (1 << 41) + seed)
     layer, p = int(name.split(".")[1]), name.removesuffix(".weight").rsplit(".", 1)[-1]
+    if name.endswith("shared.w2.weight"):  # inputs 0..3 keep the seeds they had before shared experts
+        return hadamard_signs(n, block, (1 << 40) + seed * 100_003 + layer)
     return hadamard_signs(n, block, (seed * 100_003 + layer) * 4 + _INPUT_OF[p])
 
 
 def canonical_names(args: ModelArgs) -> dict[str, tuple]:
+    """{name: shape} of the model's parameters; a tied model also lists `output.weight` (the LM head a
+    recipe may quantize apart from the embedding it shares weights with)."""
     with torch.device("meta"):
         m = Transformer(args)
-    return {k: tuple(v.shape) for k, v in m.state_dict().items()}
+    names = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+    if args.tie_embeddings:
+        names[HEAD] = names["tok_embeddings.weight"]
+    return names
+
+
+def existing_targets(args: ModelArgs) -> list[str]:
+    """The named targets that select a tensor of this model (for error messages)."""
+    kinds = set(args.ffn_kinds)
+    return [*(["experts"] if "moe" in kinds else []), *(["shared_experts"] if args.shared_dim and "moe" in kinds
+                                                         else []),
+            *(["mlp"] if "dense" in kinds else []), "attention", *(["router"] if "moe" in kinds else []), "lm_head"]
 
 
 def plan(args: ModelArgs, recipe: Recipe) -> dict[str, WeightRule]:
@@ -66,22 +92,20 @@ def plan(args: ModelArgs, recipe: Recipe) -> dict[str, WeightRule]:
     for ri, rule in enumerate(recipe.weights):
         if rule.codec == "keep":
             continue
-        hit = [n for n in names if recipe.rule_for(n) is rule]
-        if set(rule.targets) <= {"experts"} and not args.is_moe:
-            hit = []  # "experts" on a dense model: nothing to target (say `mlp`)
-        if set(rule.targets) <= {"mlp"} and "dense" not in args.ffn_kinds:
-            hit = []
+        hit = [n for n in names if recipe.rule_for(n, args.ffn_kinds) is rule]
         if not hit:
+            layers = "+".join(sorted(set(args.ffn_kinds), reverse=True))
             raise UserError(f"weights rule {ri} (targets {rule.targets}, codec {rule.codec}) selects no tensor of "
-                            f"this model ({args.arch}: {'MoE' if args.is_moe else 'dense'} layers); "
-                            f"targets that exist here: {'experts' if args.is_moe else 'mlp'}, attention")
+                            f"this model ({args.arch}: {layers} layers{', shared experts' if args.shared_dim else ''})"
+                            f"; targets that exist here: {', '.join(existing_targets(args))}")
         for n in hit:
             m = QUANTIZABLE.search(n)
             if not m:
                 raise UserError(f"weights rule {ri}: codec {rule.codec!r} on {n!r}: this moec version quantizes "
-                                f"only expert, dense-MLP and attention matrices (layers.*.moe.w1/w2/w3, "
-                                f"layers.*.attn.wq/wk/wv/wo.weight)")
-            I = names[n][-1]  # experts [E, O, I], attention [O, I]
+                                f"only expert, dense-MLP, shared-expert, attention, router and LM-head matrices "
+                                f"(layers.*.moe.w1/w2/w3, layers.*.moe.shared.w1/w2/w3.weight, "
+                                f"layers.*.attn.wq/wk/wv/wo.weight, layers.*.moe.router.weight, output.weight)")
+            I = names[n][-1]  # experts [E, O, I], the others [O, I]
             if rule.group_size and I % rule.group_size:
                 divs = [d for d in range(8, I + 1, 8) if I % d == 0]
                 raise UserError(f"weights rule {ri}: group_size {rule.group_size} does not divide the input dim "
@@ -91,6 +115,14 @@ def plan(args: ModelArgs, recipe: Recipe) -> dict[str, WeightRule]:
                                 f"input dim {I} of {n} (powers of two that do: "
                                 f"{[1 << k for k in range((I & -I).bit_length())]}; or 0 for auto)")
             targets[n] = rule
+    beyond = [n for n in targets if not (EXPERT_PARAM.search(n) or ATTN_PARAM.search(n))]
+    if recipe.calibration.tune_steps and beyond:  # tune.py rebuilds experts and attention only
+        raise UserError(f"calibration.tune_steps tunes expert, dense-MLP and attention codebooks; this recipe also "
+                        f"quantizes {beyond[0]} (shared expert, router or LM head): set tune_steps: 0 or keep it")
+    alloc_beyond = [n for n in beyond if targets[n].allocate is not None]
+    if alloc_beyond:  # allocate_bits reads per-layer expert/attention report entries
+        raise UserError(f"weights rule with `allocate` selects {alloc_beyond[0]}: allocation covers expert, dense-MLP "
+                        f"and attention matrices; give shared experts, the router and the LM head their own rule")
     return targets
 
 
@@ -107,6 +139,7 @@ class ExpertFitter:
         self.seconds = 0.0
         self.tune_report: dict | None = None
         self.allocation: list[dict] | None = None  # per allocate rule: what each matrix got (allocate_bits)
+        self.head_report: dict | None = None
 
     def layers(self) -> set[int]:
         """Layers with a targeted expert/MLP matrix (for ExpertHessians)."""
@@ -115,6 +148,14 @@ class ExpertFitter:
     def attention_layers(self) -> set[int]:
         """Layers with a targeted attention projection (for AttentionHessians)."""
         return {int(m.group(1)) for n in self.targets if (m := ATTN_PARAM.search(n))}
+
+    def shared_layers(self) -> set[int]:
+        """Layers with a targeted shared-expert matrix or router (for SharedHessians)."""
+        return {int(m.group(1)) for n in self.targets if (m := SHARED_PARAM.search(n) or ROUTER_PARAM.search(n))}
+
+    def shared_down_layers(self) -> set[int]:
+        """Layers whose shared w2 is targeted (SharedHessians accumulates its input's H only there)."""
+        return {int(m.group(1)) for n in self.targets if (m := SHARED_PARAM.search(n)) and m.group(2) == "w2"}
 
     def _fit(self, name: str, W: torch.Tensor, H: torch.Tensor, rule: WeightRule) -> tuple[dict, dict]:
         """Quantize W [E, O, I] (or [O, I] with H [I, I]: an attention projection, one "expert") under
@@ -257,17 +298,52 @@ class ExpertFitter:
         self.report.setdefault(layer, {})["attention"] = entry
         self.seconds += time.time() - t0
 
+    def on_shared_layer(self, layer: int, stats: dict) -> None:
+        """The `on_layer` callback of SharedHessians: Hx (router, shared w1/w3; every token) and Hs (shared
+        w2) damped, the layer's targeted router and shared-expert matrices fitted with them (E = 1,
+        stored [O, ...] like attention projections)."""
+        t0 = time.time()
+        sd = self.layer_state(layer)
+        entry: dict = {"tokens": stats["count"]}
+        Hs = {}
+        for key, tag in (("Hx", "x"), ("Hs", "shared_w2")):
+            if key in stats:
+                Hs[key], note = regularize(stats[key])
+                entry[f"status_{tag}"], entry[f"damp_{tag}"] = note["status"], note["damp"]
+        for p, key in (("router", "Hx"), ("shared.w1", "Hx"), ("shared.w3", "Hx"), ("shared.w2", "Hs")):
+            name = f"layers.{layer}.moe.{p}.weight"
+            rule = self.targets.get(name)
+            if rule is None:
+                continue
+            H = Hs[key]
+            parts, entry[p] = self._fit(name, sd[name].to(H.device, torch.float32), H, rule)
+            self.tensors.update({f"fit.{name}.{part}": t for part, t in parts.items()})
+        self.report.setdefault(layer, {})["shared"] = entry
+        self.seconds += time.time() - t0
+
+    def fit_head(self, W: torch.Tensor, H: torch.Tensor, tokens: int) -> None:
+        """The LM head W [V, D] (the embedding table on a tied model) with H = Σ hhᵀ over the final norm's
+        outputs (run.py, at the end of the layer loop)."""
+        t0 = time.time()
+        Hd, note = regularize(H)
+        parts, entry = self._fit(HEAD, W.to(Hd.device, torch.float32), Hd, self.targets[HEAD])
+        self.tensors.update({f"fit.{HEAD}.{part}": t for part, t in parts.items()})
+        self.head_report = {"tokens": tokens, "status": note["status"], "damp": note["damp"], **entry}
+        self.seconds += time.time() - t0
+
     def state_dict(self) -> dict:
         """Fitted tensors and report entries so far, for a resumable calibration (resume.py)."""
         return {**{f"tensors.{k}": t for k, t in self.tensors.items()}, "seconds": self.seconds,
                 "report": {str(i): e for i, e in self.report.items()}, "tune_report": self.tune_report,
-                "allocation": self.allocation}
+                "allocation": self.allocation,
+                "head_report": self.head_report}
 
     def load_state_dict(self, sd: dict) -> None:
         self.tensors = {k.removeprefix("tensors."): t for k, t in sd.items() if k.startswith("tensors.")}
         self.report = {int(i): e for i, e in sd["report"].items()}
         self.seconds, self.tune_report = sd["seconds"], sd["tune_report"]
         self.allocation = sd.get("allocation")
+        self.head_report = sd.get("head_report")  # None: a checkpoint of an older moec
 
     def _entry(self, name: str) -> dict:
         """The report entry of matrix `name` (expert/MLP: the layer's, attention: under "attention")."""

@@ -16,6 +16,7 @@ propagated to later layers.
 events: per layer Hqkv = Σ x xᵀ over the normed hidden states entering attention [D, D] (one H
 shared by wq, wk and wv, which read the same input) and Ho = Σ a aᵀ over the attention outputs
 entering wo [H·d, H·d]; every token passes through attention, so there is no routing or policy.
+`SharedHessians` likewise for the router and the shared expert (every token takes it) from 'ffn_in'.
 """
 
 from __future__ import annotations
@@ -169,4 +170,46 @@ class AttentionHessians:
         if self.cur is not None:
             layer, stats = self.cur, self.stats
             self.cur, self.stats = None, {}
+            self.on_layer(layer, stats)
+
+
+class SharedHessians:
+    """Capture observer for the router and the shared expert of the `layers` asked for, from 'ffn_in':
+    Hx = Σ x xᵀ [D, D] over every token's normed x (the router and the shared w1/w3 read it; every token
+    takes the shared expert, so there is no routing or policy) and, for the layers in `down` (a targeted
+    shared w2), Hs = Σ a aᵀ [S, S] with a = silu(w1_s x) ⊙ (w3_s x) the shared w2's input, from the
+    original shared weights (`layer_state`). Like AttentionHessians, `on_layer(i, stats)` is called once
+    layer i is complete, so only one layer's statistics are held."""
+
+    def __init__(self, layers: set[int], down: set[int], layer_state: Callable[[int], dict],
+                 on_layer: Callable[[int, dict], None]):
+        self.layers, self.down, self.layer_state, self.on_layer = layers, down, layer_state, on_layer
+        self.cur: int | None = None
+        self.stats: dict = {}
+
+    def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
+        if layer not in self.layers or name != "ffn_in":
+            return
+        x = t.detach().reshape(-1, t.shape[-1]).float()  # [N, D]
+        if self.cur != layer:
+            self.flush()
+            self.cur = layer
+            z = dict(dtype=torch.float32, device=x.device)  # where the activations are (cpu or cuda)
+            self.stats = {"Hx": torch.zeros(x.shape[1], x.shape[1], **z), "count": 0}
+            self.w13 = None
+            if layer in self.down:
+                sd = self.layer_state(layer)
+                p = f"layers.{layer}.moe.shared."
+                self.w13 = tuple(sd[p + f"{w}.weight"].to(x.device, torch.float32) for w in ("w1", "w3"))
+                S = self.w13[0].shape[0]
+                self.stats["Hs"] = torch.zeros(S, S, **z)
+        accumulate_hessian(self.stats["Hx"], x)
+        self.stats["count"] += x.shape[0]
+        if self.w13 is not None:
+            accumulate_hessian(self.stats["Hs"], F.silu(x @ self.w13[0].t()) * (x @ self.w13[1].t()))
+
+    def flush(self) -> None:
+        if self.cur is not None:
+            layer, stats = self.cur, self.stats
+            self.cur, self.stats, self.w13 = None, {}, None
             self.on_layer(layer, stats)

@@ -154,7 +154,7 @@ def estimate(args: ModelArgs, src: SourceSizes, targets: dict, recipe: Recipe, k
 
 def _fit_bytes(args: ModelArgs, targets: dict, all_tokens: bool) -> tuple[int, int]:
     """(one layer's Hessians, the working set of fitting one layer) in bytes, the largest layer's."""
-    from .fit_experts import ATTN_PARAM, EXPERT_PARAM
+    from .fit_experts import ATTN_PARAM, EXPERT_PARAM, HEAD_PARAM, ROUTER_PARAM, SHARED_PARAM
 
     D, Hd = args.dim, args.n_heads * args.head_dim
     hess = fit = 0
@@ -170,6 +170,13 @@ def _fit_bytes(args: ModelArgs, targets: dict, all_tokens: bool) -> tuple[int, i
         elif ATTN_PARAM.search(name) is not None:
             E, h, w13 = 1, (D * D + Hd * Hd) * F32, 0
             O, I_in = (D, Hd) if ".wo." in name else (Hd if ".wq." in name else args.n_kv_heads * args.head_dim, D)
+        elif (m := SHARED_PARAM.search(name) or ROUTER_PARAM.search(name)) is not None:
+            S = args.shared_dim
+            E, h, w13 = 1, (D * D + S * S) * F32 + 2 * S * D * F32, 2 * S * D * F32  # Hx, Hs, shared w1/w3
+            O, I_in = (D, S) if name.endswith("shared.w2.weight") else (args.n_experts if ".router." in name else S, D)
+        elif HEAD_PARAM.search(name) is not None:
+            E, h, w13 = 1, D * D * F32, 0
+            O, I_in = args.vocab_size, D
         else:
             continue
         G = I_in // rule.group_size if rule.group_size else 1

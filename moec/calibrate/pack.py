@@ -6,6 +6,7 @@ what was calibrated. The source model must be the one calibrated (checked by wei
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -19,6 +20,7 @@ from ..formats.codecs import KEEP, WEIGHT_PATTERN
 from ..progress import tracked
 from ..provenance import environment
 from ..runtime.hf_layout import ST_DTYPES, HFCheckpoint, config_from_args
+from .fit_experts import HEAD
 from .pack_kv import encode_kv_tensors
 from .recipe import Recipe, load_recipe
 from .sources import TOKENIZER_FILES
@@ -41,8 +43,9 @@ def allocated_bits(report: dict) -> dict[str, int]:
 
 
 def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe, fitted: dict[str, torch.Tensor] | None = None,
-                   bits: dict[str, int] | None = None) -> tuple[dict, dict]:
-    """(stored tensors, per-tensor info) under the recipe's first-match rules.
+                   bits: dict[str, int] | None = None, ffn_kinds: list[str] | None = None) -> tuple[dict, dict]:
+    """(stored tensors, per-tensor info) under the recipe's first-match rules (ffn_kinds: the model's,
+    which tells `experts` from `mlp`, as calibration planned them).
 
     Quantized parameters are stored as the parts calibration fitted (`fit.<param>.<part>` in
     calib.safetensors, see formats/codecs.py), each named `<param>.<part>` and carrying `param`;
@@ -51,7 +54,7 @@ def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe, fitted: dict[
     tensors, info = {}, {}
     fitted, bits = fitted or {}, bits or {}
     for name, t in tracked(state.items(), "packing tensors", len(state)):
-        rule = recipe.rule_for(name)
+        rule = recipe.rule_for(name, ffn_kinds)
         codec = rule.codec if rule else KEEP
         if codec == KEEP:  # exactly as the source stores it, dtype included: bit-exact and never larger
             tensors[name] = t
@@ -93,10 +96,18 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
     # streamed: shards are planned from shapes and dtypes (meta tensors); each tensor is read when its
     # shard is written, the source one decoder layer at a time, the fitted parts from calib.safetensors
     state = ckpt.meta_state_dict()
+    args, config = ckpt.args, ckpt.config
+    head = recipe.rule_for(HEAD, args.ffn_kinds)
+    if args.tie_embeddings and head is not None and head.codec != KEEP:
+        # a quantized head of a tied model is its own tensor: the packed model is untied, the input
+        # embedding stays exactly as the source stores it (a gather reads it, not the head's matmul)
+        state[HEAD] = state["tok_embeddings.weight"]
+        args = dataclasses.replace(args, tie_embeddings=False)
+        config = {**config, "tie_word_embeddings": False}
     calib_file = str(calib_dir / "calib.safetensors")
-    tensors, info = encode_tensors(state, recipe, _meta_file(calib_file), allocated_bits(report))
+    tensors, info = encode_tensors(state, recipe, _meta_file(calib_file), allocated_bits(report), args.ffn_kinds)
     bits = effective_bits(state, tensors, info)
-    kv_tensors, kv_info, kv_section = encode_kv_tensors(calib_dir, recipe, ckpt.args)
+    kv_tensors, kv_info, kv_section = encode_kv_tensors(calib_dir, recipe, args)
     tensors.update(kv_tensors)
     info.update(kv_info)
     kv = recipe.kv_or_default()
@@ -109,7 +120,7 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
     provenance["expert_tokens"] = {str(x["layer"]): x["experts"]["tokens"] for x in report["layers"]
                                    if "experts" in x}
     manifest = {"source": {"model": model_spec, "path": str(model_dir), **fp},
-                "model_args": ckpt.args.to_dict(), "recipe": recipe.to_dict(),
+                "model_args": args.to_dict(), "recipe": recipe.to_dict(),
                 "calibration": provenance, "effective_bits": bits,
                 "kv": kv_section, "environment": environment("cpu")}  # what packed it
     quant = {"quant_method": "moec", "format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION,
@@ -120,7 +131,7 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
                                                                 "window": kv.window, "sinks": kv.sinks},
              "ignore": [], "w_bits": bits["w_bits"]}
     extra = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
-    checkpoint.write_packed(out_dir, tensors, info, manifest, ckpt.config, quant, extra_files=extra,
+    checkpoint.write_packed(out_dir, tensors, info, manifest, config, quant, extra_files=extra,
                             extra_texts={"recipe.yaml": recipe.to_yaml()},
                             load=_source_loader(ckpt, set(state), calib_file))
     return manifest
@@ -159,6 +170,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     No calibration: quantized experts get random codes and plausible codebooks/scales
     (runtime/latency.random_stored), KV codecs their stand-in calibration (runtime/latency.random_kv_tensors).
     Built on `device` (the GPU when there is one), written atomically like any packed checkpoint."""
+    from ..runtime.experts import LINEAR_PARAM
     from ..runtime.latency import param_shapes, random_kv_tensors, random_rotation, random_stored
     from .pack_kv import kv_manifest, kv_tensor_info
 
@@ -166,14 +178,14 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     shapes = param_shapes(args)
     tensors, info = {}, {}
     for name, shape in shapes.items():
-        rule = recipe.rule_for(name)
+        rule = recipe.rule_for(name, args.ffn_kinds)
         is_expert = ".moe." in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
-        is_attn = ".attn.w" in name and name.endswith(".weight")
+        is_attn = LINEAR_PARAM.search(name) is not None  # attention, shared experts, router, LM head
         if rule is not None and rule.codec != KEEP:
             if not (is_expert or is_attn):
-                raise UserError(f"--random packs quantized experts and attention projections only; recipe rule "
-                                f"{rule.targets} ({rule.codec}) also matches {name!r}")
-            stacked = shape if is_expert else (1, *shape)  # attention parts are stored without the E axis
+                raise UserError(f"--random packs quantized expert, attention, shared-expert, router and LM-head "
+                                f"matrices only; recipe rule {rule.targets} ({rule.codec}) also matches {name!r}")
+            stacked = shape if is_expert else (1, *shape)  # plain linear parts are stored without the E axis
             parts = {k: (v if is_expert else v[0]).cpu() for k, v in
                      random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen).items()}
             for part, v in (parts | random_rotation(rule, name, shape[-1])).items():  # signs: no E axis

@@ -7,6 +7,7 @@
       window: 128
     weights:                  # rules, first match wins; unmatched tensors stay as they are
       - targets: [experts, shared_experts, mlp]   # or attention, router, lm_head, or a regex
+                              # (experts: MoE layers', mlp: dense layers' (mlp_only_layers) matrices)
         codec: keep           # a registered weight codec: keep | hls | rtn | fp8 | fp3
         bits: 16
         group_size: 64        # must divide the input dim of every targeted matrix (checked at calibrate)
@@ -35,7 +36,7 @@ from typing import Literal
 import yaml
 
 from ..errors import UserError
-from ..formats.codecs import TARGET_PATTERNS
+from ..formats.codecs import TARGET_KIND, TARGET_PATTERNS
 from ..registry import kv_codec, resolve, weight_codec
 from ..typed import build
 from .kvconfig import FP16Config, TieredConfig
@@ -148,6 +149,17 @@ class WeightRule:
     def patterns(self) -> list[re.Pattern]:
         return [re.compile(TARGET_PATTERNS.get(t, t)) for t in self.targets]
 
+    def selects(self, tensor_name: str, ffn_kinds: list[str] | None = None) -> bool:
+        """Whether a target of this rule names the tensor. With the model's ffn_kinds, `experts` selects
+        the stacked matrices of MoE layers only and `mlp` those of dense layers only (their names are the
+        same: formats/codecs.TARGET_KIND); without them (a model not known yet) either selects both."""
+        for t, p in zip(self.targets, self.patterns(), strict=True):
+            m = p.search(tensor_name)
+            if m and (ffn_kinds is None or t not in TARGET_KIND
+                      or ffn_kinds[int(tensor_name.split(".")[1])] == TARGET_KIND[t]):
+                return True
+        return False
+
 
 @dataclass
 class CalibrationConfig:
@@ -178,9 +190,11 @@ class Recipe:
     def kv_or_default(self) -> TieredConfig | FP16Config:
         return self.kv or FP16Config()
 
-    def rule_for(self, tensor_name: str) -> WeightRule | None:
+    def rule_for(self, tensor_name: str, ffn_kinds: list[str] | None = None) -> WeightRule | None:
+        """The first rule selecting the tensor (WeightRule.selects; ffn_kinds: the model's, which tells
+        `experts` from `mlp`), None: kept."""
         for rule in self.weights:
-            if any(p.search(tensor_name) for p in rule.patterns()):
+            if rule.selects(tensor_name, ffn_kinds):
                 return rule
         return None
 

@@ -36,6 +36,7 @@ from ..provenance import created_timestamp, environment
 from ..registry import kv_codec
 from ..runtime.experts import pop_quant_experts
 from ..runtime.hf_layout import HFCheckpoint
+from ..runtime.model import rms_norm
 from ..runtime.stream_eval import build_block
 from .allocate import check_budgets
 from .capture import ExpertTokenCounts, KVRange, run_layers
@@ -43,8 +44,8 @@ from .data import load_text
 from .dataspec import check_specs, describe, parse_data, sample_mix
 from .distributed import Dist
 from .faults import FiniteActivations, check_final_hidden, checked_global_state, checked_layer_state, fault_report
-from .fit_experts import ExpertFitter, canonical_names, plan
-from .hessian import AttentionHessians, ExpertHessians
+from .fit_experts import HEAD, ExpertFitter, canonical_names, plan
+from .hessian import AttentionHessians, ExpertHessians, SharedHessians, accumulate_hessian
 from .memory import check_memory
 from .recipe import Recipe
 from .resume import KILL_ENV, PartialState, refuse_without_resume, run_key
@@ -119,6 +120,9 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
                 experts=dist.owned(max(args.n_experts, 1)) if dist.grouped else None))
         if fitter.attention_layers() and dist.main:  # attention is not sharded: rank 0 fits it
             hessians.append(AttentionHessians(args, fitter.attention_layers(), fitter.on_attention_layer))
+        if fitter.shared_layers() and dist.main:  # routers and shared experts likewise
+            hessians.append(SharedHessians(fitter.shared_layers(), fitter.shared_down_layers(), ckpt.layer_state,
+                                           fitter.on_shared_layer))
         observers += hessians
     fingerprint = ckpt.fingerprint()
     key = run_key(fingerprint, recipe, data, split, tokens, seed, samples, seq_len, device) | {"propagate": propagate}
@@ -129,6 +133,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     def end_of_layer(i: int, h: torch.Tensor) -> None:
         for hs in hessians:  # fit layer i now (not at layer i + 1's first event), so its checkpoint holds it
             hs.flush()  # (expert parallel: the layer's shares are gathered on rank 0 here)
+        if i == args.n_layers - 1 and fitter is not None and HEAD in fitter.targets and dist.main:
+            _fit_head(fitter, args, ckpt.global_state(), h, device)  # in the last layer's checkpoint
         if dist.main:
             partial.save("layers", i, time.time() - t0, hidden=h)
         elif os.environ.get(KILL_ENV) == f"rank-{dist.rank}-layer-{i}":  # tests only: a rank that dies
@@ -216,6 +222,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         report["layers"].append(entry)
     if fitter is not None:
         tensors.update(tensors_fit)
+        if fitter.head_report is not None:
+            report["lm_head"] = fitter.head_report
         report["fit_seconds"] = round(fitter.seconds, 2)
         if fitter.allocation:
             report["allocation"] = fitter.allocation
@@ -234,6 +242,18 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     _write_dir(out_dir, {"calib.safetensors": tensors, "report.json": report, "recipe.yaml": recipe.to_yaml()})
     partial.remove()
     return report
+
+
+def _fit_head(fitter: ExpertFitter, args, glob: dict, h: torch.Tensor, device: str, batch: int = 8) -> None:
+    """The LM head fitted with H = Σ hhᵀ over the final norm's outputs of h [N, L, D] (the hidden states
+    after the last layer): the embedding table as the source weights on a tied model."""
+    norm = glob["norm.weight"].to(device, torch.float32)
+    H = torch.zeros(args.dim, args.dim, dtype=torch.float32, device=device)
+    for s in range(0, h.shape[0], batch):
+        accumulate_hessian(H, rms_norm(h[s : s + batch].to(device, torch.float32), norm, args.norm_eps)
+                           .reshape(-1, args.dim))
+    W = glob["tok_embeddings.weight" if args.tie_embeddings else HEAD]
+    fitter.fit_head(W, H, h.shape[0] * h.shape[1])
 
 
 def _open(partial: PartialState, resume: bool, dist: Dist):

@@ -17,6 +17,7 @@ from ..errors import UserError
 from ..formats.checkpoint import MANIFEST, check_model_fields, load_tensors, verify
 from ..formats.codecs import KEEP, ROTATION_PART
 from ..runtime.config import ModelArgs
+from ..runtime.experts import HEAD_PARAM, ROUTER_PARAM
 from ..runtime.loader import check_quant_parts
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,9 @@ class PackedModel:
                 self.params[name] = Param(name, KEEP, e["bits"], tuple(tensors[name].shape), tensors[name])
                 continue
             if p not in self.params:
+                if HEAD_PARAM.search(p) or ROUTER_PARAM.search(p):  # moec-only: eval/generate run them
+                    raise UserError(f"{p} ({e['codec']}, {e['bits']} bits): no export format here carries a quantized "
+                                    f"{'LM head' if HEAD_PARAM.search(p) else 'router'}: export a recipe that keeps it")
                 self.params[p] = Param(p, e["codec"], e["bits"], tuple(e.get("param_shape") or ()))
             if name == f"{p}.{ROTATION_PART}":  # W stored as W·R: the other runtimes do not rotate inputs
                 raise UserError(f"{p} ({e['codec']}, {e['bits']} bits) was fitted with incoherence processing "

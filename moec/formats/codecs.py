@@ -46,16 +46,24 @@ class WeightCodec(StrEnum):
 
 # Which canonical tensors count as "weights" for effective bits: every matrix inside the decoder
 # layers (attention projections, router, experts, shared experts, dense MLPs). Norms, biases,
-# embeddings and the LM head are reported apart, since no recipe here compresses them.
+# embeddings and the LM head are reported apart (a quantized LM head counts in q_bits, calibrate/pack.py).
 WEIGHT_PATTERN = re.compile(r"layers\.\d+\.(attn\.w[qkvo]\.weight|moe\.(router\.weight|w[123]|shared\..*weight|"
                             r"shared_gate\.weight))$")
 
-# Named groups a recipe rule can target (DESIGN.md: experts, shared_experts, mlp, attention, lm_head).
+# Named groups a recipe rule can target (DESIGN.md: experts, shared_experts, mlp, attention, router, lm_head).
+# `experts` and `mlp` name the same stacked tensors: a MoE layer's experts, or a dense MLP stored as one
+# always-taken expert; Recipe.rule_for tells them apart by the layer's kind when the model is known, so on
+# a model with MoE and dense layers (Qwen2-MoE `mlp_only_layers`, DeepSeek's first dense layers) each
+# names only its own. `router` is the gate Linear [E, D] (the shared expert's [1, D] gate is kept);
+# `lm_head` the output projection [V, D] (on a tied model a copy of the embedding: the input embedding
+# is never quantized, calibrate/pack.py unties it).
 TARGET_PATTERNS = {
-    "experts": r"layers\.\d+\.moe\.w[123]$",  # stacked experts of MoE layers (see `is_dense` below)
+    "experts": r"layers\.\d+\.moe\.w[123]$",  # stacked experts of MoE layers
     "mlp": r"layers\.\d+\.moe\.w[123]$",  # dense MLPs are stored as one always-taken expert
     "shared_experts": r"layers\.\d+\.moe\.shared\.w[123]\.weight$",
     "attention": r"layers\.\d+\.attn\.w[qkvo]\.weight$",
-    "router": r"layers\.\d+\.moe\.(router|shared_gate)\.weight$",
-    "lm_head": r"(output|tok_embeddings)\.weight$",
+    "router": r"layers\.\d+\.moe\.router\.weight$",
+    "lm_head": r"^output\.weight$",
 }
+# the ffn kind (ModelArgs.ffn_kinds) each kind-bound target selects
+TARGET_KIND = {"experts": "moe", "mlp": "dense"}

@@ -9,7 +9,8 @@ the transformers parameters (canonical names mapped back onto transformers' in-m
 fused into `gate_up_proj [E, 2I, D]` and `down_proj [E, D, I]` as transformers 5 holds them), and each
 quantized matrix is served by moec's own runtime modules: `MoecExperts` / `MoecMLP` wrap
 runtime/experts.ExpertWeights (Triton kernels on CUDA, the torch reference elsewhere) and quantized
-attention projections become runtime/experts.QLinear. Nothing here dequantizes by itself.
+attention projections, shared-expert matrices and the LM head become runtime/experts.QLinear. A quantized
+router is held dequantized, as the runtime holds it (experts.attach); nothing else is dequantized here.
 
 Why the quantizer loads in its after-load hook: the shards hold moec's canonical names and codec parts
 (`layers.0.moe.w1.codes`), not transformers' names, so transformers' own loader finds none of its
@@ -32,7 +33,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..errors import FormatError
 from ..formats import checkpoint
-from ..runtime.experts import ExpertWeights, QLinear, QuantMatrix, pop_quant_experts
+from ..rotation import rotate
+from ..runtime.experts import HEAD_PARAM, ExpertWeights, QLinear, QuantMatrix, pop_quant_experts
 from ..runtime.loader import check_state_shapes, load_state
 from ..runtime.model import combine_experts
 
@@ -112,12 +114,21 @@ def attach_packed(model: nn.Module, path: str | Path) -> nn.Module:
     layers = model.model.layers
     by_layer: dict[int, dict[str, QuantMatrix]] = {}
     for p, q in quant.items():
+        if HEAD_PARAM.search(p):  # the LM head (a tied source was packed untied: config.json says so)
+            model.lm_head = QLinear(q.to(device), None)
+            continue
         i, rest = int(p.split(".")[1]), p.split(".", 2)[2]  # layers.<i>.<rest>
         if rest.startswith("attn."):  # attn.w[qkvo].weight
             c = rest.split(".")[1]
             bias = state.get(f"layers.{i}.attn.{c}.bias")
             setattr(layers[i].self_attn, _ATTN[c],
                     QLinear(q.to(device), None if bias is None else bias.to(device, dtype)))
+        elif rest.startswith("moe.shared."):  # moe.shared.w[123].weight
+            mod, attr = _module_attr(model, f"model.layers.{i}.{_LAYER_NAMES[rest].removesuffix('.weight')}")
+            setattr(mod, attr, QLinear(q.to(device), None))
+        elif rest == "moe.router.weight":  # held dequantized, as the runtime holds it (experts.attach)
+            w = q.dequant_ref(0)
+            state[p] = rotate(w, q.had_signs, q.had_h, inverse=True) if q.rotated else w
         else:
             by_layer.setdefault(i, {})[rest.rsplit(".", 1)[-1]] = q
     for i, qs in by_layer.items():

@@ -1,6 +1,7 @@
 """Quantized weights at run time: one `QuantMatrix` per stored [E, O, I] matrix, the `ExpertWeights` a
-MoE layer routes through once any of its w1/w3/w2 is quantized, and `QLinear` for quantized attention
-projections (stored as E = 1).
+MoE layer routes through once any of its w1/w3/w2 is quantized, and `QLinear` for the other quantized
+linear weights (stored as E = 1, without the E axis): attention projections, shared-expert matrices and
+the LM head; a quantized router is held dequantized (attach).
 
 Shape legend: E = experts, O = output rows, I = inputs, G = groups per row, K = codebook entries,
 N = tokens, A = experts per token, D = model dim.
@@ -43,6 +44,12 @@ log = logging.getLogger(__name__)
 DECODE_MAX_TOKENS = 2  # up to this many tokens: the decode GEMV; above: the grouped kernel (H200 sweep)
 FUSED_MAX_TOKENS = DECODE_MAX_TOKENS  # old name
 ATTN_PARAM = re.compile(r"layers\.(\d+)\.attn\.(w[qkvo])\.weight$")
+SHARED_PARAM = re.compile(r"layers\.(\d+)\.moe\.shared\.(w[123])\.weight$")
+ROUTER_PARAM = re.compile(r"layers\.(\d+)\.moe\.router\.weight$")
+HEAD_PARAM = re.compile(r"^output\.weight$")
+# the quantizable plain linear weights [O, I], stored without the E axis: attention projections, shared
+# experts (QLinear), routers (held dequantized: attach) and the LM head (QLinear)
+LINEAR_PARAM = re.compile("|".join(p.pattern for p in (ATTN_PARAM, SHARED_PARAM, ROUTER_PARAM, HEAD_PARAM)))
 
 
 def lut_from_stored(codec: str, bits: int, stored: dict) -> torch.Tensor:
@@ -263,19 +270,21 @@ def is_quant_expert(name: str, entry: dict) -> bool:
         and ".moe." in entry.get("param", "") and name.startswith(entry["param"] + ".")
 
 
-def is_quant_attention(name: str, entry: dict) -> bool:
-    """Manifest entry of a stored part of a quantized attention projection (layers.*.attn.w[qkvo].weight)."""
-    return is_quantized(entry["codec"]) and ATTN_PARAM.search(entry.get("param", "")) is not None \
+def is_quant_linear(name: str, entry: dict) -> bool:
+    """Manifest entry of a stored part of a quantized plain linear weight [O, I] (LINEAR_PARAM: attention
+    projections, shared experts, routers, the LM head)."""
+    return is_quantized(entry["codec"]) and LINEAR_PARAM.search(entry.get("param", "")) is not None \
         and name.startswith(entry["param"] + ".")
 
 
 def pop_quant_experts(state: dict[str, torch.Tensor], manifest: dict | None) -> dict[str, QuantMatrix]:
-    """Remove the stored parts of quantized matrices (experts and attention) from `state`; {param: QuantMatrix}."""
+    """Remove the stored parts of quantized matrices (experts, attention, shared experts, routers, the LM
+    head) from `state`; {param: QuantMatrix}."""
     if manifest is None:
         return {}
     parts: dict[str, dict] = {}
     for name, e in manifest["tensors"].items():
-        if is_quant_expert(name, e) or is_quant_attention(name, e):
+        if is_quant_expert(name, e) or is_quant_linear(name, e):
             parts.setdefault(e["param"], {"entry": e, "stored": {}})["stored"][name.removeprefix(e["param"] + ".")] = \
                 state.pop(name)
     out = {}
@@ -295,14 +304,28 @@ def placeholders(quant: dict[str, QuantMatrix], dtype, device) -> dict[str, torc
 
 def attach(model: nn.Module, quant: dict[str, QuantMatrix], device) -> None:
     """Route each MoE layer with a quantized matrix through an ExpertWeights built from it, and swap
-    each quantized attention projection for a QLinear (its bias, if any, kept)."""
+    each quantized attention projection, shared-expert matrix and the LM head for a QLinear (its bias,
+    if any, kept). A quantized router is held dequantized (its rotation undone): it is E x D, read by
+    every routing path (model.route, the decode engine's routing kernel) as a plain weight, and what it
+    computes is the quantized weights' exactly."""
     by_layer: dict[int, dict] = {}
     for p, q in quant.items():
-        m = ATTN_PARAM.search(p)
+        m = ATTN_PARAM.search(p) or SHARED_PARAM.search(p)
         if m:
-            attn = model.layers[int(m.group(1))].attn
-            old = getattr(attn, m.group(2))
-            setattr(attn, m.group(2), QLinear(q.to(device), None if old.bias is None else old.bias.data))
+            parent = model.layers[int(m.group(1))]
+            parent = parent.attn if ".attn." in p else parent.moe.shared
+            old = getattr(parent, m.group(2))
+            setattr(parent, m.group(2), QLinear(q.to(device), None if old.bias is None else old.bias.data))
+            continue
+        if HEAD_PARAM.search(p):
+            model.output = QLinear(q.to(device), None)
+            continue
+        if m := ROUTER_PARAM.search(p):
+            router = model.layers[int(m.group(1))].moe.router
+            w = q.dequant_ref(0)
+            if q.rotated:  # stored W·R: the router's own weight is W = (W·R)·Rᵀ
+                w = rotate(w, q.had_signs, q.had_h, inverse=True)
+            router.weight = nn.Parameter(w.to(device, router.weight.dtype), requires_grad=False)
             continue
         i, name = int(p.split(".")[1]), p.rsplit(".", 1)[-1]
         by_layer.setdefault(i, {})[name] = q.to(device)

@@ -25,7 +25,7 @@ from ..errors import UserError
 from ..registry import weight_codec
 from ..rotation import hadamard_signs, pack_signs
 from .config import ModelArgs
-from .experts import QuantMatrix, attach, placeholders
+from .experts import LINEAR_PARAM, QLinear, QuantMatrix, attach, placeholders
 from .model import Transformer, build_model
 
 EXPERT_PARAM = ("w1", "w2", "w3")
@@ -52,7 +52,8 @@ def random_rotation(rule, name: str, n_in: int) -> dict[str, torch.Tensor]:
     block = inc.block_for(n_in)
     if not block:
         raise UserError(f"incoherence block {inc.block} does not divide the input dim {n_in} of {name}")
-    return {"had_signs": pack_signs(hadamard_signs(n_in, block, int(name.split(".")[1]) * 4 + ("w2" in name)))}
+    layer = int(name.split(".")[1]) if name.startswith("layers.") else 1 << 20  # the LM head: after every layer
+    return {"had_signs": pack_signs(hadamard_signs(n_in, block, layer * 4 + ("w2" in name)))}
 
 
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -64,19 +65,21 @@ def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 @torch.no_grad()
 def random_model(args: ModelArgs, rule_for, device, dtype=torch.bfloat16, seed: int = 0) -> Transformer:
     """A Transformer at `args` with random weights; rule_for(name) -> rule (codec, bits, group_size) or None
-    (a Recipe's rule_for). Quantized expert matrices and attention projections become QuantMatrix
-    (ExpertWeights / QLinear, as the loader attaches them); anything else stays bf16."""
+    (a Recipe's rule_for). Quantized expert matrices and plain linear weights (attention, shared experts,
+    router, LM head: experts.LINEAR_PARAM) become QuantMatrix (ExpertWeights / QLinear, as the loader
+    attaches them); anything else stays bf16."""
     gen = torch.Generator(device=device).manual_seed(seed)
     state, quant = {}, {}
     for name, shape in param_shapes(args).items():
         rule = rule_for(name)
         is_expert = ".moe." in name and name.rsplit(".", 1)[-1] in EXPERT_PARAM
-        is_attn = ".attn.w" in name and name.endswith(".weight")
+        is_attn = LINEAR_PARAM.search(name) is not None
         if rule is not None and rule.codec != "keep" and (is_expert or is_attn):
-            stacked = shape if is_expert else (1, *shape)  # an attention projection is one "expert"
-            quant[name] = QuantMatrix(rule.codec, rule.bits, shape,
-                                      random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen)
-                                      | random_rotation(rule, name, shape[-1]))
+            stacked = shape if is_expert else (1, *shape)  # a plain linear weight is one "expert"
+            stored = random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen)
+            if not is_expert:  # stored without the E axis, as a packed checkpoint stores it (fp8 scales [O])
+                stored = {k: v[0] for k, v in stored.items()}
+            quant[name] = QuantMatrix(rule.codec, rule.bits, shape, stored | random_rotation(rule, name, shape[-1]))
             quant[name].param_shape = shape
         elif "norm" in name:
             state[name] = torch.ones(shape, dtype=dtype, device=device)
@@ -133,7 +136,11 @@ def weight_bytes_per_step(model: Transformer, b: int) -> dict:
             if not (n.startswith("moe.w") or n.startswith("moe.codec") or n.endswith(".lut")):
                 other += _nbytes(t)
     other += _nbytes(model.norm.weight)
-    other += _nbytes(model.tok_embeddings.weight if a.tie_embeddings else model.output.weight)
+    head = model.tok_embeddings.weight if a.tie_embeddings else model.output
+    if isinstance(head, QLinear):  # a quantized LM head: what its kernel reads, not the fp32 reference lut
+        other += sum(_nbytes(t) for n, t in head.named_buffers() if not n.endswith(".lut"))
+    else:
+        other += _nbytes(head if isinstance(head, torch.Tensor) else head.weight)
     return {"experts": int(expert), "non_expert": int(other), "total": int(expert + other)}
 
 
@@ -413,6 +420,7 @@ def estimate_model_bytes(args: ModelArgs, rule_for) -> int:
     n = 0
     for name, shape in param_shapes(args).items():
         rule = rule_for(name)
-        quant = rule is not None and rule.codec != "keep" and (".moe.w" in name or ".attn.w" in name)
+        quant = rule is not None and rule.codec != "keep" and (
+            (".moe.w" in name and name.rsplit(".", 1)[-1] in EXPERT_PARAM) or LINEAR_PARAM.search(name) is not None)
         n += math.prod(shape) * (rule.bits / 8 if quant else 2)
     return int(n)

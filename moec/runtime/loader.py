@@ -13,7 +13,7 @@ from ..formats.codecs import KEEP, ROTATION_PART, WEIGHT_PATTERN
 from ..registry import weight_codec
 from ..typed import build
 from .config import ModelArgs
-from .experts import ATTN_PARAM, attach, is_quant_attention, is_quant_expert, placeholders, pop_quant_experts
+from .experts import LINEAR_PARAM, attach, is_quant_expert, is_quant_linear, placeholders, pop_quant_experts
 from .hf_layout import HFCheckpoint
 from .model import Transformer, build_model
 
@@ -56,7 +56,7 @@ def open_packed(path: str | Path) -> tuple[ModelArgs, dict]:
         raise FormatError(f"{path}: {e}") from None
     for name, e in manifest["tensors"].items():
         if e["codec"] != KEEP and not name.startswith("kv.") and not is_quant_expert(name, e) \
-                and not is_quant_attention(name, e):
+                and not is_quant_linear(name, e):
             raise FormatError(f"{path}: tensor {name!r} uses codec {e['codec']!r}, which this runtime "
                               f"version cannot execute")
     check_quant_parts(path, manifest)
@@ -81,7 +81,7 @@ def check_quant_parts(path, manifest: dict) -> None:
     the runtime never indexes a part that is not there or a table of another size."""
     params: dict[str, dict[str, dict]] = {}
     for name, e in manifest["tensors"].items():
-        if is_quant_expert(name, e) or is_quant_attention(name, e):
+        if is_quant_expert(name, e) or is_quant_linear(name, e):
             params.setdefault(e["param"], {})[name.removeprefix(e["param"] + ".")] = e
     for param, parts in params.items():
         first = next(iter(parts.values()))
@@ -93,7 +93,7 @@ def check_quant_parts(path, manifest: dict) -> None:
         spec = weight_codec(codec)
         if bits not in spec.bits:
             raise FormatError(f"{where}: codec {codec!r} takes bits {spec.bits}, not {bits}")
-        attention = ATTN_PARAM.search(param) is not None
+        attention = LINEAR_PARAM.search(param) is not None  # a plain [O, I] weight (attention and the like)
         if shape is None or len(shape) != (2 if attention else 3) or g is None:
             raise FormatError(f"{where}: param_shape {shape!r} / group_size {g!r} missing or not a "
                               f"{'[O, I]' if attention else '[E, O, I]'} matrix")

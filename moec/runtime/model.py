@@ -241,8 +241,9 @@ class Transformer(nn.Module):
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.tok_embeddings.weight if self.args.tie_embeddings else self.output.weight
-        return h @ w.t()
+        if self.args.tie_embeddings:
+            return h @ self.tok_embeddings.weight.t()
+        return self.output(h)  # an nn.Linear, or a QLinear once a packed checkpoint quantizes the head
 
     def forward(self, tokens: torch.Tensor, cache=None, start_pos: int = 0, observer=None) -> torch.Tensor:
         """tokens: [B, T] -> logits [B, T, V]. Without a cache, T tokens from position 0 (causal)."""

@@ -21,7 +21,7 @@ import torch
 from ..formats import checkpoint
 from ..formats.codecs import KEEP
 from .config import ModelArgs
-from .experts import attach, placeholders, pop_quant_experts
+from .experts import QLinear, attach, placeholders, pop_quant_experts
 from .hf_layout import HFCheckpoint
 from .loader import open_packed
 from .model import Block, rms_norm, rope_cos_sin
@@ -49,10 +49,15 @@ class LayerSource:
             self.args: ModelArgs = self.hf.args
 
     def global_state(self) -> dict[str, torch.Tensor]:
+        self.head = None  # a quantized LM head (a QLinear), else lm_head reads output.weight
         if self.manifest is None:
             sd = self.hf.global_state()
         else:
             sd = checkpoint.load_tensors(self.path, self.manifest, self._global_names)
+            quant = pop_quant_experts(sd, {"tensors": {n: self.manifest["tensors"][n] for n in sd}})
+            if quant:
+                self.head = QLinear(quant.pop("output.weight").to(self.device), None)
+                assert not quant, sorted(quant)  # the LM head is the one quantized global tensor
         return {k: v.to(self.device, self.dtype) for k, v in sd.items()}
 
     def block(self, i: int) -> Block:
@@ -65,8 +70,11 @@ class LayerSource:
         return build_block(self.args, i, state, quant, self.dtype, self.device)
 
     def lm_head(self, glob: dict, h: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(h, glob["norm.weight"], self.args.norm_eps)
+        if getattr(self, "head", None) is not None:
+            return self.head(h)
         w = glob["tok_embeddings.weight"] if self.args.tie_embeddings else glob["output.weight"]
-        return rms_norm(h, glob["norm.weight"], self.args.norm_eps) @ w.t()
+        return h @ w.t()
 
 
 def build_block(args: ModelArgs, i: int, state: dict[str, torch.Tensor], quant: dict, dtype: torch.dtype,

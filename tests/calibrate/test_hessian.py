@@ -73,3 +73,30 @@ def test_attention_hessians_match_projection_inputs():
     torch.testing.assert_close(st["Ho"], A.T @ A, rtol=1e-5, atol=1e-4)
     obs.flush()
     assert got[1]["count"] == 1
+
+
+def test_shared_hessians_match_direct_sums():
+    """SharedHessians: Hx = Σ xxᵀ over every token (router and shared w1/w3), Hs = Σ aaᵀ with a the shared
+    w2's input, only for the layers asked for, handed over once per layer (at the next layer or flush)."""
+    from moec.calibrate.hessian import SharedHessians
+
+    D, S = 16, 12
+    g = torch.Generator().manual_seed(0)
+    w1, w3 = torch.randn(S, D, generator=g), torch.randn(S, D, generator=g)
+    state = {f"layers.{i}.moe.shared.w{c}.weight": w for i in (0, 1) for c, w in ((1, w1), (3, w3))}
+    got = {}
+    obs = SharedHessians({0, 1}, {0}, lambda i: state, lambda i, st: got.update({i: st}))
+    xs = [torch.randn(2, 5, D, generator=g) for _ in range(3)]
+    obs(0, "ffn_in", xs[0])
+    obs(0, "attn_in", torch.randn(2, 5, D, generator=g))  # not its event
+    obs(0, "ffn_in", xs[1])
+    obs(1, "ffn_in", xs[2])  # layer 0 complete
+    assert set(got) == {0}
+    obs.flush()
+    x0 = torch.cat([xs[0], xs[1]]).reshape(-1, D)
+    a0 = F.silu(x0 @ w1.t()) * (x0 @ w3.t())
+    torch.testing.assert_close(got[0]["Hx"], x0.t() @ x0, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got[0]["Hs"], a0.t() @ a0, rtol=1e-5, atol=1e-4)
+    assert got[0]["count"] == 20 and got[1]["count"] == 10 and "Hs" not in got[1]  # layer 1: no shared w2 asked
+    x2 = xs[2].reshape(-1, D)
+    torch.testing.assert_close(got[1]["Hx"], x2.t() @ x2, rtol=1e-5, atol=1e-4)

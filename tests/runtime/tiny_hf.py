@@ -23,10 +23,13 @@ def tiny_configs() -> dict:
     }
 
 
-def make_tiny(arch: str, path, seed: int = 0):
-    """Random-weight HF model saved to `path`; returns the in-memory transformers model (fp32)."""
+def make_tiny(arch: str, path, seed: int = 0, **overrides):
+    """Random-weight HF model saved to `path`; returns the in-memory transformers model (fp32).
+    overrides: config fields set on the tiny config (e.g. vocab_size to match a tokenizer)."""
     torch.manual_seed(seed)
     cfg = tiny_configs()[arch]
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
     cfg._attn_implementation = "eager"
     model = T.AutoModelForCausalLM.from_config(cfg).eval()
     # Default init (std 0.02) gives near-uniform routers; a wider spread makes routing decisive and
