@@ -19,7 +19,7 @@ from moec.calibrate.recipe import load_recipe, parse_recipe
 from moec.calibrate.run import calibrate
 from moec.calibrate.sources import load_tokenizer, tokenize
 from moec.errors import UserError
-from moec.rotation import rotate
+from moec.rotation import rotate, unpack_signs
 from moec.runtime.decode import DecodeEngine, StaticFP16Cache
 from moec.runtime.experts import dequantize
 from moec.runtime.hf_layout import HFCheckpoint
@@ -68,8 +68,8 @@ def _reference(src_dir, packed_dir):
         flat = src[name].dim() == 2
         W = dequantize(e["codec"], e["bits"], (1, *src[name].shape) if flat else tuple(src[name].shape),
                        {k: v[None] for k, v in parts.items()} if flat else parts)
-        if signs is not None:
-            W = rotate(W, signs, inverse=True)
+        if signs is not None:  # bit-packed signs (rotation.pack_signs)
+            W = rotate(W, unpack_signs(signs, src[name].shape[-1]), inverse=True)
         src[name] = W.reshape(src[name].shape)
     model, _ = load_model(packed_dir)
     return model, build_model(model.args, src, dtype=torch.float32)
