@@ -65,6 +65,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16, help="calibration windows (PTB train)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--work", type=Path, default=Path("/tmp/moec-kv-bench"))
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse a recipe's packed checkpoint already under --work (its calibration as recorded there) "
+                         "instead of calibrating again: one calibration measured at several contexts")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--mode", choices=("dec", "sim"), default="dec",
                     help="dec: token by token through the cache; sim: one forward per window with the same "
@@ -99,9 +102,11 @@ def main() -> None:
         name = Path(recipe).stem
         calib, packed = a.work / a.model / f"{name}-calib", a.work / a.model / name
         t0 = time.time()
-        cli("calibrate", a.model, "--recipe", recipe, "--data", "ptb", "--split", "train", "--samples", a.samples,
-            "--seq-len", a.seq_len, "-o", calib)
-        cli("pack", a.model, calib, "-o", packed)
+        if not (a.reuse and (packed / "moec.json").is_file()):
+            cli("calibrate", a.model, "--recipe", recipe, "--data", "ptb", "--split", "train", "--samples", a.samples,
+                "--seq-len", a.seq_len, "-o", calib)
+            cli("pack", a.model, calib, "-o", packed)
+        cal = json.loads((calib / "report.json").read_text())
         model, pinfo = load_model(packed)
         factory = tiered_cache_factory(pinfo["kv"], build_codecs(pinfo["kv"], pinfo["kv_tensors"], model.args), sim)
         tot, bits, cache = Totals(), [], None
@@ -115,7 +120,8 @@ def main() -> None:
             "method": f"{kv['codec']}-{kv['bits']}", "recipe": name, "kv_codec": kv["codec"],
             "kv": {k: v for k, v in kv.items() if k != "tensors"},
             "ppl": r["ppl"], "delta_pct": 100.0 * (r["ppl"] / ppl_base - 1.0), "kld": r["kld"], "top1": r["top1"],
-            "kv_bits": sum(bits) / len(bits), "kv_bits_32k": cache.bits_at(32768), "seconds": round(time.time() - t0)}
+            "kv_bits": sum(bits) / len(bits), "kv_bits_32k": cache.bits_at(32768), "seconds": round(time.time() - t0),
+            "calibration": {k: cal[k] for k in ("data", "split", "samples", "seq_len", "seed", "tokens")}}
         assert abs(r["ppl_base"] - ppl_base) < 1e-9 * ppl_base
         records.append(rec)
         print(json.dumps({k: rec[k] for k in ("recipe", "ppl", "delta_pct", "kld", "top1", "kv_bits",

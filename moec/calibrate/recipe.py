@@ -18,6 +18,8 @@
       expert_policy: all-experts-for-stats   # or damped-identity
       min_expert_tokens: 0    # experts below this many routed tokens follow expert_policy
       seed: 0
+      samples: 0              # calibration sequences and their length when `moec calibrate` is not given
+      seq_len: 0              # --samples / --seq-len (0: its defaults, 32 × 512)
       tune_steps: 0           # > 0: hls codebooks tuned end to end (KL to the source model), tune.py
 
 The resolved recipe (every default filled in) is written beside every output (`recipe.yaml`). An
@@ -166,6 +168,11 @@ class CalibrationConfig:
     expert_policy: Literal["all-experts-for-stats", "damped-identity"] = "all-experts-for-stats"
     min_expert_tokens: int = 0
     seed: int = 0
+    # the calibration set's size when `moec calibrate` is not given --samples / --seq-len (0: its defaults):
+    # post-RoPE key statistics depend on the position, so a KV recipe for long contexts is calibrated on
+    # sequences as long as the contexts it serves
+    samples: int = 0
+    seq_len: int = 0
     # hls codebooks tuned end to end after the layer-wise fit (calibrate/tune.py): Adam steps on the
     # codebook values, indices fixed, minimizing KL(source || quantized) on the calibration tokens
     tune_steps: int = 0
@@ -173,6 +180,9 @@ class CalibrationConfig:
     tune_batch: int = 2  # calibration sequences per step
 
     def __post_init__(self):
+        if self.samples < 0 or self.seq_len < 0 or self.seq_len == 1:
+            raise UserError(f"calibration: samples must be >= 0 and seq_len 0 or >= 2 (0: the calibrate defaults), "
+                            f"got {self.samples}, {self.seq_len}")
         if self.tune_steps < 0 or self.tune_lr <= 0 or self.tune_batch < 1:
             raise UserError(f"calibration: tune_steps must be >= 0, tune_lr > 0 and tune_batch >= 1, got "
                             f"{self.tune_steps}, {self.tune_lr}, {self.tune_batch}")

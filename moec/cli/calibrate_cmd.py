@@ -27,6 +27,8 @@ from ..formats.checkpoint import is_packed
 from ..runtime.hf_layout import HFCheckpoint
 from .common import console, out_console, progress_bar
 
+DEFAULT_SAMPLES, DEFAULT_SEQ_LEN = 32, 512  # when neither the flags nor the recipe's calibration section say
+
 
 def calibrate(
     model: str = typer.Argument(..., help="HF directory, GGUF file, hub id or built-in name"),
@@ -39,8 +41,10 @@ def calibrate(
                                            "(e.g. wikitext-2-raw-v1 for wikitext)"),
     text_column: str = typer.Option("text", "--text-column", help="column to read from files and data sets; a "
                                     "column of chat messages is rendered with the model's chat template"),
-    samples: int = typer.Option(32, help="number of calibration sequences"),
-    seq_len: int = typer.Option(512, "--seq-len", help="tokens per calibration sequence"),
+    samples: int | None = typer.Option(None, help="number of calibration sequences (default: the recipe's "
+                                       "calibration.samples, else 32)"),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="tokens per calibration sequence (default: the "
+                                       "recipe's calibration.seq_len, else 512)"),
     out: Path = typer.Option(..., "-o", "--out", help="calibration output directory"),
     seed: int | None = typer.Option(None, help="sampling seed (default: the recipe's calibration.seed)"),
     device: str = typer.Option("cpu", help="cpu or cuda"),
@@ -70,9 +74,18 @@ def calibrate(
     r = load_recipe(recipe)
     if seed is not None:
         r.calibration.seed = seed
+    if samples is None:
+        samples = r.calibration.samples or DEFAULT_SAMPLES
+    from_recipe = seq_len is None and r.calibration.seq_len > 0
+    if seq_len is None:
+        seq_len = r.calibration.seq_len or DEFAULT_SEQ_LEN
     check_data(parse_data(data, split, data_config, text_column), samples)  # before a model is downloaded or read
     model_dir = resolve_model(model)
-    n_layers = HFCheckpoint(model_dir).args.n_layers if not is_packed(model_dir) else 1  # validates the config
+    src_args = HFCheckpoint(model_dir).args if not is_packed(model_dir) else None  # validates the config
+    n_layers = src_args.n_layers if src_args is not None else 1
+    if from_recipe and src_args is not None and seq_len > src_args.max_seq_len:  # the recipe's "as long as served"
+        console.log(f"calibration.seq_len {seq_len} is longer than {model} supports: {src_args.max_seq_len} tokens")
+        seq_len = src_args.max_seq_len
     dist = distributed.from_env(device)
     if dist.main:
         procs = f" on {dist.world} processes" if dist.grouped else ""

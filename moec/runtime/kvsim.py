@@ -66,7 +66,10 @@ class SimulatedTieredCache:
         if bias is not None:  # the quantized copies are the second half of the keys
             is_hist = (torch.arange(2 * S, device=q.device) >= S)[None, None, :, None]
             q, keys, scale = biased_scores(q, keys, is_hist, bias)
-            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)
+            # values padded to the keys' d + 1 channels: with value and key head dims unequal, CPU SDPA takes a
+            # path ~4x slower (2 × 8192 simulated decode: ~40 instead of ~10 min); the zero channel is dropped
+            vals = F.pad(vals, (0, 1))
+            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)[..., :-1]
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
 
     def bits_per_element(self) -> float:

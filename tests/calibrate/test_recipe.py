@@ -25,6 +25,8 @@ def test_resolved_recipe_round_trips():
     ({"weights": [{"codec": "rtn"}]}, "targets"),
     ({"weights": [{"targets": ["(unclosed"]}]}, "neither a known target"),
     ({"calibration": {"expert_policy": "guess"}}, "is not one of 'all-experts-for-stats'"),
+    ({"calibration": {"seq_len": 1}}, "seq_len 0 or >= 2"),
+    ({"calibration": {"samples": -2}}, "samples must be >= 0"),
     ({"kv": {"codec": "kivi", "bits": 2, "window": -1}}, "kv.window must be >= 0, got -1"),
     ({"kv": {"window": 8}}, "unknown key 'window' for codec 'fp16'"),
     ({"kv": {"codec": "kivi", "bits": 2, "rope": "post"}}, "recipe.kv: unknown key 'rope' for codec 'kivi'"),

@@ -77,3 +77,15 @@ def test_demo_moe_end_to_end(tmp_path):
     assert 20 < tf["ppl"] < 60, tf
     assert dec["ppl"] == pytest.approx(tf["ppl"], rel=1e-3)
     assert tf["ppl"] == tf["ppl_base"] and tf["kld"] == 0.0
+
+
+def test_calibration_set_size_from_the_recipe(tiny_moe_dir, tmp_path):
+    """calibration.samples / seq_len size the calibration set where the flags are not given (a seq_len beyond
+    the model's maximum, 512 here, is cut to it); a flag wins."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: long\ncalibration:\n  samples: 2\n  seq_len: 4096\n")
+    for i, (flags, want) in enumerate((([], (2, 512)), (["--seq-len", "40"], (2, 40)))):
+        r = moec("calibrate", tiny_moe_dir, "--recipe", recipe, "--split", "valid", *flags, "-o", tmp_path / f"c{i}")
+        assert r.returncode == 0, r.stderr
+        report = json.loads((tmp_path / f"c{i}" / "report.json").read_text())
+        assert (report["samples"], report["seq_len"], report["tokens"]) == (*want, want[0] * want[1]), flags
