@@ -47,7 +47,7 @@ def score(model, windows, base_logits: list | None, start: int = CONTEXT) -> dic
     tot = Totals()
     for b in range(windows.shape[0]):
         x = windows[b : b + 1]
-        logits = model(x)[0, start - 1 : W - 1]
+        logits = model(x)[0, start - 1 : x.shape[1] - 1]
         tot.add(logits, x[0, start:], None if base_logits is None else base_logits[b])
     return tot.result(base_logits is not None)
 
@@ -72,10 +72,7 @@ def main() -> None:
     model_dir = resolve_model(a.model)
     tokenizer = load_tokenizer(model_dir)
     windows = make_windows(tokenize(tokenizer, load_text("ptb", "test")), W, a.windows)
-    ood = None
-    if a.ood:
-        split = BUILTIN_DATA[a.ood]["eval_split"] if a.ood in BUILTIN_DATA else "test"
-        ood = (f"{a.ood}/{split}", make_windows(tokenize(tokenizer, load_text(a.ood, split)), W, a.windows))
+    ood = ood_windows(tokenizer, a.ood, a.windows) if a.ood else None
     out = a.out or Path(__file__).parent / "results" / f"expert_quality_{a.model}.json"
     base, _ = load_model(model_dir)
     t0 = time.time()
@@ -142,14 +139,20 @@ def main() -> None:
 def base_logits_of(base, windows: torch.Tensor, score_from: int) -> list[torch.Tensor]:
     """The source model's logits at the scored positions of each window (computed once, reused)."""
     with torch.no_grad():
-        return [base(windows[b : b + 1])[0, score_from - 1 : W - 1] for b in range(windows.shape[0])]
+        return [base(windows[b : b + 1])[0, score_from - 1 : windows.shape[1] - 1] for b in range(windows.shape[0])]
+
+
+def ood_windows(tokenizer, data: str, n: int, window: int = W) -> tuple[str, torch.Tensor]:
+    """("<data>/<split>", the first n windows [n, window]) of `data`'s evaluation split (kjv: test)."""
+    split = BUILTIN_DATA[data]["eval_split"] if data in BUILTIN_DATA else "test"
+    return f"{data}/{split}", make_windows(tokenize(tokenizer, load_text(data, split)), window, n)
 
 
 def ood_record(ood: tuple, r: dict, score_from: int) -> dict:
     """The out-of-domain numbers of a record: the same metrics on `ood`'s windows."""
     name, windows = ood
-    return {"data": name, "windows": f"{windows.shape[0]} windows (0-{windows.shape[0] - 1}) of {W}, "
-                                     f"scored {score_from}..{W - 1}",
+    n, w = windows.shape
+    return {"data": name, "windows": f"{n} windows (0-{n - 1}) of {w}, scored {score_from}..{w - 1}",
             **{k: r[k] for k in ("ppl", "ppl_base", "delta_pct", "kld", "top1")}}
 
 

@@ -48,6 +48,7 @@ from .memory import check_memory
 from .recipe import Recipe
 from .resume import KILL_ENV, PartialState, refuse_without_resume, run_key
 from .sources import load_tokenizer, tokenize
+from .tune import holdout_split
 
 
 def load_balance(counts: torch.Tensor, top_k: int) -> dict:
@@ -85,6 +86,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if seq_len > args.max_seq_len:
         raise UserError(f"--seq-len {seq_len} is longer than the model supports ({args.max_seq_len} tokens)")
     targets = plan(args, recipe)  # weight rules checked against the model before any work
+    if recipe.calibration.tune_steps:  # the held-back share must leave sequences to tune on (before any work)
+        holdout_split(samples, recipe.calibration.tune_holdout, seed)
     if not resume:
         refuse_without_resume(out_dir)
     kv_cfg = recipe.kv_or_default()
@@ -174,9 +177,9 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if fitter is not None:
         for hs in hessians:
             hs.flush()
-        # hls codebooks tuned end to end against the source model (tune.py)
+        # codebooks and scales tuned end to end against the source model (tune.py)
         if cal.tune_steps and not (resumed and resumed.done("tune")):
-            fitter.tune(args, ckpt.state_dict(), tokens, cal.tune_steps, cal.tune_lr, cal.tune_batch, seed, device)
+            fitter.tune(args, ckpt.state_dict(), tokens, cal, seed, device)
             partial.save("tune", args.n_layers - 1, time.time() - t0)
         tensors_fit = fitter.tensors
     seconds = time.time() - t0
