@@ -85,6 +85,16 @@ class _Param:
         return lut.gather(-1, self.idx).reshape(*lut.shape[:2], -1)
 
     @torch.no_grad()
+    def round_to_stored(self) -> None:
+        """Set the values to what stored() rounds them to (int8 entries × fp16 scale, fp16 scale)."""
+        v = self.base + self.ref * self.delta
+        if self.codec == "hls":
+            r = hls.lut_from_stored("hls", self.bits, hls.int8_codebook(v))
+        else:
+            r = v.half().float()
+        self.delta.copy_((r - self.base) / self.ref)
+
+    @torch.no_grad()
     def stored(self) -> dict[str, torch.Tensor]:
         """The stored parts of the current values (the same layout as the fit's)."""
         v = self.base + self.ref * self.delta
@@ -185,6 +195,10 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
                 d.copy_(s)
     for n, p in params.items():
         fitted.update({f"fit.{n}.{part}": t for part, t in p.stored().items()})
+        p.round_to_stored()
+    # the held-back KL of what is stored: hls entries round to int8 steps of 1/127 of the group's largest,
+    # which can undo moves smaller than that
+    kl_stored = held_back_kl() if len(hold_tokens) else None
     k = max(1, min(10, len(kls) // 5))  # batch KL averaged over the first and the last k steps
     report = {"steps": steps, "steps_run": step, "lr": lr, "batch": batch,
               "codecs": sorted({c for c, _ in codecs.values()}),
@@ -193,7 +207,8 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
         report |= {"holdout": holdout, "holdout_sequences": hold_ix.tolist(), "fit_sequences": len(fit_ix),
                    "eval_every": eval_every, "patience": patience, "lr_drops": lr_drops, "lr_drops_used": drops,
                    "stopped_early": stopped, "best_step": best_step, "kl_holdout_first": history[0][1],
-                   "kl_holdout_best": best, "kl_holdout_history": [[s, float(f"{v:.6g}")] for s, v in history]}
+                   "kl_holdout_best": best, "kl_holdout_stored": kl_stored,
+                   "kl_holdout_history": [[s, float(f"{v:.6g}")] for s, v in history]}
     return report
 
 

@@ -72,8 +72,8 @@ class _Scripted(torch.optim.Optimizer):
         self.n += 1
         for group in self.param_groups:
             for p in group["params"]:
-                if self.n <= 3:
-                    p -= 0.02 * p.grad / p.grad.abs().amax().clamp_min(1e-30)
+                if self.n <= 3:  # sign descent: every entry moves 1.5% of its group's range (> int8 steps)
+                    p -= 0.015 * p.grad.sign()
                 else:
                     p += 0.3 * torch.randn(p.shape, generator=self.gen)
 
@@ -93,8 +93,9 @@ def test_early_stopping_keeps_the_best_held_back_state(tiny_moe_dir, monkeypatch
     assert hist[0] > hist[1] > hist[2] > hist[3] and min(hist[4], hist[5]) > hist[3], hist
     assert rep["kl_holdout_first"] == pytest.approx(kl_fit, rel=1e-4)
     kl_tuned = _kl(args, state, fitted, codecs, tokens[:1])
-    # the stored parts are the step-3 state up to their int8 / fp16 rounding
-    assert kl_tuned == pytest.approx(rep["kl_holdout_best"], rel=0.02) and kl_tuned < min(hist[4], hist[5])
+    # the stored parts are the step-3 state up to their int8 / fp16 rounding, and the report says what they cost
+    assert kl_tuned == pytest.approx(rep["kl_holdout_stored"], rel=1e-4)
+    assert kl_tuned == pytest.approx(rep["kl_holdout_best"], rel=0.05) and kl_tuned < hist[2]
     assert len(rep["holdout_sequences"]) == 2 and rep["fit_sequences"] == 6
 
 
