@@ -10,7 +10,8 @@ perplexity of the packed model over the first N windows of 1024 tokens of PTB te
 (whose logits are computed once and reused). The same is scored out of domain on the first N windows
 of `--ood` (default kjv/test, the New Testament; "" to skip), reported as `ood` beside the PTB
 numbers: calibration (and codebook tuning) sees PTB train only, so this shows what a recipe costs on
-text it was not fitted to. Records are merged into
+text it was not fitted to (demo-moe's training text holds the whole KJV: for it the New Testament is out of
+the calibration domain, not out of the model's training data). Records are merged into
 benchmarks/results/expert_quality_<model>.json (a record with the same model and recipe is
 replaced). `w_bits` covers every decoder-layer matrix; `q_bits` only the quantized ones, both from
 the bytes stored in the packed checkpoint. `method`, `targets` and `group_size` describe the first
