@@ -7,7 +7,11 @@ PTB test (BENCHMARKS.md).
 For each recipe: `moec calibrate` (PTB train) and `moec pack` in-process, then teacher-forced
 perplexity of the packed model over the first N windows of 1024 tokens of PTB test (positions
 32..1023 scored), fp32 on the CPU, KL(p_base || p_q) and top-1 agreement against the source model
-(whose logits are computed once and reused). Records are merged into
+(whose logits are computed once and reused). The same is scored out of domain on the first N windows
+of `--ood` (default kjv/test, the New Testament; "" to skip), reported as `ood` beside the PTB
+numbers: calibration (and codebook tuning) sees PTB train only, so this shows what a recipe costs on
+text it was not fitted to (demo-moe's training text holds the whole KJV: for it the New Testament is out of
+the calibration domain, not out of the model's training data). Records are merged into
 benchmarks/results/expert_quality_<model>.json (a record with the same model and recipe is
 replaced). `w_bits` covers every decoder-layer matrix; `q_bits` only the quantized ones, both from
 the bytes stored in the packed checkpoint. `method`, `targets` and `group_size` describe the first
@@ -27,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from moec.calibrate.data import load_text
+from moec.calibrate.data import BUILTIN_DATA, load_text
 from moec.calibrate.pack import pack
 from moec.calibrate.recipe import load_recipe
 from moec.calibrate.run import calibrate
@@ -44,7 +48,7 @@ def score(model, windows, base_logits: list | None, start: int = CONTEXT) -> dic
     tot = Totals()
     for b in range(windows.shape[0]):
         x = windows[b : b + 1]
-        logits = model(x)[0, start - 1 : W - 1]
+        logits = model(x)[0, start - 1 : x.shape[1] - 1]
         tot.add(logits, x[0, start:], None if base_logits is None else base_logits[b])
     return tot.result(base_logits is not None)
 
@@ -62,17 +66,20 @@ def main() -> None:
     ap.add_argument("--score-from", type=int, default=CONTEXT,
                     help="first scored position (32 by BENCHMARKS.md; 1 = the llama.cpp peers' protocol)")
     ap.add_argument("--keep", type=Path, default=None, help="keep calib/packed dirs here")
+    ap.add_argument("--ood", default="kjv", help="out-of-domain data set scored beside PTB test (its eval split; "
+                                                 "'' to skip)")
     a = ap.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     model_dir = resolve_model(a.model)
-    ids = tokenize(load_tokenizer(model_dir), load_text("ptb", "test"))
-    windows = make_windows(ids, W, a.windows)
+    tokenizer = load_tokenizer(model_dir)
+    windows = make_windows(tokenize(tokenizer, load_text("ptb", "test")), W, a.windows)
+    ood = ood_windows(tokenizer, a.ood, a.windows) if a.ood else None
     out = a.out or Path(__file__).parent / "results" / f"expert_quality_{a.model}.json"
     base, _ = load_model(model_dir)
     t0 = time.time()
-    with torch.no_grad():
-        base_logits = [base(windows[b : b + 1])[0, a.score_from - 1 : W - 1] for b in range(windows.shape[0])]
+    base_logits = base_logits_of(base, windows, a.score_from)
     base_s = time.time() - t0
+    ood_base = base_logits_of(base, ood[1], a.score_from) if ood else None
     del base
     work = a.keep or Path(tempfile.mkdtemp(prefix="bench-eq-"))
     records = json.loads(out.read_text()) if out.is_file() else []
@@ -88,6 +95,7 @@ def main() -> None:
         t0 = time.time()
         r = score(model, windows, base_logits, a.score_from)
         eval_s = time.time() - t0
+        r_ood = score(model, ood[1], ood_base, a.score_from) if ood else None
         rule = recipe.weights[0] if recipe.weights else None
         bits = manifest["effective_bits"]
         under = sum(len(x.get("experts_under_policy", [])) for x in report["layers"])
@@ -107,11 +115,14 @@ def main() -> None:
                             "expert_policy": recipe.calibration.expert_policy,
                             "min_expert_tokens": recipe.calibration.min_expert_tokens,
                             "experts_under_policy": under, "seconds": round(calib_s, 1),
-                            "fit_seconds": report.get("fit_seconds")},
+                            "fit_seconds": report.get("fit_seconds"), "seed": recipe.calibration.seed,
+                            **({"tune": report["tune"]} if "tune" in report else {})},
             "eval_seconds": round(eval_s, 1), "baseline_eval_seconds": round(base_s, 1), "peer": {},
         }
-        print(json.dumps({k: rec[k] for k in ("recipe", "q_bits", "ppl", "ppl_base", "delta_pct", "kld", "top1")}),
-              flush=True)
+        if r_ood is not None:
+            rec["ood"] = ood_record(ood, r_ood, a.score_from)
+        print(json.dumps({k: rec[k] for k in ("recipe", "q_bits", "ppl", "ppl_base", "delta_pct", "kld", "top1")}
+                         | ({"ood_delta_pct": rec["ood"]["delta_pct"]} if r_ood else {})), flush=True)
         records = [x for x in records if not (x["model"] == a.model and x["recipe"] == recipe.name
                                               and x["windows"] == rec["windows"])] + [rec]
         write_json_atomic(out, records)
@@ -124,6 +135,26 @@ def main() -> None:
         write_json_atomic(out, records)
     if a.keep is None:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def base_logits_of(base, windows: torch.Tensor, score_from: int) -> list[torch.Tensor]:
+    """The source model's logits at the scored positions of each window (computed once, reused)."""
+    with torch.no_grad():
+        return [base(windows[b : b + 1])[0, score_from - 1 : windows.shape[1] - 1] for b in range(windows.shape[0])]
+
+
+def ood_windows(tokenizer, data: str, n: int, window: int = W) -> tuple[str, torch.Tensor]:
+    """("<data>/<split>", the first n windows [n, window]) of `data`'s evaluation split (kjv: test)."""
+    split = BUILTIN_DATA[data]["eval_split"] if data in BUILTIN_DATA else "test"
+    return f"{data}/{split}", make_windows(tokenize(tokenizer, load_text(data, split)), window, n)
+
+
+def ood_record(ood: tuple, r: dict, score_from: int) -> dict:
+    """The out-of-domain numbers of a record: the same metrics on `ood`'s windows."""
+    name, windows = ood
+    n, w = windows.shape
+    return {"data": name, "windows": f"{n} windows (0-{n - 1}) of {w}, scored {score_from}..{w - 1}",
+            **{k: r[k] for k in ("ppl", "ppl_base", "delta_pct", "kld", "top1")}}
 
 
 def hqq_record(a, model_dir, windows, base_logits, bits: int, base_s: float) -> dict:

@@ -45,7 +45,7 @@ Weight codec hooks (stored parts of a stacked matrix [E, O, I], formats/codecs.p
     random_stored(bits, shape, group_size, device, gen) -> stored   stand-in for --random
     lut(bits, stored) -> [E, O, G, K]   LUT codecs: the table the fused kernels read (optional)
     kernel_mode        kernels/dequant.MODE_* when the fused MoE / qlinear kernels take it (else None)
-    tunable            whether calibrate/tune.py can tune its codebooks end to end
+    tunable            whether calibrate/tune.py can tune its codebooks / scales end to end
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ register_kv(KVCodecSpec(
 _W = "moec.runtime.weightcodecs"
 register_weight(WeightCodecSpec("keep", bits=tuple(range(1, 17)), description="stored as the source has it"))
 for _name, _bits, _mode, _tunable in (("hls", (2, 3, 4), 0, True), ("rtn", (2, 3, 4), 1, False),
-                                      ("fp3", (3,), 0, False)):
+                                      ("fp3", (3,), 0, True)):
     register_weight(WeightCodecSpec(
         _name, bits=_bits, quantize=f"moec.calibrate.hls:quantize_{_name}", dequantize=f"{_W}:dequantize_lut_{_name}",
         random_stored=f"{_W}:random_{_name}", lut=f"{_W}:lut_{_name}", kernel_mode=_mode, tunable=_tunable))

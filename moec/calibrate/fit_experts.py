@@ -407,21 +407,23 @@ class ExpertFitter:
                 "histogram": {str(b): sum(1 for n in params if res["bits"][n] == b) for b in a.bits}})
         self.seconds += time.time() - t0
 
-    def tune(self, args: ModelArgs, state: dict[str, torch.Tensor], tokens: torch.Tensor, steps: int, lr: float,
-             batch: int, seed: int, device: str = "cpu") -> None:
-        """End-to-end tuning of the fitted hls codebooks (tune.py); other codecs are left as fitted."""
+    def tune(self, args: ModelArgs, state: dict[str, torch.Tensor], tokens: torch.Tensor, cal, seed: int,
+             device: str = "cpu") -> None:
+        """End-to-end tuning of the fitted hls codebooks and fp3 scales (tune.py) under the recipe's
+        calibration config `cal`; other codecs are left as fitted."""
         from .tune import tune_codebooks
 
-        hls_params = {n: r for n, r in self.targets.items() if weight_codec(r.codec).tunable}
-        if not hls_params:
+        tuned = {n: r for n, r in self.targets.items() if weight_codec(r.codec).tunable}
+        if not tuned:
             tunable = ", ".join(n for n, s in weight_codecs().items() if s.tunable)
             raise UserError(f"calibration.tune_steps tunes codebooks end to end, and no weights rule of this recipe "
                             f"uses a codec that has them ({tunable})")
         t0 = time.time()
-        shapes = {n: tuple(state[n].shape) if state[n].dim() == 3 else (1, *state[n].shape) for n in hls_params}
-        self.tune_report = tune_codebooks(args, state, self.tensors, shapes,
-                                          {n: self.bits_of(n) for n in hls_params}, tokens, steps, lr, batch, seed,
-                                          device)
+        codecs = {n: (r.codec, self.bits_of(n)) for n, r in tuned.items()}  # bits: allocate's choice where made
+        self.tune_report = tune_codebooks(args, state, self.tensors, codecs, tokens, cal.tune_steps, cal.tune_lr,
+                                          cal.tune_batch, seed, device, holdout=cal.tune_holdout,
+                                          eval_every=cal.tune_eval_every, patience=cal.tune_patience,
+                                          lr_drops=cal.tune_lr_drops)
         self.tune_report["seconds"] = round(time.time() - t0, 2)
 
 

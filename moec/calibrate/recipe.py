@@ -20,7 +20,11 @@
       seed: 0
       samples: 0              # calibration sequences and their length when `moec calibrate` is not given
       seq_len: 0              # --samples / --seq-len (0: its defaults, 32 × 512)
-      tune_steps: 0           # > 0: hls codebooks tuned end to end (KL to the source model), tune.py
+      tune_steps: 0           # > 0: hls codebooks / fp3 scales tuned end to end (KL to the source model), tune.py
+      tune_holdout: 0.0       # share of the calibration sequences held back: best held-back KL kept
+      tune_eval_every: 10     # steps between held-back evaluations
+      tune_patience: 0        # > 0: stop after this many evaluations without improvement
+      tune_lr_drops: 0        # plateau restarts from the best state at lr / 3 before stopping
 
 The resolved recipe (every default filled in) is written beside every output (`recipe.yaml`). An
 empty recipe is an error (the identity recipe is recipes/fp16.yaml); YAML errors keep their line
@@ -173,11 +177,18 @@ class CalibrationConfig:
     # sequences as long as the contexts it serves
     samples: int = 0
     seq_len: int = 0
-    # hls codebooks tuned end to end after the layer-wise fit (calibrate/tune.py): Adam steps on the
-    # codebook values, indices fixed, minimizing KL(source || quantized) on the calibration tokens
-    tune_steps: int = 0
+    # hls codebooks and fp3 scales tuned end to end after the layer-wise fit (calibrate/tune.py): Adam
+    # steps on their values, indices fixed, minimizing KL(source || quantized) on the calibration tokens
+    tune_steps: int = 0  # at most this many (fewer when the held-back KL stops improving)
     tune_lr: float = 5e-3  # relative to each codebook's largest magnitude
     tune_batch: int = 2  # calibration sequences per step
+    # held-back calibration sequences (a seeded share, not tuned on): their KL every tune_eval_every
+    # steps picks the state kept, and tune_patience evaluations without improvement end the tuning
+    # (after tune_lr_drops restarts from the best state at a third of the learning rate)
+    tune_holdout: float = 0.0
+    tune_eval_every: int = 10
+    tune_patience: int = 0  # 0: run every step, still keep the held-back best
+    tune_lr_drops: int = 0
 
     def __post_init__(self):
         if self.samples < 0 or self.seq_len < 0 or self.seq_len == 1:
@@ -186,6 +197,18 @@ class CalibrationConfig:
         if self.tune_steps < 0 or self.tune_lr <= 0 or self.tune_batch < 1:
             raise UserError(f"calibration: tune_steps must be >= 0, tune_lr > 0 and tune_batch >= 1, got "
                             f"{self.tune_steps}, {self.tune_lr}, {self.tune_batch}")
+        if not 0 <= self.tune_holdout < 1:
+            raise UserError(f"calibration: tune_holdout is the share of calibration sequences held back, in [0, 1), "
+                            f"got {self.tune_holdout}")
+        if self.tune_eval_every < 1 or self.tune_patience < 0 or self.tune_lr_drops < 0:
+            raise UserError(f"calibration: tune_eval_every must be >= 1, tune_patience and tune_lr_drops >= 0, got "
+                            f"{self.tune_eval_every}, {self.tune_patience}, {self.tune_lr_drops}")
+        if (self.tune_patience or self.tune_lr_drops) and not self.tune_holdout:
+            raise UserError("calibration: tune_patience and tune_lr_drops act on the held-back KL: set tune_holdout "
+                            "(e.g. 0.25)")
+        if self.tune_lr_drops and not self.tune_patience:
+            raise UserError("calibration: tune_lr_drops restarts on a plateau of tune_patience evaluations: set "
+                            "tune_patience")
 
 
 @dataclass

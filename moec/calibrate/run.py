@@ -50,6 +50,7 @@ from .memory import check_memory
 from .recipe import Recipe
 from .resume import KILL_ENV, PartialState, refuse_without_resume, run_key
 from .sources import load_tokenizer, tokenize
+from .tune import holdout_split
 
 
 def load_balance(counts: torch.Tensor, top_k: int) -> dict:
@@ -91,6 +92,8 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if propagate == "quantized" and any(r.allocate for r in targets.values()):
         raise UserError("--propagate quantized feeds each layer's fitted weights forward, and `allocate` chooses "
                         "widths only once every layer is fitted: use --propagate fp with allocate")
+    if recipe.calibration.tune_steps:  # the held-back share must leave sequences to tune on (before any work)
+        holdout_split(samples, recipe.calibration.tune_holdout, seed)
     if not resume:
         refuse_without_resume(out_dir)
     kv_cfg = recipe.kv_or_default()
@@ -186,9 +189,9 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         for hs in hessians:
             hs.flush()
         fitter.allocate_bits()  # per-matrix widths at the allocate rules' budgets (allocate.py), if any
-        # hls codebooks tuned end to end against the source model (tune.py)
+        # codebooks and scales tuned end to end against the source model (tune.py)
         if cal.tune_steps and not (resumed and resumed.done("tune")):
-            fitter.tune(args, ckpt.state_dict(), tokens, cal.tune_steps, cal.tune_lr, cal.tune_batch, seed, device)
+            fitter.tune(args, ckpt.state_dict(), tokens, cal, seed, device)
             partial.save("tune", args.n_layers - 1, time.time() - t0)
         tensors_fit = fitter.tensors
     seconds = time.time() - t0

@@ -1,12 +1,21 @@
-"""End-to-end tuning of fitted hls codebooks (`calibration.tune_steps` in a recipe).
+"""End-to-end tuning of fitted codebooks and scales (`calibration.tune_steps` in a recipe).
 
 After the layer-wise HLS/GPTQ fit every code index is fixed; what is left free is the value of each
-codebook entry (lut [E, O, G, K], int8 × fp16 scale once stored). The layer-wise objective sees one
-matrix at a time with the source model's inputs; this step tunes all codebooks at once against the
-model's output, minimizing KL(p_source || p_quantized) over the calibration tokens with Adam (the
-codebook fine-tuning of AQLM / PV-tuning, restricted to the codebooks so the stored layout and the
-bit count do not change). Steps are parameterized relative to each codebook's largest magnitude, so
+codebook entry: hls lut [E, O, G, K] (int8 entries × one fp16 scale per group once stored: the entries
+and the group's scale move together, the stored pair is recomputed from the tuned lut), fp3 the signed
+fp16 scale of each group (its grid is fixed). The layer-wise objective sees one matrix at a time with
+the source model's inputs; this step tunes them all at once against the model's output, minimizing
+KL(p_source || p_quantized) over the calibration tokens with Adam (the codebook fine-tuning of AQLM /
+PV-tuning, restricted to codebooks and scales so the stored layout and the bit count do not change).
+Steps are parameterized relative to each codebook's largest magnitude (each scale's magnitude), so
 one learning rate serves matrices of any scale. Runs on the calibration device.
+
+Held-back windows (`tune_holdout`): a seeded share of the calibration sequences is not trained on; the
+KL on them is measured before the first step and every `tune_eval_every` steps, the state with the
+lowest held-back KL is kept, and tuning stops after `tune_patience` evaluations without improvement
+(after `tune_lr_drops` restarts from the best state at a third of the learning rate). The tuned
+parameters fit a few thousand calibration tokens: without this, more steps overfit them (demo-moe,
+hls2: past ~120 steps the PTB-test ppl rises while the calibration KL still falls).
 """
 
 from __future__ import annotations
@@ -18,71 +27,195 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from ..errors import UserError
 from ..formats import bitpack
+from ..formats.codecs import ROTATION_PART
 from ..progress import tracked
 from ..rotation import rotate, unpack_signs
 from ..runtime.config import ModelArgs
 from ..runtime.model import build_model
+from ..runtime.weightcodecs import FP3_GRID
 from . import hls
 
 log = logging.getLogger(__name__)
 
+LR_DROP = 1 / 3  # the learning rate after each plateau restart (tune_lr_drops)
+TUNABLE = ("hls", "fp3")  # codecs whose parameters _Param knows (registry: tunable=True)
+
+
+def holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fit, held-back) sequence indices of n calibration sequences, disjoint, each sorted: round(holdout·n)
+    held back (at least 1 when holdout > 0), drawn by a generator seeded with `seed` (the same split on
+    every run and every process)."""
+    k = 0 if holdout <= 0 else max(1, round(holdout * n))
+    if k >= n:
+        raise UserError(f"calibration.tune_holdout {holdout} holds back {k} of the {n} calibration sequences and "
+                        f"leaves none to tune on: use more --samples or a smaller tune_holdout")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + 17))
+    return perm[k:].sort().values, perm[:k].sort().values
+
+
+class _Param:
+    """One quantized matrix's tunable values and how its weights are rebuilt from them.
+
+    hls: delta [E, O, G, K] on the lut; fp3: delta [E, O, G, 1] on the scale; both relative to the
+    group's magnitude (`ref`), so a step of lr moves every group by the same fraction of its range."""
+
+    def __init__(self, codec: str, bits: int, shape: tuple, parts: dict, flat: bool, dev: torch.device):
+        E, O, I = shape
+        self.codec, self.bits, self.flat = codec, bits, flat
+        parts = {p: v.to(dev)[None] if flat else v.to(dev) for p, v in parts.items()}  # [E, ...]
+        if codec == "hls":
+            self.base = hls.lut_from_stored("hls", bits, parts)  # [E, O, G, K]
+        else:
+            self.base = parts["scale"].float()[..., None]  # [E, O, G, 1], signed
+            self.grid = FP3_GRID.to(dev)
+        G = self.base.shape[2]
+        self.idx = bitpack.unpack(parts["codes"], bits, I).view(E, O, G, I // G).long()  # [E, O, G, g]
+        self.ref = self.base.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # [E, O, G, 1]
+        self.delta = torch.zeros_like(self.base, requires_grad=True)
+
+    def lut(self) -> torch.Tensor:
+        v = self.base + self.ref * self.delta
+        return v if self.codec == "hls" else v * self.grid
+
+    def weight(self) -> torch.Tensor:
+        """W_hat [E, O, I] (the stored basis: W·R under incoherence)."""
+        lut = self.lut()
+        return lut.gather(-1, self.idx).reshape(*lut.shape[:2], -1)
+
+    @torch.no_grad()
+    def round_to_stored(self) -> None:
+        """Set the values to what stored() rounds them to (int8 entries × fp16 scale, fp16 scale)."""
+        v = self.base + self.ref * self.delta
+        if self.codec == "hls":
+            r = hls.lut_from_stored("hls", self.bits, hls.int8_codebook(v))
+        else:
+            r = v.half().float()
+        self.delta.copy_((r - self.base) / self.ref)
+
+    @torch.no_grad()
+    def stored(self) -> dict[str, torch.Tensor]:
+        """The stored parts of the current values (the same layout as the fit's)."""
+        v = self.base + self.ref * self.delta
+        assert torch.isfinite(v).all(), "non-finite codebook after tuning"
+        parts = hls.int8_codebook(v) if self.codec == "hls" else {"scale": v[..., 0].half()}
+        return {p: (t[0] if self.flat else t).cpu().contiguous() for p, t in parts.items()}
+
 
 def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict[str, torch.Tensor],
-                   shapes: dict[str, tuple], bits: dict[str, int], tokens: torch.Tensor, steps: int, lr: float,
-                   batch: int, seed: int, device: str = "cpu") -> dict:
-    """Tune the hls codebooks in `fitted` (`fit.<param>.codebook` / `.cb_scale`, replaced in place).
+                   codecs: dict[str, tuple[str, int]], tokens: torch.Tensor, steps: int, lr: float, batch: int,
+                   seed: int, device: str = "cpu", holdout: float = 0.0, eval_every: int = 10, patience: int = 0,
+                   lr_drops: int = 0) -> dict:
+    """Tune the fitted parameters in `fitted` (`fit.<param>.<part>`, replaced in place).
 
-    state: source model tensors (canonical names); shapes/bits: [E, O, I] and bits of each hls param
-    (E = 1 for a 2-D param, an attention projection, whose fitted parts carry no E axis);
-    tokens [N, L] calibration sequences. Returns a report {steps, kl_first, kl_last}."""
+    state: source model tensors (canonical names); codecs: (codec, bits) of each tuned param (a 2-D
+    param, an attention projection, stores its parts without the E axis); tokens [N, L] calibration
+    sequences. Without `holdout` every sequence is tuned on for `steps` steps and the last state is
+    kept; with it, see the module docstring. Returns the report (provenance of the calibration)."""
     dev = torch.device(device)
     st = {k: v.to(dev, torch.float32) for k, v in state.items()}
     teacher = build_model(args, st)
     student = build_model(args, dict(st))
     for p in list(teacher.parameters()) + list(student.parameters()):
         p.requires_grad_(False)
-    lut0, idx, scale, delta = {}, {}, {}, {}
-    for name, (E, O, I) in shapes.items():
-        parts = {p: fitted[f"fit.{name}.{p}"].to(dev) for p in ("codebook", "cb_scale")}
-        if state[name].dim() == 2:  # attention: parts stored without the E axis
-            parts = {p: v[None] for p, v in parts.items()}
-        lut0[name] = hls.lut_from_stored("hls", bits[name], parts)  # [E, O, G, K]
-        G = lut0[name].shape[2]
-        codes = bitpack.unpack(fitted[f"fit.{name}.codes"].to(dev), bits[name], I)
-        idx[name] = codes.view(E, O, G, I // G).long()  # [E, O, G, g]
-        scale[name] = lut0[name].abs().amax(-1, keepdim=True)  # [E, O, G, 1]
-        delta[name] = torch.zeros_like(lut0[name], requires_grad=True)
+    params = {}
+    for name, (codec, bits) in codecs.items():
+        assert codec in TUNABLE, codec
+        parts = {p: fitted[f"fit.{name}.{p}"] for p in (("codebook", "cb_scale") if codec == "hls" else ("scale",))}
+        parts["codes"] = fitted[f"fit.{name}.codes"]
+        flat = state[name].dim() == 2
+        params[name] = _Param(codec, bits, state[name].shape if not flat else (1, *state[name].shape), parts, flat, dev)
     # incoherence: the codebooks reconstruct W·R (fit_experts.rotation_signs); the model needs W = (W·R)·Rᵀ
-    signs = {n: unpack_signs(fitted[f"fit.{n}.had_signs"], shapes[n][-1]).to(dev) for n in lut0
-             if f"fit.{n}.had_signs" in fitted}  # stored bit-packed (rotation.pack_signs)
-    opt = torch.optim.Adam(delta.values(), lr=lr)
-    g = torch.Generator().manual_seed(seed)
-    tokens = tokens.to(dev)
-    kls = []
-    for step in tracked(range(steps), "tuning codebooks", steps, "steps"):
-        b = tokens[torch.randint(0, tokens.shape[0], (batch,), generator=g).to(dev)]  # [batch, L]
+    signs = {n: _signs(fitted, n, state[n].shape[-1]).to(dev) for n in params
+             if f"fit.{n}.{ROTATION_PART}" in fitted}
+
+    def weights() -> dict[str, torch.Tensor]:
+        w = {n: p.weight().reshape(state[n].shape) for n, p in params.items()}
+        return {n: x if n not in signs else rotate(x, signs[n], inverse=True) for n, x in w.items()}
+
+    def kl(b: torch.Tensor, w: dict) -> torch.Tensor:
+        """Mean per-token KL(p_source || p_quantized) over the sequences b [n, L]."""
         with torch.no_grad():
-            logp_src = torch.log_softmax(teacher(b).float(), -1)  # [batch, L, V]
-        weights = {n: (lut0[n] + scale[n] * delta[n]).gather(-1, idx[n]).reshape(state[n].shape) for n in lut0}
-        weights = {n: w if n not in signs else rotate(w, signs[n], inverse=True) for n, w in weights.items()}
-        logp_q = torch.log_softmax(functional_call(student, weights, (b,)).float(), -1)
-        loss = F.kl_div(logp_q, logp_src, log_target=True, reduction="none").sum(-1).mean()
+            logp_src = torch.log_softmax(teacher(b).float(), -1)  # [n, L, V]
+        logp_q = torch.log_softmax(functional_call(student, w, (b,)).float(), -1)
+        return F.kl_div(logp_q, logp_src, log_target=True, reduction="none").sum(-1).mean()
+
+    fit_ix, hold_ix = holdout_split(tokens.shape[0], holdout, seed)
+    tokens = tokens.to(dev)
+    fit_tokens, hold_tokens = tokens[fit_ix.to(dev)], tokens[hold_ix.to(dev)]
+
+    @torch.no_grad()
+    def held_back_kl() -> float:
+        w = weights()
+        return sum(kl(hold_tokens[i : i + batch], w).item() * len(hold_tokens[i : i + batch])
+                   for i in range(0, len(hold_tokens), batch)) / len(hold_tokens)
+
+    deltas = [p.delta for p in params.values()]
+    opt = torch.optim.Adam(deltas, lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    kls: list[float] = []
+    history: list[tuple[int, float]] = []  # (steps done, held-back KL)
+    best, best_step, best_state = math.inf, 0, None
+    since_best, drops, cur_lr, stopped = 0, 0, lr, False
+    if len(hold_tokens):
+        best = held_back_kl()
+        history.append((0, best))
+        best_state = [d.detach().clone() for d in deltas]
+    step = 0
+    for step in tracked(range(1, steps + 1), "tuning codebooks", steps, "steps"):
+        b = fit_tokens[torch.randint(0, fit_tokens.shape[0], (batch,), generator=g).to(dev)]  # [batch, L]
+        loss = kl(b, weights())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         kls.append(loss.item())
-        if step % 10 == 0:
-            log.info("codebook tuning step %d: KL %.4f", step, kls[-1])
-    with torch.no_grad():
-        for n in lut0:
-            lut = lut0[n] + scale[n] * delta[n]
-            assert torch.isfinite(lut).all(), f"{n}: non-finite codebook after tuning"
-            for part, t in hls.int8_codebook(lut).items():
-                fitted[f"fit.{n}.{part}"] = (t if state[n].dim() == 3 else t[0]).cpu().contiguous()
-    k = max(1, min(10, steps // 5))  # KL averaged over the first and the last k steps
-    return {"steps": steps, "lr": lr, "batch": batch, "kl_first": _mean(kls[:k]),
-            "kl_last": _mean(kls[-k:])}
+        if not len(hold_tokens) or (step % eval_every and step != steps):
+            continue
+        h = held_back_kl()
+        history.append((step, h))
+        log.info("codebook tuning step %d: KL fit batch %.4f, held back %.4f", step, kls[-1], h)
+        if h < best:
+            best, best_step, since_best = h, step, 0
+            best_state = [d.detach().clone() for d in deltas]
+            continue
+        since_best += 1
+        if patience and since_best >= patience:
+            if drops >= lr_drops:
+                stopped = True
+                break
+            # plateau: restart from the best state at a lower learning rate (fresh Adam moments)
+            drops, since_best, cur_lr = drops + 1, 0, cur_lr * LR_DROP
+            with torch.no_grad():
+                for d, s in zip(deltas, best_state, strict=True):
+                    d.copy_(s)
+            opt = torch.optim.Adam(deltas, lr=cur_lr)
+    if best_state is not None:  # the held-back best (the untuned fit when no step improved it)
+        with torch.no_grad():
+            for d, s in zip(deltas, best_state, strict=True):
+                d.copy_(s)
+    for n, p in params.items():
+        fitted.update({f"fit.{n}.{part}": t for part, t in p.stored().items()})
+        p.round_to_stored()
+    # the held-back KL of what is stored: hls entries round to int8 steps of 1/127 of the group's largest,
+    # which can undo moves smaller than that
+    kl_stored = held_back_kl() if len(hold_tokens) else None
+    k = max(1, min(10, len(kls) // 5))  # batch KL averaged over the first and the last k steps
+    report = {"steps": steps, "steps_run": step, "lr": lr, "batch": batch,
+              "codecs": sorted({c for c, _ in codecs.values()}),
+              "kl_fit_first": _mean(kls[:k]), "kl_fit_last": _mean(kls[-k:])}
+    if len(hold_tokens):
+        report |= {"holdout": holdout, "holdout_sequences": hold_ix.tolist(), "fit_sequences": len(fit_ix),
+                   "eval_every": eval_every, "patience": patience, "lr_drops": lr_drops, "lr_drops_used": drops,
+                   "stopped_early": stopped, "best_step": best_step, "kl_holdout_first": history[0][1],
+                   "kl_holdout_best": best, "kl_holdout_stored": kl_stored,
+                   "kl_holdout_history": [[s, float(f"{v:.6g}")] for s, v in history]}
+    return report
+
+
+def _signs(fitted: dict[str, torch.Tensor], name: str, n_in: int) -> torch.Tensor:
+    """The ±1 rotation signs of `name` [I / b, b] (stored bit-packed: rotation.pack_signs)."""
+    return unpack_signs(fitted[f"fit.{name}.{ROTATION_PART}"], n_in)
 
 
 def _mean(xs: list[float]) -> float:
