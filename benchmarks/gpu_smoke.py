@@ -22,8 +22,10 @@ The logit checks (pathcheck.compare_paths) measure three paths by the relative L
 logits: the default path in bf16 (kernels, graphs), the torch reference in bf16 (MOEC_KERNELS=0) and
 the torch reference in fp32 (`exact`). bf16 alone moves logits by a few percent here: 2-bit codes near
 a rounding boundary flip under one rounding and not the other, and random weights amplify it. So a
-check passes when the default path is no further from fp32 than the bf16 reference is, with slack:
-rel_l2_exact ≤ 3·rel_l2_floor + 0.01. The factor is measured, not guessed: with codes this coarse two
+check passes when the default path is no further from fp32 than the bf16 references are, with slack:
+rel_l2_exact ≤ 3·floor + 0.01, floor the larger of the two engines' rel_l2_floor (routing near-ties of the
+random model flip experts between bf16 and fp32, in either engine's scored steps or in neither).
+The factor is measured, not guessed: with codes this coarse two
 correct bf16 paths land at different distances from fp32 (which codes flip is chaotic). The static
 engine's ternary latent cache (1.6-bit codes) sat at 0.102 against a floor of 0.041 with the fused step
 (kernels/fused_decode.py) and at 0.0405 without it (MOEC_FUSE=0), its cache code the same in both
@@ -141,8 +143,14 @@ def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda
     t0 = time.time()
     try:
         res = compare_paths(model, info.get("kv"), info.get("kv_tensors", {}), ids, PROMPT_TOKENS, exact=exact)
+        # the model's floor: the larger of the two engines' bf16 references' distances from fp32. Both are
+        # correct bf16 paths; a random router's near-ties flip experts between bf16 and fp32 (a discrete
+        # change of ~9% of the logits on smoke-moe, where the top probabilities can differ by 3e-6), and
+        # which path meets such a flip in the scored steps is chance (2026-12-02: smollm2-mlp-hls2-had, the
+        # static fused path and the dynamic reference at 0.089, the static reference at 0.009)
+        floor = max(r["rel_l2_floor"] for r in res.values())
         for engine, r in res.items():
-            bound = SLACK_FACTOR * r["rel_l2_floor"] + SLACK_ABS
+            bound = SLACK_FACTOR * floor + SLACK_ABS
             ok = r["rel_l2_exact"] <= bound
             recs.append({"recipe": name, "check": engine, "ok": ok, "bound": bound, "kv_codec": codec,
                          "error": None if ok else f"rel_l2_exact {r['rel_l2_exact']:.4g} > bound {bound:.4g}",

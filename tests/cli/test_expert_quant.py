@@ -90,8 +90,9 @@ def test_starved_expert_policy_reported(tiny_moe_dir, tmp_path, policy, source):
     ({"group_size": 7}, "does not divide the input dim"),
     ({"targets": ["mlp"]}, "selects no tensor"),
     ({"targets": ["attention"], "group_size": 32}, "does not divide the input dim 48 of layers.0.attn.wq.weight"),
-    ({"targets": ["router"]}, "quantizes only expert, dense-MLP and attention matrices"),
-    ({"targets": ["lm_head"]}, "quantizes only expert, dense-MLP and attention matrices"),
+    # routers and the LM head are targets now (issue 17 coverage); embeddings and norms are not
+    ({"targets": ["tok_embeddings\\.weight$"]}, "quantizes only expert, dense-MLP, shared-expert, attention, router"),
+    ({"targets": ["layers\\.0\\.attn_norm\\.weight$"]}, "quantizes only expert, dense-MLP, shared-expert, attention"),
     ({"targets": ["shared_experts"]}, "selects no tensor"),  # Mixtral has no shared expert
 ])
 def test_bad_weight_rules(tiny_moe_dir, rule, message):
