@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from benchutil import cli  # noqa: E402
 
 from moec.calibrate.data import load_text  # noqa: E402
+from moec.calibrate.recipe import load_recipe  # noqa: E402
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
 from moec.runtime.kvsim import SimulatedTieredCache  # noqa: E402
@@ -62,8 +63,10 @@ def main() -> None:
     ap.add_argument("--max-windows", type=int, default=2)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--samples", type=int, default=16, help="calibration windows (PTB train)")
-    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--samples", type=int, default=None,
+                    help="calibration windows (PTB train); default: the recipe's calibration.samples, else 16")
+    ap.add_argument("--seq-len", type=int, default=None,
+                    help="their length; default: the recipe's calibration.seq_len, else 512")
     ap.add_argument("--work", type=Path, default=Path("/tmp/moec-kv-bench"))
     ap.add_argument("--reuse", action="store_true",
                     help="reuse a recipe's packed checkpoint already under --work (its calibration as recorded there) "
@@ -103,8 +106,10 @@ def main() -> None:
         calib, packed = a.work / a.model / f"{name}-calib", a.work / a.model / name
         t0 = time.time()
         if not (a.reuse and (packed / "moec.json").is_file()):
-            cli("calibrate", a.model, "--recipe", recipe, "--data", "ptb", "--split", "train", "--samples", a.samples,
-                "--seq-len", a.seq_len, "-o", calib)
+            cal = load_recipe(Path(recipe)).calibration  # a recipe's own calibration size wins over the defaults
+            size = [*(("--samples", a.samples or 16) if a.samples or not cal.samples else ()),
+                    *(("--seq-len", a.seq_len or 512) if a.seq_len or not cal.seq_len else ())]
+            cli("calibrate", a.model, "--recipe", recipe, "--data", "ptb", "--split", "train", *size, "-o", calib)
             cli("pack", a.model, calib, "-o", packed)
         cal = json.loads((calib / "report.json").read_text())
         model, pinfo = load_model(packed)
