@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
-from .formats.bitpack import bitstream_width, pack_bits, unpack_bits
+from .formats.bitpack import pack_bits, unpack_bits
 
 
 def pow2_block(n: int) -> int:
@@ -23,15 +23,13 @@ def pow2_block(n: int) -> int:
 
 def block_hadamard(n: int, block: int = 0, seed: int = 0) -> torch.Tensor:
     """R [n, n] fp32, orthogonal: blockdiag(Sylvester Hadamard of `block`) · diag(random ±1) / √block;
-    block 0: the largest power of two dividing n. Rotate row vectors as x @ R, undo with @ R.T."""
+    block 0: the largest power of two dividing n. Rotate row vectors as x @ R, undo with @ R.T. The signs
+    are hadamard_signs(n, block, seed): the dense R of the rotation that rotate() applies."""
     block = block or pow2_block(n)
     if block < 1 or block & (block - 1) or n % block:
         raise UserError(f"Hadamard block {block}: must be a power of two dividing the dimension {n}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < block:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
-    return torch.block_diag(*[h] * (n // block)) * signs[None, :] / block**0.5
+    signs = hadamard_signs(n, block, seed).flatten().float()
+    return torch.block_diag(*[hadamard(block)] * (n // block)) * signs[None, :] / block**0.5
 
 
 def hadamard(block: int, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -60,19 +58,46 @@ def pack_signs(signs: torch.Tensor) -> torch.Tensor:
     return pack_bits((signs < 0).to(torch.int64), [1] * b)
 
 
+def signs_layout_error(dtype_name: str, shape: list | tuple, n: int) -> str | None:
+    """Why a stored `had_signs` part of dtype `dtype_name` (checkpoint.dtype_name: "uint8", "int8") and
+    `shape` is not the sign vector of a rotation over n inputs, or None when it is: bit-packed uint8
+    [n / b, ceil(b / 8)] (pack_signs) or int8 [n / b, b] (packs before bit packing), b = n / rows a power
+    of two. Shapes only: the loader checks a manifest with it before any tensor is read."""
+    rows = shape[0] if isinstance(shape, (list, tuple)) and len(shape) == 2 else 0
+    b = n // rows if isinstance(rows, int) and rows > 0 and n % rows == 0 else 0
+    width = {"uint8": -(-b // 8), "int8": b}.get(dtype_name) if isinstance(dtype_name, str) else None
+    if b > 0 and not b & (b - 1) and width is not None and shape[1] == width:
+        return None
+    return (f"{dtype_name} {list(shape) if isinstance(shape, (list, tuple)) else shape!r}, expected uint8 "
+            f"[{n} / b, ceil(b / 8)] (bit-packed) or int8 [{n} / b, b], b a power of two")
+
+
+def signs_error(signs: torch.Tensor, n: int) -> str | None:
+    """Why `signs` is not a stored `had_signs` part over n inputs (signs_layout_error, then the values:
+    int8 entries ±1; uint8 padding bits zero when b < 8, so that a part has one encoding), or None."""
+    dtype = str(signs.dtype).removeprefix("torch.")
+    err = signs_layout_error(dtype, list(signs.shape), n)
+    if err is not None:
+        return err
+    b = n // signs.shape[0]
+    if signs.dtype == torch.int8 and not bool(((signs == 1) | (signs == -1)).all()):
+        return f"int8 {list(signs.shape)} with entries other than ±1"
+    if signs.dtype == torch.uint8 and b < 8 and bool((signs >> b).any()):
+        return f"uint8 {list(signs.shape)} with padding bits set (a block of {b} signs uses the low {b} bits)"
+    return None
+
+
 def unpack_signs(stored: torch.Tensor, n: int) -> torch.Tensor:
     """A stored `had_signs` part -> int8 ±1 signs [n / b, b] for a matrix of n inputs: bit-packed uint8
     [n / b, ceil(b / 8)] (pack_signs, b = n / rows), or int8 ±1 [n / b, b] as checkpoints before bit
-    packing stored them (returned as is). The dtype tells the two apart; AssertionError on any other
-    shape or dtype (the loader checks a checkpoint's parts first: runtime/loader.check_quant_parts)."""
+    packing stored them (returned as is). The dtype tells the two apart; ValueError (signs_error's
+    reason) on anything else."""
+    err = signs_error(stored, n)
+    if err is not None:
+        raise ValueError(f"had_signs is {err}")
     if stored.dtype == torch.int8:
-        assert stored.dim() == 2 and stored.shape[0] * stored.shape[1] == n, (list(stored.shape), n)
         return stored
-    assert stored.dtype == torch.uint8 and stored.dim() == 2 and stored.shape[0] and n % stored.shape[0] == 0, \
-        (stored.dtype, list(stored.shape), n)
-    b = n // stored.shape[0]
-    assert stored.shape[1] == bitstream_width([1] * b), (list(stored.shape), n, b)
-    return (1 - 2 * unpack_bits(stored, [1] * b)).to(torch.int8)
+    return (1 - 2 * unpack_bits(stored, [1] * (n // stored.shape[0]))).to(torch.int8)
 
 
 def rotate(x: torch.Tensor, signs: torch.Tensor, h: torch.Tensor | None = None,

@@ -4,7 +4,16 @@ import pytest
 import torch
 
 from moec.errors import UserError
-from moec.rotation import block_hadamard, hadamard_signs, pack_signs, rotate, rotate_hessian, unpack_signs
+from moec.rotation import (
+    block_hadamard,
+    hadamard_signs,
+    pack_signs,
+    rotate,
+    rotate_hessian,
+    signs_error,
+    signs_layout_error,
+    unpack_signs,
+)
 
 
 @pytest.mark.parametrize("n,block", [(576, 64), (1536, 512), (40, 8), (48, 16), (8, 1)])
@@ -48,3 +57,36 @@ def test_signs_pack_round_trip(n, block):
     assert torch.equal(unpack_signs(s, n), s)
     bits = ((p[..., None].long() >> torch.arange(8)) & 1).flatten(-2)[:, :block]
     assert torch.equal(bits, (s < 0).long())
+
+
+def test_block_hadamard_uses_hadamard_signs():
+    """The dense R and the stored signs come from one generator: R's column signs are hadamard_signs."""
+    R, k = block_hadamard(48, 16, seed=5), torch.arange(48)
+    first = R[k // 16 * 16, k]  # each column's entry in the first row of its block: H_b's first row is all +1
+    assert torch.equal(torch.sign(first), hadamard_signs(48, 16, 5).flatten().float())
+
+
+@pytest.mark.parametrize("signs,n,reason", [
+    (pack_signs(hadamard_signs(64, 16, 1)), 64, None),  # uint8 [4, 2]
+    (pack_signs(hadamard_signs(12, 4, 1)), 12, None),  # uint8 [3, 1], b < 8: 4 bits used
+    (hadamard_signs(64, 16, 1), 64, None),  # int8 ±1 [4, 16] (packs before bit packing)
+    (torch.full((3, 1), 0xF0, dtype=torch.uint8), 12, "padding bits"),
+    (torch.tensor([[1, -1, 0, 1]] * 2, dtype=torch.int8), 8, "other than ±1"),
+    (torch.ones(3, 20, dtype=torch.int8), 60, "expected uint8"),  # block 20: not a power of two
+    (torch.zeros(3, 3, dtype=torch.uint8), 60, "expected uint8"),  # block 20 (bit-packed)
+    (torch.zeros(4, 3, dtype=torch.uint8), 64, "expected uint8"),  # block 16: 2 bytes wide, not 3
+    (torch.ones(4, 8, dtype=torch.int8), 64, "expected uint8"),  # block 16: 16 signs wide, not 8
+    (torch.ones(64, dtype=torch.int8), 64, "expected uint8"),  # 1-D
+    (torch.zeros(4, 2, dtype=torch.int16), 64, "expected uint8"),  # another dtype
+])
+def test_signs_error(signs, n, reason):
+    """One check of a stored had_signs part (loader, QuantMatrix and unpack_signs all use it)."""
+    err = signs_error(signs, n)
+    assert err is None if reason is None else reason in err, err
+    if reason is None:
+        unpack_signs(signs, n)
+    else:
+        with pytest.raises(ValueError, match="had_signs is"):
+            unpack_signs(signs, n)
+    layout = signs_layout_error(str(signs.dtype).removeprefix("torch."), list(signs.shape), n)
+    assert (layout is None) == (reason is None or "expected" not in reason), layout  # values: not a layout error

@@ -36,7 +36,7 @@ from ..errors import FormatError
 from ..formats import bitpack
 from ..formats.codecs import ROTATION_PART
 from ..registry import weight_codec, weight_codecs
-from ..rotation import hadamard, rotate, unpack_signs
+from ..rotation import hadamard, rotate, signs_error, unpack_signs
 from .backend import kernels_enabled
 
 log = logging.getLogger(__name__)
@@ -77,18 +77,6 @@ def is_quantized(codec: str) -> bool:
     return codec in weight_codecs() and codec != "keep"
 
 
-def _signs_ok(signs: torch.Tensor, n: int) -> bool:
-    """Whether a stored `had_signs` part is a sign vector over n inputs (rotation.unpack_signs's forms)."""
-    if signs.dim() != 2 or not signs.shape[0] or n % signs.shape[0]:
-        return False
-    b = n // signs.shape[0]
-    if b & (b - 1):
-        return False
-    if signs.dtype == torch.uint8:
-        return signs.shape[1] == -(-b // 8) and (b >= 8 or not (signs >> b).any())  # padding bits zero
-    return signs.dtype == torch.int8 and signs.shape[1] == b and bool(((signs == 1) | (signs == -1)).all())
-
-
 class QuantMatrix(nn.Module):
     """A stacked matrix [E, O, I] held as codes + lut (LUT codecs) or fp8 + row scales."""
 
@@ -98,10 +86,9 @@ class QuantMatrix(nn.Module):
         signs = stored.pop(ROTATION_PART, None)  # W is stored as W·R (incoherence): R's signs, bit-packed
         self.rotated = signs is not None  # uint8 [I / b, ceil(b / 8)] (or int8 ±1 [I / b, b]: older packs)
         if self.rotated:
-            if not _signs_ok(signs, shape[-1]):
-                raise FormatError(f"{ROTATION_PART} {signs.dtype} {list(signs.shape)} is not a sign vector over the "
-                                  f"{shape[-1]} inputs in blocks of a power of two (bit-packed uint8 [I / b, "
-                                  f"ceil(b / 8)], or int8 ±1 [I / b, b])")
+            err = signs_error(signs, shape[-1])
+            if err is not None:
+                raise FormatError(f"{ROTATION_PART} is {err}")
             signs = unpack_signs(signs, shape[-1])
             b = signs.shape[1]
             self.register_buffer("had_signs", signs.float())

@@ -11,6 +11,7 @@ from ..errors import FormatError, UserError
 from ..formats import checkpoint
 from ..formats.codecs import KEEP, ROTATION_PART, WEIGHT_PATTERN
 from ..registry import weight_codec
+from ..rotation import signs_layout_error
 from ..typed import build
 from .config import ModelArgs
 from .experts import LINEAR_PARAM, attach, is_quant_expert, is_quant_linear, placeholders, pop_quant_experts
@@ -103,14 +104,9 @@ def check_quant_parts(path, manifest: dict) -> None:
             continue  # a plugin codec without a stand-in: its dequantize hook checks its own parts
         want = spec.hook("random_stored")(bits, (1, *shape) if attention else tuple(shape), g, "meta", None)
         want = {k: v[0] if attention else v for k, v in want.items()}
-        rot = parts.pop(ROTATION_PART, None)  # an incoherence rotation's signs over b-input blocks, b a power of two:
-        if rot is not None:  # bit-packed uint8 [I / b, ceil(b / 8)], or int8 [I / b, b] (packs before bit packing)
-            rs, n = rot["shape"], shape[-1]
-            b = n // rs[0] if len(rs) == 2 and rs[0] > 0 and n % rs[0] == 0 else 0
-            ok = b > 0 and not b & (b - 1) and rs[1] == {"uint8": -(-b // 8), "int8": b}.get(rot["dtype"])
-            if not ok:
-                raise FormatError(f"{where}: part {ROTATION_PART!r} is {rot['dtype']} {rs}, expected uint8 "
-                                  f"[{n} / b, ceil(b / 8)] (bit-packed) or int8 [{n} / b, b], b a power of two")
+        rot = parts.pop(ROTATION_PART, None)  # an incoherence rotation's signs: shapes here, values at load
+        if rot is not None and (err := signs_layout_error(rot["dtype"], rot["shape"], shape[-1])) is not None:
+            raise FormatError(f"{where}: part {ROTATION_PART!r} is {err}")
         if set(parts) != set(want):
             raise FormatError(f"{where}: stored parts {sorted(parts)}, the codec stores {sorted(want)}")
         for k, e in parts.items():
