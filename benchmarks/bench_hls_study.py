@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from moec.atomic import atomic_file
-from moec.calibrate import hls
+from moec.calibrate import hls, vq
 from moec.calibrate.data import load_text, sample_windows
 from moec.calibrate.fit_experts import ExpertFitter
 from moec.calibrate.hessian import ExpertHessians, accumulate_hessian, regularize
@@ -52,7 +52,7 @@ def parse_method(spec: str) -> dict:
     codec = head if head in ("fp3", "fp8") else head.rstrip("0123456789")
     m = {"spec": spec, "codec": codec, "bits": int(head[2:] if codec in ("fp3", "fp8") else head[len(codec):]),
          "group": 0, "gptq": True,
-         "refit": 1, "act_order": True, "kd": 0, "had": 0}
+         "refit": 1, "act_order": True, "kd": 0, "had": 0, "dim": 0}
     for o in opts:
         if o.startswith("g"):
             m["group"] = int(o[1:])
@@ -66,6 +66,8 @@ def parse_method(spec: str) -> dict:
             m["kd"] = int(o[2:])
         elif o.startswith("had"):
             m["had"] = int(o[3:])
+        elif o.startswith("d") and o[1:].isdigit():
+            m["dim"] = int(o[1:])
         else:
             raise SystemExit(f"unknown method option {o!r} in {spec!r}")
     return m
@@ -112,8 +114,9 @@ def capture(ck: HFCheckpoint, tokens: torch.Tensor, names: list[str], policy: st
         hess.flush()
         for hk in hooks:
             hk.remove()
-        H1, n1 = fitter._hessians(got, "H1")
-        H2, n2 = fitter._hessians(got, "H2")
+        experts = got.get("experts", list(range(len(got["count"]))))
+        H1, n1 = fitter._hessians(got, "H1", experts)
+        H2, n2 = fitter._hessians(got, "H2", experts)
         report[i] = [{"tokens": a["tokens"], "w13": a["hessian"], "w2": b["hessian"]}
                      for a, b in zip(n1, n2, strict=True)]
         for n in names:
@@ -160,6 +163,10 @@ def quantize_all(state: dict, H: dict, names: list[str], m: dict, kd_data=None) 
                                          compute_dtype=torch.float32)
             Wh = Quantizer.dequantize(q, meta).reshape(E, O, I).float()
             nbits += W3.numel() * (m["bits"] + 32 / g)
+        elif m["codec"] == "vq":
+            stored = vq.quantize_vq(W3, Hn, m["bits"], m["dim"] or 4, rounds=m["refit"])
+            Wh = vq.dequantize_vq(tuple(W3.shape), stored)
+            nbits += W3.numel() * m["bits"] + 8 * (stored_bytes(stored) - stored_bytes({"c": stored["codes"]}))
         else:
             stored = hls.quantize(W3, Hn, m["codec"], m["bits"], m["group"], gptq=m["gptq"],
                                   refit_rounds=m["refit"], act_order=m["act_order"])
@@ -261,7 +268,7 @@ def main() -> None:
     out = a.out or Path(__file__).parent / "results" / f"hls_study_{a.model}.json"
     state = {k: v.float() for k, v in ck.state_dict().items()}
     names = targets(ck.args, a.scope)
-    need_h = any(m["codec"] in ("hls", "fp3") for m in methods)
+    need_h = any(m["codec"] in ("hls", "fp3", "vq") for m in methods)
     t0 = time.time()
     H, policy_report = ({}, {})
     calib = None
@@ -298,7 +305,9 @@ def main() -> None:
         eval_s = time.time() - t0
         rec = base_record("hls-study", "cpu") | {
             "model": a.model, "scope": a.scope, "method": m["spec"], "codec": m["codec"], "bits": m["bits"],
-            "group_size": m["group"], "gptq": m["gptq"] and m["codec"] in ("hls", "fp3"), "refit_rounds": m["refit"],
+            "group_size": m["group"], "gptq": m["gptq"] and m["codec"] in ("hls", "fp3", "vq"),
+            "vector_dim": m["dim"] or None,
+            "refit_rounds": m["refit"],
             "kd_steps": m["kd"], "hadamard_block": m["had"],
             "act_order": m["act_order"], "q_bits": bits, "q_bits_note": "stored bytes of codes+codebooks+scales"
             if m["codec"] != "hqq" else "b + 32/g (fp16 scale, zero)",

@@ -44,6 +44,7 @@ Weight codec hooks (stored parts of a stacked matrix [E, O, I], formats/codecs.p
     dequantize(bits, shape, stored) -> W_hat [E, O, I] fp32   the runtime reference
     random_stored(bits, shape, group_size, device, gen) -> stored   stand-in for --random
     lut(bits, stored) -> [E, O, G, K]   LUT codecs: the table the fused kernels read (optional)
+    check_rule(rule)   UserError for a recipe rule's settings the codec cannot take (optional)
     kernel_mode        kernels/dequant.MODE_* when the fused MoE / qlinear kernels take it (else None)
     tunable            whether calibrate/tune.py can tune its codebooks / scales end to end
 """
@@ -103,6 +104,7 @@ class WeightCodecSpec:
     dequantize: Hook = None
     random_stored: Hook = None
     lut: Hook = None
+    check_rule: Hook = None
     kernel_mode: int | None = None
     tunable: bool = False
     description: str = ""
@@ -200,6 +202,10 @@ for _name, _bits, _mode, _tunable in (("hls", (2, 3, 4), 0, True), ("rtn", (2, 3
 register_weight(WeightCodecSpec(
     "fp8", bits=(8,), quantize="moec.calibrate.hls:quantize_fp8", dequantize=f"{_W}:dequantize_fp8",
     random_stored=f"{_W}:random_fp8", kernel_mode=2))
+register_weight(WeightCodecSpec(
+    "vq", bits=(2, 3, 4), quantize="moec.calibrate.vq:quantize_vq_rule", dequantize=f"{_W}:dequantize_vq",
+    random_stored=f"{_W}:random_vq", check_rule="moec.calibrate.vq:check_vq_rule",
+    description="vector codebooks: one code per group_size inputs, a codebook per matrix (GPTVQ-style)"))
 
 
 _plugins_loaded = False

@@ -149,6 +149,8 @@ class WeightRule:
         if allowed is not None and self.bits not in allowed:
             raise UserError(f"weights rule: codec {self.codec!r} takes bits in {{{', '.join(map(str, allowed))}}}, "
                             f"got {self.bits} (weight bits must be one of 2, 3, 4, 8)")
+        if self.codec != "keep" and (check := weight_codec(self.codec).hook("check_rule")) is not None:
+            check(self)
         if self.incoherence is not None and self.codec == "keep":
             raise UserError("weights rule: incoherence applies to quantized weights; codec keep stores them as is")
 

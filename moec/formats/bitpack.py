@@ -18,6 +18,7 @@ with p = {"bits": b} for ROW and PLANAR, {} for TRITS, {"widths": [w_0, ...]} fo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import NamedTuple
@@ -170,9 +171,26 @@ def bitstream_width(widths: Sequence[int], n: int | None = None) -> int:
     return -(-sum(widths) // 8)
 
 
+def _fixed_chunk(widths: Sequence[int]) -> tuple[int, int] | None:
+    """(codes, bytes) per whole-byte chunk when every code has one width w and a chunk fits an int64
+    (w in 1..16 but not 9, 11, 13, 15: lcm(w, 8) <= 64): the fast path of pack_bits / unpack_bits."""
+    if not widths or len(set(widths)) != 1:
+        return None
+    w = widths[0]
+    span = w * 8 // math.gcd(w, 8)  # lcm(w, 8) bits
+    return (span // w, span // 8) if 1 <= w and span <= 64 else None
+
+
 def pack_bits(codes: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
     """codes [..., n] integers, code j < 2^widths[j] -> uint8 [..., ceil(Σ widths / 8)] (Layout.BITSTREAM)."""
     assert codes.shape[-1] == len(widths), (codes.shape, len(widths))
+    if (chunk := _fixed_chunk(widths)) is not None:  # one width: whole chunks as int64, the same bytes
+        per, nbytes = chunk
+        n, w = len(widths), widths[0]
+        c = F.pad(codes.long(), (0, -n % per)).view(*codes.shape[:-1], -1, per)
+        v = (c << (w * torch.arange(per, device=codes.device))).sum(-1)  # disjoint bit fields: sum = or
+        out = ((v[..., None] >> (8 * torch.arange(nbytes, device=codes.device))) & 0xFF).flatten(-2)
+        return out[..., : bitstream_width(widths)].to(torch.uint8)
     bits = [(codes[..., j : j + 1] >> torch.arange(w, device=codes.device)) & 1 for j, w in enumerate(widths)]
     b = torch.cat(bits, -1)  # [..., Σw]
     pad = -b.shape[-1] % 8
@@ -185,6 +203,13 @@ def pack_bits(codes: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, widths: Sequence[int], n: int | None = None) -> torch.Tensor:
     """Inverse of pack_bits: uint8 [..., nbytes] -> int64 codes [..., len(widths)] (n, when given, = len(widths))."""
     assert n is None or n == len(widths), (n, len(widths))
+    if (chunk := _fixed_chunk(widths)) is not None:
+        per, nbytes = chunk
+        w = widths[0]
+        p = F.pad(packed.long(), (0, -packed.shape[-1] % nbytes)).view(*packed.shape[:-1], -1, nbytes)
+        v = (p << (8 * torch.arange(nbytes, device=packed.device))).sum(-1)
+        c = (v[..., None] >> (w * torch.arange(per, device=packed.device))) & ((1 << w) - 1)
+        return c.flatten(-2)[..., : len(widths)]
     b = (packed.long()[..., None] >> torch.arange(8, device=packed.device)) & 1
     b = b.flatten(-2)  # [..., nbytes·8]
     out, pos = [], 0

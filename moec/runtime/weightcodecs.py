@@ -3,7 +3,9 @@ LUT codec reconstructs from its stored parts, the fp32 reference dequantization,
 stand-in parts of `moec pack --random` / random latency models. Stored layouts: formats/codecs.py.
 
 LUT codecs (hls, rtn, fp3): w[e, o, i] = lut[e, o, i // g, idx[e, o, i]], lut [E, O, G, K] fp32, idx the
-codes packed per row (formats/bitpack.py). fp8: e4m3 weights times fp32 row scales.
+codes packed per row (formats/bitpack.py). fp8: e4m3 weights times fp32 row scales. vq: one code per d
+consecutive inputs (d = the rule's group_size), w[e, o, j·d : (j+1)·d] = row_scale[e, o] · codebook[e, idx]
+(calibrate/vq.py).
 """
 
 from __future__ import annotations
@@ -52,6 +54,26 @@ def dequantize_fp8(bits, shape, stored):
     return stored["fp8"].float() * stored["scale"].float()[..., None]
 
 
+def vq_code_width(bits: int, dim: int) -> int:
+    """Bits per vq code: `bits` per weight over a vector of `dim` weights (K = 2^width codewords)."""
+    return bits * dim
+
+
+def vq_codes(stored: dict, n_in: int) -> torch.Tensor:
+    """int64 codes [E, O, I / d] of a vq matrix (formats/bitpack.py BITSTREAM of one width per row)."""
+    K, d = stored["codebook"].shape[-2:]
+    width = K.bit_length() - 1
+    return bitpack.unpack_bits(stored["codes"], [width] * (n_in // d))
+
+
+def dequantize_vq(bits, shape, stored):
+    E, O, I = shape
+    cb = stored["codebook"].float()  # [E, K, d]
+    d = cb.shape[-1]
+    idx = vq_codes(stored, I).reshape(E, O * (I // d), 1).expand(-1, -1, d)
+    return (cb.gather(1, idx).reshape(E, O, I) * stored["row_scale"].float()[..., None])
+
+
 # -- random stand-ins (speed runs: the values do not matter, the layout does) ------------------------------
 
 def _random_codes(bits: int, shape, device, gen) -> torch.Tensor:
@@ -90,6 +112,19 @@ def random_fp3(bits, shape, group_size, device, gen=None):
     codes = _random_codes(bits, shape, device, gen)
     return {"codes": codes, "scale": torch.full((E, O, _groups(shape, group_size)), 0.03 / float(FP3_GRID.abs().max()),
                                                 device=device, dtype=torch.float16)}
+
+
+def random_vq(bits, shape, group_size, device, gen=None):
+    """Codewords of N(0, 1) entries (a rotated, row-normalized weight is near Gaussian), row scale 0.02."""
+    E, O, I = shape
+    d = group_size
+    width = vq_code_width(bits, d)
+    nbytes = bitpack.bitstream_width([width] * (I // d))
+    codes = torch.randint(0, 256, (E, O, nbytes), dtype=torch.uint8, device=device, generator=gen)
+    if (I // d * width) % 8:  # keep padding bits zero, as bitpack writes them
+        codes[..., -1] &= (1 << ((I // d * width) % 8)) - 1
+    cb = torch.randn(E, 1 << width, d, device=device, generator=gen).half()
+    return {"codes": codes, "codebook": cb, "row_scale": torch.full((E, O), 0.02, device=device, dtype=torch.float16)}
 
 
 def random_fp8(bits, shape, group_size, device, gen=None):
