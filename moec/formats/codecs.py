@@ -25,6 +25,11 @@ class WeightCodec(StrEnum):
     FP3: codes (3-bit), scale fp16 [E, O, G] (signed); w = scale · FP3_GRID[idx], the fixed grid
         {-1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2}.
     FP8: fp8 float8_e4m3fn [E, O, I], scale fp32 [E, O]; w = scale · fp8.
+    VQ: group_size is the vector length d (1, 2, 4 or 8): one code per d consecutive inputs, w = bits·d
+        bits wide (≤ 12), K = 2^w; codes uint8 [E, O, ceil(I/d · w / 8)] (formats/bitpack.py BITSTREAM: code
+        j of a row at bits w·j .. w·j + w − 1, LSB first), codebook fp16 [E, K, d] (one per expert matrix),
+        row_scale fp16 [E, O]; w[e, o, j·d + a] = row_scale[e, o] · codebook[e, code_j, a] (calibrate/vq.py).
+        Added within format version 2: a reader that predates it refuses the codec by name.
 
     Any of them may carry one more part, `P.had_signs`, for a matrix fitted with incoherence processing
     (calibrate/recipe.Incoherence): the parts above then store W' = W·R with R = blockdiag(H_b)·diag(s)/√b
@@ -42,6 +47,7 @@ class WeightCodec(StrEnum):
     RTN = "rtn"
     FP3 = "fp3"
     FP8 = "fp8"
+    VQ = "vq"
 
 
 # Which canonical tensors count as "weights" for effective bits: every matrix inside the decoder
