@@ -13,12 +13,12 @@ MoE layers: Mixtral-8x7B (8 experts, top-2, 4096 -> 14336) and Qwen3-30B-A3B (12
 Decode batches 1 and 16; prefill 2048 tokens. Quantized modes: hls2/hls3 layout (2/3-bit codes, one
 fp16 table per row: `lut`), fp8 e4m3 + fp32 row scales, vq2/vq3 vector codebooks (2 bits x d = 4: 8-bit
 codes, K = 256; 3 bits x d = 2: 6-bit codes, K = 64; fp16 codebook per expert matrix + fp16 row scales,
-kernels/dequant.gemv_vq; decode runs the word-chunk default and `config: {"words": false}`, the byte-code
-variant, as separate records). hls2 decode runs twice: the default (the PTX prmt
-lookup with fp16x2 products, kernels/dequant.gemv_prmt) and `config: {"prmt": false}` (the previous
-select-tree / cubic path), as separate records. Peers: the runtime's bf16 path (torch matmuls
-per selected expert + index_add), the bf16 grouped reference (the same Triton kernels on bf16
-weights), and torch._grouped_mm (bf16) for prefill where this torch has it.
+kernels/dequant.gemv_vq; decode runs the word-chunk default, `config: {"vq_gather": true}` (codebook
+lookups by tl.gather, i.e. shared memory) and `{"words": false}` (byte codes), as separate records).
+hls2 decode runs twice: the default (the PTX prmt lookup with fp16x2 products, kernels/dequant.gemv_prmt)
+and `config: {"prmt": false}` (the previous select-tree / cubic path), as separate records. Peers: the
+runtime's bf16 path (torch matmuls per selected expert + index_add), the bf16 grouped reference (the
+same Triton kernels on bf16 weights), and torch._grouped_mm (bf16) for prefill where this torch has it.
 
 Timing: each measured call runs L layers with separate weight buffers (more bytes than the 60 MB L2),
 captured in one CUDA graph and replayed (`ms_median`, per layer; a runtime decode step is a graph too),
@@ -195,8 +195,8 @@ def bench_moe(timed, record, a, shape, E, A, D, I, N, L, ws, g):
             dec = [{}]
             if kind == "hls2":  # the previous 2-bit path beside the prmt default
                 dec.append(dict(prmt=False))
-            if kind in VQ_DIM:  # the byte-code GEMV beside the word-chunk default
-                dec.append(dict(words=False))
+            if kind in VQ_DIM:  # the tl.gather and byte-code GEMVs beside the word-chunk default
+                dec += [dict(vq_gather=True), dict(words=False)]
             if a.sweep and kind == "hls2":
                 dec += [dict(poly=False)] + [dict(block_o=bo, block_k=bk, num_warps=nw, block_o_down=bo,
                                                   block_k_down=bk) for bo, bk, nw in
@@ -212,7 +212,7 @@ def bench_moe(timed, record, a, shape, E, A, D, I, N, L, ws, g):
             variants += [("grouped", moe_grouped, c) for c in grp]
         ref = []
         for name, fn, cfg in variants:
-            if cfg and "prmt" not in cfg and "words" not in cfg and time.time() - T0 > a.budget:
+            if cfg and not {"prmt", "words", "vq_gather"} & set(cfg) and time.time() - T0 > a.budget:
                 # the old-path / byte-code records always run
                 continue
 
@@ -231,8 +231,8 @@ def bench_moe(timed, record, a, shape, E, A, D, I, N, L, ws, g):
                 if _PRMT_FAILED:
                     rec["prmt_error"] = _PRMT_FAILED[0]
             if name == "fused-decode" and kind in VQ_DIM:
-                rec["decode_path"] = "vq-words" if cfg.get("words") is not False and \
-                    all(w.vq_words() for w in ws[kind][0]) else "vq-bytes"
+                words = cfg.get("words") is not False and all(w.vq_words() for w in ws[kind][0])
+                rec["decode_path"] = "vq-bytes" if not words else "vq-gather" if cfg.get("vq_gather") else "vq-words"
         if kind == "bf16":  # the best bf16 Triton time is the "bf16 grouped reference" peer
             times = [r["ms_median"] for r in records_of(record) if r.get("method", "").startswith("bf16-")
                      and r.get("batch") == N and r.get("shape") == shape and r.get("ms_median")

@@ -27,8 +27,11 @@ Two access patterns:
       row is whole chunks): a chunk is NW int32 words holding CPC codes (W | 32: one word of 32/W codes;
       W ∈ {3, 6, 12}: three words of 96/W codes, codes may straddle words), fields extracted with constant
       shifts, and each code's d fp16 entries come in one load (the codebook viewed as int32 at d = 2, int64
-      at d = 4, two int64 at d = 8) split by bit ops. Byte codes (any row length): each code from the one
-      or two bytes holding it, shifts per element, d separate fp16 loads per code.
+      at d = 4, two int64 at d = 8) split by bit ops; these gathers go to L1 (a warp's 32 random 8-byte
+      reads of a 2 KiB codebook touch ~14 cache lines). Word chunks + tl.gather (VQF = 2, opt-in, d ≤ 4):
+      the codebook is loaded into registers once per call and looked up by tl.gather, which Triton lowers
+      through shared memory (fewer wavefronts than L1 per random gather). Byte codes (VQF = 0, any row
+      length): each code from the one or two bytes holding it, shifts per element, d fp16 loads per code.
   `dequant_tile` (tensor cores, tl.dot): returns the tile W[BO, BK] in natural input order (the C
       slots of each chunk are interleaved back with tl.join, which only adds register dimensions; vq:
       codes [BO, BK/d] gather [BO, BK/d, d] entries, reshaped to [BO, BK]; without the row scale).
@@ -132,15 +135,18 @@ def vq_chunk(width: int) -> tuple[int, int]:
     return (32 // width, 1) if 32 % width == 0 else (96 // width, 3)
 
 
-def vq_static(w: QWeight, block_k: int, words: bool = True) -> dict:
-    """Launch constexprs of a MODE_VQ matrix for gemv_chunks/dequant_tile: C = inputs per chunk, BPC = int32
-    words per chunk (word chunks, VQF) or (byte codes) C = d, BPC = 1; BK a power of two of whole chunks."""
+def vq_static(w: QWeight, block_k: int, words: bool = True, gather: bool = False) -> dict:
+    """Launch constexprs of a MODE_VQ matrix for gemv_chunks/dequant_tile: word chunks (VQF 1, or 2 with
+    gather: codebook lookups by tl.gather, d ≤ 4) where rows are whole chunks and `words`, C = inputs per
+    chunk, BPC = int32 words per chunk; else byte codes (VQF 0) C = d, BPC = 1. BK: a power of two of
+    whole chunks."""
     vd = w.vq_dim
     fast = words and w.vq_words()
     cpc, nw = vq_chunk(w.bits * vd)
     C, BPC = (cpc * vd, nw) if fast else (vd, 1)
     bk = pick_block_k(w.n_in, w.n_in, block_k, C)
-    return dict(MODE=MODE_VQ, BITS=w.bits, C=C, BPC=BPC, G=1, GS=w.n_in, BK=bk, VD=vd, VQF=fast)
+    vqf = 0 if not fast else 2 if gather and vd <= 4 else 1
+    return dict(MODE=MODE_VQ, BITS=w.bits, C=C, BPC=BPC, G=1, GS=w.n_in, BK=bk, VD=vd, VQF=vqf)
 
 
 def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
@@ -307,7 +313,7 @@ def _group_ptrs(a_ptr, b_ptr, offs_o, stride_ao, k0, G: tl.constexpr, GS: tl.con
 def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, n_in,
                 MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
                 G: tl.constexpr, GS: tl.constexpr, BKC: tl.constexpr, VD: tl.constexpr = 1,
-                VQF: tl.constexpr = False):
+                VQF: tl.constexpr = 0):
     """acc [BO, BKC] += w·x over inputs [k0, k0 + BKC·C) of rows offs_o (x: fp32/bf16 vector). MODE_VQ:
     gemv_vq with a_ptr the codebook (VD, VQF: vq_static), row scales left to the caller."""
     cidx = k0 // C + tl.arange(0, BKC)
@@ -384,10 +390,22 @@ def _half(word, a: tl.constexpr):
 
 
 @triton.jit
-def _vq_fma(acc, cb_ptr, code, x_ptr, k, n_in, VD: tl.constexpr, WIDE: tl.constexpr):
+def _vq_fma(acc, cb_ptr, cbv, code, x_ptr, k, n_in, VD: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr):
     """acc [BO, BJ] += Σ_a cb[code, a] · x[k + a] (k [BJ]: first input of each code). WIDE: cb_ptr is the
-    codebook in words of d fp16 (QWeight.vq_views), one load per code (two at d = 8); else fp16, d loads."""
-    if WIDE and VD >= 2:
+    codebook in words of d fp16 (QWeight.vq_views), one load per code (two at d = 8); else fp16, d loads.
+    GATHER (d ≤ 4): the entries come from cbv [K], the codebook words in registers, by tl.gather."""
+    if GATHER:
+        BO: tl.constexpr = code.shape[0]
+        BJ: tl.constexpr = code.shape[1]
+        ent = tl.reshape(tl.gather(cbv, tl.reshape(code, (BO * BJ,)), 0), (BO, BJ))
+        for a in tl.static_range(VD):
+            if VD == 1:
+                h = ent.to(tl.float32)
+            else:
+                h = _half(ent, a)
+            xs = tl.load(x_ptr + k + a, mask=k + a < n_in, other=0.0).to(tl.float32)
+            acc += h * xs[None, :]
+    elif WIDE and VD >= 2:
         if VD == 8:
             e0 = tl.load(cb_ptr + code * 2)
             e1 = tl.load(cb_ptr + code * 2 + 1)
@@ -415,9 +433,14 @@ def gemv_vq(acc, w_ptr, cb_ptr, x_ptr, offs_o, mask_o, stride_wo, k0, n_in, W: t
     """acc [BO, BKC] += Σ cb[code]·x over inputs [k0, k0 + BKC·C) of rows offs_o (no row scale). VQF: word
     chunks (w_ptr: codes as int32, stride_wo in words; cb_ptr: QWeight.vq_views' codebook; C = CPC·d
     inputs in NW words per chunk, rows of whole chunks). Else byte codes (w_ptr uint8, cb_ptr fp16, C = d):
-    one code per acc column. Codes outside the matrix read 0, a valid codebook row, against x = 0."""
+    one code per acc column. VQF = 2: word chunks with the codebook looked up by tl.gather. Codes outside
+    the matrix read 0, a valid codebook row, against x = 0."""
     cidx = k0 // C + tl.arange(0, BKC)
-    if VQF:
+    if VQF == 2:  # the whole codebook once per call: K words (K = 2^W)
+        cbv = tl.load(cb_ptr + tl.arange(0, 1 << W))
+    else:
+        cbv = tl.zeros((1,), tl.int32)  # unused
+    if VQF >= 1:
         CPC: tl.constexpr = C // VD
         m = mask_o[:, None] & (cidx < n_in // C)[None, :]
         p = w_ptr + offs_o[:, None] * stride_wo + (cidx * NW)[None, :]
@@ -428,10 +451,11 @@ def gemv_vq(acc, w_ptr, cb_ptr, x_ptr, offs_o, mask_o, stride_wo, k0, n_in, W: t
             v1 = tl.load(p + 1, mask=m, other=0)
             v2 = tl.load(p + 2, mask=m, other=0)
         for s in tl.static_range(CPC):
-            acc = _vq_fma(acc, cb_ptr, _vq_field(v0, v1, v2, s, W), x_ptr, cidx * C + s * VD, n_in, VD, True)
+            acc = _vq_fma(acc, cb_ptr, cbv, _vq_field(v0, v1, v2, s, W), x_ptr, cidx * C + s * VD, n_in, VD, True,
+                          VQF == 2)
     else:
         code = _vq_codes_bytes(w_ptr, offs_o, mask_o, stride_wo, cidx, n_in // VD, W)
-        acc = _vq_fma(acc, cb_ptr, code, x_ptr, cidx * VD, n_in, VD, False)
+        acc = _vq_fma(acc, cb_ptr, cbv, code, x_ptr, cidx * VD, n_in, VD, False, False)
     return acc
 
 

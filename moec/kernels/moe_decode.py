@@ -85,7 +85,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
                     D: tl.constexpr, A: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                     C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                     BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr, POLY: tl.constexpr,
-                    PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = False):
+                    PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0):
     t = tl.program_id(0)  # token-slot n·A + a
     n = t // A
     e = tl.load(ids_ptr + t).to(tl.int64)
@@ -139,7 +139,7 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr,
                  I: tl.constexpr, A: tl.constexpr, PER: tl.constexpr, SPLIT: tl.constexpr,
                  MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
                  G: tl.constexpr, GS: tl.constexpr, BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr,
-                 POLY: tl.constexpr, PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = False):
+                 POLY: tl.constexpr, PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0):
     n = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
     mask_o = offs_o < D
@@ -178,9 +178,10 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr,
         tl.atomic_add(out_ptr + n * D + offs_o, y, mask=mask_o)
 
 
-def _static(w: QWeight, block_k: int, words: bool | None, poly: bool | None = None, prmt: bool = False) -> dict:
+def _static(w: QWeight, block_k: int, words: bool | None, poly: bool | None = None, prmt: bool = False,
+            vq_gather: bool = False) -> dict:
     if w.mode == MODE_VQ:  # words=False: the byte-code variant (else word chunks where rows allow)
-        st = vq_static(w, block_k, words is not False)
+        st = vq_static(w, block_k, words is not False, vq_gather)
         bk = st.pop("BK")
         return st | dict(BKC=bk // st["C"], WORDS=False, POLY=False, PRMT=False)
     words = use_words(w) if words is None else words and use_words(w)
@@ -189,7 +190,7 @@ def _static(w: QWeight, block_k: int, words: bool | None, poly: bool | None = No
     G = w.groups
     bk = pick_block_k(w.n_in, w.n_in // G, block_k, C)
     return dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=w.n_in // G, BKC=bk // C, WORDS=words,
-                POLY=poly, PRMT=prmt, VD=1, VQF=False)
+                POLY=poly, PRMT=prmt, VD=1, VQF=0)
 
 
 _PRMT_FAILED: list[str] = []  # set when the prmt kernels fail to compile here: the auto choice then falls back
@@ -201,14 +202,15 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                words: bool | None = None, poly: bool | None = None, prmt: bool | None = None,
                out_dtype: torch.dtype = torch.float32, num_stages: int | None = None,
                num_warps_down: int | None = None, num_stages_down: int | None = None,
-               h_rotate=None) -> torch.Tensor:
+               h_rotate=None, vq_gather: bool = False) -> torch.Tensor:
     """Fused MoE for few tokens. x [N, D]; ids, weights [N, A]; w1, w3 [E, I, D] and w2 [E, D, I] as
-    QWeight (all of one mode). Returns out [N, D] in out_dtype. words=False: also vq's byte-code GEMV
-    instead of its word chunks. prmt (default: where it applies, i.e.
-    CUDA 2-bit fp16 tables in the word layout and words not turned off): the PTX prmt lookup with fp16x2
-    products (dequant.gemv_prmt); False: the previous select-tree / cubic path. h_rotate: a function
-    applied to the intermediate h [T, I] fp32 between the two launches (the incoherence rotation of w2's
-    inputs, runtime/experts.py; it takes the non-prmt path, whose h is fp32 in natural order)."""
+    QWeight (all of one mode). Returns out [N, D] in out_dtype. vq: word chunks by default (codebook
+    gathers through L1), vq_gather=True their tl.gather variant, words=False the byte-code GEMV. prmt
+    (default: where it applies, i.e. CUDA 2-bit fp16 tables in the word layout and words not turned off):
+    the PTX prmt lookup with fp16x2 products (dequant.gemv_prmt); False: the previous select-tree / cubic
+    path. h_rotate: a function applied to the intermediate h [T, I] fp32 between the two launches (the
+    incoherence rotation of w2's inputs, runtime/experts.py; it takes the non-prmt path, whose h is fp32
+    in natural order)."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     # x in its own dtype: every GEMV path converts its loads to fp32 (and prmt_pairs rounds to fp16, which
     # bf16 -> fp16 does exactly as bf16 -> fp32 -> fp16); an fp32 copy first was one more kernel per layer
@@ -244,7 +246,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     num_stages_down = num_stages_down or cfg["num_stages_down"]
     launch1 = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
     launch2 = {"num_warps": num_warps_down} | ({"num_stages": num_stages_down} if num_stages_down else {})
-    s1, s2 = _static(w1, block_k, words, poly, prmt), _static(w2, block_k_down, words, poly, prmt)
+    s1 = _static(w1, block_k, words, poly, prmt, vq_gather)
+    s2 = _static(w2, block_k_down, words, poly, prmt, vq_gather)
     h = torch.empty(T, I, dtype=torch.float16 if prmt else torch.float32, device=x.device)
     (d1, a1, b1), (d3, a3, b3) = w1.ptrs(), w3.ptrs()
     if s1["WORDS"]:

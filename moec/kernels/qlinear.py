@@ -44,7 +44,7 @@ def _gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, O, stride_xm, stri
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                  C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                  BO: tl.constexpr, BKC: tl.constexpr, UNROLL: tl.constexpr, VD: tl.constexpr = 1,
-                 VQF: tl.constexpr = False):
+                 VQF: tl.constexpr = 0):
     m = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
     mask_o = offs_o < O
@@ -110,8 +110,8 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
     bias_arg = bias if bias is not None else d
     if M <= GEMV_MAX_M:
         c = GEMV_CONFIG | cfg
-        if w.mode == MODE_VQ:  # cfg words=False: the byte-code variant (dequant.gemv_vq)
-            st = vq_static(w, c["block_k"], c.get("words", True))
+        if w.mode == MODE_VQ:  # cfg words=False: the byte-code variant, vq_gather=True: tl.gather (gemv_vq)
+            st = vq_static(w, c["block_k"], c.get("words", True), c.get("vq_gather", False))
             bk, C = st.pop("BK"), st["C"]
             if st["VQF"]:
                 d, a = w.vq_views()

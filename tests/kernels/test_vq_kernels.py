@@ -64,20 +64,23 @@ def test_word_chunks_need_whole_chunks():
     assert vq_static(vq_weight(3, 2, 1, 4, 64, gen), 1024)["VQF"]  # 32 codes: two 16-code chunks
     assert not vq_static(vq_weight(3, 2, 1, 4, 40, gen), 1024)["VQF"]  # 20 codes: byte codes
     assert not vq_static(vq_weight(2, 4, 1, 4, 64, gen), 1024, words=False)["VQF"]
+    assert vq_static(vq_weight(2, 4, 1, 4, 64, gen), 1024, gather=True)["VQF"] == 2
+    assert vq_static(vq_weight(2, 8, 1, 4, 64, gen), 1024, gather=True)["VQF"] == 1  # d = 8: two words an entry
 
 
 # (N tokens, top-k A, experts E, D, I): D = 48, I = 40 are rows of partial word chunks for some widths (the
 # default then takes byte codes) and not multiples of the tiles
 @pytest.mark.parametrize("bits,d", BITS_DIMS)
 @pytest.mark.parametrize("N,A,E,D,I", [(1, 2, 4, 64, 32), (2, 2, 3, 32, 64), (1, 1, 3, 48, 40)])
-@pytest.mark.parametrize("words", [None, False])
-def test_moe_decode_matches_reference(bits, d, N, A, E, D, I, words):
+@pytest.mark.parametrize("path", ["words", "bytes", "gather"])
+def test_moe_decode_matches_reference(bits, d, N, A, E, D, I, path):
+    """The three GEMV variants: word chunks (the default), byte codes (words=False), tl.gather lookups."""
     x, ids, wts, w1, w3, w2 = vq_case(bits, d, N, A, E, D, I, seed=bits + d + N + D)
     got = moe_decode(x, ids, wts, w1, w3, w2, block_o=32, block_k=64, block_o_down=64, block_k_down=32,
-                     words=words)
+                     words=path != "bytes", vq_gather=path == "gather")
     want = moe_decode_ref(x, ids, wts, w1, w3, w2)
     assert got.shape == want.shape and torch.isfinite(got).all()
-    assert rel_err(got, want) <= 1e-4, (bits, d, words)  # fp32 sums in another order
+    assert rel_err(got, want) <= 1e-4, (bits, d, path)  # fp32 sums in another order
 
 
 @pytest.mark.parametrize("bits,d", [(2, 4), (3, 2)])
@@ -115,8 +118,9 @@ def test_qlinear_matches_reference(bits, d, M):
     want = qlinear_ref(x, w, bias)
     tol = 1e-4 if M <= GEMV_MAX_M else 2e-2
     assert got.shape == want.shape and rel_err(got, want) <= tol
-    if M == 1:  # the byte-code GEMV variant
+    if M == 1:  # the byte-code and tl.gather GEMV variants
         assert rel_err(qlinear(x, w, bias, words=False), want) <= tol
+        assert rel_err(qlinear(x, w, bias, vq_gather=True), want) <= tol
 
 
 @pytest.mark.parametrize("N", [1, 3])  # decode GEMV, grouped kernel
