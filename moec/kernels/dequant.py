@@ -23,18 +23,18 @@ Two access patterns:
       stride-C slice of x it multiplies, so codes never need reordering.
   `gemv_prmt` (CUDA, 2-bit fp16 tables in the word layout): table lookup by PTX prmt, two fp16 weights
       per instruction, fp16x2 products, fp32 sums per 16 codes (see the section comment below).
-  `gemv_vq` (MODE_VQ, reached through gemv_chunks): two variants. Word chunks (VQF, the default where a
-      row is whole chunks): a chunk is NW int32 words holding CPC codes (W | 32: one word of 32/W codes;
+  `gemv_vq` (MODE_VQ, reached through gemv_chunks): three variants. Word chunks (VQF = 1, the default
+      where a row is whole chunks): a chunk is NW int32 words holding CPC codes (W | 32: one word of 32/W codes;
       W ∈ {3, 6, 12}: three words of 96/W codes, codes may straddle words), fields extracted with constant
       shifts, and each code's d fp16 entries come in one load (the codebook viewed as int32 at d = 2, int64
       at d = 4, two int64 at d = 8) split by bit ops; these gathers go to L1 (a warp's 32 random 8-byte
-      reads of a 2 KiB codebook touch ~14 cache lines). Word chunks + tl.gather (VQF = 2, opt-in, d ≤ 4):
-      the codebook is loaded into registers once per call and looked up by tl.gather, which Triton lowers
-      through shared memory (fewer wavefronts than L1 per random gather). Byte codes (VQF = 0, any row
+      reads of a 2 KiB codebook touch ~14 cache lines). Word chunks + tl.gather (VQF = 2, opt-in, d ≤ 4,
+      K ≤ 256): the codebook is loaded into registers once per call and looked up by tl.gather, which
+      Triton lowers through shared memory (fewer wavefronts than L1 per random gather). Byte codes (VQF = 0, any row
       length): each code from the one or two bytes holding it, shifts per element, d fp16 loads per code.
   `dequant_tile` (tensor cores, tl.dot): returns the tile W[BO, BK] in natural input order (the C
       slots of each chunk are interleaved back with tl.join, which only adds register dimensions; vq:
-      codes [BO, BK/d] gather [BO, BK/d, d] entries, reshaped to [BO, BK]; without the row scale).
+      each input gathers its code's entry; without the row scale).
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def vq_chunk(width: int) -> tuple[int, int]:
 
 def vq_static(w: QWeight, block_k: int, words: bool = True, gather: bool = False) -> dict:
     """Launch constexprs of a MODE_VQ matrix for gemv_chunks/dequant_tile: word chunks (VQF 1, or 2 with
-    gather: codebook lookups by tl.gather, d ≤ 4) where rows are whole chunks and `words`, C = inputs per
+    gather: codebook lookups by tl.gather, d ≤ 4 and K ≤ 256: the whole codebook goes through shared
+    memory at every lookup, 32 KiB at K = 4096) where rows are whole chunks and `words`, C = inputs per
     chunk, BPC = int32 words per chunk; else byte codes (VQF 0) C = d, BPC = 1. BK: a power of two of
     whole chunks."""
     vd = w.vq_dim
@@ -145,7 +146,7 @@ def vq_static(w: QWeight, block_k: int, words: bool = True, gather: bool = False
     cpc, nw = vq_chunk(w.bits * vd)
     C, BPC = (cpc * vd, nw) if fast else (vd, 1)
     bk = pick_block_k(w.n_in, w.n_in, block_k, C)
-    vqf = 0 if not fast else 2 if gather and vd <= 4 else 1
+    vqf = 0 if not fast else 2 if gather and vd <= 4 and w.bits * vd <= 8 else 1
     return dict(MODE=MODE_VQ, BITS=w.bits, C=C, BPC=BPC, G=1, GS=w.n_in, BK=bk, VD=vd, VQF=vqf)
 
 
@@ -781,18 +782,13 @@ def dequant_tile(w_ptr, a_ptr, b_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, 
                  G: tl.constexpr, GS: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr, VD: tl.constexpr = 1):
     """W[offs_o, k0:k0+BK] as a [BO, BK] tile of dtype OUT in natural input order (zeros past n_in).
     MODE_FP8 and MODE_VQ leave out the row scale (the caller scales the output columns after tl.dot)."""
-    if MODE == 4:  # vq: byte codes [BO, BK/d], each gathers its d entries of the codebook at a_ptr
-        BJ: tl.constexpr = BK // VD
-        j = k0 // VD + tl.arange(0, BJ)
-        n_codes = n_in // VD
-        code = _vq_codes_bytes(w_ptr, offs_o, mask_o, stride_wo, j, n_codes, BITS * VD)
-        m = mask_o[:, None] & (j < n_codes)[None, :]
-        if VD == 1:
-            out = tl.load(a_ptr + code, mask=m, other=0.0).to(OUT)
-        else:
-            ent = code[:, :, None] * VD + tl.arange(0, VD)[None, None, :]
-            w = tl.load(a_ptr + ent, mask=m[:, :, None], other=0.0).to(OUT)
-            out = tl.reshape(w, (offs_o.shape[0], BK))
+    if MODE == 4:  # vq: each input reads its code (byte loads, cached across the d inputs of a code) and
+        # its entry of the codebook at a_ptr, in natural order (no reshape: a [BO, BK/d, d] gather reshaped
+        # to [BO, BK] failed Triton 3.6's TritonGPUOptimizeDotOperands pass at 128 x 128 x 64 tiles)
+        k = k0 + tl.arange(0, BK)
+        code = _vq_codes_bytes(w_ptr, offs_o, mask_o, stride_wo, k // VD, n_in // VD, BITS * VD)
+        m = mask_o[:, None] & (k < n_in)[None, :]
+        out = tl.load(a_ptr + code * VD + (k % VD)[None, :], mask=m, other=0.0).to(OUT)
     elif MODE >= 2:  # (one return at the end: Triton compiles code after an early return in every mode)
         k = k0 + tl.arange(0, BK)
         m = mask_o[:, None] & (k < n_in)[None, :]

@@ -65,7 +65,7 @@ def test_word_chunks_need_whole_chunks():
     assert not vq_static(vq_weight(3, 2, 1, 4, 40, gen), 1024)["VQF"]  # 20 codes: byte codes
     assert not vq_static(vq_weight(2, 4, 1, 4, 64, gen), 1024, words=False)["VQF"]
     assert vq_static(vq_weight(2, 4, 1, 4, 64, gen), 1024, gather=True)["VQF"] == 2
-    assert vq_static(vq_weight(2, 8, 1, 4, 64, gen), 1024, gather=True)["VQF"] == 1  # d = 8: two words an entry
+    assert vq_static(vq_weight(3, 4, 1, 4, 64, gen), 1024, gather=True)["VQF"] == 1  # K = 4096: L1 gathers
 
 
 # (N tokens, top-k A, experts E, D, I): D = 48, I = 40 are rows of partial word chunks for some widths (the
