@@ -2,13 +2,15 @@
 references: QWeight/dequant_ref against the codec's own dequantize_vq, the MoE decode GEMV (word-chunk and
 byte-code variants), the grouped prefill kernel, the quantized linear (GEMV and GEMM), and the runtime
 wiring (QuantMatrix -> ExpertWeights.fused / QLinear). Code widths bits·d: 8 (2, 4), 6 (3, 2), 4 (2, 2),
-12 (3, 4), plus d = 1. CPU: Triton's interpreter at toy shapes; CUDA: the same cases on the device."""
+12 (3, 4), plus d = 1. CPU: Triton's interpreter at toy shapes; CUDA: the same cases on the device.
+`python3 -m tests.kernels.test_vq_kernels` compiles the vq kernels for sm_90 at Mixtral shapes on any
+machine (Triton's passes and ptxas; the interpreter never compiles)."""
 
 import os
 
 import torch
 
-if not torch.cuda.is_available():  # the CPU runs the kernels in Triton's interpreter
+if not torch.cuda.is_available() and __name__ != "__main__":  # the CPU runs the kernels in Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -159,3 +161,58 @@ def test_runtime_qlinear():
     with kernels_forced("1"):
         got = lin(x)
     assert rel_err(got, want) <= 1e-4
+
+
+def compile_sm90_all() -> list[str]:
+    """Compile every vq launch (decode gate/up and down in its three GEMV variants, the grouped kernels at
+    the small and the prefill config, the qlinear GEMV and GEMM) for sm_90; returns what compiled."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moec.kernels import moe_decode as md
+    from moec.kernels import moe_prefill as mp
+    from moec.kernels import qlinear as ql
+    from moec.kernels.dequant import vq_chunk
+
+    def compile_(fn, ptrs, consts, warps):
+        sig = {n: ptrs.get(n) or ("constexpr" if n in consts else "i32") for n in fn.arg_names}
+        const = {(fn.arg_names.index(n),): v for n, v in consts.items()}
+        return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+    done = []
+    for bits, d in BITS_DIMS:
+        cpc, nw = vq_chunk(bits * d)
+        for vqf in (0, 1, 2) if bits * d <= 8 else (0, 1):
+            C, BPC = (cpc * d, nw) if vqf else (d, 1)
+            cb = "*fp16" if vqf == 0 else "*i32" if d == 2 else "*i64"
+            st = dict(MODE=MODE_VQ, BITS=bits, C=C, BPC=BPC, G=1, GS=4096, BKC=1024 // C, WORDS=False, POLY=False,
+                      PRMT=False, VD=d, VQF=vqf)
+            p = {"x_ptr": "*bf16", "ids_ptr": "*i32", "wts_ptr": "*fp32", "h_ptr": "*fp32", "out_ptr": "*fp32"}
+            p |= {f"{k}{i}_ptr": t for i in (1, 2, 3) for k, t in (("w", "*i32" if vqf else "*u8"), ("a", cb),
+                                                                   ("b", "*fp16"))}
+            compile_(md._gate_up_kernel, p, st | dict(D=4096, A=2, BO=16), 8)
+            compile_(md._down_kernel, p, st | dict(I=14336, A=2, PER=14336, SPLIT=1, BO=16), 8)
+            qp = {"x_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "b_ptr": "*fp16", "w_ptr": p["w1_ptr"],
+                  "a_ptr": cb}
+            compile_(ql._gemv_kernel, qp, dict(K=4096, HAS_BIAS=False, MODE=MODE_VQ, BITS=bits, C=C, BPC=BPC, G=1,
+                                               GS=4096, BO=4, BKC=1024 // C, UNROLL=4, VD=d, VQF=vqf), 8)
+            done.append(f"decode+gemv vq bits {bits} d {d} VQF {vqf}")
+        pp = {"x_ptr": "*bf16", "sid_ptr": "*i32", "bexp_ptr": "*i32", "h_ptr": "*bf16", "wts_ptr": "*fp32",
+              "y_ptr": "*bf16", "w_ptr": "*u8", "a_ptr": "*fp16", "b_ptr": "*fp16", "bias_ptr": "*bf16"}
+        pp |= {f"{k}{i}_ptr": t for i in (1, 2, 3) for k, t in (("w", "*u8"), ("a", "*fp16"), ("b", "*fp16"))}
+        for cfg in (mp.SMALL_CONFIG, mp.PREFILL_CONFIG):
+            st = dict(MODE=MODE_VQ, BITS=bits, C=d, BPC=1, G=1, GS=4096, VD=d, BM=cfg["block_m"], BN=cfg["block_n"],
+                      BK=cfg["block_k"], DOT=tl.bfloat16)
+            compile_(mp._gate_up_kernel, pp, st | dict(D=4096, A=2), cfg["num_warps"])
+            compile_(mp._down_kernel, pp, st | dict(I=14336), cfg["num_warps"])
+        compile_(ql._gemm_kernel, pp, dict(K=4096, HAS_BIAS=False, MODE=MODE_VQ, BITS=bits, C=d, BPC=1, G=1, GS=4096,
+                                           BM=128, BN=128, BK=64, DOT=tl.bfloat16, VD=d), 8)
+        done.append(f"grouped+gemm vq bits {bits} d {d}")
+    return done
+
+
+if __name__ == "__main__":
+    for line in compile_sm90_all():
+        print(line, "compiled")
