@@ -3,7 +3,7 @@
     python3 benchmarks/bench_moe_kernel.py --out benchmarks/results/moe_kernel_h200.json   (~110 s cold)
     python3 benchmarks/bench_moe_kernel.py --out X.json --sweep --budget 95   (+ block sweeps: 122 s cold)
     python3 benchmarks/bench_moe_kernel.py --out /tmp/dry.json --dry          (CPU interpreter, toy shapes)
-    python3 benchmarks/bench_moe_kernel.py --out X.json --quick   (decode batch 1 only: bf16 and hls2, ~40 s)
+    python3 benchmarks/bench_moe_kernel.py --out X.json --quick   (decode batch 1 only: bf16, hls2, vq2, vq3)
 
 The committed file came from the second command on an H200 (2026-11-30); the JSON is rewritten
 after every record, so a run cut short keeps what it measured.
@@ -11,11 +11,14 @@ after every record, so a run cut short keeps what it measured.
 MoE layers: Mixtral-8x7B (8 experts, top-2, 4096 -> 14336) and Qwen3-30B-A3B (128 experts, top-8,
 2048 -> 768), random weights (speed does not depend on values; fp8 from real normals so no NaN codes).
 Decode batches 1 and 16; prefill 2048 tokens. Quantized modes: hls2/hls3 layout (2/3-bit codes, one
-fp16 table per row: `lut`), fp8 e4m3 + fp32 row scales. hls2 decode runs twice: the default (the PTX prmt
-lookup with fp16x2 products, kernels/dequant.gemv_prmt) and `config: {"prmt": false}` (the previous
-select-tree / cubic path), as separate records. Peers: the runtime's bf16 path (torch matmuls
-per selected expert + index_add), the bf16 grouped reference (the same Triton kernels on bf16
-weights), and torch._grouped_mm (bf16) for prefill where this torch has it.
+fp16 table per row: `lut`), fp8 e4m3 + fp32 row scales, vq2/vq3 vector codebooks (2 bits x d = 4: 8-bit
+codes, K = 256; 3 bits x d = 2: 6-bit codes, K = 64; fp16 codebook per expert matrix + fp16 row scales,
+kernels/dequant.gemv_vq; decode runs the word-chunk default, `config: {"vq_gather": true}` (codebook
+lookups by tl.gather, i.e. shared memory) and `{"words": false}` (byte codes), as separate records).
+hls2 decode runs twice: the default (the PTX prmt lookup with fp16x2 products, kernels/dequant.gemv_prmt)
+and `config: {"prmt": false}` (the previous select-tree / cubic path), as separate records. Peers: the
+runtime's bf16 path (torch matmuls per selected expert + index_add), the bf16 grouped reference (the
+same Triton kernels on bf16 weights), and torch._grouped_mm (bf16) for prefill where this torch has it.
 
 Timing: each measured call runs L layers with separate weight buffers (more bytes than the 60 MB L2),
 captured in one CUDA graph and replayed (`ms_median`, per layer; a runtime decode step is a graph too),
@@ -47,6 +50,7 @@ from moec.kernels.dequant import (  # noqa: E402
     MODE_DENSE,
     MODE_FP8,
     MODE_LUT,
+    MODE_VQ,
     QWeight,
     use_prmt,  # noqa: E402
 )
@@ -54,6 +58,7 @@ from moec.kernels.moe_decode import _PRMT_FAILED, moe_decode, moe_decode_ref  # 
 from moec.kernels.moe_prefill import moe_grouped, moe_grouped_ref  # noqa: E402
 from moec.kernels.qlinear import qlinear, qlinear_ref  # noqa: E402
 from moec.runtime.experts import lut_poly  # noqa: E402
+from moec.runtime.weightcodecs import random_vq  # noqa: E402
 
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}
 BATCHES = (1, 16, 2048)
@@ -62,7 +67,9 @@ DEV = "cuda"
 if "--dry" in sys.argv:
     SHAPES = {"toy-a": (4, 2, 64, 96), "toy-b": (8, 4, 64, 32)}
     BATCHES, ATTN, DEV = (1, 3, 40), ((64, 48),), "cpu"
-KINDS = {"hls2": (MODE_LUT, 2), "hls3": (MODE_LUT, 3), "fp8": (MODE_FP8, 8), "bf16": (MODE_DENSE, 16)}
+KINDS = {"hls2": (MODE_LUT, 2), "hls3": (MODE_LUT, 3), "fp8": (MODE_FP8, 8), "bf16": (MODE_DENSE, 16),
+         "vq2": (MODE_VQ, 2), "vq3": (MODE_VQ, 3)}
+VQ_DIM = {"vq2": 4, "vq3": 2}  # vector length d of the vq kinds
 T0 = time.time()
 
 
@@ -80,6 +87,9 @@ def make_weight(kind: str, E: int, O: int, n_in: int, gen, group: int = 0) -> QW
     if mode == MODE_FP8:
         w = torch.randn(E, O, n_in, device=DEV, generator=gen, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
         return QWeight(mode, bits, n_in, w, torch.rand(E, O, device=DEV, generator=gen) * 0.01)
+    if mode == MODE_VQ:  # BITSTREAM codes + fp16 codebook [E, K, d] + fp16 row scales
+        st = random_vq(bits, (E, O, n_in), VQ_DIM[kind], DEV, gen)
+        return QWeight(mode, bits, n_in, st["codes"], st["codebook"], st["row_scale"])
     G = n_in // group if group else 1
     per = {2: 4, 3: 8, 4: 2}[bits]
     nbytes = -(-n_in // per) * (3 if bits == 3 else 1)
@@ -178,13 +188,15 @@ def bench_moe(timed, record, a, shape, E, A, D, I, N, L, ws, g):
             record(method="bf16-torch-grouped-mm", ms_median=ms, ms_eager=ms, **base)
         except Exception as ex:  # torch without _grouped_mm, or shapes it refuses
             record(method="bf16-torch-grouped-mm", error=f"{type(ex).__name__}: {str(ex)[:300]}", **base)
-    for kind in [k for k in ("bf16", "hls2", "hls3", "fp8") if k in KINDS]:
+    for kind in [k for k in ("bf16", "hls2", "hls3", "fp8", "vq2", "vq3") if k in KINDS]:
         act_bytes = sum(nbytes(w, n_active) for w in ws[kind][0])
         variants = []
         if N <= 16:
             dec = [{}]
             if kind == "hls2":  # the previous 2-bit path beside the prmt default
                 dec.append(dict(prmt=False))
+            if kind in VQ_DIM:  # the tl.gather and byte-code GEMVs beside the word-chunk default
+                dec += [dict(vq_gather=True), dict(words=False)]
             if a.sweep and kind == "hls2":
                 dec += [dict(poly=False)] + [dict(block_o=bo, block_k=bk, num_warps=nw, block_o_down=bo,
                                                   block_k_down=bk) for bo, bk, nw in
@@ -200,7 +212,8 @@ def bench_moe(timed, record, a, shape, E, A, D, I, N, L, ws, g):
             variants += [("grouped", moe_grouped, c) for c in grp]
         ref = []
         for name, fn, cfg in variants:
-            if cfg and "prmt" not in cfg and time.time() - T0 > a.budget:  # the old-path record always runs
+            if cfg and not {"prmt", "words", "vq_gather"} & set(cfg) and time.time() - T0 > a.budget:
+                # the old-path / byte-code records always run
                 continue
 
             def want(kind=kind, ref=ref):
@@ -217,6 +230,9 @@ def bench_moe(timed, record, a, shape, E, A, D, I, N, L, ws, g):
                 rec["decode_path"] = "prmt" if on else "select/poly"
                 if _PRMT_FAILED:
                     rec["prmt_error"] = _PRMT_FAILED[0]
+            if name == "fused-decode" and kind in VQ_DIM:
+                words = cfg.get("words") is not False and all(w.vq_words() for w in ws[kind][0])
+                rec["decode_path"] = "vq-bytes" if not words else "vq-gather" if cfg.get("vq_gather") else "vq-words"
         if kind == "bf16":  # the best bf16 Triton time is the "bf16 grouped reference" peer
             times = [r["ms_median"] for r in records_of(record) if r.get("method", "").startswith("bf16-")
                      and r.get("batch") == N and r.get("shape") == shape and r.get("ms_median")
@@ -256,12 +272,13 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also try block configs (hand sweep)")
     ap.add_argument("--budget", type=float, default=140.0, help="seconds; sweeps stop when it is spent")
     ap.add_argument("--dry", action="store_true", help="CPU dry run at toy shapes (checks the script, no timings)")
-    ap.add_argument("--quick", action="store_true", help="decode batch 1, bf16 and hls2 only (no prefill, attention)")
+    ap.add_argument("--quick", action="store_true",
+                    help="decode batch 1, bf16, hls2, vq2 and vq3 only (no prefill, attention)")
     a = ap.parse_args()
     global BATCHES, KINDS, ATTN
     if a.quick:
         BATCHES, ATTN = (1,), ()
-        KINDS = {k: v for k, v in KINDS.items() if k in ("hls2", "bf16")}
+        KINDS = {k: v for k, v in KINDS.items() if k in ("hls2", "bf16", "vq2", "vq3")}
     from moec.cli.common import base_record, write_json_atomic
 
     bw = copy_bandwidth()

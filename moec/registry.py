@@ -204,7 +204,7 @@ register_weight(WeightCodecSpec(
     random_stored=f"{_W}:random_fp8", kernel_mode=2))
 register_weight(WeightCodecSpec(
     "vq", bits=(2, 3, 4), quantize="moec.calibrate.vq:quantize_vq_rule", dequantize=f"{_W}:dequantize_vq",
-    random_stored=f"{_W}:random_vq", check_rule="moec.calibrate.vq:check_vq_rule", tunable=True,
+    random_stored=f"{_W}:random_vq", check_rule="moec.calibrate.vq:check_vq_rule", kernel_mode=4, tunable=True,
     description="vector codebooks: one code per group_size inputs, a codebook per matrix (GPTVQ-style)"))
 
 

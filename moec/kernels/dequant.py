@@ -11,6 +11,11 @@ A weight row is a run of chunks along the input dim; each mode says what a chunk
   MODE_FP8    float8_e4m3fn weights, one chunk = one weight; the per-row scale is applied by the caller
               on the accumulated row (it commutes with the sum).
   MODE_DENSE  plain bf16/fp16/fp32 weights (the bf16 peer goes through the same kernels).
+  MODE_VQ     vector codebooks (runtime/weightcodecs.dequantize_vq): one code of W = bits·d bits per d
+              consecutive inputs (BITSTREAM: code j at bits [W·j, W·j + W) of the row), a codebook fp16
+              [E, K = 2^W, d] per matrix and a row scale [E, O], applied by the caller on the accumulated
+              row like MODE_FP8's. Codes are extracted with shifts and masks, then each code gathers its d
+              codebook entries (the codebook is ≤ 32 KiB and stays in L1/L2).
 
 Two access patterns:
   `gemv_chunks` (CUDA cores, few tokens): accumulates Σ w·x into a 2-D register tile acc [BO, BK/C]
@@ -18,8 +23,18 @@ Two access patterns:
       stride-C slice of x it multiplies, so codes never need reordering.
   `gemv_prmt` (CUDA, 2-bit fp16 tables in the word layout): table lookup by PTX prmt, two fp16 weights
       per instruction, fp16x2 products, fp32 sums per 16 codes (see the section comment below).
+  `gemv_vq` (MODE_VQ, reached through gemv_chunks): three variants. Word chunks (VQF = 1, the default
+      where a row is whole chunks): a chunk is NW int32 words holding CPC codes (W | 32: one word of 32/W codes;
+      W ∈ {3, 6, 12}: three words of 96/W codes, codes may straddle words), fields extracted with constant
+      shifts, and each code's d fp16 entries come in one load (the codebook viewed as int32 at d = 2, int64
+      at d = 4, two int64 at d = 8) split by bit ops; these gathers go to L1 (a warp's 32 random 8-byte
+      reads of a 2 KiB codebook touch ~14 cache lines). Word chunks + tl.gather (VQF = 2, opt-in, d ≤ 4,
+      K ≤ 256): the codebook is loaded into registers once per call and looked up by tl.gather, which
+      Triton lowers through shared memory (fewer wavefronts than L1 per random gather). Byte codes (VQF = 0, any row
+      length): each code from the one or two bytes holding it, shifts per element, d fp16 loads per code.
   `dequant_tile` (tensor cores, tl.dot): returns the tile W[BO, BK] in natural input order (the C
-      slots of each chunk are interleaved back with tl.join, which only adds register dimensions).
+      slots of each chunk are interleaved back with tl.join, which only adds register dimensions; vq:
+      each input gathers its code's entry; without the row scale).
 """
 
 from __future__ import annotations
@@ -30,7 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-MODE_LUT, MODE_AFFINE, MODE_FP8, MODE_DENSE = 0, 1, 2, 3
+MODE_LUT, MODE_AFFINE, MODE_FP8, MODE_DENSE, MODE_VQ = 0, 1, 2, 3, 4
+VQ_DIMS = (1, 2, 4, 8)  # vector lengths d the kernels take
+VQ_WIDTHS = (2, 3, 4, 6, 8, 12)  # code widths bits·d they take: a code spans at most two bytes of its row
 
 
 class QWeight(NamedTuple):
@@ -38,8 +55,10 @@ class QWeight(NamedTuple):
 
     data: codes uint8 [E, O, row_bytes] (LUT/AFFINE), float8_e4m3fn [E, O, n_in] (FP8) or the plain
     weights (DENSE). a: lut [E, O, G, 2^bits] (LUT), scale [E, O, G] (AFFINE), row scale fp32 [E, O]
-    (FP8), None (DENSE). b: zero [E, O, G] (AFFINE), or for 2-bit LUT optionally runtime/experts.lut_poly(a) fp32
-    [E, O, G, 4] (the GEMV decodes through the cubic; the tensor-core paths ignore it), else None.
+    (FP8), None (DENSE), codebook fp16 [E, 2^(bits·d), d] (VQ). b: zero [E, O, G] (AFFINE), or for 2-bit LUT
+    optionally runtime/experts.lut_poly(a) fp32 [E, O, G, 4] (the GEMV decodes through the cubic; the
+    tensor-core paths ignore it), row scale fp16/fp32 [E, O] (VQ), else None. VQ data: BITSTREAM codes
+    uint8 [E, O, ceil(n_in / d · bits · d / 8)].
     """
 
     mode: int
@@ -52,6 +71,11 @@ class QWeight(NamedTuple):
     @property
     def groups(self) -> int:
         return self.a.shape[2] if self.mode in (MODE_LUT, MODE_AFFINE) else 1
+
+    @property
+    def vq_dim(self) -> int:
+        """Inputs per code d (MODE_VQ; 1 for the other modes)."""
+        return self.a.shape[2] if self.mode == MODE_VQ else 1
 
     def check(self, E: int, O: int) -> None:
         """Shapes, dtypes and contiguity the kernels rely on (AssertionError names what is off)."""
@@ -70,6 +94,16 @@ class QWeight(NamedTuple):
                                           and self.b.dtype == torch.float32), "b: experts.lut_poly(lut) of 2-bit tables"
             else:
                 assert self.b is not None and self.b.shape == self.a.shape and self.b.is_contiguous()
+        elif self.mode == MODE_VQ:
+            vd = self.vq_dim
+            width = self.bits * vd
+            assert vd in VQ_DIMS and width in VQ_WIDTHS and self.n_in % vd == 0, (self.bits, vd, self.n_in)
+            assert d.dtype == torch.uint8 and d.shape[2] == -(-self.n_in // vd * width // 8), \
+                (d.dtype, d.shape, self.n_in, width)
+            assert self.a.dtype == torch.float16 and self.a.is_contiguous() and self.a.shape == (E, 1 << width, vd), \
+                (self.a.dtype, self.a.shape, E, width)
+            assert self.b is not None and self.b.shape == (E, O) and self.b.is_contiguous() \
+                and self.b.dtype in (torch.float16, torch.float32), "b: row scales fp16/fp32 [E, O]"
         elif self.mode == MODE_FP8:
             assert d.dtype == torch.float8_e4m3fn and d.shape[2] == self.n_in, (d.dtype, d.shape)
             assert self.a.shape == (E, O) and self.a.dtype == torch.float32 and self.a.is_contiguous()
@@ -82,6 +116,38 @@ class QWeight(NamedTuple):
 
     def row_stride_a(self) -> int:
         return self.a.stride(1) if self.a is not None and self.mode in (MODE_LUT, MODE_AFFINE) else 0
+
+    def vq_words(self) -> bool:
+        """MODE_VQ rows of whole word chunks (vq_chunk): the word-chunk GEMV applies."""
+        cpc, _ = vq_chunk(self.bits * self.vq_dim)
+        return self.mode == MODE_VQ and self.n_in % (cpc * self.vq_dim) == 0
+
+    def vq_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes as int32 words, codebook as words of d fp16) for the word-chunk GEMV (vq_words() true):
+        one load per code entry (int32 at d = 2, int64 at d = 4 and 8; fp16 itself at d = 1)."""
+        vd = self.vq_dim
+        cb = self.a if vd == 1 else self.a.view(torch.int32 if vd == 2 else torch.int64)
+        return self.data.view(torch.int32), cb
+
+
+def vq_chunk(width: int) -> tuple[int, int]:
+    """(codes per chunk, int32 words per chunk) of a vq row in the word-chunk GEMV."""
+    return (32 // width, 1) if 32 % width == 0 else (96 // width, 3)
+
+
+def vq_static(w: QWeight, block_k: int, words: bool = True, gather: bool = False) -> dict:
+    """Launch constexprs of a MODE_VQ matrix for gemv_chunks/dequant_tile: word chunks (VQF 1, or 2 with
+    gather: codebook lookups by tl.gather, d ≤ 4 and K ≤ 256: the whole codebook goes through shared
+    memory at every lookup, 32 KiB at K = 4096) where rows are whole chunks and `words`, C = inputs per
+    chunk, BPC = int32 words per chunk; else byte codes (VQF 0) C = d, BPC = 1. BK: a power of two of
+    whole chunks."""
+    vd = w.vq_dim
+    fast = words and w.vq_words()
+    cpc, nw = vq_chunk(w.bits * vd)
+    C, BPC = (cpc * vd, nw) if fast else (vd, 1)
+    bk = pick_block_k(w.n_in, w.n_in, block_k, C)
+    vqf = 0 if not fast else 2 if gather and vd <= 4 and w.bits * vd <= 8 else 1
+    return dict(MODE=MODE_VQ, BITS=w.bits, C=C, BPC=BPC, G=1, GS=w.n_in, BK=bk, VD=vd, VQF=vqf)
 
 
 def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
@@ -101,7 +167,8 @@ def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
 
 
 def codes_per_chunk(mode: int, bits: int) -> tuple[int, int]:
-    """(codes per chunk, bytes per chunk) of a packed row."""
+    """(codes per chunk, bytes per chunk) of a packed row (MODE_VQ: vq_static)."""
+    assert mode != MODE_VQ, "vq chunks: vq_static"
     if mode in (MODE_FP8, MODE_DENSE):
         return 1, 1
     return {2: (4, 1), 3: (8, 3), 4: (2, 1)}[bits]
@@ -246,11 +313,16 @@ def _group_ptrs(a_ptr, b_ptr, offs_o, stride_ao, k0, G: tl.constexpr, GS: tl.con
 @triton.jit
 def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, n_in,
                 MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
-                G: tl.constexpr, GS: tl.constexpr, BKC: tl.constexpr):
-    """acc [BO, BKC] += w·x over inputs [k0, k0 + BKC·C) of rows offs_o (x: fp32/bf16 vector)."""
+                G: tl.constexpr, GS: tl.constexpr, BKC: tl.constexpr, VD: tl.constexpr = 1,
+                VQF: tl.constexpr = 0):
+    """acc [BO, BKC] += w·x over inputs [k0, k0 + BKC·C) of rows offs_o (x: fp32/bf16 vector). MODE_VQ:
+    gemv_vq with a_ptr the codebook (VD, VQF: vq_static), row scales left to the caller."""
     cidx = k0 // C + tl.arange(0, BKC)
     n_chunks = (n_in + C - 1) // C
-    if MODE >= 2:  # fp8 / dense: one weight per chunk
+    if MODE == 4:
+        acc = gemv_vq(acc, w_ptr, a_ptr, x_ptr, offs_o, mask_o, stride_wo, k0, n_in, BITS * VD, VD, C, BPC,
+                      BKC, VQF)
+    elif MODE >= 2:  # fp8 / dense: one weight per chunk
         m = mask_o[:, None] & (cidx < n_in)[None, :]
         w = tl.load(w_ptr + offs_o[:, None] * stride_wo + cidx[None, :], mask=m, other=0.0).to(tl.float32)
         xs = tl.load(x_ptr + cidx, mask=cidx < n_in, other=0.0).to(tl.float32)
@@ -264,6 +336,127 @@ def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stri
             xs = tl.load(x_ptr + k, mask=k < n_in, other=0.0).to(tl.float32)
             acc += _decode(v, s, a_row, b_row, mask_o, MODE, BITS,
                            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15) * xs[None, :]
+    return acc
+
+
+# ---- vq: vector codebooks (MODE_VQ) ---------------------------------------------------------------------
+
+@triton.jit
+def _vq_codes_bytes(w_ptr, offs_o, mask_o, stride_wo, j, n_codes, W: tl.constexpr):
+    """Codes j [BJ] of rows offs_o as int32 [BO, BJ], read from the byte(s) holding bits [W·j, W·j + W)
+    (w_ptr: uint8 codes; 0 outside the matrix). Widths dividing 8 never straddle a byte; the others
+    (3, 6, 12) span at most two, the second read only where the code reaches into it."""
+    m = mask_o[:, None] & (j < n_codes)[None, :]
+    pos = j * W
+    p = w_ptr + offs_o[:, None] * stride_wo + (pos >> 3)[None, :]
+    v = tl.load(p, mask=m, other=0).to(tl.int32)
+    if 8 % W != 0:
+        two = ((pos + W - 1) >> 3) > (pos >> 3)
+        v = v | (tl.load(p + 1, mask=m & two[None, :], other=0).to(tl.int32) << 8)
+    return (v >> (pos & 7)[None, :]) & ((1 << W) - 1)
+
+
+@triton.jit
+def _word3(v0, v1, v2, q: tl.constexpr):
+    if q == 0:
+        r = v0
+    elif q == 1:
+        r = v1
+    else:
+        r = v2
+    return r
+
+
+@triton.jit
+def _vq_field(v0, v1, v2, s: tl.constexpr, W: tl.constexpr):
+    """Code s of a chunk held in int32 words v0..v2 (little-endian bit string; constant shifts and masks;
+    the masks drop the sign bits an arithmetic shift brings in)."""
+    p: tl.constexpr = s * W
+    q: tl.constexpr = p // 32
+    sh: tl.constexpr = p % 32
+    lo = _word3(v0, v1, v2, q)
+    if sh + W <= 32:
+        c = (lo >> sh) & ((1 << W) - 1)
+    else:  # straddles words q and q + 1
+        nlo: tl.constexpr = 32 - sh
+        hi = _word3(v0, v1, v2, q + 1)
+        c = ((lo >> sh) & ((1 << nlo) - 1)) | ((hi & ((1 << (W - nlo)) - 1)) << nlo)
+    return c
+
+
+@triton.jit
+def _half(word, a: tl.constexpr):
+    """fp16 number a (0..3) of an int32/int64 word, as fp32."""
+    return ((word >> (16 * a)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _vq_fma(acc, cb_ptr, cbv, code, x_ptr, k, n_in, VD: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr):
+    """acc [BO, BJ] += Σ_a cb[code, a] · x[k + a] (k [BJ]: first input of each code). WIDE: cb_ptr is the
+    codebook in words of d fp16 (QWeight.vq_views), one load per code (two at d = 8); else fp16, d loads.
+    GATHER (d ≤ 4): the entries come from cbv [K], the codebook words in registers, by tl.gather."""
+    if GATHER:
+        BO: tl.constexpr = code.shape[0]
+        BJ: tl.constexpr = code.shape[1]
+        ent = tl.reshape(tl.gather(cbv, tl.reshape(code, (BO * BJ,)), 0), (BO, BJ))
+        for a in tl.static_range(VD):
+            if VD == 1:
+                h = ent.to(tl.float32)
+            else:
+                h = _half(ent, a)
+            xs = tl.load(x_ptr + k + a, mask=k + a < n_in, other=0.0).to(tl.float32)
+            acc += h * xs[None, :]
+    elif WIDE and VD >= 2:
+        if VD == 8:
+            e0 = tl.load(cb_ptr + code * 2)
+            e1 = tl.load(cb_ptr + code * 2 + 1)
+        else:
+            e0 = tl.load(cb_ptr + code)
+            e1 = e0
+        for a in tl.static_range(VD):
+            if a < 4:
+                h = _half(e0, a)
+            else:
+                h = _half(e1, a - 4)
+            xs = tl.load(x_ptr + k + a, mask=k + a < n_in, other=0.0).to(tl.float32)
+            acc += h * xs[None, :]
+    else:
+        for a in tl.static_range(VD):
+            h = tl.load(cb_ptr + code * VD + a).to(tl.float32)
+            xs = tl.load(x_ptr + k + a, mask=k + a < n_in, other=0.0).to(tl.float32)
+            acc += h * xs[None, :]
+    return acc
+
+
+@triton.jit
+def gemv_vq(acc, w_ptr, cb_ptr, x_ptr, offs_o, mask_o, stride_wo, k0, n_in, W: tl.constexpr, VD: tl.constexpr,
+            C: tl.constexpr, NW: tl.constexpr, BKC: tl.constexpr, VQF: tl.constexpr):
+    """acc [BO, BKC] += Σ cb[code]·x over inputs [k0, k0 + BKC·C) of rows offs_o (no row scale). VQF: word
+    chunks (w_ptr: codes as int32, stride_wo in words; cb_ptr: QWeight.vq_views' codebook; C = CPC·d
+    inputs in NW words per chunk, rows of whole chunks). Else byte codes (w_ptr uint8, cb_ptr fp16, C = d):
+    one code per acc column. VQF = 2: word chunks with the codebook looked up by tl.gather. Codes outside
+    the matrix read 0, a valid codebook row, against x = 0."""
+    cidx = k0 // C + tl.arange(0, BKC)
+    if VQF == 2:  # the whole codebook once per call: K words (K = 2^W)
+        cbv = tl.load(cb_ptr + tl.arange(0, 1 << W))
+    else:
+        cbv = tl.zeros((1,), tl.int32)  # unused
+    if VQF >= 1:
+        CPC: tl.constexpr = C // VD
+        m = mask_o[:, None] & (cidx < n_in // C)[None, :]
+        p = w_ptr + offs_o[:, None] * stride_wo + (cidx * NW)[None, :]
+        v0 = tl.load(p, mask=m, other=0)
+        v1 = v0
+        v2 = v0
+        if NW == 3:
+            v1 = tl.load(p + 1, mask=m, other=0)
+            v2 = tl.load(p + 2, mask=m, other=0)
+        for s in tl.static_range(CPC):
+            acc = _vq_fma(acc, cb_ptr, cbv, _vq_field(v0, v1, v2, s, W), x_ptr, cidx * C + s * VD, n_in, VD, True,
+                          VQF == 2)
+    else:
+        code = _vq_codes_bytes(w_ptr, offs_o, mask_o, stride_wo, cidx, n_in // VD, W)
+        acc = _vq_fma(acc, cb_ptr, cbv, code, x_ptr, cidx * VD, n_in, VD, False, False)
     return acc
 
 
@@ -586,9 +779,17 @@ def gemv_prmt2(acc_g, acc_u, w1_ptr, glo, ghi, w3_ptr, ulo, uhi, xp_ptr, rows, s
 @triton.jit
 def dequant_tile(w_ptr, a_ptr, b_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, n_in,
                  MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
-                 G: tl.constexpr, GS: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr):
-    """W[offs_o, k0:k0+BK] as a [BO, BK] tile of dtype OUT in natural input order (zeros past n_in)."""
-    if MODE >= 2:  # (one return at the end: Triton compiles code after an early return in every mode)
+                 G: tl.constexpr, GS: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr, VD: tl.constexpr = 1):
+    """W[offs_o, k0:k0+BK] as a [BO, BK] tile of dtype OUT in natural input order (zeros past n_in).
+    MODE_FP8 and MODE_VQ leave out the row scale (the caller scales the output columns after tl.dot)."""
+    if MODE == 4:  # vq: each input reads its code (byte loads, cached across the d inputs of a code) and
+        # its entry of the codebook at a_ptr, in natural order (no reshape: a [BO, BK/d, d] gather reshaped
+        # to [BO, BK] failed Triton 3.6's TritonGPUOptimizeDotOperands pass at 128 x 128 x 64 tiles)
+        k = k0 + tl.arange(0, BK)
+        code = _vq_codes_bytes(w_ptr, offs_o, mask_o, stride_wo, k // VD, n_in // VD, BITS * VD)
+        m = mask_o[:, None] & (k < n_in)[None, :]
+        out = tl.load(a_ptr + code * VD + (k % VD)[None, :], mask=m, other=0.0).to(OUT)
+    elif MODE >= 2:  # (one return at the end: Triton compiles code after an early return in every mode)
         k = k0 + tl.arange(0, BK)
         m = mask_o[:, None] & (k < n_in)[None, :]
         out = tl.load(w_ptr + offs_o[:, None] * stride_wo + k[None, :], mask=m, other=0.0).to(OUT)
@@ -644,6 +845,11 @@ def dequant_ref(w: QWeight) -> torch.Tensor:
 
     if w.mode == MODE_DENSE:
         return w.data.float()
+    if w.mode == MODE_VQ:  # the codec's own reference, so kernels and runtime are checked against one formula
+        from ..runtime.weightcodecs import dequantize_vq
+
+        return dequantize_vq(w.bits, (*w.data.shape[:2], w.n_in),
+                             {"codes": w.data, "codebook": w.a, "row_scale": w.b})
     if w.mode == MODE_FP8:
         return w.data.float() * w.a.float()[..., None]
     E, O, _ = w.data.shape

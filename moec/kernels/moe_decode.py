@@ -6,7 +6,8 @@ D = model dim, I = expert intermediate dim.
     out[n] = Σ_a weights[n, a] · W2[e] (silu(W1[e] x_n) ⊙ (W3[e] x_n)),  e = ids[n, a]
 
 Each matrix is a `dequant.QWeight`: 2/3/4-bit codes with a per-group table (hls, fp3) or affine
-levels (rtn), fp8 e4m3 with per-row scales, or plain bf16 (the peer). 2-bit tables that come with
+levels (rtn), fp8 e4m3 with per-row scales, vector codebooks (vq: one code per d inputs, a codebook per
+matrix and row scales; dequant.gemv_vq) or plain bf16 (the peer). 2-bit tables that come with
 their cubic coefficients (QWeight.b = runtime/experts.lut_poly(lut)) are decoded on the FMA pipe (q as a
 float from one logic op, then Horner) instead of a bit-test/select tree on the half-rate integer pipe.
 Two launches:
@@ -39,6 +40,7 @@ import triton.language as tl
 from .dequant import (
     MODE_DENSE,
     MODE_FP8,
+    MODE_VQ,
     QWeight,
     check_moe_args,
     codes_per_chunk,
@@ -53,6 +55,7 @@ from .dequant import (
     prmt_tab,
     use_prmt,
     use_words,
+    vq_static,
 )
 
 log = logging.getLogger(__name__)
@@ -82,7 +85,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
                     D: tl.constexpr, A: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                     C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                     BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr, POLY: tl.constexpr,
-                    PRMT: tl.constexpr = False):
+                    PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0):
     t = tl.program_id(0)  # token-slot n·A + a
     n = t // A
     e = tl.load(ids_ptr + t).to(tl.int64)
@@ -109,14 +112,17 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
                                        BITS, G, GS, BKC, POLY)
         else:
             acc_g = gemv_chunks(acc_g, w1_ptr + e * stride_we, a1_ptr + e * stride_ae, b1_ptr + e * stride_ae, xr,
-                                offs_o, mask_o, stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BKC)
+                                offs_o, mask_o, stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BKC, VD, VQF)
             acc_u = gemv_chunks(acc_u, w3_ptr + e * stride_we, a3_ptr + e * stride_ae, b3_ptr + e * stride_ae, xr,
-                                offs_o, mask_o, stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BKC)
+                                offs_o, mask_o, stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BKC, VD, VQF)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     if MODE == 2:  # fp8: per-row scales commute with the row sum
         g *= tl.load(a1_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
         u *= tl.load(a3_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
+    if MODE == 4:  # vq: row scales [E, I] (b), likewise after the sum
+        g *= tl.load(b1_ptr + e * I + offs_o, mask=mask_o, other=0.0).to(tl.float32)
+        u *= tl.load(b3_ptr + e * I + offs_o, mask=mask_o, other=0.0).to(tl.float32)
     wt = tl.load(wts_ptr + t).to(tl.float32)
     h = g / (1.0 + tl.exp(-g)) * u * wt  # weight · silu(gate) · up
     if PRMT:  # h as fp16 in prmt_pairs order for the down GEMV: input 16cw + 8q + 4half + j -> pair 2j + q
@@ -133,7 +139,7 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr,
                  I: tl.constexpr, A: tl.constexpr, PER: tl.constexpr, SPLIT: tl.constexpr,
                  MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
                  G: tl.constexpr, GS: tl.constexpr, BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr,
-                 POLY: tl.constexpr, PRMT: tl.constexpr = False):
+                 POLY: tl.constexpr, PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0):
     n = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
     mask_o = offs_o < D
@@ -159,10 +165,12 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr,
             else:
                 acc = gemv_chunks(acc, w2_ptr + e * stride_we, a2_ptr + e * stride_ae, b2_ptr + e * stride_ae,
                                   h_ptr + t * I, offs_o, mask_o, stride_wo, stride_ao, k_start + kk, I,
-                                  MODE, BITS, C, BPC, G, GS, BKC)
+                                  MODE, BITS, C, BPC, G, GS, BKC, VD, VQF)
         r = tl.sum(acc, axis=1)
         if MODE == 2:
             r *= tl.load(a2_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
+        if MODE == 4:
+            r *= tl.load(b2_ptr + e * D + offs_o, mask=mask_o, other=0.0).to(tl.float32)
         y += r
     if SPLIT == 1:
         tl.store(out_ptr + n * D + offs_o, y.to(out_ptr.dtype.element_ty), mask=mask_o)
@@ -170,14 +178,19 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr,
         tl.atomic_add(out_ptr + n * D + offs_o, y, mask=mask_o)
 
 
-def _static(w: QWeight, block_k: int, words: bool | None, poly: bool | None = None, prmt: bool = False) -> dict:
+def _static(w: QWeight, block_k: int, words: bool | None, poly: bool | None = None, prmt: bool = False,
+            vq_gather: bool = False) -> dict:
+    if w.mode == MODE_VQ:  # words=False: the byte-code variant (else word chunks where rows allow)
+        st = vq_static(w, block_k, words is not False, vq_gather)
+        bk = st.pop("BK")
+        return st | dict(BKC=bk // st["C"], WORDS=False, POLY=False, PRMT=False)
     words = use_words(w) if words is None else words and use_words(w)
     poly = words and w.bits == 2 and w.b is not None and poly is not False and not prmt  # tables with cubics
     C, BPC = (16, 4) if prmt else (32, 4 * w.bits) if words else codes_per_chunk(w.mode, w.bits)
     G = w.groups
     bk = pick_block_k(w.n_in, w.n_in // G, block_k, C)
     return dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=w.n_in // G, BKC=bk // C, WORDS=words,
-                POLY=poly, PRMT=prmt)
+                POLY=poly, PRMT=prmt, VD=1, VQF=0)
 
 
 _PRMT_FAILED: list[str] = []  # set when the prmt kernels fail to compile here: the auto choice then falls back
@@ -189,13 +202,15 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                words: bool | None = None, poly: bool | None = None, prmt: bool | None = None,
                out_dtype: torch.dtype = torch.float32, num_stages: int | None = None,
                num_warps_down: int | None = None, num_stages_down: int | None = None,
-               h_rotate=None) -> torch.Tensor:
+               h_rotate=None, vq_gather: bool = False) -> torch.Tensor:
     """Fused MoE for few tokens. x [N, D]; ids, weights [N, A]; w1, w3 [E, I, D] and w2 [E, D, I] as
-    QWeight (all of one mode). Returns out [N, D] in out_dtype. prmt (default: where it applies, i.e.
-    CUDA 2-bit fp16 tables in the word layout and words not turned off): the PTX prmt lookup with fp16x2
-    products (dequant.gemv_prmt); False: the previous select-tree / cubic path. h_rotate: a function
-    applied to the intermediate h [T, I] fp32 between the two launches (the incoherence rotation of w2's
-    inputs, runtime/experts.py; it takes the non-prmt path, whose h is fp32 in natural order)."""
+    QWeight (all of one mode). Returns out [N, D] in out_dtype. vq: word chunks by default (codebook
+    gathers through L1), vq_gather=True their tl.gather variant, words=False the byte-code GEMV. prmt
+    (default: where it applies, i.e. CUDA 2-bit fp16 tables in the word layout and words not turned off):
+    the PTX prmt lookup with fp16x2 products (dequant.gemv_prmt); False: the previous select-tree / cubic
+    path. h_rotate: a function applied to the intermediate h [T, I] fp32 between the two launches (the
+    incoherence rotation of w2's inputs, runtime/experts.py; it takes the non-prmt path, whose h is fp32
+    in natural order)."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     # x in its own dtype: every GEMV path converts its loads to fp32 (and prmt_pairs rounds to fp16, which
     # bf16 -> fp16 does exactly as bf16 -> fp32 -> fp16); an fp32 copy first was one more kernel per layer
@@ -231,11 +246,14 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     num_stages_down = num_stages_down or cfg["num_stages_down"]
     launch1 = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
     launch2 = {"num_warps": num_warps_down} | ({"num_stages": num_stages_down} if num_stages_down else {})
-    s1, s2 = _static(w1, block_k, words, poly, prmt), _static(w2, block_k_down, words, poly, prmt)
+    s1 = _static(w1, block_k, words, poly, prmt, vq_gather)
+    s2 = _static(w2, block_k_down, words, poly, prmt, vq_gather)
     h = torch.empty(T, I, dtype=torch.float16 if prmt else torch.float32, device=x.device)
     (d1, a1, b1), (d3, a3, b3) = w1.ptrs(), w3.ptrs()
     if s1["WORDS"]:
         d1, d3 = d1.view(torch.int32), d3.view(torch.int32)
+    if s1["VQF"]:  # int32 code words, codebook in words of d fp16
+        (d1, a1), (d3, a3) = w1.vq_views(), w3.vq_views()
     if prmt:  # fp16 pairs in the prmt order; tables as two int32 per group
         x = prmt_pairs(x)  # [N, 8, D/16] int32
         a1, a3 = a1.view(torch.int32), a3.view(torch.int32)
@@ -262,6 +280,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     d2, a2, b2 = w2.ptrs()
     if s2["WORDS"]:
         d2 = d2.view(torch.int32)
+    if s2["VQF"]:
+        d2, a2 = w2.vq_views()
     if prmt:
         a2, h = a2.view(torch.int32), h.view(torch.int32)
     _down_kernel[(N, n_d, split)](

@@ -12,7 +12,8 @@ step through this path can be captured in a CUDA graph. P = (cdiv(T, BM) + min(E
 
 Two launches, one program per (BM-block of slots, BN-block of outputs):
   1. gate/up: x rows gathered by token id straight from the input, W1/W3 tiles [BN, BK] dequantized
-     in registers to bf16 (dequant.dequant_tile: codebook/affine/fp8), two tl.dot into fp32;
+     in registers to bf16 (dequant.dequant_tile: codebook/affine/fp8/vq), two tl.dot into fp32 (fp8 and
+     vq row scales applied to the fp32 result's columns);
      h = silu(g) ⊙ u stored bf16 [T, I] in slot order.
   2. down: h rows of the block, W2 tiles, tl.dot; the routing weight of each slot is applied in
      registers; y [T, D] (x dtype) in slot order, then out = y.view(N, A, D).sum(1).
@@ -31,12 +32,14 @@ import triton.language as tl
 from .dequant import (
     MODE_DENSE,
     MODE_FP8,
+    MODE_VQ,
     QWeight,
     check_moe_args,
     codes_per_chunk,
     dequant_ref,
     dequant_tile,
     pick_block_k,
+    vq_static,
 )
 
 # Defaults (hand sweep on the H200, benchmarks/bench_moe_kernel.py --sweep): prefill (many slots per
@@ -77,7 +80,7 @@ def _gate_up_kernel(x_ptr, sid_ptr, bexp_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3
                     T, I, E, stride_xn, stride_we, stride_wo, stride_ae, stride_ao,
                     D: tl.constexpr, A: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                     C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VD: tl.constexpr = 1):
     pid_m = tl.program_id(0)
     e = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if e >= E:  # a block past the last expert's run
@@ -94,14 +97,17 @@ def _gate_up_kernel(x_ptr, sid_ptr, bexp_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3
         xt = tl.load(x_ptr + tok[:, None] * stride_xn + k[None, :], mask=valid[:, None] & (k < D)[None, :],
                      other=0.0).to(DOT)
         w1 = dequant_tile(w1_ptr + e * stride_we, a1_ptr + e * stride_ae, b1_ptr + e * stride_ae, offs_n, mask_n,
-                          stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BK, DOT)
+                          stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BK, DOT, VD)
         acc_g = tl.dot(xt, tl.trans(w1), acc_g)
         w3 = dequant_tile(w3_ptr + e * stride_we, a3_ptr + e * stride_ae, b3_ptr + e * stride_ae, offs_n, mask_n,
-                          stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BK, DOT)
+                          stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BK, DOT, VD)
         acc_u = tl.dot(xt, tl.trans(w3), acc_u)
     if MODE == 2:  # fp8 row scales: one per output column of the tile
         acc_g *= tl.load(a1_ptr + e * stride_ae + offs_n, mask=mask_n, other=0.0)[None, :]
         acc_u *= tl.load(a3_ptr + e * stride_ae + offs_n, mask=mask_n, other=0.0)[None, :]
+    if MODE == 4:  # vq row scales [E, I] (b)
+        acc_g *= tl.load(b1_ptr + e * I + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_u *= tl.load(b3_ptr + e * I + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + slot[:, None].to(tl.int64) * I + offs_n[None, :], h.to(tl.bfloat16),
              mask=valid[:, None] & mask_n[None, :])
@@ -112,7 +118,7 @@ def _down_kernel(h_ptr, sid_ptr, bexp_ptr, wts_ptr, w2_ptr, a2_ptr, b2_ptr, y_pt
                  T, D, E, stride_we, stride_wo, stride_ae, stride_ao,
                  I: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                  C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VD: tl.constexpr = 1):
     pid_m = tl.program_id(0)
     e = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if e >= E:
@@ -127,20 +133,26 @@ def _down_kernel(h_ptr, sid_ptr, bexp_ptr, wts_ptr, w2_ptr, a2_ptr, b2_ptr, y_pt
         k = k0 + tl.arange(0, BK)
         ht = tl.load(h_ptr + srow[:, None] * I + k[None, :], mask=valid[:, None] & (k < I)[None, :], other=0.0).to(DOT)
         w2 = dequant_tile(w2_ptr + e * stride_we, a2_ptr + e * stride_ae, b2_ptr + e * stride_ae, offs_n, mask_n,
-                          stride_wo, stride_ao, k0, I, MODE, BITS, C, BPC, G, GS, BK, DOT)
+                          stride_wo, stride_ao, k0, I, MODE, BITS, C, BPC, G, GS, BK, DOT, VD)
         acc = tl.dot(ht, tl.trans(w2), acc)
     if MODE == 2:
         acc *= tl.load(a2_ptr + e * stride_ae + offs_n, mask=mask_n, other=0.0)[None, :]
+    if MODE == 4:
+        acc *= tl.load(b2_ptr + e * D + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(wts_ptr + slot, mask=valid, other=0.0)[:, None]
     tl.store(y_ptr + srow[:, None] * D + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=valid[:, None] & mask_n[None, :])
 
 
 def _static(w: QWeight, block_k: int) -> dict:
+    if w.mode == MODE_VQ:  # byte codes (the tile gathers codebook rows; no word chunks here)
+        st = vq_static(w, block_k, words=False)
+        del st["VQF"]
+        return st
     C, BPC = codes_per_chunk(w.mode, w.bits)
     G = w.groups
     return dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=w.n_in // G,
-                BK=pick_block_k(w.n_in, w.n_in // G, block_k, C))
+                BK=pick_block_k(w.n_in, w.n_in // G, block_k, C), VD=1)
 
 
 # Configs whose compile failed (Triton 3.6's TritonGPUOptimizeDotOperands pass fails on some table-dequant

@@ -3,7 +3,8 @@
 Shape legend: M = rows of x (tokens), K = inputs, O = outputs, BO/BK/BM = tile sizes.
 
 W is a `dequant.QWeight` with E = 1: group-wise 4-bit codes with affine levels (rtn: zero + scale·idx)
-or a 16-entry table (hls), any other bit width of those codecs, fp8, or plain bf16 (the peer).
+or a 16-entry table (hls), any other bit width of those codecs, fp8, vector codebooks (vq: row scales
+applied to the output like fp8's), or plain bf16 (the peer).
   - M ≤ GEMV_MAX_M (decode): `_gemv_kernel`, one program per (row of x, block of BO outputs), CUDA
     cores, fp32 register tile reduced once at the end.
   - larger M: `_gemm_kernel`, one program per (BM rows, BN outputs), tiles dequantized to bf16 and
@@ -17,7 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .dequant import QWeight, codes_per_chunk, dequant_ref, dequant_tile, gemv_chunks, pick_block_k
+from .dequant import (
+    MODE_VQ,
+    QWeight,
+    codes_per_chunk,
+    dequant_ref,
+    dequant_tile,
+    gemv_chunks,
+    pick_block_k,
+    vq_static,
+)
 from .moe_prefill import dot_dtype
 
 GEMV_MAX_M = 8
@@ -33,7 +43,8 @@ SMALL_GEMM_CONFIG = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 
 def _gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, O, stride_xm, stride_wo, stride_ao,
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                  C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
-                 BO: tl.constexpr, BKC: tl.constexpr, UNROLL: tl.constexpr):
+                 BO: tl.constexpr, BKC: tl.constexpr, UNROLL: tl.constexpr, VD: tl.constexpr = 1,
+                 VQF: tl.constexpr = 0):
     m = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
     mask_o = offs_o < O
@@ -43,10 +54,12 @@ def _gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, O, stride_xm, stri
     for k0 in range(0, K, BKC * C * UNROLL):
         for u in tl.static_range(UNROLL):
             acc = gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr + m * stride_xm, offs_o, mask_o, stride_wo,
-                              stride_ao, k0 + u * BKC * C, K, MODE, BITS, C, BPC, G, GS, BKC)
+                              stride_ao, k0 + u * BKC * C, K, MODE, BITS, C, BPC, G, GS, BKC, VD, VQF)
     y = tl.sum(acc, axis=1)
     if MODE == 2:
         y *= tl.load(a_ptr + offs_o, mask=mask_o, other=0.0)
+    if MODE == 4:  # vq row scales (b)
+        y *= tl.load(b_ptr + offs_o, mask=mask_o, other=0.0).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_o, mask=mask_o, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * O + offs_o, y.to(y_ptr.dtype.element_ty), mask=mask_o)
@@ -56,7 +69,7 @@ def _gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, O, stride_xm, stri
 def _gemm_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, M, O, stride_xm, stride_wo, stride_ao,
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                  C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VD: tl.constexpr = 1):
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     mask_m = offs_m < M
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -67,10 +80,12 @@ def _gemm_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, M, O, stride_xm, s
         xt = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k[None, :],
                      mask=mask_m[:, None] & (k < K)[None, :], other=0.0).to(DOT)
         w = dequant_tile(w_ptr, a_ptr, b_ptr, offs_n, mask_n, stride_wo, stride_ao, k0, K,
-                         MODE, BITS, C, BPC, G, GS, BK, DOT)
+                         MODE, BITS, C, BPC, G, GS, BK, DOT, VD)
         acc = tl.dot(xt, tl.trans(w), acc)
     if MODE == 2:
         acc *= tl.load(a_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if MODE == 4:
+        acc *= tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * O + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -92,13 +107,19 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
     M = x2.shape[0]
     y = torch.empty(M, O, dtype=x.dtype, device=x.device)
     d, a, b = w.ptrs()
-    C, BPC = codes_per_chunk(w.mode, w.bits)
-    G = w.groups
-    st = dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=K // G)
     bias_arg = bias if bias is not None else d
     if M <= GEMV_MAX_M:
         c = GEMV_CONFIG | cfg
-        bk = pick_block_k(K, K // G, c["block_k"], C)
+        if w.mode == MODE_VQ:  # cfg words=False: the byte-code variant, vq_gather=True: tl.gather (gemv_vq)
+            st = vq_static(w, c["block_k"], c.get("words", True), c.get("vq_gather", False))
+            bk, C = st.pop("BK"), st["C"]
+            if st["VQF"]:
+                d, a = w.vq_views()
+        else:
+            C, BPC = codes_per_chunk(w.mode, w.bits)
+            G = w.groups
+            st = dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=K // G)
+            bk = pick_block_k(K, K // G, c["block_k"], C)
         unroll = c.get("unroll", 1)
         while unroll > 1 and K % (bk * unroll):
             unroll //= 2
@@ -107,7 +128,15 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
             HAS_BIAS=bias is not None, BO=c["block_o"], BKC=bk // C, UNROLL=unroll, num_warps=c["num_warps"], **st)
     else:
         c = (SMALL_GEMM_CONFIG if M <= 64 else GEMM_CONFIG) | cfg
-        bk = pick_block_k(K, K // G, c["block_k"], C)
+        if w.mode == MODE_VQ:
+            st = vq_static(w, c["block_k"], words=False)
+            bk = st.pop("BK")
+            del st["VQF"]
+        else:
+            C, BPC = codes_per_chunk(w.mode, w.bits)
+            G = w.groups
+            st = dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=K // G)
+            bk = pick_block_k(K, K // G, c["block_k"], C)
         _gemm_kernel[(triton.cdiv(M, c["block_m"]), triton.cdiv(O, c["block_n"]))](
             x2, d, a, b, bias_arg, y, M, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
             HAS_BIAS=bias is not None, BM=c["block_m"], BN=c["block_n"], BK=bk, DOT=dot_dtype(),

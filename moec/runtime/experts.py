@@ -12,7 +12,8 @@ The stored parts of each codec are listed in formats/codecs.py; each codec is a 
 w[e, o, i] = lut[e, o, i // g, idx[e, o, i]]. `dequant_ref` is the torch reference (the CPU path).
 On CUDA the Triton kernels read what is stored, not the fp32 lut: hls/fp3 an fp16 copy of the table
 (`lut16`, 2·K bytes per group), rtn its fp16 scale and zero (affine levels), fp8 the e4m3 weights and
-row scales (`qweight()` hands them over as kernels/dequant.QWeight). A MoE step on CUDA takes the fused
+row scales, vq its BITSTREAM codes, fp16 codebook [E, K, d] and row scales (`qweight()` hands them over
+as kernels/dequant.QWeight). A MoE step on CUDA takes the fused
 decode GEMV (kernels/moe_decode.py) for up to DECODE_MAX_TOKENS tokens and the grouped dequant-GEMM
 (kernels/moe_prefill.py) above; a quantized attention projection the kernels/qlinear.py GEMV/GEMM.
 
@@ -78,7 +79,8 @@ def is_quantized(codec: str) -> bool:
 
 
 class QuantMatrix(nn.Module):
-    """A stacked matrix [E, O, I] held as codes + lut (LUT codecs) or fp8 + row scales."""
+    """A stacked matrix [E, O, I] held as codes + lut (LUT codecs), fp8 + row scales, vq codes + codebook +
+    row scales, or any other codec's stored parts (dequantized by its hook, no kernel)."""
 
     def __init__(self, codec: str, bits: int, shape: tuple[int, ...], stored: dict[str, torch.Tensor]):
         super().__init__()
@@ -114,6 +116,11 @@ class QuantMatrix(nn.Module):
                 self.register_buffer("lut16", self.lut.half().contiguous())
                 if bits == 2:  # the GEMV's FMA-pipe decode (lut_poly) of the same fp16 tables
                     self.register_buffer("poly", lut_poly(self.lut16))
+        elif codec == "vq":  # the kernels read the stored parts as they are (kernels/dequant.py MODE_VQ)
+            self.parts = ["codes", "codebook", "row_scale"]
+            self.register_buffer("codes", stored["codes"].contiguous())  # uint8 [E, O, bytes] BITSTREAM
+            self.register_buffer("codebook", stored["codebook"].half().contiguous())  # [E, 2^(bits·d), d]
+            self.register_buffer("row_scale", stored["row_scale"].contiguous())  # fp16 [E, O]
         else:  # any other registered codec: its stored parts, dequantized by its hook (no kernel)
             self.kernel_mode = None
             self.parts = list(stored)
@@ -133,9 +140,18 @@ class QuantMatrix(nn.Module):
         return r == self.rotated and (not r or torch.equal(self.had_signs, other.had_signs))
 
     def kernel_ok(self) -> bool:
-        """Whether the Triton kernels take this matrix (groups of multiples of 16 inputs, or one per row)."""
+        """Whether the Triton kernels take this matrix (LUT codecs: groups of multiples of 16 inputs, or one
+        per row; vq: d in kernels/dequant.VQ_DIMS dividing I and codes of bits·d in VQ_WIDTHS, i.e. at most
+        12 bits, so a code spans at most two bytes of its row; rows of whole word chunks take the faster
+        word-chunk GEMV, others its byte-code variant)."""
         if self.kernel_mode is None:
             return False
+        if self.codec == "vq":
+            from ..kernels.dequant import VQ_DIMS, VQ_WIDTHS
+
+            K, d = self.codebook.shape[1:]
+            return d in VQ_DIMS and self.shape[2] % d == 0 and K == 1 << (self.bits * d) \
+                and self.bits * d in VQ_WIDTHS
         if not self.lut_codec:
             return True
         I, G = self.shape[2], self.lut.shape[2]
@@ -150,6 +166,8 @@ class QuantMatrix(nn.Module):
             return QWeight(mode, 8, self.shape[2], self.fp8, self.scale)
         if self.codec == "rtn":
             return QWeight(mode, self.bits, self.shape[2], self.codes, self.scale, self.zero)
+        if self.codec == "vq":
+            return QWeight(mode, self.bits, self.shape[2], self.codes, self.codebook, self.row_scale)
         return QWeight(mode, self.bits, self.shape[2], self.codes, self.lut16, getattr(self, "poly", None))
 
     def dequant_ref(self, e: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -159,7 +177,7 @@ class QuantMatrix(nn.Module):
         if self.codec == "fp8":
             w = self.fp8[sl].float() * self.scale[sl][..., None]
         elif not self.lut_codec:
-            parts = {k: getattr(self, f"part_{k}") for k in self.parts}
+            parts = {k: getattr(self, k if self.codec == "vq" else f"part_{k}") for k in self.parts}
             w = dequantize(self.codec, self.bits, self.shape, parts)[sl]
         else:
             lut = self.lut[sl]
