@@ -175,7 +175,7 @@ def _fixed_chunk(widths: Sequence[int]) -> tuple[int, int] | None:
     """(codes, bytes) per whole-byte chunk when every code has one width w and a chunk fits an int64
     (w in 1..16 but not 9, 11, 13, 15: lcm(w, 8) <= 64): the fast path of pack_bits / unpack_bits."""
     if not widths or len(set(widths)) != 1:
-        return None
+        return None  # (no codes: the general path handles the empty row)
     w = widths[0]
     span = w * 8 // math.gcd(w, 8)  # lcm(w, 8) bits
     return (span // w, span // 8) if 1 <= w and span <= 64 else None
@@ -184,6 +184,8 @@ def _fixed_chunk(widths: Sequence[int]) -> tuple[int, int] | None:
 def pack_bits(codes: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
     """codes [..., n] integers, code j < 2^widths[j] -> uint8 [..., ceil(Σ widths / 8)] (Layout.BITSTREAM)."""
     assert codes.shape[-1] == len(widths), (codes.shape, len(widths))
+    if not codes.numel():  # no rows, or rows of no codes
+        return torch.zeros(*codes.shape[:-1], bitstream_width(widths), dtype=torch.uint8, device=codes.device)
     if (chunk := _fixed_chunk(widths)) is not None:  # one width: whole chunks as int64, the same bytes
         per, nbytes = chunk
         n, w = len(widths), widths[0]
@@ -203,6 +205,8 @@ def pack_bits(codes: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, widths: Sequence[int], n: int | None = None) -> torch.Tensor:
     """Inverse of pack_bits: uint8 [..., nbytes] -> int64 codes [..., len(widths)] (n, when given, = len(widths))."""
     assert n is None or n == len(widths), (n, len(widths))
+    if not packed.numel():  # no rows (an empty archive): nothing to read
+        return torch.zeros(*packed.shape[:-1], len(widths), dtype=torch.int64, device=packed.device)
     if (chunk := _fixed_chunk(widths)) is not None:
         per, nbytes = chunk
         w = widths[0]

@@ -487,6 +487,8 @@ class _QuantQKV(torch.nn.Module):
             return None
         if any(q.rotated for q in qs):  # incoherence: each QLinear rotates its input itself (separate launches)
             return None
+        if any(q.codec == "vq" for q in qs):  # one codebook and row scales per matrix: no concatenated layout
+            return None
         names = [n for n in cls.PARTS if all(isinstance(getattr(q, n, None), torch.Tensor) for q in qs)]
         if any(len({getattr(q, n).shape[2:] for q in qs}) != 1 for n in names):  # groups differ
             return None

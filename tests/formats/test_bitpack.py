@@ -5,6 +5,7 @@ import hashlib
 import pytest
 import torch
 
+from moec.formats import bitpack
 from moec.formats.bitpack import LAYOUTS, Layout, pack, packed_row_bytes, unpack
 
 
@@ -119,3 +120,18 @@ def test_frozen_bytes_of_the_replaced_packers():
         packed = LAYOUTS[layout].pack(codes, **p)
         assert hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:16] == digest, (layout, p)
         assert torch.equal(LAYOUTS[layout].unpack(packed, n=n, **p), codes), (layout, p)
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16])
+def test_bitstream_one_width_fast_path_same_bytes(w):
+    """pack_bits / unpack_bits with one width take an int64-chunk path: the bytes equal the bit-by-bit
+    layout (mixed widths that sum the same force the general path), and empty rows round-trip."""
+    g = torch.Generator().manual_seed(w)
+    for n in (1, 5, 13, 64):
+        c = torch.randint(0, 1 << w, (3, n), generator=g)
+        general = bitpack.pack_bits(torch.cat([c, torch.zeros(3, 1, dtype=torch.long)], 1), [w] * n + [0])
+        assert torch.equal(bitpack.pack_bits(c, [w] * n), general)
+        assert torch.equal(bitpack.unpack_bits(general, [w] * n), c)
+    empty = torch.zeros(1, 2, 0, 4, dtype=torch.long)
+    assert bitpack.pack_bits(empty, [w] * 4).shape == (1, 2, 0, -(-4 * w // 8))
+    assert bitpack.unpack_bits(bitpack.pack_bits(empty, [w] * 4), [w] * 4).shape == (1, 2, 0, 4)
