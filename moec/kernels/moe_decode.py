@@ -77,6 +77,11 @@ LEGACY_CONFIG = {"block_o": 16, "block_k": 1024, "num_warps": 8, "num_stages": N
 # b1); down 8 rows of 1024 inputs. Mixtral b1 190.6 -> 173.9 us per layer (95% of copy bandwidth), Qwen3 b1
 # 37.3 -> 33.5, Qwen3 b16 294 -> 238.
 DENSE_CONFIG = {"block_k": 512, "block_o_down": 8, "block_k_down": 1024}
+# vq experts (benchmarks/sweep_moe_decode.py --kind vq2|vq3 --batches 1, moe_decode_sweep_vq*_h200.json): 8-row
+# gate/up programs over 1024 inputs and 8 warps, 16-row down programs; Mixtral b1 vq2 0.251 -> 0.194 ms per
+# layer, vq3 0.183 -> 0.170 (best single configs: 0.172 / 0.170). A codebook gather per code bounds them.
+VQ_CONFIG = {"block_o": 8, "block_k": 1024, "num_warps": 8, "num_stages": None, "block_o_down": 16,
+             "block_k_down": 1024, "num_warps_down": 8, "num_stages_down": None}
 
 
 @triton.jit
@@ -231,7 +236,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
         prmt = False
     prmt = prmt and can
     # launch settings: the caller's, else the swept prmt defaults (DECODE_CONFIG), else the earlier ones
-    cfg = DECODE_CONFIG if prmt else LEGACY_CONFIG
+    cfg = DECODE_CONFIG if prmt else VQ_CONFIG if w1.mode == MODE_VQ else LEGACY_CONFIG
     wide = T * triton.cdiv(I, 32) >= 4 * SMS  # 32-row gate/up programs still fill every SM several times
     if w1.mode == MODE_DENSE:
         wide16 = T * triton.cdiv(I, 16) >= 4 * SMS

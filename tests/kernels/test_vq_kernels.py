@@ -72,9 +72,11 @@ def test_word_chunks_need_whole_chunks():
 
 # (N tokens, top-k A, experts E, D, I): D = 48, I = 40 are rows of partial word chunks for some widths (the
 # default then takes byte codes) and not multiples of the tiles
+# (the gather and byte variants on one shape each: the interpreter's time goes to the CI budget)
 @pytest.mark.parametrize("bits,d", BITS_DIMS)
-@pytest.mark.parametrize("N,A,E,D,I", [(1, 2, 4, 64, 32), (2, 2, 3, 32, 64), (1, 1, 3, 48, 40)])
-@pytest.mark.parametrize("path", ["words", "bytes", "gather"])
+@pytest.mark.parametrize("N,A,E,D,I,path", [(1, 2, 4, 64, 32, "words"), (2, 2, 3, 32, 64, "words"),
+                                             (1, 1, 3, 48, 40, "words"), (1, 2, 4, 64, 32, "gather"),
+                                             (2, 2, 3, 32, 64, "bytes")])
 def test_moe_decode_matches_reference(bits, d, N, A, E, D, I, path):
     """The three GEMV variants: word chunks (the default), byte codes (words=False), tl.gather lookups."""
     x, ids, wts, w1, w3, w2 = vq_case(bits, d, N, A, E, D, I, seed=bits + d + N + D)
@@ -108,7 +110,7 @@ def test_grouped_matches_reference(bits, d):
 
 
 @pytest.mark.parametrize("bits,d", BITS_DIMS)
-@pytest.mark.parametrize("M", [1, 2, 19])
+@pytest.mark.parametrize("M", [1, 19])
 def test_qlinear_matches_reference(bits, d, M):
     gen = torch.Generator().manual_seed(M + bits * d)
     K, O = 64, 24
