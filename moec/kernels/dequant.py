@@ -845,11 +845,13 @@ def dequant_ref(w: QWeight) -> torch.Tensor:
 
     if w.mode == MODE_DENSE:
         return w.data.float()
-    if w.mode == MODE_VQ:  # the codec's own reference, so kernels and runtime are checked against one formula
-        from ..runtime.weightcodecs import dequantize_vq
-
-        return dequantize_vq(w.bits, (*w.data.shape[:2], w.n_in),
-                             {"codes": w.data, "codebook": w.a, "row_scale": w.b})
+    if w.mode == MODE_VQ:  # w = row_scale · codebook[code] (kernels may not import the runtime's
+        # dequantize_vq; tests/kernels/test_vq_kernels.py checks the two are equal)
+        E, O, _ = w.data.shape
+        K, d = w.a.shape[-2:]
+        J = w.n_in // d
+        idx = bitpack.unpack_bits(w.data, [K.bit_length() - 1] * J).reshape(E, O * J, 1).expand(-1, -1, d)
+        return w.a.float().gather(1, idx).reshape(E, O, w.n_in) * w.b.float()[..., None]
     if w.mode == MODE_FP8:
         return w.data.float() * w.a.float()[..., None]
     E, O, _ = w.data.shape
