@@ -165,7 +165,7 @@ def quantize_all(state: dict, H: dict, names: list[str], m: dict, kd_data=None) 
             nbits += W3.numel() * (m["bits"] + 32 / g)
         elif m["codec"] == "vq":
             stored = vq.quantize_vq(W3, Hn, m["bits"], m["dim"] or 4, rounds=m["refit"])
-            Wh = vq.dequantize_vq(tuple(W3.shape), stored)
+            Wh = vq.fitted_weight(stored)
             nbits += W3.numel() * m["bits"] + 8 * (stored_bytes(stored) - stored_bytes({"c": stored["codes"]}))
         else:
             stored = hls.quantize(W3, Hn, m["codec"], m["bits"], m["group"], gptq=m["gptq"],

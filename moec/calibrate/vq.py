@@ -31,11 +31,9 @@ import torch
 
 from ..errors import UserError
 from ..formats import bitpack
+from ..formats.codecs import VQ_DIMS, VQ_MAX_WIDTH
 from ..runtime.weightcodecs import vq_code_width
 from .hls import gptq_factor, weighted_lloyd
-
-VQ_DIMS = (1, 2, 4, 8)  # vector lengths the kernels take (a power of two: a code's inputs stay in one 16-input word)
-VQ_MAX_WIDTH = 12  # bits per code: a codebook of at most 4096 vectors (32 KiB at d = 4 in fp16)
 
 
 def vq_codewords(bits: int, dim: int) -> int:
@@ -186,9 +184,9 @@ def quantize_vq(W: torch.Tensor, H: torch.Tensor | None, bits: int, dim: int, ro
     return {"codes": idx, "codebook": C.half(), "row_scale": s.half()}
 
 
-def dequantize_vq(shape: tuple[int, int, int], stored: dict) -> torch.Tensor:
-    """W_hat from quantize_vq's unpacked parts (the stored form: runtime/weightcodecs.dequantize_vq)."""
-    return reconstruct(stored["codebook"], stored["row_scale"], stored["codes"].long()).reshape(shape)
+def fitted_weight(stored: dict) -> torch.Tensor:
+    """W_hat [E, O, I] from quantize_vq's parts (codes unpacked; the stored form: weightcodecs.dequantize_vq)."""
+    return reconstruct(stored["codebook"], stored["row_scale"], stored["codes"].long())
 
 
 def check_vq_rule(rule) -> None:

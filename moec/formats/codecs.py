@@ -7,6 +7,8 @@ from enum import StrEnum
 
 KEEP = "keep"  # the `codec` of a tensor stored as the source has it
 ROTATION_PART = "had_signs"  # the stored part of a matrix fitted in a rotated basis (WeightCodec below)
+VQ_DIMS = (1, 2, 4, 8)  # vq vector lengths (WeightCodec.VQ): powers of two, so a code's inputs stay in one word
+VQ_MAX_WIDTH = 12  # bits per vq code: a codebook of at most 4096 vectors, a code spans at most two bytes
 
 
 class WeightCodec(StrEnum):

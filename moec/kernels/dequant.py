@@ -45,8 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats.codecs import VQ_DIMS
+
 MODE_LUT, MODE_AFFINE, MODE_FP8, MODE_DENSE, MODE_VQ = 0, 1, 2, 3, 4
-VQ_DIMS = (1, 2, 4, 8)  # vector lengths d the kernels take
 VQ_WIDTHS = (2, 3, 4, 6, 8, 12)  # code widths bits·d they take: a code spans at most two bytes of its row
 
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..errors import FormatError
 from ..formats import bitpack
-from ..formats.codecs import ROTATION_PART
+from ..formats.codecs import ROTATION_PART, VQ_DIMS
 from ..registry import weight_codec, weight_codecs
 from ..rotation import hadamard, rotate, signs_error, unpack_signs
 from .backend import kernels_enabled
@@ -141,13 +141,13 @@ class QuantMatrix(nn.Module):
 
     def kernel_ok(self) -> bool:
         """Whether the Triton kernels take this matrix (LUT codecs: groups of multiples of 16 inputs, or one
-        per row; vq: d in kernels/dequant.VQ_DIMS dividing I and codes of bits·d in VQ_WIDTHS, i.e. at most
+        per row; vq: d in formats/codecs.VQ_DIMS dividing I and codes of bits·d in VQ_WIDTHS, i.e. at most
         12 bits, so a code spans at most two bytes of its row; rows of whole word chunks take the faster
         word-chunk GEMV, others its byte-code variant)."""
         if self.kernel_mode is None:
             return False
         if self.codec == "vq":
-            from ..kernels.dequant import VQ_DIMS, VQ_WIDTHS
+            from ..kernels.dequant import VQ_WIDTHS
 
             K, d = self.codebook.shape[1:]
             return d in VQ_DIMS and self.shape[2] % d == 0 and K == 1 << (self.bits * d) \
@@ -176,8 +176,11 @@ class QuantMatrix(nn.Module):
         sl = slice(None) if e is None else slice(e, e + 1)
         if self.codec == "fp8":
             w = self.fp8[sl].float() * self.scale[sl][..., None]
+        elif self.codec == "vq":  # every part leads with E: dequantize only the experts asked for
+            parts = {k: getattr(self, k)[sl] for k in self.parts}
+            w = dequantize(self.codec, self.bits, (parts["codes"].shape[0], O, I), parts)
         elif not self.lut_codec:
-            parts = {k: getattr(self, k if self.codec == "vq" else f"part_{k}") for k in self.parts}
+            parts = {k: getattr(self, f"part_{k}") for k in self.parts}
             w = dequantize(self.codec, self.bits, self.shape, parts)[sl]
         else:
             lut = self.lut[sl]

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import FormatError
 from ..formats import bitpack
+from ..formats.codecs import VQ_DIMS
 
 FP3_GRID = torch.tensor([-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0])
 
@@ -118,6 +120,8 @@ def random_vq(bits, shape, group_size, device, gen=None):
     """Codewords of N(0, 1) entries (a rotated, row-normalized weight is near Gaussian), row scale 0.02."""
     E, O, I = shape
     d = group_size
+    if d not in VQ_DIMS or I % d:  # a manifest's group_size (the vector length) checked before any shape
+        raise FormatError(f"vq group_size {d} is not a vector length (1, 2, 4 or 8) dividing the {I} inputs")
     width = vq_code_width(bits, d)
     nbytes = bitpack.bitstream_width([width] * (I // d))
     codes = torch.randint(0, 256, (E, O, nbytes), dtype=torch.uint8, device=device, generator=gen)

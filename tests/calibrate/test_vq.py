@@ -11,7 +11,7 @@ from moec.calibrate import hls, vq
 from moec.calibrate.pack import pack
 from moec.calibrate.recipe import WeightRule, parse_recipe
 from moec.calibrate.run import calibrate
-from moec.errors import UserError
+from moec.errors import FormatError, UserError
 from moec.rotation import rotate, unpack_signs
 from moec.runtime.hf_layout import HFCheckpoint
 from moec.runtime.loader import load_model
@@ -34,9 +34,9 @@ def test_vq_beats_scalar_codebooks_at_the_same_rate():
     vector GPTQ against plain nearest-codeword assignment of the same codebook."""
     W, H = _problem()
     err = {}
-    for name, st, deq in (("vq", vq.quantize_vq(W, H, 2, 4), lambda s: vq.dequantize_vq(W.shape, s)),
+    for name, st, deq in (("vq", vq.quantize_vq(W, H, 2, 4), vq.fitted_weight),
                           ("hls", hls.quantize(W, H, "hls", 2, 0), lambda s: hls.dequantize("hls", 2, W.shape, s)),
-                          ("vq-nogptq", vq.quantize_vq(W, None, 2, 4), lambda s: vq.dequantize_vq(W.shape, s))):
+                          ("vq-nogptq", vq.quantize_vq(W, None, 2, 4), vq.fitted_weight)):
         err[name] = hls.output_error(W, deq(st), H).item()
     assert err["vq"] < 0.7 * err["hls"], err
     assert err["vq"] < 0.8 * err["vq-nogptq"], err
@@ -94,7 +94,7 @@ def test_stored_layout_round_trip(bits, d):
     ref = vq.quantize_vq(W, H, bits, d)
     assert st["codes"].dtype == torch.uint8 and st["codes"].shape == (2, 8, -(-48 // d * bits * d // 8))
     assert st["codebook"].shape == (2, 1 << (bits * d), d) and st["row_scale"].shape == (2, 8)
-    assert torch.equal(dequantize_vq(bits, W.shape, st), vq.dequantize_vq(W.shape, ref))
+    assert torch.equal(dequantize_vq(bits, W.shape, st), vq.fitted_weight(ref))
     stand_in = random_vq(bits, W.shape, d, "cpu", torch.Generator().manual_seed(0))
     assert {k: (v.shape, v.dtype) for k, v in stand_in.items()} == {k: (v.shape, v.dtype) for k, v in st.items()}
 
@@ -139,3 +139,15 @@ def test_vq_pipeline(tiny_moe_dir, tmp_path):
     x = torch.randint(0, model.args.vocab_size, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
+        # the CPU reference dequantizes one expert at a time: expert e alone == row e of all experts
+        q = model.layers[0].moe.codec.w2
+        torch.testing.assert_close(q.dequant_ref(1), q.dequant_ref()[1], rtol=0, atol=0)
+    # a manifest whose vq group_size is not a vector length is a FormatError, not a traceback
+    for bad in (0, 3):
+        man_bad = json.loads(json.dumps(man))
+        for e in man_bad["tensors"].values():
+            if e.get("param") == "layers.0.moe.w2":
+                e["group_size"] = bad
+        (packed / "moec.json").write_text(json.dumps(man_bad))
+        with pytest.raises(FormatError, match="group_size"):
+            load_model(packed)
