@@ -1,5 +1,5 @@
 """Bit allocation at several budgets from one calibration (recipe `allocate:`, calibrate/allocate.py):
-calibrate → (choose again at each budget and sensitivity) → pack → ppl_tf on PTB test (BENCHMARKS.md).
+calibrate → (choose again at each budget and sensitivity) → pack → ppl_tf on PTB test (docs/benchmarks.md).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_alloc.py --model smollm2-135m \
         --recipe recipes/ablations/smollm2-mlp-alloc23-had-sweep.yaml --budgets 2.25 2.3 \

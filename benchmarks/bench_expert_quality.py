@@ -1,5 +1,5 @@
 """Weight quantization quality (experts / MLPs / attention projections): calibrate → pack → ppl_tf on
-PTB test (BENCHMARKS.md).
+PTB test (docs/benchmarks.md).
 
     python3 benchmarks/bench_expert_quality.py --model demo-moe \
         --recipes recipes/experts-hls2.yaml recipes/ablations/experts-rtn2.yaml ... [--windows 8] [--samples 32]
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--score-from", type=int, default=CONTEXT,
-                    help="first scored position (32 by BENCHMARKS.md; 1 = the llama.cpp peers' protocol)")
+                    help="first scored position (32 by docs/benchmarks.md; 1 = the llama.cpp peers' protocol)")
     ap.add_argument("--keep", type=Path, default=None, help="keep calib/packed dirs here")
     ap.add_argument("--ood", default="kjv", help="out-of-domain data set scored beside PTB test (its eval split; "
                                                  "'' to skip)")

@@ -2,7 +2,7 @@
 (latent-head, seed 000) and the cross-layer shared latent (latent-layer, seed 001), over ranks, latent
 bit widths, outlier fractions and pre- vs post-RoPE keys.
 
-Protocol (BENCHMARKS.md): PTB test, windows of W tokens (first --max-windows), positions 32..W−1
+Protocol (docs/benchmarks.md): PTB test, windows of W tokens (first --max-windows), positions 32..W−1
 scored, fp32 on the CPU, against the same model with an fp16 KV cache (DenseKVCache), decoded the same way.
 
 Evaluation mode `chunk` (default): after the 32-token prefill, each window is fed in chunks of
@@ -20,7 +20,7 @@ the same way.
 
     python3 benchmarks/bench_kv_latent.py --model smollm2-135m --grid smollm2 --recipes recipes/kv-latent-*.yaml
 
-Writes benchmarks/results/kv_latent_<model>.json (a list of records, BENCHMARKS.md fields; kv_bits at
+Writes benchmarks/results/kv_latent_<model>.json (a list of records, docs/benchmarks.md fields; kv_bits at
 the evaluated context for the evaluation batch, kv_bits_32k projected by the same stored-byte formula).
 """
 

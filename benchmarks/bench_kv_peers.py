@@ -1,6 +1,6 @@
 """HF transformers QuantizedCache peers (HQQ and quanto backends) on the KV-quality protocol.
 
-Same windows and scored positions as benchmarks/bench_kv_quality.py (BENCHMARKS.md: PTB test, W
+Same windows and scored positions as benchmarks/bench_kv_quality.py (docs/benchmarks.md: PTB test, W
 tokens per window, prefill 32, then one token at a time, positions 32..W−1 scored), with the HF
 model (transformers, fp32, CPU) decoding each window alone (batch 1: HQQ's axis-0 groups span the
 whole tensor, so windows decoded together would share quantization groups). The reference is the

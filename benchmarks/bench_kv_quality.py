@@ -1,7 +1,7 @@
 """KV-cache quality: decode-mode perplexity, KL and top-1 against the fp16 cache, and effective KV bits.
 
 For each recipe: `moec calibrate` (PTB train) → `moec pack` (cached under --work), then decode-mode
-perplexity on PTB test through the checkpoint's compressed cache (BENCHMARKS.md protocol: windows
+perplexity on PTB test through the checkpoint's compressed cache (docs/benchmarks.md protocol: windows
 of W tokens, prefill 32, then one token at a time, positions 32..W−1 scored). The baseline (same
 model, fp16 cache, same windows and batch) is decoded once and its logits kept, instead of in
 lockstep for every recipe: the numbers equal `moec eval --mode dec --baseline` (deterministic CPU
@@ -10,7 +10,7 @@ fp32), at half the cost.
     python3 benchmarks/bench_kv_quality.py --model smollm2-135m --max-windows 2 \\
         --recipes recipes/kv-kivi2.yaml recipes/ablations/kv-nuq2-outlier.yaml ...
 
-Writes benchmarks/results/kv_quality_<model>.json (a list of records, BENCHMARKS.md fields).
+Writes benchmarks/results/kv_quality_<model>.json (a list of records, docs/benchmarks.md fields).
 HF transformers' QuantizedCache peers (quanto / HQQ) run in benchmarks/bench_kv_peers.py on the
 same windows and scored positions (needs the `bench` extra; results kv_peers_<model>.json).
 """

@@ -18,7 +18,7 @@ are computed in chunks from kept final hidden states (an 8192-token window of Sm
     OMP_NUM_THREADS=1 python3 benchmarks/bench_kv_rvq.py --model smollm2-135m \\
         --recipes recipes/kv-rvq-tiered.yaml recipes/ablations/kv-rvq2.yaml recipes/ablations/kv-rvq1.yaml
 
-Writes benchmarks/results/kv_rvq_<model>.json (BENCHMARKS.md records; `kmeans_seconds` from calibration).
+Writes benchmarks/results/kv_rvq_<model>.json (docs/benchmarks.md records; `kmeans_seconds` from calibration).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Check simulated decode (moec/runtime/kvsim.py) against real decode mode on a sample (BENCHMARKS.md).
+"""Check simulated decode (moec/runtime/kvsim.py) against real decode mode on a sample (docs/benchmarks.md).
 
 For each packed checkpoint (as written by benchmarks/bench_kv_quality.py under --work), decode the
 first N windows of W tokens of PTB test twice: token by token through TieredKVCache (the eval's

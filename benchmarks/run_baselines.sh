@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Baseline quality of the built-in models on PTB test (BENCHMARKS.md protocol, fp32 on the CPU).
+# Baseline quality of the built-in models on PTB test (docs/benchmarks.md protocol, fp32 on the CPU).
 # Writes benchmarks/results/baseline_<model>_<windows>[_<mode>].json. The whole test set in decode
 # mode for SmolLM2 (99 windows of 1024 tokens) takes about an hour on two idle cores.
 set -euo pipefail

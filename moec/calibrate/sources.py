@@ -136,7 +136,7 @@ def load_tokenizer(model_dir: Path):
 
 
 def tokenize(tokenizer, text: str):
-    """Token ids of `text` as one tensor, tokenized once and without special tokens (BENCHMARKS.md)."""
+    """Token ids of `text` as one tensor, tokenized once and without special tokens (docs/benchmarks.md)."""
     import torch
 
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

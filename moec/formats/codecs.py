@@ -58,7 +58,7 @@ class WeightCodec(StrEnum):
 WEIGHT_PATTERN = re.compile(r"layers\.\d+\.(attn\.w[qkvo]\.weight|moe\.(router\.weight|w[123]|shared\..*weight|"
                             r"shared_gate\.weight))$")
 
-# Named groups a recipe rule can target (DESIGN.md: experts, shared_experts, mlp, attention, router, lm_head).
+# Named groups a recipe rule targets (docs/architecture.md; experts, shared_experts, mlp, attention, router, lm_head).
 # `experts` and `mlp` name the same stacked tensors: a MoE layer's experts, or a dense MLP stored as one
 # always-taken expert; Recipe.rule_for tells them apart by the layer's kind when the model is known, so on
 # a model with MoE and dense layers (Qwen2-MoE `mlp_only_layers`, DeepSeek's first dense layers) each

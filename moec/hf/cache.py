@@ -131,7 +131,7 @@ class MoecCache(Cache):
         return self.cache
 
     def bits_per_element(self) -> float:
-        """Effective KV bits of what the cache holds now (moec's stored-byte formula, BENCHMARKS.md)."""
+        """Effective KV bits of what the cache holds now (moec's stored-byte formula, docs/benchmarks.md)."""
         return self.cache.bits_per_element() if self.cache is not None else 0.0
 
 

@@ -138,7 +138,7 @@ _ARG_RULES = {k: r for k, (_, r) in _ARG_SPEC.items()}
 assert set(_ARG_SPEC) == {f.name for f in dataclasses.fields(ModelArgs)}, "a ModelArgs field without its check"
 
 
-# Performance shapes from DESIGN.md (random weights; nothing is downloaded).
+# Performance shapes of docs/architecture.md ("Models, shapes and data") (random weights; nothing is downloaded).
 PRESETS: dict[str, ModelArgs] = {
     "mixtral-8x7b": ModelArgs(
         arch="mixtral", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,

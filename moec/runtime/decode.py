@@ -745,7 +745,7 @@ def static_cache_factory(kv: dict | None, tensors: dict[str, torch.Tensor], args
 @torch.no_grad()
 def evaluate_dec(model: Transformer, windows: torch.Tensor, cache_fn, batch_size: int = 4,
                  baseline_logits=None) -> dict:
-    """ppl_dec by the BENCHMARKS.md protocol through the static engine (prefill CONTEXT tokens, then one
+    """ppl_dec by the docs/benchmarks.md protocol through the static engine (prefill CONTEXT tokens, then one
     token at a time, teacher forced). cache_fn(batch, max_len) -> static cache."""
     from .perplexity import CONTEXT, Totals
 

@@ -10,7 +10,7 @@ if j lies in one of the blocks_at(i) history blocks (causal: j ≤ i). Hidden st
 then follow from the same attention outputs as in decode mode. Equal to decode mode up to float
 summation order, provided the prompt prefill (CONTEXT tokens) evicts nothing, i.e.
 sinks + window + block > CONTEXT (asserted). benchmarks/bench_kv_quality.py checks it against
-decode mode on a sample before using it (BENCHMARKS.md).
+decode mode on a sample before using it (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Decode latency against the HBM floor (BENCHMARKS.md "Speed"), and random models at real shapes.
+"""Decode latency against the HBM floor (docs/benchmarks.md, "Speed"), and random models at real shapes.
 
-Random models: the DESIGN.md performance shapes (config.PRESETS) with random weights, built straight
+Random models: the performance shapes of docs/architecture.md (config.PRESETS) with random weights, built straight
 on the device: matrices a recipe quantizes get random stored parts of their codec (codes, plausible
 codebooks and scales; no fitting: speed does not depend on the values), the rest random bf16.
 `random_stored` is shared with `moec pack --random`, which writes the same tensors to disk.
@@ -145,7 +145,7 @@ def weight_bytes_per_step(model: Transformer, b: int) -> dict:
 
 
 def copy_bandwidth(device, nbytes: int = 4 << 30, iters: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s, read + write counted (BENCHMARKS.md floor)."""
+    """Device-to-device copy bandwidth in bytes/s, read + write counted (docs/benchmarks.md, "Floor")."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -1,4 +1,4 @@
-"""The evaluation protocol of BENCHMARKS.md: ppl_tf, ppl_dec, kld and top1 over fixed windows.
+"""The evaluation protocol of docs/benchmarks.md: ppl_tf, ppl_dec, kld and top1 over fixed windows.
 
 Windows are non-overlapping slices of W tokens of the tokenized text. In every window, tokens at
 positions CONTEXT..W-1 are scored (the first 32 are context only), in every mode:

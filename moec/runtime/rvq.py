@@ -1,7 +1,7 @@
 """Tiered residual-VQ KV cache (seed 002): fp16 sinks + window, a middle tier of multi-stage residual
 VQ codes, and an archive tier that older blocks are re-encoded into.
 
-Reading of seed 002 (DESIGN.md): each tier is a residual vector quantizer over sub-vectors of `dim`
+Reading of seed 002 (docs/architecture.md, seeds): each tier is a residual vector quantizer over sub-vectors of `dim`
 channels (P = head_dim / dim sub-vectors per token, one codebook per sub-vector position — per KV
 head, or shared by the heads), stage s with C_s centroids, so a tier costs Σ_s log2(C_s) / dim bits
 per element plus its codebooks (fp16, per layer, counted once). Stage s quantizes the residual the

@@ -59,7 +59,7 @@ def test_eval_help_puts_latency_options_in_their_own_panel(monkeypatch, capsys):
         assert quality < out.index(opt) < latency, opt
     for opt in ("--contexts", "--batches", "--steps", "--prefill-contexts", "--breakdown", "--plot", "--random"):
         assert out.index(opt) > latency, opt
-    assert "docs/metrics.md" in out and "BENCHMARKS.md" not in out
+    assert "docs/metrics.md" in out and "BENCHMARKS" not in out
 
 
 @pytest.mark.parametrize("command", [("calibrate", "mixtral-8x7b", "-r", "recipes/fp16.yaml", "-o", "{tmp}/c"),

@@ -1,6 +1,6 @@
 """The eval protocol: decode mode through the uncompressed (fp16) cache equals teacher forcing.
 
-BENCHMARKS.md: with an uncompressed cache ppl_dec equals ppl_tf to ~1e-3 relative. The fp16 cache
+docs/benchmarks.md: with an uncompressed cache ppl_dec equals ppl_tf to ~1e-3 relative. The fp16 cache
 rounds K/V to 11 significant bits (relative 2^-11 ≈ 5e-4 per element); those errors average out in
 attention, leaving ppl differences of ~1e-4 relative, so 1e-3 is a bound with margin that a real
 decode bug (wrong position, stale cache row, off-by-one scoring) exceeds by orders of magnitude.
