@@ -17,7 +17,9 @@ The kernel modules expose the defaults under their old names (moe_decode.DECODE_
 kv_decode_attention.CONFIG, ...): on a device without a file of its own (the H200 included) a launch uses
 those very dicts, so a benchmark that edits one in place changes the launches; on a device with a file it
 edits `config(kernel, device)[name]` instead. The sweeps (benchmarks/sweep_moe_decode.py,
-sweep_qlinear.py) write a device file with `--write-config DIR` (see there).
+sweep_qlinear.py) write a device file with `--write-config DIR` (write_overrides): the config that was best
+on most of the swept shapes and batches; review it, then set MOEC_KERNEL_CONFIG_DIR=DIR to use it, or copy it
+into moec/kernels/configs/ to ship it.
 
 NUM_SMS: num_sms(device) is the device's multiprocessor count; without a CUDA device, the defaults'.
 """
@@ -143,6 +145,30 @@ def num_sms(device=None) -> int:
     return n
 
 
+def write_overrides(directory, device_name: str, kernel: str, name: str, knobs: dict) -> tuple[str, dict]:
+    """Merge `knobs` into <directory>/<device_key(device_name)>.json under kernel.name (the file is created
+    if absent, replaced atomically): how a sweep writes a device file. Knobs the defaults' config lacks are
+    left out and returned, so a sweep's extra settings (e.g. a forced split) do not make the file invalid.
+    Returns (path, the knobs left out)."""
+    known = defaults()[kernel][name]
+    kept = {k: v for k, v in knobs.items() if k in known}
+    dropped = {k: v for k, v in knobs.items() if k not in known}
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{device_key(device_name)}.json")
+    data = {"device": {"name": device_name}}
+    if os.path.isfile(path):
+        with open(path) as fh:
+            data = _read(fh.read(), path)
+    data.setdefault(kernel, {}).setdefault(name, {}).update(kept)
+    _merge(defaults(), data, path)  # refuse to write what the loader would refuse to read
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
+    return path, dropped
+
+
 def clear_cache() -> None:
     """Forget every file read (tests; a process that writes a device file and wants it used)."""
     _BY_KEY.clear()
@@ -151,4 +177,4 @@ def clear_cache() -> None:
 
 
 __all__ = ["DEFAULT_KEY", "ENV_DIR", "clear_cache", "config", "config_files", "defaults", "device_key", "for_key",
-           "num_sms"]
+           "num_sms", "write_overrides"]

@@ -141,3 +141,16 @@ def test_launch_reads_the_device_config(monkeypatch):
     monkeypatch.setitem(lc.defaults()["qlinear"]["gemv"], "block_k", 512)
     ql.qlinear(x, w)
     assert seen == [1024, 512], seen
+
+
+def test_a_sweep_writes_a_device_file_the_loader_reads(tmp_path, monkeypatch):
+    """write_overrides (the sweeps' --write-config) merges knobs into DIR/<device>.json, leaves out knobs the
+    config does not have, and the loader reads the file back through MOEC_KERNEL_CONFIG_DIR."""
+    path, dropped = lc.write_overrides(tmp_path, "Fake GPU 9000", "moe_decode", "prmt",
+                                       {"block_o": 32, "num_warps": 4, "split": 1})
+    assert Path(path) == tmp_path / "fake_gpu_9000.json" and dropped == {"split": 1}
+    lc.write_overrides(tmp_path, "Fake GPU 9000", "qlinear", "gemv", {"unroll": 2})
+    monkeypatch.setenv(lc.ENV_DIR, str(tmp_path))
+    got = lc.for_key("fake_gpu_9000")
+    assert got["moe_decode"]["prmt"] == lc.defaults()["moe_decode"]["prmt"] | {"block_o": 32, "num_warps": 4}
+    assert got["qlinear"]["gemv"]["unroll"] == 2 and got["device"]["name"] == "Fake GPU 9000"
