@@ -154,3 +154,21 @@ def test_a_sweep_writes_a_device_file_the_loader_reads(tmp_path, monkeypatch):
     got = lc.for_key("fake_gpu_9000")
     assert got["moe_decode"]["prmt"] == lc.defaults()["moe_decode"]["prmt"] | {"block_o": 32, "num_warps": 4}
     assert got["qlinear"]["gemv"]["unroll"] == 2 and got["device"]["name"] == "Fake GPU 9000"
+
+
+def test_kernel_comments_quote_no_measured_figures():
+    """Timings and other measured figures belong in benchmarks/results/ (docs/kernel-configs.md), not in the
+    kernels' comments and docstrings, where they go stale with the next change (the regex of
+    tests/test_recipe_comments.py)."""
+    import io
+    import tokenize
+
+    from tests.test_recipe_comments import measured_figures
+    bad = []
+    for p in sorted((ROOT / "moec" / "kernels").glob("*.py")):
+        for tok in tokenize.generate_tokens(io.StringIO(p.read_text()).readline):
+            if tok.type == tokenize.COMMENT or (tok.type == tokenize.STRING and tok.string.lstrip("rbuRBU")[:3] in
+                                                ('"""', "'''")):
+                bad += [f"{p.name}:{tok.start[0] + j}: {measured_figures(line)}"
+                        for j, line in enumerate(tok.string.splitlines()) if measured_figures(line)]
+    assert not bad, "\n".join(bad)
