@@ -1,6 +1,7 @@
 """Launch-config sweep of the fused 2-bit MoE decode kernels (issue 16 item 3), one phase at a time.
 
     python3 benchmarks/sweep_moe_decode.py --out X.json [--budget 240] [--kind hls2|bf16|vq2|vq3] [--batches 1,16]
+                                           [--write-config DIR]
 
 For each shape (Mixtral-8x7B, Qwen3-30B-A3B) and batch (1, 16): the whole `moe_decode` (hls2, prmt path)
 timed under a CUDA graph over L layers with separate weights (more bytes than L2, as bench_moe_kernel.py),
@@ -9,6 +10,8 @@ default, then the down launch (block_o_down, block_k_down, num_warps_down, num_s
 best gate/up. Every config is checked against the torch reference on layer 0 (max rel. error ≤ 5e-3, the
 fp16x2 prmt path's bound); a config that fails to compile or misses is recorded with its error. Records:
 `phase`, `config`, `ms` (per layer), `gbps`, `pct_of_copy`; the JSON is rewritten after every record.
+--write-config DIR: the config best on most (shape, batch) becomes this device's moe_decode launch config
+in DIR/<device>.json (moec/kernels/launch_config.py; MOEC_KERNEL_CONFIG_DIR=DIR uses it).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_kernel import SHAPES, copy_bandwidth, graph_time, make_weight, nbytes, rel_err  # noqa: E402
 
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
+from moec.kernels import launch_config  # noqa: E402
 from moec.kernels.moe_decode import DECODE_CONFIG, LEGACY_CONFIG, moe_decode, moe_decode_ref  # noqa: E402
 
 GATE_UP = [dict(block_o=bo, block_k=bk, num_warps=nw, num_stages=st)
@@ -55,6 +59,7 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--kind", default="hls2", choices=("hls2", "bf16", "vq2", "vq3"))
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--write-config", type=Path, help="write the winner into DIR/<device>.json")
     a = ap.parse_args()
     grids = {"hls2": (("gate_up", GATE_UP), ("down", DOWN)), "bf16": (("gate_up", GATE_UP_DENSE), ("down", DOWN_DENSE))}
     grids = grids.get(a.kind, (("gate_up", GATE_UP_VQ), ("down", DOWN_VQ)))
@@ -109,6 +114,13 @@ def main():
             write_json_atomic(a.out, records)
         ws.clear()
         torch.cuda.empty_cache()
+    if a.write_config:
+        bests = [tuple(sorted(r["config"].items())) for r in records if r.get("phase") == "best" and r["config"]]
+        if bests:
+            name = {"hls2": "prmt", "bf16": "dense"}.get(a.kind, "vq")
+            path, dropped = launch_config.write_overrides(
+                a.write_config, torch.cuda.get_device_name(), "moe_decode", name, dict(max(bests, key=bests.count)))
+            print("wrote", path, "(left out:", dropped, ")", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@ M = 1): 4-bit RTN groups of 128 at the Mixtral (4096 -> 4096, 4096 -> 1024) and 
 2048 -> 512, 4096 -> 2048) projection shapes, each timed as CUDA-graph replays over 16 separate weights
 (more bytes than L2), against torch's bf16 linear on the same shapes.
 
-    python3 benchmarks/sweep_qlinear.py --out X.json [--budget 200]
+    python3 benchmarks/sweep_qlinear.py --out X.json [--budget 200] [--write-config DIR]
 
 Records: shape, config, ms (per call), gbps, pct_of_copy, max_rel_err_vs_ref (the config is refused above
-1e-2); `phase: best` per shape.
+1e-2); `phase: best` per shape. --write-config DIR: the config best on most shapes becomes this device's
+qlinear GEMV config in DIR/<device>.json (moec/kernels/launch_config.py; MOEC_KERNEL_CONFIG_DIR=DIR uses it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_kernel import copy_bandwidth, graph_time, make_weight, nbytes, rel_err  # noqa: E402
 
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
+from moec.kernels import launch_config  # noqa: E402
 from moec.kernels.qlinear import GEMV_CONFIG, qlinear, qlinear_ref  # noqa: E402
 
 SHAPES = ((4096, 4096), (4096, 1024), (2048, 4096), (2048, 512), (4096, 2048))  # (K inputs, O outputs)
@@ -36,6 +38,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget", type=float, default=200.0)
+    ap.add_argument("--write-config", type=Path, help="write the winner into DIR/<device>.json")
     a = ap.parse_args()
     t0 = time.time()
     bw = copy_bandwidth()
@@ -74,6 +77,11 @@ def main():
                                        speedup_vs_bf16=ms_bf16 / best[0]))
             print(f"{K}x{O} bf16 {ms_bf16 * 1e3:.2f} us, best {best[0] * 1e3:.2f} us {best[1]}", flush=True)
         write_json_atomic(a.out, records)
+    bests = [tuple(sorted(r["config"].items())) for r in records if r.get("phase") == "best" and r["config"]]
+    if a.write_config and bests:
+        path, dropped = launch_config.write_overrides(
+            a.write_config, torch.cuda.get_device_name(), "qlinear", "gemv", dict(max(bests, key=bests.count)))
+        print("wrote", path, "(left out:", dropped, ")", flush=True)
 
 
 if __name__ == "__main__":

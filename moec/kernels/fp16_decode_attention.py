@@ -4,9 +4,10 @@ One query token per row attends to the cached keys/values of slots 0..pos-1 plus
 (slot pos), which the kernel also stores into the cache. This is the bf16 path's attention (and the
 fair fp16 reference the compressed caches are timed against in the runtime).
 
-Why it is shaped this way (H200 profile of the torch version, runtime/decode.py split_attention, at
-Mixtral 32k batch 1: two batched matmuls at ~3.4 TB/s but ten more kernels per layer -- fp32 max/sum
-reductions over the scores, a mask, casts, two index_put writes -- 3.4 ms of an 11.5 ms step):
+Why it is shaped this way (a profile of the torch version, runtime/decode.py split_attention, at Mixtral
+32k batch 1, showed two bandwidth-bound batched matmuls but ten more kernels per layer -- fp32 max/sum
+reductions over the scores, a mask, casts, two index_put writes -- taking a large share of the step; the
+kernel's timings against it: benchmarks/results/fp16_attention_h200.json):
   - one program per (row, KV head, split): the G = H/K query heads of a KV head share every key and
     value load, padded to 16 rows for tl.dot (tensor cores, fp32 accumulation);
   - the split length is computed on the device from pos (cdiv(pos, P), whole tiles), so a static grid
@@ -29,10 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_decode_attention import LOG2E, NUM_SMS, _interpreting, combine_splits
+from . import launch_config
+from .kv_decode_attention import LOG2E, _interpreting, combine_splits
 
-# launch defaults on CUDA (benchmarks/bench_fp16_attention.py on the H200)
-CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 2}
+# launch settings on CUDA, from configs/<device>.json (launch_config; CONFIG: the defaults, tuned with
+# benchmarks/bench_fp16_attention.py on the H200); the split count is sized in waves of the device's SMs
+CONFIG = launch_config.defaults()["fp16_decode_attention"]["launch"]
 
 
 @triton.jit
@@ -125,19 +128,21 @@ def fp16_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     assert k_new.shape == (B, K, d) and v_new.shape == (B, K, d) and v_new.stride(-1) == 1
     assert k_new.stride(-1) == 1 and pos.shape == (B,) and d & (d - 1) == 0, (k_new.shape, pos.shape, d)
     cuda = q.is_cuda and not _interpreting()
+    config = launch_config.config("fp16_decode_attention", q.device)["launch"]
     precision = precision or ("fp16" if cuda else "ieee")
-    block_n = block_n or (CONFIG["block_n"] if cuda else 16)
+    block_n = block_n or (config["block_n"] if cuda else 16)
     G = H // K
     if n_splits is None:
-        n_splits = max(1, min(triton.cdiv(S, block_n), triton.cdiv(int(CONFIG["waves"] * NUM_SMS), B * K)))
+        programs = int(config["waves"] * launch_config.num_sms(q.device))
+        n_splits = max(1, min(triton.cdiv(S, block_n), triton.cdiv(programs, B * K)))
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     part = torch.empty(B * H * n_splits * (d + 2), device=q.device, dtype=torch.float32)
     _fp16_decode_kernel[(B * K, n_splits)](
         q, k_cache, v_cache, k_new, v_new, pos, part, H, K, S, n_splits, q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), sm_scale * LOG2E,
         D=d, G=G, G_P2=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
-        DT=tl.float16 if precision == "fp16" else tl.float32, STAGES=num_stages or CONFIG["num_stages"],
-        INTERP=not cuda, num_warps=num_warps or CONFIG["num_warps"])
+        DT=tl.float16 if precision == "fp16" else tl.float32, STAGES=num_stages or config["num_stages"],
+        INTERP=not cuda, num_warps=num_warps or config["num_warps"])
     return combine_splits(part, B * H, n_splits, d, None, out_dtype or q.dtype).view(B, H, d)
 
 

@@ -37,17 +37,15 @@ per-element work, not by bytes, unless that work is a handful of instructions):
     tile before the rotation; post-RoPE q·center is one scalar per query head, added to every
     history score of the program.
 
-Status (H200, Mixtral shape, 32 layers per step; benchmarks/results/kv_attention_h200.json, the
-recipe's codec: post-RoPE centered keys, 0.8% outliers): 32k context batch 16 50.4 ms (204 GB/s of
-the bytes it must read, 4.9% of copy bandwidth), SDPA flash on the fp16 cache 16.5 ms; batch 1 4.4
-ms vs 1.6 ms. Without outliers 16.1 ms (570 GB/s): the sparse residuals cost ~70% of the time, and
-neither atomics nor one-hot products (out_mode) nor a power-of-two outlier count (32 instead of 33:
-44.9 ms at batch 16, 4.8 ms at batch 1) changes that much. Pre-RoPE keys rotated in registers cost
-3.3x (167.8 ms: sin/cos per element). More splits at batch 1 are slower (waves 4 -> 32: 4.4 -> 12.8
-ms), so the per-program fixed cost (scratch zeroing, partial writes) matters too. What bounds it
-(estimates, no counters): the dequantized fp16 tiles reach the tensor cores through a shared-memory
-layout conversion (~1 KB per token and KV head), tl.dot's 16-row minimum pads the G = 4 query heads
-4x, and the outlier path raises registers from ~94 to 168 per thread (fewer warps in flight).
+Status (Mixtral shape, 32 layers per step, on the H200; timings in benchmarks/results/kv_attention_h200.json
+against SDPA flash on the fp16 cache): with the sparse residuals (post-RoPE centered keys, 0.8% outliers)
+the kernel is far from the bandwidth bound, and the residuals take most of its time; neither atomics nor
+one-hot products (out_mode) nor a power-of-two outlier count changes that much. Pre-RoPE keys rotated in
+registers cost several times more (sin/cos per element). More splits at batch 1 are slower, so the
+per-program fixed cost (scratch zeroing, partial writes) matters too. What bounds it (estimates, no
+counters): the dequantized fp16 tiles reach the tensor cores through a shared-memory layout conversion
+(a tile row per token and KV head), tl.dot's 16-row minimum pads the G = 4 query heads to 16 rows, and
+the outlier path raises the registers per thread (fewer warps in flight).
 
 Shapes (B batch, H query heads, K KV heads, d head dim, S history capacity in tokens, NB = S / block,
 NOUT outliers per block, Wc window capacity):
@@ -70,18 +68,20 @@ import triton
 import triton.language as tl
 
 from ..formats.bitpack import unpack_planar
+from . import launch_config
 
 LOG2E = 1.4426950408889634
-NUM_SMS = 132  # H200; only sizes the split count (programs ~ WAVES waves)
-# launch defaults on CUDA: the fastest of benchmarks/bench_kv_attention.py --sweep at 32k batch 16 on
-# the H200 (benchmarks/results/kv_attention_sweep_h200.json)
-CONFIG = {"block_t": 32, "num_warps": 4, "num_stages": 2, "lazy": True, "waves": 4, "out_mode": 1, "win_chunk": 64}
-# without sparse residuals (a Hadamard-rotated cache, recipes/kv-nuq2-rot.yaml): the fastest of
-# benchmarks/bench_nuq_attention.py --sweep-runtime, CUDA-graph replays on the H200
-# (results/nuq_attention_h200.json): 64-token tiles, 3 stages, ~4 waves of programs when there are few
-# (batch · KV heads <= 32: batch 1 at 32k 1.09 ms against 1.26 with CONFIG), 16 when there are many
-# (32k batch 16: 13.7 against 15.7 ms)
-CONFIG_DENSE = {"block_t": 64, "num_stages": 3, "waves": 4, "waves_many": 16, "many": 32}
+# Launch settings on CUDA, from configs/<device>.json (launch_config; the names below are the defaults,
+# tuned on the H200): CONFIG (residual), with sparse residuals: the fastest of
+# benchmarks/bench_kv_attention.py --sweep at 32k batch 16 (results/kv_attention_sweep_h200.json);
+# CONFIG_DENSE (dense), without them (a Hadamard-rotated cache, recipes/kv-nuq2-rot.yaml): the fastest of
+# benchmarks/bench_nuq_attention.py --sweep-runtime, CUDA-graph replays (results/nuq_attention_h200.json):
+# 64-token tiles, 3 stages, `waves` waves of programs when there are few (batch · KV heads <= `many`),
+# `waves_many` when there are many. The split count is sized in waves of the device's SMs
+# (launch_config.num_sms).
+CONFIG = launch_config.defaults()["kv_decode_attention"]["residual"]
+CONFIG_DENSE = launch_config.defaults()["kv_decode_attention"]["dense"]
+NUM_SMS = launch_config.defaults()["device"]["sms"]  # the defaults' count, for scripts; launches ask num_sms
 
 
 _LAST: dict = {}  # the last compiled kernel (registers / spills for the benchmark's sweep)
@@ -501,10 +501,10 @@ def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, D: tl.constexpr, P_P2: tl
                    CHUNK: tl.constexpr, ROT: tl.constexpr, OUTC: tl.constexpr = 0):
     """out[bh, c] = sum_s 2^(m_s - M)·acc_s[c] / sum_s 2^(m_s - M)·l_s over the splits of one (b, head), for
     the DC channels c of program_id(1). The splits stream in CHUNK rows: a [P_P2, D] tile in one program
-    spilled (Qwen3 at 32k batch 1: 135 splits, 31 us per call, more than the attention kernel itself).
+    spilled (Qwen3 at 32k batch 1, 135 splits: slower than the attention kernel itself).
     ROT (DC == D): out[bh] = o·Rᵀ, the cache's head_dim rotation undone here, in out's dtype; each program
     reduces all D channels and writes OUTC of the output's (a row in one program left Qwen3's 32 rows on
-    32 SMs: 10 us per call)."""
+    32 SMs, latency-bound)."""
     bh = tl.program_id(0)
     offs_c = (0 if ROT else tl.program_id(1) * DC) + tl.arange(0, DC)
     base = part_ptr + bh * n_splits * (D + 2)
@@ -587,28 +587,31 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     B, H, d, K, S, NB, nout = _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval,
                                      v_oidx, v_oval, hist_len, win_k, win_v, win_len, bits, block)
     cuda = q.is_cuda and not _interpreting()
-    precision = precision or CONFIG.get("precision") or ("fp16" if cuda else "ieee")
+    configs = launch_config.config("kv_decode_attention", q.device)
+    config = configs["residual"]
+    precision = precision or config.get("precision") or ("fp16" if cuda else "ieee")
     assert precision in ("fp16", "ieee"), precision
     if cuda and nout == 0:  # launch defaults of the residual-free cache
-        dense = CONFIG_DENSE
+        dense = configs["dense"]
         block_t = block_t or (dense["block_t"] if dense["block_t"] % block == 0 else None)
         num_stages = num_stages or dense["num_stages"]
         waves = waves or (dense["waves_many"] if B * K > dense["many"] else dense["waves"])
-    block_t = block_t or max(block, CONFIG["block_t"] if cuda else block)
+    block_t = block_t or max(block, config["block_t"] if cuda else block)
     assert block_t % block == 0 and block_t & (block_t - 1) == 0, (block_t, block)
     deq = (1 if cuda and bits == 2 and precision == "fp16" else 0) if deq is None else deq
     assert deq == 0 or (cuda and bits == 2 and precision == "fp16"), "the prmt lookup is PTX (CUDA, 2-bit, fp16)"
-    lazy = CONFIG["lazy"] if lazy is None else lazy
-    out_mode = CONFIG["out_mode"] if out_mode is None else out_mode
+    lazy = config["lazy"] if lazy is None else lazy
+    out_mode = config["out_mode"] if out_mode is None else out_mode
     assert out_mode in (0, 1, 2) and (lazy or out_mode == 0 or nout == 0), (out_mode, lazy)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     n_tiles = triton.cdiv(S, block_t)
     if n_splits is None:
-        n_splits = max(1, min(n_tiles, triton.cdiv(int((waves or CONFIG["waves"]) * NUM_SMS), B * K)))
+        programs = int((waves or config["waves"]) * launch_config.num_sms(q.device))
+        n_splits = max(1, min(n_tiles, triton.cdiv(programs, B * K)))
     hist_splits = max(1, min(n_splits, n_tiles))
     tps = triton.cdiv(n_tiles, hist_splits)
     hist_splits = triton.cdiv(n_tiles, tps)
-    win_chunk = CONFIG["win_chunk"]
+    win_chunk = config["win_chunk"]
     win_splits = max(1, triton.cdiv(win_k.shape[2], win_chunk))
     P = hist_splits + win_splits  # the last win_splits splits attend the window, win_chunk tokens each
     G = H // K
@@ -632,9 +635,9 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
         D=d, G=G, G_P2=G_P2, BITS=bits, BLOCK=block, BLOCK_T=block_t, NOUT=nout,
         NOUT_P2=triton.next_power_of_2(max(nout, 1)), DEQ=deq,
         DT=tl.float16 if precision == "fp16" else tl.float32, PREC="ieee",
-        LAZY=bool(lazy), STAGES=num_stages or CONFIG["num_stages"], INTERP=not cuda, OUT=out_mode,
+        LAZY=bool(lazy), STAGES=num_stages or config["num_stages"], INTERP=not cuda, OUT=out_mode,
         ROPE=rope is not None, CENTER=k_center is not None, WCHUNK=win_chunk, BIAS=k_err2 is not None,
-        num_warps=num_warps or CONFIG["num_warps"],
+        num_warps=num_warps or config["num_warps"],
     )
     return combine_splits(part, B * H, P, d, out_rotation, out_dtype).view(B, H, d)
 

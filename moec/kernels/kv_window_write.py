@@ -23,8 +23,8 @@ import triton.language as tl
 @triton.jit
 def _rotate_store(src, dst, r_ptr, D: tl.constexpr, DC: tl.constexpr, ROT: tl.constexpr):
     """dst[c] = (src[:D]·R if ROT else src)[c] rounded to dst's dtype, for the DC output channels c of
-    program_id(2): one [D, DC] slice of R per program (a program looping over all of R was latency-bound,
-    ~5.6 us per call on Qwen3's 40 heads)."""
+    program_id(2): one [D, DC] slice of R per program (a program looping over all of R was latency-bound
+    on Qwen3's 40 heads)."""
     offs_c = tl.program_id(2) * DC + tl.arange(0, DC)
     if ROT:
         offs_i = tl.arange(0, D)

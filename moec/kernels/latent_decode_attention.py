@@ -45,18 +45,19 @@ import triton
 import triton.language as tl
 
 from ..formats.bitpack import unpack_planar
+from . import launch_config
 
-BLOCK_N = 32  # history tokens per tile with a sparse residual (CONFIG["block_res"]; the block must divide it)
 BLOCK_W = 32  # window tokens per tile
-# launch configuration: tile, dot operands on the GPU, warps per program, programs per step to aim for
-# (history splits) (H200 sweeps, benchmarks/results/latent_attention_h200.json: 64-token tiles and 4 warps
-# best without the residual, 32 tokens and 8 warps with it). fp16 operands (codes exact in fp16, q and p
-# rounded as in flash attention) were up to 3x faster than tf32 at 32k batch 16, but the GPU smoke
-# (benchmarks/gpu_smoke.py) saw them part from the torch path by 6-12% relative L2 of the logits on 1 of 3
-# prompts for each of kv-latent-head, kv-latent-layer and kv-latent-layer-g2, where tf32 stays at the
-# 1.3% bf16 noise level on every prompt: off (tf32) until that is understood.
-CONFIG = {"block": 64, "fp16": False, "warps_post": 4, "warps_pre": 4, "programs": 264,
-          "block_res": BLOCK_N, "warps_res": 8, "rank_chunk": 64}
+# Launch settings, from configs/<device>.json (launch_config; CONFIG: the defaults, tuned on the H200,
+# benchmarks/results/latent_attention_h200.json): tile, dot operands on the GPU, warps per program,
+# programs per step to aim for (history splits); 64-token tiles and 4 warps without the residual, block_res
+# (32) tokens and 8 warps with it (the block must divide it). fp16 operands (codes exact in fp16, q and p
+# rounded as in flash attention) were faster than tf32, but the GPU smoke (benchmarks/gpu_smoke.py) saw
+# them part from the torch path on some prompts of kv-latent-head, kv-latent-layer and kv-latent-layer-g2,
+# where tf32 stays at the bf16 noise level (benchmarks/results/gpu_smoke_h200.json): off (tf32) until that
+# is understood.
+CONFIG = launch_config.defaults()["latent_decode_attention"]["launch"]
+BLOCK_N = CONFIG["block_res"]  # the defaults' residual tile, for callers that ask without a device
 
 
 def _interpreting() -> bool:
@@ -375,7 +376,8 @@ def latent_statics(u_k, mean_k, step_k, u_v, mean_v, step_v, bits: int, G: int, 
     in the dot dtype and its offset. LatentKVCache makes it once per layer (from its codecs' LatentView), so
     a decode step does not redo it."""
     off = 0.0 if bits == 16 else 2 ** (bits - 1) - 0.5
-    _prec, dt = _dot_types(u_k.device, CONFIG | (config or {}))
+    _prec, dt = _dot_types(u_k.device, launch_config.config("latent_decode_attention", u_k.device)["launch"]
+                           | (config or {}))
     uks = u_k.float() * step_k.float()  # [K, d, RK]
     st = {"uv_h": u_v.float().repeat_interleave(G, 0).contiguous(),  # [H, d, RV]
           "mv_h": mean_v.float().repeat_interleave(G, 0).contiguous(), "step_v": step_v.float().contiguous()}
@@ -421,7 +423,7 @@ def latent_decode_attention(q, codes_k, codes_v, u_k, mean_k, step_k, u_v, mean_
     assert win_k.dtype == torch.float16 and hist_len.shape == win_len.shape == (B,), (win_k.dtype, hist_len.shape)
     assert codes_k.is_contiguous() and codes_v.is_contiguous() and win_k.is_contiguous() and win_v.is_contiguous()
     k_out, v_out = (None if o is None or o[0].shape[-1] == 0 else o for o in (k_out, v_out))
-    cfg = CONFIG | (config or {})
+    cfg = launch_config.config("latent_decode_attention", q.device)["launch"] | (config or {})
     has_res = k_out is not None or v_out is not None
     BLOCK = cfg["block_res"] if has_res and "block" not in (config or {}) else cfg["block"]
     assert kernel_supports(bits, d, rope is not None, block or BLOCK, has_res, BLOCK)

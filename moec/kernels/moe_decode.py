@@ -20,9 +20,10 @@ Two launches:
      token's A slots, so the weighted sum over experts stays in registers and is stored once
      (SPLIT = 1), or added with fp32 atomics when I is split across programs (small grids).
 2-bit fp16 tables in the word layout take, on CUDA, the PTX prmt path by default (dequant.gemv_prmt:
-~2.5 SASS instructions per code in the gate/up loop against ~7.9 for the cubic path): x goes in as fp16
+about a third of the cubic path's SASS instructions per code in the gate/up loop, as counted by
+benchmarks/sass_moe_decode.py): x goes in as fp16
 pairs in the prmt order (dequant.prmt_pairs) and h is stored as fp16 in that order, products are fp16x2
-with fp32 sums per 16 codes (max rel. error vs the fp32 reference ~1e-3 on the Mixtral/Qwen3 layers);
+with fp32 sums per 16 codes (within tests/kernels/test_moe_decode.py's tolerance of the fp32 reference);
 prmt=False keeps the previous path, and a prmt compile failure falls back to it with a warning.
 No dequantized weight reaches memory. At more tokens per step the grouped kernel
 (moe_prefill.moe_grouped) reads each expert once instead of once per slot; `moe_forward` picks.
@@ -37,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_config
 from .dequant import (
     MODE_DENSE,
     MODE_FP8,
@@ -60,28 +62,19 @@ from .dequant import (
 
 log = logging.getLogger(__name__)
 
-# Defaults of the 2-bit prmt path (None = chosen per call), from a hand sweep on the H200
-# (benchmarks/sweep_moe_decode.py, moe_decode_sweep_h200.json). gate/up: 32 rows and 4 warps when that
-# still gives >= 4 programs per SM (Mixtral b1 65.2 -> 60.9 us per layer, Qwen3 b16 109 -> 102), else
-# 16 rows and 8 warps (Qwen3 b1: 192 programs of 32 rows leave SMs idle, 30.4 us vs 23.5). down: 16 rows,
-# 2048 inputs per step, 8 warps, I split only when the grid has fewer programs than SMs (Mixtral b1
-# 62.0 -> 59.0 us). num_stages None: Triton's default (1 and 3 measured the same).
-DECODE_CONFIG = {"block_o": None, "block_k": 1024, "num_warps": None, "num_stages": None, "block_o_down": 16,
-                 "block_k_down": 2048, "num_warps_down": 8, "num_stages_down": None}
-SMS = 132  # H200 streaming multiprocessors: the grid-size heuristics' unit
-# The non-prmt paths (select/cubic 2-bit, 3/4-bit, fp8, bf16) keep the settings they were swept with.
-LEGACY_CONFIG = {"block_o": 16, "block_k": 1024, "num_warps": 8, "num_stages": None, "block_o_down": 16,
-                 "block_k_down": 1024, "num_warps_down": None, "num_stages_down": None}
-# bf16 experts (benchmarks/sweep_moe_decode.py --kind bf16, moe_decode_sweep_bf16_h200.json): 512-input tiles;
-# 16 gate/up rows and 4 warps where 16-row programs fill every SM 4 times, else 8 rows and 8 warps (Qwen3
-# b1); down 8 rows of 1024 inputs. Mixtral b1 190.6 -> 173.9 us per layer (95% of copy bandwidth), Qwen3 b1
-# 37.3 -> 33.5, Qwen3 b16 294 -> 238.
-DENSE_CONFIG = {"block_k": 512, "block_o_down": 8, "block_k_down": 1024}
-# vq experts (benchmarks/sweep_moe_decode.py --kind vq2|vq3 --batches 1, moe_decode_sweep_vq*_h200.json): 8-row
-# gate/up programs over 1024 inputs and 8 warps, 16-row down programs; Mixtral b1 vq2 0.251 -> 0.194 ms per
-# layer, vq3 0.183 -> 0.170 (best single configs: 0.172 / 0.170). A codebook gather per code bounds them.
-VQ_CONFIG = {"block_o": 8, "block_k": 1024, "num_warps": 8, "num_stages": None, "block_o_down": 16,
-             "block_k_down": 1024, "num_warps_down": 8, "num_stages_down": None}
+# Launch settings, from configs/<device>.json (launch_config; the names below are the defaults, tuned on
+# the H200 with benchmarks/sweep_moe_decode.py, the sweeps in benchmarks/results/moe_decode_sweep*_h200.json).
+#   prmt (2-bit prmt path; None = chosen per call): gate/up 32 rows and 4 warps when that still gives >= 4
+#     programs per SM, else 16 rows and 8 warps (a grid of few 32-row programs leaves SMs idle); down 16
+#     rows, 2048 inputs per step, 8 warps, I split only when the grid has fewer programs than SMs;
+#     num_stages None: Triton's default (1 and 3 measured the same).
+#   legacy: the non-prmt paths (select/cubic 2-bit, 3/4-bit, fp8) keep the settings they were swept with.
+#   dense (bf16 experts): 512-input tiles; 16 gate/up rows and 4 warps where 16-row programs fill every SM
+#     4 times, else 8 rows and 8 warps; down 8 rows of 1024 inputs.
+#   vq: 8-row gate/up programs over 1024 inputs and 8 warps, 16-row down programs (a codebook gather per
+#     code bounds them).
+_CFG = launch_config.defaults()["moe_decode"]
+DECODE_CONFIG, LEGACY_CONFIG, DENSE_CONFIG, VQ_CONFIG = _CFG["prmt"], _CFG["legacy"], _CFG["dense"], _CFG["vq"]
 
 
 @triton.jit
@@ -236,11 +229,12 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
         prmt = False
     prmt = prmt and can
     # launch settings: the caller's, else the swept prmt defaults (DECODE_CONFIG), else the earlier ones
-    cfg = DECODE_CONFIG if prmt else VQ_CONFIG if w1.mode == MODE_VQ else LEGACY_CONFIG
-    wide = T * triton.cdiv(I, 32) >= 4 * SMS  # 32-row gate/up programs still fill every SM several times
+    configs, sms = launch_config.config("moe_decode", x.device), launch_config.num_sms(x.device)
+    cfg = configs["prmt"] if prmt else configs["vq"] if w1.mode == MODE_VQ else configs["legacy"]
+    wide = T * triton.cdiv(I, 32) >= 4 * sms  # 32-row gate/up programs still fill every SM several times
     if w1.mode == MODE_DENSE:
-        wide16 = T * triton.cdiv(I, 16) >= 4 * SMS
-        cfg = DENSE_CONFIG | {"block_o": 16 if wide16 else 8, "num_warps": 4 if wide16 else 8, "num_stages": None,
+        wide16 = T * triton.cdiv(I, 16) >= 4 * sms
+        cfg = configs["dense"] | {"block_o": 16 if wide16 else 8, "num_warps": 4 if wide16 else 8, "num_stages": None,
                               "num_warps_down": 4 if wide16 else 8, "num_stages_down": None}
     block_o = block_o or cfg["block_o"] or (32 if wide else 16)
     block_k = block_k or cfg["block_k"]
@@ -273,8 +267,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     bk2 = s2["BKC"] * s2["C"]
     n_d = triton.cdiv(D, block_o_down)
     if split is None:  # split I (fp32 atomics) until the grid has a few programs per SM; prmt: only below one
-        split = max(1, min(triton.cdiv(I, 4 * bk2), (4 * SMS) // max(1, N * n_d)))
-        if prmt and N * n_d >= SMS:
+        split = max(1, min(triton.cdiv(I, 4 * bk2), (4 * sms) // max(1, N * n_d)))
+        if prmt and N * n_d >= sms:
             split = 1
     per = triton.cdiv(triton.cdiv(I, split), bk2) * bk2
     split = triton.cdiv(I, per)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_config
 from .dequant import (
     MODE_DENSE,
     MODE_FP8,
@@ -42,12 +43,12 @@ from .dequant import (
     vq_static,
 )
 
-# Defaults (hand sweep on the H200, benchmarks/bench_moe_kernel.py --sweep): prefill (many slots per
-# expert) and small (decode-size batches: BM = 16, the smallest tl.dot tile).
+# Launch settings, from configs/<device>.json (launch_config; the names below are the defaults, a hand
+# sweep on the H200 with benchmarks/bench_moe_kernel.py --sweep): prefill (many slots per expert) and small
+# (decode-size batches: BM = 16, the smallest tl.dot tile).
 # (Triton 3.6 fails to compile BM 64 / BN 128 / BK 64 / 4 warps with the table dequant: a
 # TritonGPUOptimizeDotOperands pass failure, seen on the H200.)
-PREFILL_CONFIG = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
-SMALL_CONFIG = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3}
+PREFILL_CONFIG, SMALL_CONFIG = (launch_config.defaults()["moe_prefill"][k] for k in ("prefill", "small"))
 
 
 def dot_dtype():
@@ -156,7 +157,7 @@ def _static(w: QWeight, block_k: int) -> dict:
 
 
 # Configs whose compile failed (Triton 3.6's TritonGPUOptimizeDotOperands pass fails on some table-dequant
-# tiles, e.g. 3-bit with BM 128 / BN 128 / BK 64 / 8 warps, seen on the H200); they run SMALL_CONFIG.
+# tiles, e.g. 3-bit with BM 128 / BN 128 / BK 64 / 8 warps, seen on the H200); they run the small config.
 _BROKEN: set = set()
 _WARNED: set = set()
 log = logging.getLogger(__name__)
@@ -197,7 +198,9 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: Q
     function applied to the intermediate h [T, I] between the launches (moe_decode's h_rotate)."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     T = N * A
-    cfg = dict(SMALL_CONFIG if (small if small is not None else T <= 4 * E) else PREFILL_CONFIG)
+    configs = launch_config.config("moe_prefill", x.device)
+    small_cfg = configs["small"]
+    cfg = dict(small_cfg if (small if small is not None else T <= 4 * E) else configs["prefill"])
     for k, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps),
                  ("num_stages", num_stages)):
         if v is not None:
@@ -215,14 +218,14 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: Q
         return moe_grouped_ref(x, ids, weights, w1, w3, w2, h_rotate).to(out_dtype or x.dtype)
     key = (w1.mode, w1.bits, D, I, *cfg.values())
     if key in _BROKEN:
-        cfg = dict(SMALL_CONFIG)
+        cfg = dict(small_cfg)
     try:
         y = _launch(x, ids, weights, w1, w3, w2, cfg, out_dtype, h_rotate)
     except RuntimeError as ex:  # a Triton compile failure (first call of a config only)
-        if "PassManager" not in str(ex) or cfg == SMALL_CONFIG:
+        if "PassManager" not in str(ex) or cfg == small_cfg:
             raise
         _BROKEN.add(key)
-        y = _launch(x, ids, weights, w1, w3, w2, dict(SMALL_CONFIG), out_dtype, h_rotate)
+        y = _launch(x, ids, weights, w1, w3, w2, dict(small_cfg), out_dtype, h_rotate)
     return y.view(N, A, D).sum(1)
 
 

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_config
 from .dequant import (
     MODE_VQ,
     QWeight,
@@ -31,12 +32,12 @@ from .dequant import (
 from .moe_prefill import dot_dtype
 
 GEMV_MAX_M = 8
-# decode (M = 1) on the H200, benchmarks/sweep_qlinear.py (results/qlinear_sweep2_h200.json): 4 rows, 8 warps,
-# 4 group tiles per loop step; 4-bit g128 4096 -> 1024 17.3 -> 7.7 us, 4096 -> 4096 18.0 -> 13.5 us
-# (bf16 torch linear 8.2 / 13.2 us). block_k is capped by the group size (pick_block_k).
-GEMV_CONFIG = {"block_o": 4, "block_k": 1024, "num_warps": 8, "unroll": 4}
-GEMM_CONFIG = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
-SMALL_GEMM_CONFIG = {"block_m": 16, "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 3}  # M <= 64
+# Launch settings, from configs/<device>.json (launch_config; the names below are the defaults, tuned on
+# the H200). gemv, decode (M <= GEMV_MAX_M; benchmarks/sweep_qlinear.py, results/qlinear_sweep2_h200.json):
+# 4 rows, 8 warps, 4 group tiles per loop step; block_k is capped by the group size (pick_block_k).
+# gemm (M > 64) and small_gemm (M <= 64): the tiles of moe_prefill.
+_CFG = launch_config.defaults()["qlinear"]
+GEMV_CONFIG, GEMM_CONFIG, SMALL_GEMM_CONFIG = _CFG["gemv"], _CFG["gemm"], _CFG["small_gemm"]
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def _gemm_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, M, O, stride_xm, s
 
 def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg) -> torch.Tensor:
     """x [..., K] -> [..., O] in x.dtype. w: QWeight with data [1, O, ...]. cfg overrides the block
-    config of the path taken (GEMV_CONFIG or GEMM_CONFIG keys)."""
+    config of the path taken (the gemv or gemm keys of launch_config.config("qlinear", device))."""
     K = x.shape[-1]
     O = w.data.shape[1]
     assert w.n_in == K and w.data.shape[0] == 1, (w.n_in, w.data.shape, K)
@@ -108,8 +109,9 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
     y = torch.empty(M, O, dtype=x.dtype, device=x.device)
     d, a, b = w.ptrs()
     bias_arg = bias if bias is not None else d
+    configs = launch_config.config("qlinear", x.device)
     if M <= GEMV_MAX_M:
-        c = GEMV_CONFIG | cfg
+        c = configs["gemv"] | cfg
         if w.mode == MODE_VQ:  # cfg words=False: the byte-code variant, vq_gather=True: tl.gather (gemv_vq)
             st = vq_static(w, c["block_k"], c.get("words", True), c.get("vq_gather", False))
             bk, C = st.pop("BK"), st["C"]
@@ -127,7 +129,7 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
             x2, d, a, b, bias_arg, y, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
             HAS_BIAS=bias is not None, BO=c["block_o"], BKC=bk // C, UNROLL=unroll, num_warps=c["num_warps"], **st)
     else:
-        c = (SMALL_GEMM_CONFIG if M <= 64 else GEMM_CONFIG) | cfg
+        c = (configs["small_gemm"] if M <= 64 else configs["gemm"]) | cfg
         if w.mode == MODE_VQ:
             st = vq_static(w, c["block_k"], words=False)
             bk = st.pop("BK")

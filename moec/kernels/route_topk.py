@@ -11,18 +11,17 @@ decode (softmax, topk's gatherTopK + bitonicSort, sum, div, casts), a few micros
 graph, 48 times a step on Qwen3; here one program per token does it in registers: k rounds of argmax,
 each removing its winner (ties go to the lower expert index). `route_topk_ref` is the torch reference.
 
-route_gemv_topk also does the router GEMV, which cuBLAS runs as a separate ~5 us launch per layer at decode
-(Qwen3's [128, 2048] router: 0.23 ms of a 4.3 ms step, pure latency; issue 16 asks for on-chip routing). A
-single program cannot read the router fast enough (512 KB on one SM), so the GEMV is split over programs of
+route_gemv_topk also does the router GEMV, which cuBLAS runs as a separate launch per layer at decode
+(pure latency at Qwen3's [128, 2048] router; issue 16 asks for on-chip routing). A single program cannot
+read the router fast enough (the whole router through one SM), so the GEMV is split over programs of
 BLOCK_E experts × BLOCK_D inputs each (one load of the router per program); every program writes its partial
 logits and takes a ticket from a counter, and the program that takes the last ticket (all partials written:
 the ticket is an acq_rel atomic after a barrier) sums them in a fixed order, does the softmax/top-k for
 every token (ranks from one comparison matrix, not k rounds of argmax) and puts the counter back to 0, so
-the next launch (a CUDA-graph replay) finds it zeroed. Measured on the H200 (bench_latency profiles, per
-layer, CUDA graphs): Mixtral's [8, 4096] router 3.3 us against 5.6 us for cuBLAS + route_topk; Qwen3's
-[128, 2048] router 9.8 us against 7.0 (the [128, 128] rank comparison in one program of 4 warps is the
-slow part; a first version with k argmax rounds and a D loop per program took 8.8), so the engine uses it
-up to GEMV_MAX_EXPERTS experts. Launches sharing a counter must not
+the next launch (a CUDA-graph replay) finds it zeroed. Profiled on the H200 (bench_latency profiles, per
+layer, CUDA graphs; docs/kernel-configs.md): faster than cuBLAS + route_topk for Mixtral's [8, 4096]
+router, slower for Qwen3's [128, 2048] (the [128, 128] rank comparison in one program of 4 warps is the
+slow part), so the engine uses it up to GEMV_MAX_EXPERTS experts. Launches sharing a counter must not
 overlap: one counter per device, used by one stream (the decode step). The logits are rounded to x's dtype
 before the softmax, as `x @ router.t()` rounds them in the torch path, so both pick the same experts.
 """
@@ -138,7 +137,7 @@ def route_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tens
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # one zeroed ticket counter per device (see the docstring)
 GEMV_MAX_TOKENS = 4  # more tokens: cuBLAS's GEMM and route_topk (the GEMV tile holds [N, BLOCK_E, BLOCK_D])
-GEMV_MAX_EXPERTS = 32  # more experts: cuBLAS + route_topk were faster on the H200 (module docstring)
+GEMV_MAX_EXPERTS = 32  # more experts: cuBLAS + route_topk were faster (the module docstring)
 
 
 def route_gemv_topk(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ..formats.bitpack import unpack_bits
+from . import launch_config
 
 
 @triton.jit
@@ -214,11 +215,15 @@ def _reduce(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor
 
 def rvq_lut_attention(q: torch.Tensor, segments: list[CodeSegment], win_k: torch.Tensor, win_v: torch.Tensor,
                       win_len: torch.Tensor, sm_scale: float | None = None, n_splits: int | None = None,
-                      block_n: int = 32, max_len: int | None = None) -> torch.Tensor:
+                      block_n: int | None = None, max_len: int | None = None) -> torch.Tensor:
     """Decode attention (one query per row) over coded segments + an fp16 window -> [B, H, d] fp32.
 
-    max_len: the longest segment (tokens), to size the split-K grid without a device sync (default: read)."""
+    max_len: the longest segment (tokens), to size the split-K grid without a device sync (default: read).
+    block_n (tokens per tile) and the split count default to the device's launch_config ("rvq_lut_attention":
+    block_n, and `waves` waves of the device's SMs)."""
     B, H, d = q.shape
+    config = launch_config.config("rvq_lut_attention", q.device)["launch"]
+    block_n = block_n or config["block_n"]
     K = win_k.shape[1]
     assert H % K == 0 and d & (d - 1) == 0 and block_n & (block_n - 1) == 0, (H, K, d, block_n)
     assert win_k.shape == win_v.shape and win_k.shape[:2] == (B, K) and win_k.shape[3] == d, win_k.shape
@@ -240,8 +245,9 @@ def rvq_lut_attention(q: torch.Tensor, segments: list[CodeSegment], win_k: torch
         nbits = sum(int(math.log2(c.shape[2])) for c in seg.cb_k) * P
         assert nbits <= 8 * RB and all(c.shape[2] <= 2**16 for c in seg.cb_k), (RB, nbits)
         n = int(seg.length.max()) if max_len is None else max_len
-        if n_splits is None:  # enough programs to fill the GPU: ~4 waves of 132 SMs
-            splits = max(1, min(triton.cdiv(n, block_n), triton.cdiv(528, B * K)))
+        if n_splits is None:  # enough programs to fill the GPU: `waves` waves of its SMs
+            programs = config["waves"] * launch_config.num_sms(q.device)
+            splits = max(1, min(triton.cdiv(n, block_n), triton.cdiv(programs, B * K)))
         else:
             splits = max(1, n_splits)
         tps = triton.cdiv(triton.cdiv(max(n, 1), splits), block_n) * block_n
