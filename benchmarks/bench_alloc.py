@@ -1,22 +1,21 @@
 """Bit allocation at several budgets from one calibration (recipe `allocate:`, calibrate/allocate.py):
 calibrate → (choose again at each budget and sensitivity) → pack → ppl_tf on PTB test (docs/benchmarks.md).
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_alloc.py --model smollm2-135m \
+    python3 -m benchmarks.bench_alloc --model smollm2-135m \
         --recipe recipes/ablations/smollm2-mlp-alloc23-had-sweep.yaml --budgets 2.25 2.3 \
         --sensitivities output relative [--windows 8]
 
 The recipe's allocate rule must set `keep_candidates: true`: every candidate fit is then in
-calib.safetensors, and each (budget, sensitivity) pair is chosen from it without refitting (the same
-ExpertFitter.allocate_bits that calibration runs, on the stored candidates and report). One record per
-pair, merged into benchmarks/results/expert_alloc_<model>.json with the fields of bench_expert_quality.py
-plus `allocation` (what each matrix got); `calibration.seconds` is the one shared calibration (all
-candidates fitted), `calibration.alloc_seconds` the choice alone.
+calib.safetensors, and each (budget, sensitivity) pair is chosen from it without refitting
+(moec.calibrate.reallocate: the same ExpertFitter.allocate_bits that calibration runs, on the stored
+candidates and report). One record per pair, merged into benchmarks/results/expert_alloc_<model>.json with
+the fields of bench_expert_quality.py plus `allocation` (what each matrix got); `calibration.seconds` is the
+one shared calibration (all candidates fitted), `calibration.alloc_seconds` the choice alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import shutil
@@ -24,51 +23,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
-
-from benchmarks.bench_expert_quality import W, score
 from moec.calibrate.data import load_text
-from moec.calibrate.fit_experts import ExpertFitter, plan
 from moec.calibrate.pack import pack
+from moec.calibrate.reallocate import reallocate
 from moec.calibrate.recipe import load_recipe
 from moec.calibrate.run import calibrate
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
 from moec.cli.common import base_record, write_json_atomic
-from moec.runtime.hf_layout import HFCheckpoint
 from moec.runtime.loader import load_model
-from moec.runtime.perplexity import CONTEXT, make_windows
+from moec.runtime.perplexity import make_windows, reference_logits, score_tf, windows_label
 
-
-def reallocate(model_dir: Path, calib: Path, out: Path, budget: float, sensitivity: str) -> tuple[dict, float]:
-    """A calibration directory like `calib` with the widths of its allocate rules that kept their candidates
-    chosen again at `budget` / `sensitivity` (the candidates dropped; other rules as calibrated); returns
-    (its report, seconds the choice took)."""
-    recipe = load_recipe(calib / "recipe.yaml")
-    report = json.loads((calib / "report.json").read_text())
-    kept = [r for r in recipe.weights if r.allocate is not None and r.allocate.keep_candidates]
-    for rule in kept:
-        rule.allocate = dataclasses.replace(rule.allocate, budget=budget, sensitivity=sensitivity,
-                                            keep_candidates=False)
-    args = HFCheckpoint(model_dir).args
-    targets = {n: r for n, r in plan(args, recipe).items() if any(r is k for k in kept)}
-    fitter = ExpertFitter(targets, lambda i: {}, recipe.calibration.expert_policy,
-                          recipe.calibration.min_expert_tokens)
-    fitter.tensors = load_file(str(calib / "calib.safetensors"))
-    fitter.report = {x["layer"]: copy.deepcopy(x["weights"]) for x in report["layers"] if "weights" in x}
-    t0 = time.time()
-    fitter.allocate_bits()
-    seconds = time.time() - t0
-    for x in report["layers"]:
-        if "weights" in x:
-            x["weights"] = fitter.report[x["layer"]]
-    report["allocation"] = fitter.allocation + [a for a in report["allocation"]
-                                                if not any(n in targets for n in a["bits"])]
-    out.mkdir(parents=True)
-    save_file(fitter.tensors, str(out / "calib.safetensors"), metadata={"format": "moec-calib"})
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "recipe.yaml").write_text(recipe.to_yaml())
-    return report, seconds
+W = 1024  # window length (BENCHMARKS.md protocol, as bench_expert_quality.py)
 
 
 def main() -> None:
@@ -92,8 +57,7 @@ def main() -> None:
     windows = make_windows(ids, W, a.windows)
     out = a.out or Path(__file__).parent / "results" / f"expert_alloc_{a.model}.json"
     base, _ = load_model(model_dir)
-    with torch.no_grad():
-        base_logits = [base(windows[b : b + 1])[0, CONTEXT - 1 : W - 1] for b in range(windows.shape[0])]
+    base_logits = reference_logits(base, windows)
     del base
     work = a.keep or Path(tempfile.mkdtemp(prefix="bench-alloc-"))
     calib, calib_s, fit_s = a.calib, None, None
@@ -115,7 +79,7 @@ def main() -> None:
             manifest = pack(model_dir, a.model, sub, packed)
             model, _ = load_model(packed)
             t0 = time.time()
-            r = score(model, windows, base_logits)
+            r = score_tf(model, windows, base_logits)
             eval_s = time.time() - t0
             bits = manifest["effective_bits"]
             rule = rules[0]
@@ -125,7 +89,7 @@ def main() -> None:
                 "gptq": rule.gptq, "incoherence": rule.incoherence and dataclasses.asdict(rule.incoherence),
                 "budget": budget, "sensitivity": sens, "unit": rule.allocate.unit,
                 "context": W, "batch": 1, "mode": "tf", "dtype": "fp32", "data": "ptb/test",
-                "windows": f"{windows.shape[0]} windows (0-{windows.shape[0] - 1}) of {W}, scored {CONTEXT}..{W - 1}",
+                "windows": windows_label(windows.shape[0], W),
                 "ppl": r["ppl"], "ppl_base": r["ppl_base"], "delta_pct": r["delta_pct"], "kld": r["kld"],
                 "top1": r["top1"], "kv_bits": 16.0, "w_bits": bits["w_bits"], "q_bits": bits.get("q_bits"),
                 "calibration": {"data": "ptb/train", "samples": a.samples, "seq_len": a.seq_len,

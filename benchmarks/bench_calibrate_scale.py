@@ -4,11 +4,11 @@ or stored (the bf16 model is 93 GB, more than the GPU machine's disk holds). It 
 layer loop (capture.run_layers) with its observers: token counts, KV ranges, per-expert Hessians and the
 recipe's expert fits (ExpertHessians → ExpertFitter.on_layer), expert parallel under torchrun.
 
-    python3 benchmarks/bench_calibrate_scale.py --layers 2 --samples 64 --seq-len 512 --device cuda \\
+    python3 -m benchmarks.bench_calibrate_scale --layers 2 --samples 64 --seq-len 512 --device cuda \\
         --out $OUT/calibrate_scale.json
-    torchrun --nproc-per-node 2 benchmarks/bench_calibrate_scale.py --layers 2 ... --device cuda   # 2 GPUs
-    OMP_NUM_THREADS=1 python3 benchmarks/bench_calibrate_scale.py --dry --out /tmp/scale.json      # CPU, toy
-    OMP_NUM_THREADS=1 python3 benchmarks/bench_calibrate_scale.py --mid --device cpu --layers 1 --samples 8 \
+    torchrun --nproc-per-node 2 -m benchmarks.bench_calibrate_scale --layers 2 ... --device cuda   # 2 GPUs
+    OMP_NUM_THREADS=1 python3 -m benchmarks.bench_calibrate_scale --dry --out /tmp/scale.json      # CPU, toy
+    OMP_NUM_THREADS=1 python3 -m benchmarks.bench_calibrate_scale --mid --device cpu --layers 1 --samples 8 \
         --seq-len 256 --trace          # CPU memory timeline: peak live tensor bytes per phase, what is alive
 
 Record fields: shape, recipe, gpus (processes), layers, samples, seq_len, wall_s (the layer loop, fits
@@ -31,23 +31,23 @@ import argparse
 import contextlib
 import dataclasses
 import resource
-import sys
 import time
+import weakref
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from moec.calibrate import distributed  # noqa: E402
-from moec.calibrate.capture import ExpertTokenCounts, KVRange, run_layers  # noqa: E402
-from moec.calibrate.fit_experts import ExpertFitter, canonical_names, plan  # noqa: E402
-from moec.calibrate.hessian import ExpertHessians  # noqa: E402
-from moec.calibrate.recipe import load_recipe  # noqa: E402
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.runtime.config import PRESETS  # noqa: E402
+from benchmarks.benchutil import ROOT
+from moec.calibrate import distributed
+from moec.calibrate.capture import ExpertTokenCounts, KVRange, run_layers
+from moec.calibrate.fit_experts import ExpertFitter, canonical_names, plan
+from moec.calibrate.hessian import ExpertHessians
+from moec.calibrate.recipe import load_recipe
+from moec.cli.common import base_record, write_json_atomic
+from moec.runtime.config import PRESETS
 
 # --dry: the mixtral layout at a size the CPU calibrates in seconds
 TOY = dict(vocab_size=512, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, expert_dim=192, max_seq_len=4096)
@@ -113,6 +113,70 @@ def label_phases(trace, observers: list, hessians) -> list:
     return [labelled(ob, f"stats:{type(ob).__name__}") for ob in observers]
 
 
+class LiveTensors(TorchDispatchMode):
+    """A lightweight tracker of live tensor bytes, for memory timelines of CPU runs (--trace).
+
+    A TorchDispatchMode: every op's output storage is counted once, by its address, until
+    the last tensor the mode saw on it is freed (weakref.finalize). It keeps the running total, the peak, the
+    peak per phase (`phase` is set by the caller: capture, stats, fit...) and, whenever the total passes the
+    previous peak by 2 %, a snapshot of the largest live storages labelled "phase:op shape dtype" -- which
+    phase hits the peak and which tensors are alive there. Storages made before the mode was entered are not
+    counted (the bench enters it before the layer loop, so they are only the token ids and global weights).
+    CUDA's own allocator statistics are better on the GPU; this is for the CPU, where there are none.
+    """
+
+    def __init__(self, top: int = 10):
+        super().__init__()
+        self.top, self.phase = top, "setup"
+        self.live: dict[int, list] = {}  # storage address -> [nbytes, label, tensors alive on it]
+        self.bytes = self.peak = 0
+        self.phase_peak: dict[str, int] = {}
+        self.at_peak: list[tuple[int, str]] = []
+        self.peak_phase = ""
+        self._snap = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t, func)
+        return out
+
+    def _track(self, t: torch.Tensor, func) -> None:
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key == 0:
+            return
+        ent = self.live.get(key)
+        if ent is None:
+            name = getattr(func, "overloadpacket", func).__name__
+            ent = self.live[key] = [st.nbytes(), f"{self.phase}:{name} {list(t.shape)} {str(t.dtype)[6:]}", 0]
+            self.bytes += ent[0]
+            self.phase_peak[self.phase] = max(self.phase_peak.get(self.phase, 0), self.bytes)
+            if self.bytes > self.peak:
+                self.peak, self.peak_phase = self.bytes, self.phase
+                if self.bytes > 1.02 * self._snap:
+                    self._snap = self.bytes
+                    self.at_peak = sorted(((v[0], v[1]) for v in self.live.values()), reverse=True)[: self.top]
+        ent[2] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        ent = self.live.get(key)
+        if ent is None:
+            return
+        ent[2] -= 1
+        if ent[2] == 0:
+            self.bytes -= ent[0]
+            del self.live[key]
+
+    def summary(self) -> dict:
+        gb = 1e9
+        return {"peak_gb": round(self.peak / gb, 3), "peak_phase": self.peak_phase,
+                "phase_peak_gb": {k: round(v / gb, 3) for k, v in self.phase_peak.items()},
+                "alive_at_peak": [f"{b / gb:.3f} GB {label}" for b, label in self.at_peak]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="mixtral-8x7b", choices=[k for k, v in PRESETS.items() if v.is_moe])
@@ -127,7 +191,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=None, help="override the shape's hidden size")
     ap.add_argument("--expert-dim", type=int, default=None, help="override the shape's expert width")
     ap.add_argument("--trace", action="store_true",
-                    help="track live tensor bytes per phase (memtrace.py; slow, meant for the CPU)")
+                    help="track live tensor bytes per phase (LiveTensors below; slow, meant for the CPU)")
     ap.add_argument("--offload-activations", action="store_true",
                     help="hidden states of the calibration set in host memory, one batch on the device at a time")
     ap.add_argument("--memory-fraction", type=float, default=None,
@@ -163,7 +227,6 @@ def main() -> None:
         torch.cuda.synchronize()
     trace = None
     if a.trace:
-        from memtrace import LiveTensors
         trace = LiveTensors()
         observers = label_phases(trace, observers, hessians)
     t0 = time.time()

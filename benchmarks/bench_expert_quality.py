@@ -1,7 +1,7 @@
 """Weight quantization quality (experts / MLPs / attention projections): calibrate → pack → ppl_tf on
 PTB test (docs/benchmarks.md).
 
-    python3 benchmarks/bench_expert_quality.py --model demo-moe \
+    python3 -m benchmarks.bench_expert_quality --model demo-moe \
         --recipes recipes/experts-hls2.yaml recipes/ablations/experts-rtn2.yaml ... [--windows 8] [--samples 32]
 
 For each recipe: `moec calibrate` (PTB train) and `moec pack` in-process, then teacher-forced
@@ -16,7 +16,7 @@ benchmarks/results/expert_quality_<model>.json (a record with the same model and
 replaced). `w_bits` covers every decoder-layer matrix; `q_bits` only the quantized ones, both from
 the bytes stored in the packed checkpoint. `method`, `targets` and `group_size` describe the first
 weights rule, `rules` every rule of the recipe. The HQQ peer (`--hqq`) quantizes the expert/MLP
-matrices only (benchmarks/bench_hls_study.py --scope all has HQQ on attention too, by fake quant).
+matrices only (benchmarks/studies/bench_hls_study.py --scope all has HQQ on attention too, by fake quant).
 """
 
 from __future__ import annotations
@@ -31,26 +31,16 @@ from pathlib import Path
 
 import torch
 
-from moec.calibrate.data import BUILTIN_DATA, load_text
+from moec.calibrate.data import eval_windows, load_text
 from moec.calibrate.pack import pack
 from moec.calibrate.recipe import load_recipe
 from moec.calibrate.run import calibrate
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
 from moec.cli.common import base_record, write_json_atomic
 from moec.runtime.loader import load_model
-from moec.runtime.perplexity import CONTEXT, Totals, make_windows
+from moec.runtime.perplexity import CONTEXT, make_windows, reference_logits, score_tf, windows_label
 
 W = W_LEN = 1024
-
-
-@torch.no_grad()
-def score(model, windows, base_logits: list | None, start: int = CONTEXT) -> dict:
-    tot = Totals()
-    for b in range(windows.shape[0]):
-        x = windows[b : b + 1]
-        logits = model(x)[0, start - 1 : x.shape[1] - 1]
-        tot.add(logits, x[0, start:], None if base_logits is None else base_logits[b])
-    return tot.result(base_logits is not None)
 
 
 def main() -> None:
@@ -73,13 +63,13 @@ def main() -> None:
     model_dir = resolve_model(a.model)
     tokenizer = load_tokenizer(model_dir)
     windows = make_windows(tokenize(tokenizer, load_text("ptb", "test")), W, a.windows)
-    ood = ood_windows(tokenizer, a.ood, a.windows) if a.ood else None
+    ood = eval_windows(tokenizer, a.ood, a.windows, W) if a.ood else None
     out = a.out or Path(__file__).parent / "results" / f"expert_quality_{a.model}.json"
     base, _ = load_model(model_dir)
     t0 = time.time()
-    base_logits = base_logits_of(base, windows, a.score_from)
+    base_logits = reference_logits(base, windows, a.score_from)
     base_s = time.time() - t0
-    ood_base = base_logits_of(base, ood[1], a.score_from) if ood else None
+    ood_base = reference_logits(base, ood[1], a.score_from) if ood else None
     del base
     work = a.keep or Path(tempfile.mkdtemp(prefix="bench-eq-"))
     records = json.loads(out.read_text()) if out.is_file() else []
@@ -93,9 +83,9 @@ def main() -> None:
         manifest = pack(model_dir, a.model, calib, packed)
         model, info = load_model(packed)
         t0 = time.time()
-        r = score(model, windows, base_logits, a.score_from)
+        r = score_tf(model, windows, base_logits, a.score_from)
         eval_s = time.time() - t0
-        r_ood = score(model, ood[1], ood_base, a.score_from) if ood else None
+        r_ood = score_tf(model, ood[1], ood_base, a.score_from) if ood else None
         rule = recipe.weights[0] if recipe.weights else None
         bits = manifest["effective_bits"]
         under = sum(len(x.get("experts_under_policy", [])) for x in report["layers"])
@@ -107,8 +97,7 @@ def main() -> None:
                        "gptq": x.gptq, "incoherence": x.incoherence and dataclasses.asdict(x.incoherence)}
                       for x in recipe.weights],
             "context": W, "batch": 1, "mode": "tf", "dtype": "fp32",
-            "data": "ptb/test", "windows": f"{windows.shape[0]} windows (0-{windows.shape[0] - 1}) of {W}, "
-                                          f"scored {a.score_from}..{W - 1}",
+            "data": "ptb/test", "windows": windows_label(windows.shape[0], W, a.score_from),
             "ppl": r["ppl"], "ppl_base": r["ppl_base"], "delta_pct": r["delta_pct"], "kld": r["kld"],
             "top1": r["top1"], "kv_bits": 16.0, "w_bits": bits["w_bits"], "q_bits": bits.get("q_bits"),
             "calibration": {"data": "ptb/train", "samples": a.samples, "seq_len": a.seq_len,
@@ -137,23 +126,10 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def base_logits_of(base, windows: torch.Tensor, score_from: int) -> list[torch.Tensor]:
-    """The source model's logits at the scored positions of each window (computed once, reused)."""
-    with torch.no_grad():
-        return [base(windows[b : b + 1])[0, score_from - 1 : windows.shape[1] - 1] for b in range(windows.shape[0])]
-
-
-def ood_windows(tokenizer, data: str, n: int, window: int = W) -> tuple[str, torch.Tensor]:
-    """("<data>/<split>", the first n windows [n, window]) of `data`'s evaluation split (kjv: test)."""
-    split = BUILTIN_DATA[data]["eval_split"] if data in BUILTIN_DATA else "test"
-    return f"{data}/{split}", make_windows(tokenize(tokenizer, load_text(data, split)), window, n)
-
-
 def ood_record(ood: tuple, r: dict, score_from: int) -> dict:
     """The out-of-domain numbers of a record: the same metrics on `ood`'s windows."""
     name, windows = ood
-    n, w = windows.shape
-    return {"data": name, "windows": f"{n} windows (0-{n - 1}) of {w}, scored {score_from}..{w - 1}",
+    return {"data": name, "windows": windows_label(*windows.shape, score_from),
             **{k: r[k] for k in ("ppl", "ppl_base", "delta_pct", "kld", "top1")}}
 
 
@@ -183,12 +159,11 @@ def hqq_record(a, model_dir, windows, base_logits, bits: int, base_s: float) -> 
         bits_sum += W.numel() * (bits + 32 / g)
     fit_s = time.time() - t0
     model = build_model(ck.args, state, dtype=torch.float32)
-    r = score(model, windows, base_logits, a.score_from)
+    r = score_tf(model, windows, base_logits, a.score_from)
     rec = base_record("expert-quality", "cpu") | {
         "model": a.model, "method": f"hqq{bits}", "recipe": f"hqq{bits}-g{a.hqq_group}", "targets": ["experts", "mlp"],
         "group_size": a.hqq_group, "gptq": False, "context": W_LEN, "batch": 1, "mode": "tf", "dtype": "fp32",
-        "data": "ptb/test", "windows": f"{windows.shape[0]} windows (0-{windows.shape[0] - 1}) of {W_LEN}, "
-                                      f"scored {CONTEXT}..{W_LEN - 1}",
+        "data": "ptb/test", "windows": windows_label(windows.shape[0], W_LEN, a.score_from),
         "ppl": r["ppl"], "ppl_base": r["ppl_base"], "delta_pct": r["delta_pct"], "kld": r["kld"], "top1": r["top1"],
         "kv_bits": 16.0, "w_bits": None, "q_bits": bits_sum / n_q, "q_bits_note": "b + 32/g (fp16 scale, zero)",
         "calibration": {"data": None, "seconds": round(fit_s, 1)}, "baseline_eval_seconds": round(base_s, 1),

@@ -5,7 +5,7 @@ writes) and torch SDPA (flash and default) on an exact-length fp16 cache. One st
 median of --reps; GB/s = the cache bytes read (slots <= pos, keys and values) / time; copy bandwidth from the
 same run.
 
-    python3 benchmarks/bench_fp16_attention.py --sweep --out $OUT/fp16_attention.json
+    python3 -m benchmarks.bench_fp16_attention --sweep --out $OUT/fp16_attention.json
 
 Records: shape, context, batch, variant (kernel knobs | split_torch | sdpa_flash | sdpa_default), ms_median,
 GBps, pct_of_copy_bw, speedup_vs_sdpa (kernel rows: against the faster SDPA of the same run), max_abs_err
@@ -15,24 +15,19 @@ GBps, pct_of_copy_bw, speedup_vs_sdpa (kernel rows: against the faster SDPA of t
 from __future__ import annotations
 
 import argparse
-import sys
 import traceback
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.benchutil import copy_bandwidth, graph_times, stats
+from moec.atomic import write_json
+from moec.cli.common import base_record
+from moec.kernels import fp16_decode_attention as fk
+from moec.runtime.decode import split_attention
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
-
-from bench_kv_attention import copy_bandwidth, stats  # noqa: E402
-from bench_nuq_attention import timed  # noqa: E402
-
-from moec.atomic import write_json  # noqa: E402
-from moec.cli.common import base_record  # noqa: E402
-from moec.kernels import fp16_decode_attention as fk  # noqa: E402
-from moec.runtime.decode import split_attention  # noqa: E402
 
 SHAPES = {"mixtral-8x7b": (32, 32, 8, 128), "qwen3-30b-a3b": (48, 32, 4, 128)}  # layers, H, K, d
 GRID = (("mixtral-8x7b", 4096, 1), ("mixtral-8x7b", 32768, 1), ("mixtral-8x7b", 32768, 16),
@@ -71,7 +66,7 @@ def run_point(base, shape, S, B, knobs, reps, bw):
             with torch.nn.attention.sdpa_kernel(backends):
                 return [F.scaled_dot_product_attention(q4, k, v, enable_gqa=True) for k, v in exact]
         try:
-            add(f"sdpa_{name}", timed(run, reps))
+            add(f"sdpa_{name}", graph_times(run, reps))
             sdpa[name] = recs[-1]["ms_median"]
         except Exception as e:
             recs.append(point | {"variant": f"sdpa_{name}", "error": repr(e)[:300]})
@@ -82,15 +77,15 @@ def run_point(base, shape, S, B, knobs, reps, bw):
             k[rows, :, pos] = kn.half()
             v[rows, :, pos] = vn.half()
             split_attention(q.half().view(B, K, H // K, d), k, v, pos).to(q.dtype)
-    add("split_torch", timed(torch_step, reps))
+    add("split_torch", graph_times(torch_step, reps))
 
     for kw in knobs:
         try:
             out = fk.fp16_decode_attention(q, caches[0][0], caches[0][1], kn, vn, pos, **kw).float()
             ref = F.scaled_dot_product_attention(q4, exact[0][0], exact[0][1], enable_gqa=True)[:, :, 0].float()
             err = (out - ref).abs().max().item()
-            add(f"kernel {kw}", timed(lambda kw=kw: [fk.fp16_decode_attention(q, k, v, kn, vn, pos, **kw)
-                                                      for k, v in caches], reps),
+            add(f"kernel {kw}", graph_times(lambda kw=kw: [fk.fp16_decode_attention(q, k, v, kn, vn, pos, **kw)
+                                                            for k, v in caches], reps),
                 knobs=kw, max_abs_err=err)
             if best_sdpa:
                 recs[-1]["speedup_vs_sdpa"] = best_sdpa / recs[-1]["ms_median"]

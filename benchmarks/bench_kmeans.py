@@ -7,26 +7,24 @@ benchmarks/data/kv_samples_demo-moe.safetensors; the timing run reads that file 
 layer's middle and archive codebooks (recipes/kv-rvq-tiered.yaml settings) on --device, timing each
 layer (CUDA-synchronized), and records the fitted errors so CPU and GPU runs can be compared.
 
-    OMP_NUM_THREADS=1 python3 benchmarks/bench_kmeans.py --save                      # here, once
-    python3 benchmarks/bench_kmeans.py --device cuda --out $OUT/kmeans_h200.json    # GPU, < 30 s
+    OMP_NUM_THREADS=1 python3 -m benchmarks.bench_kmeans --save                      # here, once
+    python3 -m benchmarks.bench_kmeans --device cuda --out $OUT/kmeans_h200.json    # GPU, < 30 s
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from moec.atomic import atomic_file
+from moec.calibrate.rvq import fit_rvq
+from moec.cli.common import base_record, write_json_atomic
 
-from moec.atomic import atomic_file  # noqa: E402
-from moec.calibrate.rvq import fit_rvq  # noqa: E402
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SAMPLES = ROOT / "benchmarks" / "data" / "kv_samples_demo-moe.safetensors"
 TIERS = (("mid", [64, 32], 4), ("arch", [128], 4))  # recipes/kv-rvq-tiered.yaml

@@ -14,9 +14,9 @@ reference at full size (32k context, 2- and 3-bit) with the max error, the cost 
 (1% vs none) and of 3-bit codes at 32k batch 16, KV bytes per token for each codec and the largest
 batch that fits at 128k on this GPU (KV cache only, no weights).
 
-    python3 benchmarks/bench_kv_attention.py --out benchmarks/results/kv_attention_h200.json   (~25 s on the H200)
-    python3 benchmarks/bench_kv_attention.py --sweep --out $OUT/sweep.json   (launch-knob sweep, ~25 s)
-    python3 benchmarks/bench_kv_attention.py --config-from $OUT/sweep.json --out ...   (grid at the sweep's best)
+    python3 -m benchmarks.bench_kv_attention --out benchmarks/results/kv_attention_h200.json   (~25 s on the H200)
+    python3 -m benchmarks.bench_kv_attention --sweep --out $OUT/sweep.json   (launch-knob sweep, ~25 s)
+    python3 -m benchmarks.bench_kv_attention --config-from $OUT/sweep.json --out ...   (grid at the sweep's best)
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import json
 import math
 import statistics
 import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -35,12 +34,10 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from moec.atomic import write_json  # noqa: E402
-from moec.kernels import kv_decode_attention as kda  # noqa: E402
-from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref  # noqa: E402
+from benchmarks.benchutil import ROOT, copy_bandwidth, stats, time_step
+from moec.atomic import write_json
+from moec.kernels import kv_decode_attention as kda
+from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref
 
 H, K, D, LAYERS, BLOCK, WIN = 32, 8, 128, 32, 32, 128 + 4 + 16  # window: 4 sinks + 128 recent + a partial block
 RECIPE = ROOT / "recipes" / "ablations" / "kv-nuq2-outlier.yaml"  # --recipe: e.g. recipes/kv-nuq2-rot.yaml
@@ -102,33 +99,6 @@ def args_of(t, q):
 
 def nbytes(t, q) -> int:
     return sum(x.numel() * x.element_size() for x in t.values()) + q.numel() * q.element_size()
-
-
-def time_step(fn, reps: int) -> list[float]:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ts = time_step(lambda x=x, y=y: y.copy_(x), 10)
-    return 2 * (4 << 30) / (statistics.median(ts) / 1e3) / 1e9
-
-
-def stats(ts):
-    ts = sorted(ts)
-    return {"ms_median": statistics.median(ts), "ms_p10": ts[len(ts) // 10], "ms_p90": ts[(9 * len(ts)) // 10]}
 
 
 def time_kernel(layers, q, bits, reps, recipe=True, pre_rope: bool | None = None, **kw):

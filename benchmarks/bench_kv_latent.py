@@ -18,7 +18,7 @@ samples with the same functions `moec calibrate` uses. `--recipes` additionally 
 to end through the CLI (calibrate → pack → load the packed checkpoint's cache) and evaluates them
 the same way.
 
-    python3 benchmarks/bench_kv_latent.py --model smollm2-135m --grid smollm2 --recipes recipes/kv-latent-*.yaml
+    python3 -m benchmarks.bench_kv_latent --model smollm2-135m --grid smollm2 --recipes recipes/kv-latent-*.yaml
 
 Writes benchmarks/results/kv_latent_<model>.json (a list of records, docs/benchmarks.md fields; kv_bits at
 the evaluated context for the evaluation batch, kv_bits_32k projected by the same stored-byte formula).
@@ -28,29 +28,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchutil import cli  # noqa: E402
-
-from moec.calibrate.capture import run_layers  # noqa: E402
-from moec.calibrate.data import load_text, sample_windows  # noqa: E402
-from moec.calibrate.kvconfig import LatentConfig, LatentKVConfig  # noqa: E402
-from moec.calibrate.latent import LatentSampler, fit_latent_tensors  # noqa: E402
-from moec.calibrate.pack_kv import kv_manifest  # noqa: E402
-from moec.calibrate.recipe import Recipe  # noqa: E402
-from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.runtime.hf_layout import HFCheckpoint  # noqa: E402
-from moec.runtime.latent import latent_cache_factory  # noqa: E402
-from moec.runtime.loader import kv_cache_factory, load_model  # noqa: E402
-from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, make_windows  # noqa: E402
+from benchmarks.benchutil import ROOT, cli
+from moec.calibrate.capture import run_layers
+from moec.calibrate.data import load_text, sample_windows
+from moec.calibrate.kvconfig import LatentConfig, LatentKVConfig
+from moec.calibrate.latent import LatentSampler, fit_latent_tensors
+from moec.calibrate.pack_kv import kv_manifest
+from moec.calibrate.recipe import Recipe
+from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
+from moec.cli.common import base_record, write_json_atomic
+from moec.runtime.hf_layout import HFCheckpoint
+from moec.runtime.latent import latent_cache_factory
+from moec.runtime.loader import kv_cache_factory, load_model
+from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, make_windows
 
 # (codec, rope, bits, rank_k, rank_v, group_layers, outlier_frac); ranks are multiples of 8
 GRIDS = {

@@ -12,26 +12,24 @@ Largest batch at 128k: floor((HBM − weights − reserve) / KV bytes of one 128
 weights of Mixtral-8x7B in bf16 (46.7e9 parameters, 93.4 GB) and with 2-bit experts (moec HLS-2,
 2.25 bits per expert weight with its scales; attention, router and embeddings bf16).
 
-    python3 benchmarks/bench_kv_memory.py     # writes benchmarks/results/kv_memory.json
+    python3 -m benchmarks.bench_kv_memory     # writes benchmarks/results/kv_memory.json
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from moec.cli.common import base_record, write_json_atomic
+from moec.runtime.config import ModelArgs
+from moec.runtime.kivi import KIVICodec
+from moec.runtime.kvtiered import TieredKVCache
+from moec.runtime.nuq import FIXED_LEVELS, NUQCenteredCodec
 
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.runtime.config import ModelArgs  # noqa: E402
-from moec.runtime.kivi import KIVICodec  # noqa: E402
-from moec.runtime.kvtiered import TieredKVCache  # noqa: E402
-from moec.runtime.nuq import FIXED_LEVELS, NUQCenteredCodec  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 L, K, D = 32, 8, 128  # Mixtral-8x7B: layers, KV heads, head_dim
 BLOCK, WINDOW = 32, 128

@@ -16,26 +16,24 @@ deployment, the HF cache keeping them in the model dtype) and the residual full-
 
 Needs the `bench` extra (hqq, optimum-quanto; see pyproject.toml); not needed by CI:
     pip install --no-deps hqq==0.2.8.post1 optimum-quanto==0.2.7 && pip install einops ninja
-    OMP_NUM_THREADS=1 python3 benchmarks/bench_kv_peers.py --model smollm2-135m --max-windows 8
+    OMP_NUM_THREADS=1 python3 -m benchmarks.bench_kv_peers --model smollm2-135m --max-windows 8
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from moec.calibrate.data import load_text
+from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
+from moec.cli.common import base_record, write_json_atomic
+from moec.runtime.perplexity import CONTEXT, make_windows
 
-from moec.calibrate.data import load_text  # noqa: E402
-from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.runtime.perplexity import CONTEXT, make_windows  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = {  # name -> (backend, nbits); None: DynamicCache (the reference)
     "hf-dynamic": None, "hqq-4": ("hqq", 4), "quanto-4": ("quanto", 4), "hqq-2": ("hqq", 2), "quanto-2": ("quanto", 2)}

@@ -7,7 +7,7 @@ model, fp16 cache, same windows and batch) is decoded once and its logits kept, 
 lockstep for every recipe: the numbers equal `moec eval --mode dec --baseline` (deterministic CPU
 fp32), at half the cost.
 
-    python3 benchmarks/bench_kv_quality.py --model smollm2-135m --max-windows 2 \\
+    python3 -m benchmarks.bench_kv_quality --model smollm2-135m --max-windows 2 \\
         --recipes recipes/kv-kivi2.yaml recipes/ablations/kv-nuq2-outlier.yaml ...
 
 Writes benchmarks/results/kv_quality_<model>.json (a list of records, docs/benchmarks.md fields).
@@ -19,25 +19,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchutil import cli  # noqa: E402
-
-from moec.calibrate.data import load_text  # noqa: E402
-from moec.calibrate.recipe import load_recipe  # noqa: E402
-from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.runtime.kvsim import SimulatedTieredCache  # noqa: E402
-from moec.runtime.kvtiered import build_codecs, tiered_cache_factory  # noqa: E402
-from moec.runtime.loader import load_model  # noqa: E402
-from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, make_windows  # noqa: E402
+from benchmarks.benchutil import ROOT, cli
+from moec.calibrate.data import load_text
+from moec.calibrate.recipe import load_recipe
+from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
+from moec.cli.common import base_record, write_json_atomic
+from moec.runtime.kvsim import SimulatedTieredCache
+from moec.runtime.kvtiered import build_codecs, tiered_cache_factory
+from moec.runtime.loader import load_model
+from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, make_windows
 
 
 @torch.no_grad()

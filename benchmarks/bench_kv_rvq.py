@@ -15,7 +15,7 @@ mode `dec` and `sim` and the max |logit| difference.
 The baseline is the same model with an fp16 cache (keys/values rounded to fp16, one forward). Logits
 are computed in chunks from kept final hidden states (an 8192-token window of SmolLM2 has 1.6 G logits).
 
-    OMP_NUM_THREADS=1 python3 benchmarks/bench_kv_rvq.py --model smollm2-135m \\
+    OMP_NUM_THREADS=1 python3 -m benchmarks.bench_kv_rvq --model smollm2-135m \\
         --recipes recipes/kv-rvq-tiered.yaml recipes/ablations/kv-rvq2.yaml recipes/ablations/kv-rvq1.yaml
 
 Writes benchmarks/results/kv_rvq_<model>.json (docs/benchmarks.md records; `kmeans_seconds` from calibration).
@@ -26,26 +26,21 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchutil import cli  # noqa: E402
-
-from moec.atomic import atomic_file  # noqa: E402
-from moec.calibrate.data import load_text  # noqa: E402
-from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.runtime.loader import load_model  # noqa: E402
-from moec.runtime.model import rope_cos_sin  # noqa: E402
-from moec.runtime.perplexity import CONTEXT, Totals, make_windows  # noqa: E402
-from moec.runtime.rvq import rvq_cache_factory  # noqa: E402
+from benchmarks.benchutil import ROOT, cli
+from moec.atomic import atomic_file
+from moec.calibrate.data import load_text
+from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
+from moec.cli.common import base_record, write_json_atomic
+from moec.runtime.loader import load_model
+from moec.runtime.model import rope_cos_sin
+from moec.runtime.perplexity import CONTEXT, Totals, make_windows
+from moec.runtime.rvq import rvq_cache_factory
 
 
 class FP16Cache:

@@ -5,32 +5,28 @@ first N windows of W tokens of PTB test twice: token by token through TieredKVCa
 `--mode dec` path) and with one simulated forward per window; record ppl, kld/top1 against the fp16
 cache (same mode), the largest logit difference and the relative ppl difference.
 
-    python3 benchmarks/bench_kv_sim_check.py --model smollm2-135m --window 320 --max-windows 1 \\
+    python3 -m benchmarks.bench_kv_sim_check --model smollm2-135m --window 320 --max-windows 1 \\
         --packed /tmp/moec-kv-bench/smollm2-135m/kv-nuq2-outlier ...
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.bench_kv_quality import decode
+from moec.calibrate.data import load_text
+from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
+from moec.cli.common import base_record, write_json_atomic
+from moec.runtime.kvsim import SimulatedTieredCache
+from moec.runtime.kvtiered import build_codecs, tiered_cache_factory
+from moec.runtime.loader import load_model
+from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, make_windows
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
-
-from bench_kv_quality import decode  # noqa: E402
-
-from moec.calibrate.data import load_text  # noqa: E402
-from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.runtime.kvsim import SimulatedTieredCache  # noqa: E402
-from moec.runtime.kvtiered import build_codecs, tiered_cache_factory  # noqa: E402
-from moec.runtime.loader import load_model  # noqa: E402
-from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, make_windows  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Decode latency of the whole runtime at real shapes against the HBM floor (issue 5), one script.
 
-    python3 benchmarks/bench_latency.py --out benchmarks/results/latency_h200.json            (~150-230 s)
-    python3 benchmarks/bench_latency.py --out /tmp/latency.json --quick                        (~60-90 s)
+    python3 -m benchmarks.bench_latency --out benchmarks/results/latency_h200.json            (~150-230 s)
+    python3 -m benchmarks.bench_latency --out /tmp/latency.json --quick                        (~60-90 s)
 
 Shapes mixtral-8x7b and qwen3-30b-a3b (moec/runtime/config.py PRESETS) with random weights built in
 memory on the GPU (bf16 Mixtral is 93 GB: more than the GPU machine's disk, so nothing is packed to

@@ -22,8 +22,8 @@ Variants (all rank 256, fp16 window of 128):
 --sweep first times launch configurations (tile, fp16 dot operands, warps, programs per step) for each
 variant at 32k, batch 16 and batch 1, and the grid then runs each variant with its fastest one.
 
-    python3 benchmarks/bench_latent_attention.py --out benchmarks/results/latent_attention_h200.json
-    TRITON_INTERPRET=1 python3 benchmarks/bench_latent_attention.py --device cpu --tiny --out /tmp/x.json
+    python3 -m benchmarks.bench_latent_attention --out benchmarks/results/latent_attention_h200.json
+    TRITON_INTERPRET=1 python3 -m benchmarks.bench_latent_attention --device cpu --tiny --out /tmp/x.json
 (--tiny: small shapes, checks the kernel against the reference, CPU times are not speed numbers.)
 """
 
@@ -32,24 +32,22 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.formats.bitpack import pack_planar  # noqa: E402
-from moec.kernels.latent_decode_attention import (  # noqa: E402
+from moec.cli.common import base_record, write_json_atomic
+from moec.formats.bitpack import pack_planar
+from moec.kernels.latent_decode_attention import (
     CONFIG,
     latent_decode_attention,
     latent_decode_attention_ref,
     latent_statics,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_inputs(B, H, K, d, R, S, Wc, bits, dev, seed=0):

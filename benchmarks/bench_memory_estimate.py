@@ -6,8 +6,8 @@ VmHWM from /proc/self/status after the baseline reset it (`5 > /proc/self/clear_
 baseline; on CUDA, torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus memory_allocated
 at the baseline (the estimate's device term; the host term is recorded beside it, unchecked).
 
-    OMP_NUM_THREADS=1 python3 benchmarks/bench_memory_estimate.py --samples 64 --seq-len 512   # ~5 min
-    python3 benchmarks/bench_memory_estimate.py --model demo-moe --recipe recipes/experts-hls2.yaml \\
+    OMP_NUM_THREADS=1 python3 -m benchmarks.bench_memory_estimate --samples 64 --seq-len 512   # ~5 min
+    python3 -m benchmarks.bench_memory_estimate --model demo-moe --recipe recipes/experts-hls2.yaml \\
         --ids benchmarks/data/demo-moe_ptb_ids.pt --samples 512 --seq-len 512 --device cuda \\
         --out $OUT/memory_estimate_gpu.json
 
@@ -19,22 +19,20 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import moec.calibrate.run as run
+from moec.calibrate.memory import estimator
+from moec.calibrate.recipe import load_recipe
+from moec.calibrate.sources import resolve_model
+from moec.cli.common import base_record, write_json_atomic
+from moec.runtime.hf_layout import HFCheckpoint
 
-import moec.calibrate.run as run  # noqa: E402
-from moec.calibrate.memory import estimator  # noqa: E402
-from moec.calibrate.recipe import load_recipe  # noqa: E402
-from moec.calibrate.sources import resolve_model  # noqa: E402
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.runtime.hf_layout import HFCheckpoint  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _status_kb(field: str) -> int:

@@ -1,9 +1,9 @@
 """Fused quantized MoE kernels and the 4-bit attention linear vs bf16 peers at real layer shapes (H200).
 
-    python3 benchmarks/bench_moe_kernel.py --out benchmarks/results/moe_kernel_h200.json   (~110 s cold)
-    python3 benchmarks/bench_moe_kernel.py --out X.json --sweep --budget 95   (+ block sweeps: 122 s cold)
-    python3 benchmarks/bench_moe_kernel.py --out /tmp/dry.json --dry          (CPU interpreter, toy shapes)
-    python3 benchmarks/bench_moe_kernel.py --out X.json --quick   (decode batch 1 only: bf16, hls2, vq2, vq3)
+    python3 -m benchmarks.bench_moe_kernel --out benchmarks/results/moe_kernel_h200.json   (~110 s cold)
+    python3 -m benchmarks.bench_moe_kernel --out X.json --sweep --budget 95   (+ block sweeps: 122 s cold)
+    python3 -m benchmarks.bench_moe_kernel --out /tmp/dry.json --dry          (CPU interpreter, toy shapes)
+    python3 -m benchmarks.bench_moe_kernel --out X.json --quick   (decode batch 1 only: bf16, hls2, vq2, vq3)
 
 The committed file came from the second command on an H200 (2026-11-30); the JSON is rewritten
 after every record, so a run cut short keeps what it measured.
@@ -42,23 +42,23 @@ from pathlib import Path
 if "--dry" in sys.argv:  # CPU dry run of the whole script at toy shapes (Triton interpreter)
     os.environ["TRITON_INTERPRET"] = "1"
 
-import torch  # noqa: E402
-import triton  # noqa: E402
+import torch
+import triton
 
-from moec.kernels.dequant import (  # noqa: E402
+from moec.kernels.dequant import (
     MODE_AFFINE,
     MODE_DENSE,
     MODE_FP8,
     MODE_LUT,
     MODE_VQ,
     QWeight,
-    use_prmt,  # noqa: E402
+    use_prmt,
 )
-from moec.kernels.moe_decode import _PRMT_FAILED, moe_decode, moe_decode_ref  # noqa: E402
-from moec.kernels.moe_prefill import moe_grouped, moe_grouped_ref  # noqa: E402
-from moec.kernels.qlinear import qlinear, qlinear_ref  # noqa: E402
-from moec.runtime.experts import lut_poly  # noqa: E402
-from moec.runtime.weightcodecs import random_vq  # noqa: E402
+from moec.kernels.moe_decode import _PRMT_FAILED, moe_decode, moe_decode_ref
+from moec.kernels.moe_prefill import moe_grouped, moe_grouped_ref
+from moec.kernels.qlinear import qlinear, qlinear_ref
+from moec.runtime.experts import lut_poly
+from moec.runtime.weightcodecs import random_vq
 
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}
 BATCHES = (1, 16, 2048)

@@ -9,8 +9,8 @@ recipe's codec; then greedy decoding of 8 tokens attends through the compressed 
 when the key's digits appear in the decoded text. Keys and depths come from --seed, so every recipe sees
 the same trials.
 
-    python3 benchmarks/bench_passkey.py --model smollm2-135m --lengths 2048,4096,8192 --trials 18   (fp16)
-    python3 benchmarks/bench_passkey.py --model smollm2-135m --lengths 4096 --trials 108 \\
+    python3 -m benchmarks.bench_passkey --model smollm2-135m --lengths 2048,4096,8192 --trials 18   (fp16)
+    python3 -m benchmarks.bench_passkey --model smollm2-135m --lengths 4096 --trials 108 \\
         --recipes recipes/kv-nuq2-rot.yaml recipes/ablations/kv-nuq2-outlier.yaml ...
 
 Writes benchmarks/results/passkey_<model>.json: one record per (recipe, context) with `recipe` (`fp16` for
@@ -23,23 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchutil import cli  # noqa: E402
-
-from moec.calibrate.sources import load_tokenizer, resolve_model  # noqa: E402
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.runtime.generate import generate  # noqa: E402
-from moec.runtime.kvtiered import build_codecs, tiered_cache_factory  # noqa: E402
-from moec.runtime.loader import load_model  # noqa: E402
-from moec.runtime.perplexity import fp16_cache  # noqa: E402
+from benchmarks.benchutil import ROOT, cli
+from moec.calibrate.sources import load_tokenizer, resolve_model
+from moec.cli.common import base_record, write_json_atomic
+from moec.runtime.generate import generate
+from moec.runtime.kvtiered import build_codecs, tiered_cache_factory
+from moec.runtime.loader import load_model
+from moec.runtime.perplexity import fp16_cache
 
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.\n\n")

@@ -12,8 +12,8 @@ of --reps passes; ms_32_layers = 32 × that. GB/s = code bytes (keys + values, b
 time; `bytes_per_call` adds the fp16 window and the q·centroid tables. Every config is run inside
 try/except: a failure is recorded in its row and the next config runs.
 
-    python3 benchmarks/bench_rvq_attention.py --out $OUT/rvq_attention_h200.json      # ~1-2 min on an H200
-    TRITON_INTERPRET=1 python3 benchmarks/bench_rvq_attention.py --device cpu --tiny --out /tmp/r.json
+    python3 -m benchmarks.bench_rvq_attention --out $OUT/rvq_attention_h200.json      # ~1-2 min on an H200
+    TRITON_INTERPRET=1 python3 -m benchmarks.bench_rvq_attention --device cpu --tiny --out /tmp/r.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -29,12 +28,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from moec.cli.common import base_record, write_json_atomic
+from moec.kernels.rvq_lut_attention import CodeSegment, rvq_lut_attention, rvq_lut_attention_ref
 
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.kernels.rvq_lut_attention import CodeSegment, rvq_lut_attention, rvq_lut_attention_ref  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MID, ARCH, DIM, ARCH_AFTER, WIN = [64, 32], [128], 4, 4096, 132 + 16  # window: sinks + 128 + a partial block
 
@@ -116,8 +113,7 @@ def main() -> None:
         configs, reps = [(4096, 1), (4096, 16), (32768, 1), (32768, 16), (131072, 1)], a.reps
     nuq = None
     try:
-        from bench_kv_attention import args_of, make_layer
-
+        from benchmarks.bench_kv_attention import args_of, make_layer
         from moec.kernels.kv_decode_attention import kv_decode_attention
         nuq = (make_layer, args_of, kv_decode_attention)
     except Exception as e:  # noqa: BLE001

@@ -5,7 +5,7 @@ whose experts and projections then run moec's Triton kernels; its logits against
 same GPU, and `generate` through MoecCache against moec's dynamic-cache decode (teacher-forced on the
 generated tokens), beside the CPU torch reference of both.
 
-    python3 benchmarks/check_hf_gpu.py --out $OUT/hf_roundtrip_gpu.json
+    python3 -m benchmarks.check_hf_gpu --out $OUT/hf_roundtrip_gpu.json
 
 Records: check, device, max_abs_diff, mean_abs_diff, top1_agree, and which kernels ran (the module types).
 """
@@ -13,22 +13,20 @@ Records: check, device, max_abs_diff, mean_abs_diff, top1_agree, and which kerne
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import moec.hf
+from moec.atomic import write_json
+from moec.calibrate.pack import pack_random
+from moec.calibrate.recipe import parse_recipe
+from moec.cli.common import base_record
+from moec.runtime.config import PRESETS
+from moec.runtime.loader import kv_cache_factory, load_model
 
-import moec.hf  # noqa: E402
-from moec.atomic import write_json  # noqa: E402
-from moec.calibrate.pack import pack_random  # noqa: E402
-from moec.calibrate.recipe import parse_recipe  # noqa: E402
-from moec.cli.common import base_record  # noqa: E402
-from moec.runtime.config import PRESETS  # noqa: E402
-from moec.runtime.loader import kv_cache_factory, load_model  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RECIPE = ROOT / "recipes" / "latency-hls2-nuq2-attn4.yaml"
 KV_SMALL = {"window": 16, "sinks": 2, "block": 16}  # 24 + 40 tokens leave the window: the codec is exercised

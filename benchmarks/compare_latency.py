@@ -1,6 +1,6 @@
 """Per-row ratio of two latency_h200.json files (bench_latency.py output): the check that a rerun agrees.
 
-    python3 benchmarks/compare_latency.py OLD.json NEW.json [--tol 0.05]
+    python3 -m benchmarks.compare_latency OLD.json NEW.json [--tol 0.05]
 
 Rows are matched by (shape, recipe, batch, context) among decode records with an ms_median; prints each
 ratio new/old and the rows outside 1 ± tol; exit status 1 if any.

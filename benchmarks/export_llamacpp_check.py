@@ -1,6 +1,6 @@
 """Run a `moec export --format gguf` model in llama.cpp (llama-cpp-python) and compare its logits with moec's.
 
-    python benchmarks/export_llamacpp_check.py [--model demo-moe] [--out benchmarks/results/export_llamacpp_check.json]
+    python3 -m benchmarks.export_llamacpp_check [--model demo-moe] [--out benchmarks/results/export_llamacpp_check.json]
 
 Steps: calibrate + pack MODEL with rtn 4-bit groups of 32 on the experts and attention (the one codec GGUF
 carries: Q4_1), export it, then feed the same token ids to moec's CPU runtime (fp32) and to llama.cpp, and
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchutil import ROOT, cli
+
+from benchmarks.benchutil import ROOT, cli
 
 RECIPE = ROOT / "recipes" / "rtn4-g32-q4_1.yaml"  # rtn 4-bit g32 on experts and attention: Q4_1 exactly
 TEXT = ("The quick brown fox jumps over the lazy dog. In the beginning was the word, and the word was "

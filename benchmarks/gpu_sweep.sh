@@ -34,21 +34,21 @@ step() {  # step GPU SECONDS NAME CMD...
 }
 
 kernel_tests() { step "$1" "$2" kernel_tests python3 -m pytest -q -rs tests/kernels; }
-kv_attention() { step "$1" "$2" kv_attention python3 benchmarks/bench_kv_attention.py --recipe recipes/ablations/kv-nuq2-outlier-post.yaml --out "$OUT/kv_attention_h200.json"; }
-kv_sweep() { step "$1" "$2" kv_sweep python3 benchmarks/bench_kv_attention.py --sweep --out "$OUT/kv_attention_sweep_h200.json"; }
+kv_attention() { step "$1" "$2" kv_attention python3 -m benchmarks.bench_kv_attention --recipe recipes/ablations/kv-nuq2-outlier-post.yaml --out "$OUT/kv_attention_h200.json"; }
+kv_sweep() { step "$1" "$2" kv_sweep python3 -m benchmarks.bench_kv_attention --sweep --out "$OUT/kv_attention_sweep_h200.json"; }
 kv_tests() { step "$1" "$2" kv_tests python3 -m pytest -q -rs tests/kernels/test_fused_decode.py tests/kernels/test_kv_decode_attention.py tests/kernels/test_kv_quantize_pack.py tests/kernels/test_moe_decode.py::test_split_and_paths_agree; }
-moe_kernel() { step "$1" "$2" moe_kernel python3 benchmarks/bench_moe_kernel.py --out "$OUT/moe_kernel_h200.json"; }
+moe_kernel() { step "$1" "$2" moe_kernel python3 -m benchmarks.bench_moe_kernel --out "$OUT/moe_kernel_h200.json"; }
 # packed_gpu/kv-rvq-tiered, packed_gpu/kv-latent-*: demo-moe packed with those recipes on the CPU, carried in
 # (no PTB here); their fused-kernel checks run when present
-runtime_check() { step "$1" "$2" runtime_check python3 benchmarks/check_runtime_gpu.py --out "$OUT/runtime_gpu_check_h200.json" \
+runtime_check() { step "$1" "$2" runtime_check python3 -m benchmarks.check_runtime_gpu --out "$OUT/runtime_gpu_check_h200.json" \
   $([ -d packed_gpu/kv-rvq-tiered ] && echo --rvq-packed packed_gpu/kv-rvq-tiered) \
   $(ls -d packed_gpu/kv-latent-* 2>/dev/null | sed 's/^/--latent-packed /' | tr '\n' ' '); }
-latency() { step "$1" "$2" latency python3 benchmarks/bench_latency.py --budget $(( $2 - 60 )) --out "$OUT/latency_h200.json"; }
-latent_attention() { step "$1" "$2" latent_attention python3 benchmarks/bench_latent_attention.py --out "$OUT/latent_attention_h200.json"; }
-rvq_attention() { step "$1" "$2" rvq_attention python3 benchmarks/bench_rvq_attention.py --out "$OUT/rvq_attention_h200.json"; }
+latency() { step "$1" "$2" latency python3 -m benchmarks.bench_latency --budget $(( $2 - 60 )) --out "$OUT/latency_h200.json"; }
+latent_attention() { step "$1" "$2" latent_attention python3 -m benchmarks.bench_latent_attention --out "$OUT/latent_attention_h200.json"; }
+rvq_attention() { step "$1" "$2" rvq_attention python3 -m benchmarks.bench_rvq_attention --out "$OUT/rvq_attention_h200.json"; }
 gpu_fit() {  # k-means (issue 7) and calibration (issue 4) times on the GPU, merged into one file
-  step "$1" "$2" kmeans python3 benchmarks/bench_kmeans.py --device cuda --out "$LOGS/kmeans.json"
-  step "$1" 100 gpu_calib python3 benchmarks/gpu_calibrate_demo_moe.py --device cuda --recipes recipes/experts-hls2.yaml --out "$LOGS/calib.json"
+  step "$1" "$2" kmeans python3 -m benchmarks.bench_kmeans --device cuda --out "$LOGS/kmeans.json"
+  step "$1" 100 gpu_calib python3 -m benchmarks.gpu_calibrate_demo_moe --device cuda --recipes recipes/experts-hls2.yaml --out "$LOGS/calib.json"
   python3 -c 'import json, sys, os; print(json.dumps(sum((json.load(open(f)) for f in sys.argv[2:] if os.path.exists(f)), []), indent=1), file=open(sys.argv[1], "w"))' \
     "$OUT/fit_gpu_h200.json" "$LOGS/kmeans.json" "$LOGS/calib.json"
 }

@@ -1,7 +1,7 @@
 """Launch-config sweep of the fused 2-bit MoE decode kernels (issue 16 item 3), one phase at a time.
 
-    python3 benchmarks/sweep_moe_decode.py --out X.json [--budget 240] [--kind hls2|bf16|vq2|vq3] [--batches 1,16]
-                                           [--write-config DIR]
+    python3 -m benchmarks.sweep_moe_decode --out X.json [--budget 240] [--kind hls2|bf16|vq2|vq3]
+        [--batches 1,16] [--write-config DIR]
 
 For each shape (Mixtral-8x7B, Qwen3-30B-A3B) and batch (1, 16): the whole `moe_decode` (hls2, prmt path)
 timed under a CUDA graph over L layers with separate weights (more bytes than L2, as bench_moe_kernel.py),
@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_moe_kernel import SHAPES, copy_bandwidth, graph_time, make_weight, nbytes, rel_err  # noqa: E402
-
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.kernels import launch_config  # noqa: E402
-from moec.kernels.moe_decode import DECODE_CONFIG, LEGACY_CONFIG, moe_decode, moe_decode_ref  # noqa: E402
+from benchmarks.bench_moe_kernel import SHAPES, copy_bandwidth, graph_time, make_weight, nbytes, rel_err
+from moec.cli.common import base_record, write_json_atomic
+from moec.kernels import launch_config
+from moec.kernels.moe_decode import DECODE_CONFIG, LEGACY_CONFIG, moe_decode, moe_decode_ref
 
 GATE_UP = [dict(block_o=bo, block_k=bk, num_warps=nw, num_stages=st)
            for bo, bk, nw, st in itertools.product((8, 16, 32), (1024, 2048, 4096), (4, 8), (1, 3))]

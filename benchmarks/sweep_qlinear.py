@@ -3,7 +3,7 @@ M = 1): 4-bit RTN groups of 128 at the Mixtral (4096 -> 4096, 4096 -> 1024) and 
 2048 -> 512, 4096 -> 2048) projection shapes, each timed as CUDA-graph replays over 16 separate weights
 (more bytes than L2), against torch's bf16 linear on the same shapes.
 
-    python3 benchmarks/sweep_qlinear.py --out X.json [--budget 200] [--write-config DIR]
+    python3 -m benchmarks.sweep_qlinear --out X.json [--budget 200] [--write-config DIR]
 
 Records: shape, config, ms (per call), gbps, pct_of_copy, max_rel_err_vs_ref (the config is refused above
 1e-2); `phase: best` per shape. --write-config DIR: the config best on most shapes becomes this device's
@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_moe_kernel import copy_bandwidth, graph_time, make_weight, nbytes, rel_err  # noqa: E402
-
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-from moec.kernels import launch_config  # noqa: E402
-from moec.kernels.qlinear import GEMV_CONFIG, qlinear, qlinear_ref  # noqa: E402
+from benchmarks.bench_moe_kernel import copy_bandwidth, graph_time, make_weight, nbytes, rel_err
+from moec.cli.common import base_record, write_json_atomic
+from moec.kernels import launch_config
+from moec.kernels.qlinear import GEMV_CONFIG, qlinear, qlinear_ref
 
 SHAPES = ((4096, 4096), (4096, 1024), (2048, 4096), (2048, 512), (4096, 2048))  # (K inputs, O outputs)
 # block_k is capped at the group size's power-of-two divisor (128 here): the unroll is what varies the bytes

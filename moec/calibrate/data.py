@@ -55,6 +55,16 @@ def is_eval_split(data: str, split: str) -> bool:
     return data in BUILTIN_DATA and BUILTIN_DATA[data]["eval_split"] == split
 
 
+def eval_windows(tokenizer, data: str, n: int, window: int) -> tuple[str, torch.Tensor]:
+    """("<data>/<split>", the first n windows [n, window]) of `data`'s evaluation split (a built-in data set's
+    `eval_split`, kjv: the New Testament; "test" for any other), tokenized as `moec eval` does."""
+    from ..runtime.perplexity import make_windows
+    from .sources import tokenize
+
+    split = BUILTIN_DATA[data]["eval_split"] if data in BUILTIN_DATA else "test"
+    return f"{data}/{split}", make_windows(tokenize(tokenizer, load_text(data, split)), window, n)
+
+
 def check_builtin(data: str, split: str, config: str | None = None) -> None:
     """A built-in name's split and configuration (none); `require_package` checks what provides its text."""
     splits = BUILTIN_DATA[data]["splits"]

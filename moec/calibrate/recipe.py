@@ -298,3 +298,24 @@ def load_recipe(path: str | Path) -> Recipe:
     if recipe.name == "unnamed":
         recipe.name = p.stem
     return recipe
+
+
+def recipe_files(directory: str | Path) -> list[Path]:
+    """The recipe files of a recipes directory and of its ablations/ folder, in name order."""
+    d = Path(directory)
+    return sorted([*d.glob("*.yaml"), *d.glob("ablations/*.yaml")], key=lambda p: p.stem)
+
+
+def shipped_gpu_recipes(directory: str | Path) -> list[str]:
+    """Names of the recipes of `directory` (recipe_files) whose GPU path ships and must be checked on the GPU
+    (benchmarks/gpu_smoke.py): all but the identity (no kv and no weights: nothing on a GPU path) and the
+    ablations of a single setting (a description starting "ablation of")."""
+    out = []
+    for p in recipe_files(directory):
+        d = yaml.safe_load(p.read_text())
+        if not d.get("kv") and not d.get("weights"):
+            continue
+        if str(d.get("description", "")).startswith("ablation of"):
+            continue
+        out.append(p.stem)
+    return out

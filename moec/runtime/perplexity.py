@@ -62,6 +62,32 @@ class Totals:
         return out
 
 
+def windows_label(n: int, window: int, start: int = CONTEXT) -> str:
+    """How a result record names its windows: "8 windows (0-7) of 1024, scored 32..1023"."""
+    return f"{n} windows (0-{n - 1}) of {window}, scored {start}..{window - 1}"
+
+
+@torch.no_grad()
+def reference_logits(model: Transformer, windows: torch.Tensor, start: int = CONTEXT) -> list[torch.Tensor]:
+    """The reference model's teacher-forced logits [W - start, V] at the scored positions of each window of
+    `windows` [n, W] (computed once, then compared against every candidate by score_tf)."""
+    return [model(windows[b : b + 1])[0, start - 1 : windows.shape[1] - 1] for b in range(windows.shape[0])]
+
+
+@torch.no_grad()
+def score_tf(model: Transformer, windows: torch.Tensor, base_logits: list[torch.Tensor] | None = None,
+             start: int = CONTEXT) -> dict:
+    """ppl_tf of `model` over `windows` [n, W], positions start..W-1 scored, one window per forward; with
+    `base_logits` (reference_logits of the source model, same windows and start) also ppl_base, delta_pct,
+    kld and top1 against them."""
+    tot = Totals()
+    for b in range(windows.shape[0]):
+        x = windows[b : b + 1]
+        logits = model(x)[0, start - 1 : x.shape[1] - 1]
+        tot.add(logits, x[0, start:], None if base_logits is None else base_logits[b])
+    return tot.result(base_logits is not None)
+
+
 CacheFactory = Callable[[Transformer, int, int], object]
 
 

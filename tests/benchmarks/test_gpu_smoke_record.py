@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_smoke import shipped_gpu_recipes
+from moec.calibrate.recipe import shipped_gpu_recipes
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD = REPO / "benchmarks" / "results" / "gpu_smoke_h200.json"
+SHIPPED = shipped_gpu_recipes(REPO / "recipes")  # what benchmarks/gpu_smoke.py checks by default
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +41,10 @@ def test_names_every_shipped_recipe(records):
     checks: dict[str, set] = {}
     for r in records:
         checks.setdefault(r["recipe"], set()).add(r["check"])
-    missing = [n for n in shipped_gpu_recipes() if n not in checks]
+    assert SHIPPED, "no recipe with a GPU path found under recipes/"
+    missing = [n for n in SHIPPED if n not in checks]
     assert not missing, f"recipes without a smoke record: {missing}"
-    for name in shipped_gpu_recipes():
+    for name in SHIPPED:
         want = {"pack", "static", "dynamic", "generate", "latency"}  # every KV codec runs in the static engine
         assert want <= checks[name], (name, checks[name])
 

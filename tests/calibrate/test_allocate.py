@@ -194,8 +194,8 @@ def test_mixed_widths_pipeline(tiny_moe_dir, tmp_path, unit):
                 got = lin(h)
             want = torch.nn.functional.linear(h, lin.q.dequant_ref(0))
             torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
-    # benchmarks/bench_alloc.py: chosen again from the kept candidates at another budget, no refitting
-    from benchmarks.bench_alloc import reallocate
+    # chosen again from the kept candidates at another budget, no refitting (benchmarks/bench_alloc.py)
+    from moec.calibrate.reallocate import reallocate
 
     rep2, _ = reallocate(tiny_moe_dir, calib, tmp_path / "calib2", 3.5, "relative")
     a2 = rep2["allocation"][0]

@@ -158,22 +158,25 @@ def test_bad_holdout_is_a_one_line_error(tiny_moe_dir, tmp_path):
 
 
 def test_kjv_out_of_domain_scoring(tiny_moe_dir):
-    """bench_expert_quality's out-of-domain path on the tiny model: KJV test windows (the New Testament),
-    scored against the base model's own logits (KL 0, top-1 1) and against a perturbed copy."""
-    from benchmarks.bench_expert_quality import base_logits_of, ood_record, ood_windows, score
+    """The out-of-domain scoring of benchmarks/bench_expert_quality.py on the tiny model: KJV test windows (the
+    New Testament), scored against the base model's own logits (KL 0, top-1 1) and against a perturbed copy."""
+    from moec.calibrate.data import eval_windows
     from moec.calibrate.sources import load_tokenizer
+    from moec.runtime.perplexity import reference_logits, score_tf, windows_label
 
     tok = load_tokenizer(tiny_moe_dir)
-    name, windows = ood_windows(tok, "kjv", 2, window=64)
+    name, windows = eval_windows(tok, "kjv", 2, window=64)
     assert name == "kjv/test" and windows.shape == (2, 64)
     assert tok.decode(windows[0, :12].tolist()).startswith("The book of the")  # Matthew 1:1
     ck = HFCheckpoint(tiny_moe_dir)
     base = build_model(ck.args, {k: v.float() for k, v in ck.state_dict().items()})
-    base_logits = base_logits_of(base, windows, 8)
-    same = ood_record((name, windows), score(base, windows, base_logits, 8), 8)
+    base_logits = reference_logits(base, windows, 8)
+    assert len(base_logits) == 2 and base_logits[0].shape == (64 - 8, ck.args.vocab_size)
+    same = score_tf(base, windows, base_logits, 8)
     assert same["kld"] == pytest.approx(0, abs=1e-6) and same["top1"] == 1.0 and same["delta_pct"] == pytest.approx(0)
-    assert same["windows"] == "2 windows (0-1) of 64, scored 8..63" and same["ppl"] > 1
+    assert same["scored_tokens"] == 2 * (64 - 8) and same["ppl"] > 1
+    assert windows_label(*windows.shape, 8) == "2 windows (0-1) of 64, scored 8..63"
     noisy = {k: v.float() + (0.05 * torch.randn(v.shape) if k.endswith("moe.w2") else 0) for k, v in
              ck.state_dict().items()}
-    r = score(build_model(ck.args, noisy), windows, base_logits, 8)
+    r = score_tf(build_model(ck.args, noisy), windows, base_logits, 8)
     assert r["kld"] > 1e-4 and r["ppl_base"] == pytest.approx(same["ppl"])

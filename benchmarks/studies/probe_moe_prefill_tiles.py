@@ -4,25 +4,24 @@ Found the H200 failure of 16-input dequant tiles (every table/RTN case with BK =
 exact; benchmarks/results/moe_prefill_tile_probe_h200.json), which moe_grouped now routes to the torch
 reference. Run it again after a Triton upgrade to see whether the guard can go:
 
-    python3 benchmarks/probe_moe_prefill_tiles.py OUT.json
+    python3 -m benchmarks.studies.probe_moe_prefill_tiles OUT.json
 """
 
+import argparse
 import itertools
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from moec.atomic import write_text  # noqa: E402
-from moec.kernels import moe_prefill  # noqa: E402
-from tests.kernels.moe_cases import moe_case  # noqa: E402
+from moec.atomic import write_text
+from moec.kernels import moe_prefill
+from tests.kernels.moe_cases import moe_case
 
 SHAPES = [(32, 16), (16, 32), (32, 32), (64, 32), (32, 64), (64, 64), (128, 64), (40, 24)]
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="the JSON file to write (one record per case)")
+    a = ap.parse_args()
     out = []
     for kind, (D, I), bk, (N, A, E) in itertools.product(["lut2", "lut3", "rtn4", "fp8"], SHAPES, [16, 32, 64],
                                                          [(7, 2, 3), (3, 1, 6)]):
@@ -36,7 +35,7 @@ def main() -> None:
         except Exception as e:
             rec["error"] = repr(e)[:200]
         out.append(rec)
-    write_text(sys.argv[1], json.dumps(out, indent=0))
+    write_text(a.out, json.dumps(out, indent=0))
     bad = [r for r in out if r.get("rel_err", 0) > 2e-2 or "error" in r]
     print(len(out), "cases,", len(bad), "wrong:")
     for r in bad:

@@ -1,6 +1,6 @@
 """Study kernel (not used by the runtime): decode attention over an outlier-free 2-bit NUQ history + fp16
 window with the operands of both products swapped, so the dequantized history is tl.dot's left-hand tile.
-Measured by benchmarks/bench_nuq_attention.py (results/nuq_attention_h200.json): no faster than the
+Measured by benchmarks/studies/bench_nuq_attention.py (results/nuq_attention_h200.json): no faster than the
 runtime's kernel (moec/kernels/kv_decode_attention.py) on the same cache; why is at the end.
 
 Same inputs and partial/reduce protocol as moec/kernels/kv_decode_attention.py (split-K over the context,

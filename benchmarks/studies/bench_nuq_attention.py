@@ -1,13 +1,13 @@
 """Decode attention speed of an outlier-free 2-bit NUQ cache (what a Hadamard-rotated nuq-outlier recipe stores):
-the study kernel benchmarks/swapab_attention.py (swapped operands, the dequantized history as tl.dot's left
+the study kernel benchmarks/studies/swapab_attention.py (swapped operands, the dequantized history as tl.dot's left
 operand) against the runtime's kernel on the same cache
 (moec/kernels/kv_decode_attention.py with no residuals) and torch SDPA (flash and default) on an fp16 cache.
 Mixtral-8x7B attention shape, one step = 32 layers' separate caches (bench_kv_attention.py's protocol:
 random packed codes, CUDA events, median of --reps). GB/s = bytes the kernel must read / time; copy
 bandwidth measured in the same run.
 
-    python3 benchmarks/bench_nuq_attention.py --sweep --out $OUT/nuq_sweep.json     (launch knobs)
-    python3 benchmarks/bench_nuq_attention.py --out benchmarks/results/nuq_attention_h200.json
+    python3 -m benchmarks.studies.bench_nuq_attention --sweep --out $OUT/nuq_sweep.json     (launch knobs)
+    python3 -m benchmarks.studies.bench_nuq_attention --out benchmarks/results/nuq_attention_h200.json
 
 Each record: recipe, context, batch, ms_median, GBps, pct_of_copy_bw, speedup_vs_sdpa (against the faster of
 SDPA flash and default, timed in the same run), and the old kernel's time on the same bytes.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -26,15 +25,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
-
-import swapab_attention as na  # noqa: E402
-from bench_kv_attention import BLOCK, LAYERS, WIN, D, H, K, copy_bandwidth, make_layer, stats, time_step  # noqa: E402
-
-from moec.atomic import write_json, write_text  # noqa: E402
-from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref  # noqa: E402
+from benchmarks.bench_kv_attention import BLOCK, LAYERS, WIN, D, H, K, make_layer
+from benchmarks.benchutil import ROOT, copy_bandwidth, graph_times, stats, time_step
+from benchmarks.studies import swapab_attention as na
+from moec.atomic import write_json, write_text
+from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref
 
 GRID = ((4096, 1), (32768, 1), (32768, 16), (131072, 1))
 RECIPE = "kv-nuq2-rot"
@@ -45,21 +40,7 @@ GRAPHS = True  # time CUDA-graph replays of the 32-layer step (as the decode eng
 
 def timed(fn, reps: int) -> list[float]:
     """Per-step times in ms: graph replays of fn (captured after a warm-up), or eager calls."""
-    if not GRAPHS:
-        return time_step(fn, reps)
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    out = time_step(g.replay, reps)
-    del g
-    return out
+    return graph_times(fn, reps) if GRAPHS else time_step(fn, reps)
 
 
 def new_args(t, q):

@@ -1,6 +1,6 @@
 """SASS instructions per 2-bit code in the fused MoE decode loops, compiled for sm_90 on any machine (no GPU).
 
-    python3 benchmarks/sass_moe_decode.py            (prmt and the previous cubic path, Mixtral shapes)
+    python3 -m benchmarks.studies.sass_moe_decode    (prmt and the previous cubic path, Mixtral shapes)
 
 Triton compiles the kernels for GPUTarget("cuda", 90, 32); nvdisasm (shipped with Triton) disassembles the
 cubin; the count is the instructions between the main loop's label and its backward branch, divided by the
@@ -9,6 +9,7 @@ cubin; the count is the instructions between the main loop's label and its backw
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -49,6 +50,7 @@ def inner_loop(sass: str) -> list[str]:
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options; --help says what it does
     BO, BK, NW = 16, 1024, 8
     for prmt in (True, False):
         C = 16 if prmt else 32
