@@ -33,7 +33,7 @@ from moec.cli.common import base_record, write_json_atomic
 from moec.runtime.loader import load_model
 from moec.runtime.perplexity import make_windows, reference_logits, score_tf, windows_label
 
-W = 1024  # window length (BENCHMARKS.md protocol, as bench_expert_quality.py)
+W = 1024  # window length (docs/benchmarks.md protocol, as bench_expert_quality.py)
 
 
 def main() -> None:
