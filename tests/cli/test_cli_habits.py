@@ -55,7 +55,7 @@ def test_eval_help_puts_latency_options_in_their_own_panel(monkeypatch, capsys):
     quality = out.index("Perplexity and KL")
     latency = out.index("Decode latency (--latency; GPU only)")
     assert quality < latency
-    for opt in ("--window", "--baseline", "--mode", "--max-windows"):  # quality options above the latency panel
+    for opt in ("--seq-len", "--baseline", "--mode", "--max-windows"):  # quality options above the latency panel
         assert quality < out.index(opt) < latency, opt
     for opt in ("--contexts", "--batches", "--steps", "--prefill-contexts", "--breakdown", "--plot", "--random"):
         assert out.index(opt) > latency, opt
