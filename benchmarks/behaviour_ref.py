@@ -35,7 +35,7 @@ from moec.calibrate.recipe import recipe_files
 ROOT = Path(__file__).resolve().parent.parent
 REFS = ROOT / "benchmarks" / "results" / "behaviour_refs_cpu.json"
 CALIB = ["--data", "ptb", "--split", "train", "--samples", "4", "--seq-len", "256"]
-EVAL = ["--data", "ptb", "--split", "test", "--mode", "both", "--max-windows", "1", "--window", "512"]
+EVAL = ["--data", "ptb", "--split", "test", "--mode", "both", "--max-windows", "1", "--seq-len", "512"]
 TUNE_STEPS_CAP = 10
 PPL_RTOL = 1e-6
 PPL_RTOL_OTHER_PLATFORM = 1e-3

@@ -28,27 +28,36 @@ from benchmarks.benchutil import ROOT, cli
 from moec.calibrate.data import load_text
 from moec.calibrate.recipe import load_recipe
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
-from moec.cli.common import base_record, write_json_atomic
+from moec.cli.common import base_record, console, write_json_atomic
+from moec.cli.progress import install as show_progress
+from moec.progress import track
 from moec.runtime.kvsim import SimulatedTieredCache
 from moec.runtime.kvtiered import build_codecs, tiered_cache_factory
 from moec.runtime.loader import load_model
-from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, make_windows
+from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, layer_progress, make_windows
 
 
 @torch.no_grad()
-def decode(model, windows: torch.Tensor, factory, batch: int, sim: bool):
-    """Per batch of windows: yields (logits [B, W-CONTEXT, V] at the scored positions, targets, cache)."""
-    for s in range(0, windows.shape[0], batch):
-        x = windows[s : s + batch]
-        B, W = x.shape
-        cache = factory(model, B, W)
-        if sim:  # one forward: logits at p predict token p+1
-            yield model(x, cache, 0)[:, CONTEXT - 1 : W - 1], x[:, CONTEXT:], cache
-            continue
-        out = [model(x[:, :CONTEXT], cache, 0)[:, -1]]
-        for t in range(CONTEXT, W - 1):
-            out.append(model(x[:, t : t + 1], cache, t)[:, -1])
-        yield torch.stack(out, 1), x[:, CONTEXT:], cache
+def decode(model, windows: torch.Tensor, factory, batch: int, sim: bool, label: str):
+    """Per batch of windows: yields (logits [B, W-CONTEXT, V] at the scored positions, targets, cache).
+    Progress in scored positions, inside a batch too (moec/runtime/perplexity.py)."""
+    n, W = windows.shape
+    with track(f"{label} ({'sim' if sim else 'dec'})", n * (W - CONTEXT), "positions") as advance:
+        for s in range(0, n, batch):
+            x = windows[s : s + batch]
+            B = x.shape[0]
+            cache = factory(model, B, W)
+            if sim:  # one forward: logits at p predict token p+1
+                with layer_progress(model, advance, B * (W - CONTEXT)):
+                    logits = model(x, cache, 0)[:, CONTEXT - 1 : W - 1]
+                yield logits, x[:, CONTEXT:], cache
+                continue
+            out = [model(x[:, :CONTEXT], cache, 0)[:, -1]]
+            advance(B)
+            for t in range(CONTEXT, W - 1):
+                out.append(model(x[:, t : t + 1], cache, t)[:, -1])
+                advance(B)
+            yield torch.stack(out, 1), x[:, CONTEXT:], cache
 
 
 def main() -> None:
@@ -72,6 +81,7 @@ def main() -> None:
                          "keys/values per query (moec/runtime/kvsim.py), validated against dec")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
+    show_progress(console)  # timestamped progress lines on stderr (a bar on a terminal), as the CLI shows them
     out = a.out or ROOT / "benchmarks" / "results" / f"kv_quality_{a.model}.json"
 
     model_dir = resolve_model(a.model)
@@ -83,7 +93,7 @@ def main() -> None:
     sim = a.mode == "sim"
     base_factory = (lambda m, b, n: SimulatedTieredCache(m.args, b, n, None)) if sim else fp16_cache
     # decode the baseline once and keep its logits (fp32: windows × W × vocab × 4 bytes)
-    base = [(lg, tg) for lg, tg, _ in decode(base_model, windows, base_factory, a.batch, sim)]
+    base = [(lg, tg) for lg, tg, _ in decode(base_model, windows, base_factory, a.batch, sim, "baseline")]
     print(f"baseline (fp16 cache) decoded in {time.time() - t0:.0f}s", flush=True)
     tot = Totals()
     for lg, tg in base:
@@ -110,7 +120,7 @@ def main() -> None:
         model, pinfo = load_model(packed)
         factory = tiered_cache_factory(pinfo["kv"], build_codecs(pinfo["kv"], pinfo["kv_tensors"], model.args), sim)
         tot, bits, cache = Totals(), [], None
-        cand = decode(model, windows, factory, a.batch, sim)
+        cand = decode(model, windows, factory, a.batch, sim, name)
         for (lg, tg, cache), (blg, _) in zip(cand, base, strict=True):
             tot.add(lg, tg, blg)
             bits.append(cache.bits_per_element())

@@ -23,6 +23,7 @@ import math
 import torch
 
 from ..errors import UserError
+from ..progress import tracked
 from ..runtime.latent import dequantize_latent, quantize_latent
 
 
@@ -146,7 +147,8 @@ def fit_latent_tensors(args, kv, sampler: LatentSampler, device: str = "cpu") ->
     kname = "k_pre" if kv.rope == "pre" else "k"
     tensors, report = {}, {"codec": kv.codec, "bits": kv.bits, "rope": kv.rope, "group_layers": lat.group_layers,
                            "outlier_frac": lat.outlier_frac, "groups": []}
-    for g, layers in enumerate(layer_groups(args.n_layers, lat.group_layers)):
+    groups = layer_groups(args.n_layers, lat.group_layers)
+    for g, layers in tracked(enumerate(groups), f"fitting the {kv.codec} KV cache", len(groups), "layer groups"):
         entry = {"group": g, "layers": layers}
         for kind, field, rank in (("k", kname, lat.rank_k), ("v", "v", lat.rank_v)):
             x = concat_group([sampler.get(i, field) for i in layers], field)

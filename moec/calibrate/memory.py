@@ -91,6 +91,15 @@ class Estimate:
     host: int  # bytes above the baseline
     device: int  # bytes on the GPU (0 under --device cpu, where everything is host)
     parts: dict[str, int] = field(default_factory=dict)  # the terms, for the message and the benchmark
+    host_available: int | None = None  # what check_memory compared them with: MemAvailable,
+    device_free: int | None = None  # the GPU's free memory (None under --device cpu)
+
+    def summary(self) -> str:
+        """The line `moec calibrate` prints, e.g. `memory estimate: host 0.64 GB (available 20.14 GB)`."""
+        host = f"host {_gb(self.host)}" + (f" (available {_gb(self.host_available)})"
+                                           if self.host_available is not None else "")
+        gpu = f", GPU {_gb(self.device)} (free {_gb(self.device_free)})" if self.device_free is not None else ""
+        return f"memory estimate: {host}{gpu}"
 
 
 def kv_sample_bytes(sampler, args: ModelArgs, tokens: int) -> int:
@@ -230,12 +239,14 @@ def available(device: str) -> tuple[int, int | None]:
 def check_memory(ckpt, recipe: Recipe, samples: int, seq_len: int, device: str) -> Estimate:
     """Refuse (UserError) a run whose estimate exceeds what is available, naming settings that fit.
 
-    MOEC_SKIP_MEMORY_CHECK=1 skips the refusal (the estimate is still logged): for machines whose
-    MemAvailable understates what the run may use (swap, memory being freed by others)."""
+    MOEC_SKIP_MEMORY_CHECK=1 skips the refusal (the estimate is still returned): for machines whose
+    MemAvailable understates what the run may use (swap, memory being freed by others). The estimate
+    returned carries what it was compared with; its summary() is the line `moec calibrate` prints."""
     est = estimator(ckpt, recipe)
     e = est(samples, seq_len, device)
     host, gpu = available(device)
-    log.debug("calibrate memory estimate: host %.2f GB, device %.2f GB", e.host / 1e9, e.device / 1e9)
+    e.host_available, e.device_free = host, gpu
+    log.debug("calibrate %s", e.summary())
     if e.host <= host and (gpu is None or e.device <= gpu):
         return e
     need = (f"host {_gb(e.host)} (available {_gb(host)})" if e.host > host

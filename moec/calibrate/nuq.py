@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
+from ..progress import tracked
 from ..rotation import block_hadamard
 from ..runtime.nuq import FIXED_LEVELS
 from .kivi import check_packs
@@ -258,7 +259,7 @@ def fit_kv_tensors(args, kv, sampler: KVSampler, device: str = "cpu") -> tuple[d
                            "outlier_frac": kv.outlier_frac, "k_center": kv.k_center,
                            "outlier_select": kv.outlier_select, "k_scale_fit": kv.k_scale_fit,
                            "rotate": kv.rotate, "score_bias": kv.score_bias, "layers": []}
-    for i in range(args.n_layers):
+    for i in tracked(range(args.n_layers), f"fitting the {kv.codec} KV cache", args.n_layers, "layers"):
         k = sampler.get(i, "k_pre" if kv.rope == "pre" else "k")
         v = sampler.get(i, "v")
         rot = block_hadamard(args.head_dim, seed=i) if kv.rotate == "hadamard" else None

@@ -177,7 +177,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = param_shapes(args)
     tensors, info = {}, {}
-    for name, shape in shapes.items():
+    for name, shape in tracked(shapes.items(), f"random weights of {shape_name}", len(shapes), "tensors"):
         rule = recipe.rule_for(name, args.ffn_kinds)
         is_expert = ".moe." in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
         is_attn = LINEAR_PARAM.search(name) is not None  # attention, shared experts, router, LM head

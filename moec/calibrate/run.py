@@ -66,10 +66,12 @@ def load_balance(counts: torch.Tensor, top_k: int) -> dict:
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,
               seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None, resume: bool = False,
               data_config: str | None = None, text_column: str = "text", dist: Dist | None = None,
-              offload: bool = False, propagate: str = "fp") -> dict | None:
+              offload: bool = False, propagate: str = "fp", notify=None) -> dict | None:
     """offload: hidden states on the host (capture.run_layers). propagate: what feeds layer i + 1: "fp" the
     original layer i's outputs (statistics of every layer from the unquantized model), "quantized" the
-    outputs of layer i with its fitted weights (one process only: the fits of a layer are on rank 0)."""
+    outputs of layer i with its fitted weights (one process only: the fits of a layer are on rank 0).
+    notify(line): called with the memory estimate's one-line summary (memory.Estimate.summary) once it is
+    checked, before the run holds any sample or weight."""
     dist = dist or Dist()
     if propagate not in ("fp", "quantized"):
         raise UserError(f"--propagate must be fp or quantized, got {propagate!r}")
@@ -103,7 +105,9 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(model_dir)  # a chat column's template is checked here, before any weight is read
     ids = [tokenize(tokenizer, load_text(s.name, s.split, s.config, s.column, tokenizer)) for s in sources]
-    check_memory(ckpt, recipe, samples, seq_len, device)  # before any sample or weight is held (memory.py)
+    mem = check_memory(ckpt, recipe, samples, seq_len, device)  # before any sample or weight is held (memory.py)
+    if notify is not None:
+        notify(mem.summary())
     tokens, source_records = sample_mix(ids, sources, samples, seq_len, seed)
 
     counts, kv = ExpertTokenCounts(args), KVRange()

@@ -20,6 +20,7 @@ import time
 import torch
 
 from ..errors import UserError
+from ..progress import tracked
 from ..runtime.rvq import RVQTier
 from .kmeans import kmeans
 
@@ -90,7 +91,7 @@ def fit_rvq_tensors(args, kv, sampler, device: str = "cpu") -> tuple[dict[str, t
     tensors, report = {}, {"codec": kv.codec, "rvq": {k: getattr(rvq, k) for k in rvq.__dataclass_fields__},
                            "device": device, "layers": []}
     total = 0.0
-    for i in range(args.n_layers):
+    for i in tracked(range(args.n_layers), f"fitting the {kv.codec} KV cache", args.n_layers, "layers"):
         entry = {"layer": i}
         for kind, src in (("k", "k_pre" if rvq.rope == "pre" else "k"), ("v", "v")):
             x = sampler.get(i, src)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from ..calibrate.sources import resolve_model
 from ..errors import UserError
 from ..formats.checkpoint import is_packed
 from ..runtime.hf_layout import HFCheckpoint
-from .common import console, out_console, progress_bar
+from .common import console, progress_bar, show_table
 
 DEFAULT_SAMPLES, DEFAULT_SEQ_LEN = 32, 512  # when neither the flags nor the recipe's calibration section say
 
@@ -90,11 +91,20 @@ def calibrate(
     if dist.main:
         procs = f" on {dist.world} processes" if dist.grouped else ""
         console.log(f"calibrating {model} with recipe {r.name} on {data}/{split}: {samples} × {seq_len} tokens{procs}")
-    with progress_bar("calibrate layers" if dist.main else "", n_layers if dist.main else 0) as advance:
+    layers = ExitStack()
+    advance = layers.enter_context(progress_bar("calibrate layers" if dist.main else "", n_layers if dist.main else 0))
+
+    def layer_done(i: int, n: int) -> None:
+        advance()
+        if i == n:  # the loop's final line now: the steps after it (tuning, the KV fit) show their own progress
+            layers.close()
+
+    with layers:
         report = run_calibrate(model_dir, model, r, data, split, samples, seq_len, r.calibration.seed, out,
-                               device=device, progress=lambda i, n: advance() if dist.main else None,
+                               device=device, progress=layer_done,
                                resume=resume, data_config=data_config, text_column=text_column, dist=dist,
-                               offload=offload_activations, propagate=propagate)
+                               offload=offload_activations, propagate=propagate,
+                               notify=_line if dist.main else None)
     dist.close()  # on success only: after a lost rank, leaving it to the process's exit cannot hang
     if report is None:  # not rank 0: rank 0 wrote the output
         return
@@ -105,4 +115,9 @@ def calibrate(
         ex = e.get("experts")
         t.add_row(str(e["layer"]), e["ffn"], f"{min(ex['tokens'])} / {max(ex['tokens'])}" if ex else "-",
                   f"{ex['min_over_max']:.2f}" if ex else "-", f"{e['k_absmax']:.2f}", f"{e['v_absmax']:.2f}")
-    out_console.print(t)
+    show_table(t)
+
+
+def _line(text: str) -> None:
+    """One line on stderr, never wrapped (the memory estimate)."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)

@@ -9,13 +9,40 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
+from rich.table import Table
 
 from ..atomic import write_json
 from ..progress import track
 
+PIPE_WIDTH = 10_000  # stdout's columns when it is a file or a pipe: wider than any table moec prints
+
+
+class _Results(Console):
+    """stdout, where results go. To a file or a pipe it is as wide as what is printed needs (rich's
+    default there is 80 columns, or the width of a terminal on stderr, and a wider table had its numbers
+    cut to `38.5…`); on a terminal, the terminal's width."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        return size if self.is_terminal else ConsoleDimensions(PIPE_WIDTH, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)
+
+
 console = Console(stderr=True)
-out_console = Console()
+out_console = _Results()
+
+
+def show_table(t: Table) -> None:
+    """A result table on stdout, every number whole: a terminal too narrow for it folds a cell onto the
+    next line instead of cutting it to `…` (to a file or a pipe it is never narrowed: _Results)."""
+    for c in t.columns:
+        c.overflow = "fold"
+    out_console.print(t)
 
 
 def progress_bar(description: str, total: int):

@@ -18,12 +18,13 @@ from rich.table import Table
 from ..calibrate.data import load_text
 from ..calibrate.sources import load_tokenizer, resolve_model, tokenize
 from ..errors import UserError
+from ..progress import track
 from ..runtime.hf_layout import HFCheckpoint
 from ..runtime.loader import kv_cache_factory, load_model, weight_bits
 from ..runtime.perplexity import CONTEXT, evaluate, fp16_cache, make_windows
 from ..runtime.saved_logits import LogitRecorder, SavedLogits, tokens_sha
 from ..runtime.stream_eval import LayerSource, evaluate_streamed, model_bytes
-from .common import base_record, console, out_console, progress_bar, write_json_atomic
+from .common import base_record, console, out_console, show_table, write_json_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,7 +42,10 @@ def eval_(
                              rich_help_panel=QUALITY),
     max_windows: int | None = typer.Option(8, "--max-windows", help="first N windows (0: all)",
                                            rich_help_panel=QUALITY),
-    window: int = typer.Option(1024, help="tokens per window (W)", rich_help_panel=QUALITY),
+    seq_len: int = typer.Option(1024, "--seq-len", help="tokens per evaluation window (W; the first 32 are context "
+                                "only); not the KV cache's window, which is the recipe's kv.window",
+                                rich_help_panel=QUALITY),
+    old_window: str | None = typer.Option(None, "--window", hidden=True),  # renamed --seq-len: refused, see below
     baseline: str | None = typer.Option(None, help="model to compare against: ppl_base, delta_pct, kld, top1",
                                         rich_help_panel=QUALITY),
     batch_size: int = typer.Option(8, "--batch-size", help="windows decoded together", rich_help_panel=QUALITY),
@@ -80,6 +84,10 @@ def eval_(
 
     Every metric and table column is defined in docs/metrics.md.
     """
+    if old_window is not None:  # refused, not mapped: a --window meant as the cache's window would change the text
+        raise UserError(f"--window was renamed --seq-len (tokens per evaluation window): pass --seq-len {old_window}; "
+                        f"the KV cache's fp16 window is the recipe's kv.window")
+    window = seq_len
     if mode not in ("tf", "dec", "both"):
         raise UserError(f"--mode must be tf, dec or both, got {mode!r}")
     if dtype not in DTYPES:
@@ -99,7 +107,7 @@ def eval_(
     if baseline is not None and baseline_logits is not None:
         raise UserError("--baseline and --baseline-logits both give the baseline; pass one")
     if window <= CONTEXT + 1:
-        raise UserError(f"--window must exceed the {CONTEXT}-token context, got {window}")
+        raise UserError(f"--seq-len must exceed the {CONTEXT}-token context, got {window}")
     model_dir = resolve_model(model)
     src = None
     if stream_layers or device == "cuda":
@@ -120,7 +128,7 @@ def eval_(
     else:
         cand, info = load_model(model_dir, DTYPES[dtype], device)
     if window > cand.args.max_seq_len:
-        raise UserError(f"--window {window} is longer than the model supports ({cand.args.max_seq_len} tokens)")
+        raise UserError(f"--seq-len {window} is longer than the model supports ({cand.args.max_seq_len} tokens)")
     base = None
     if baseline is not None:
         base, _ = load_model(resolve_model(baseline), DTYPES[dtype], device)
@@ -140,12 +148,14 @@ def eval_(
     recipe = info["manifest"]["recipe"]["name"] if info["kind"] == "packed" else "source"
     cache_factory = None if stream_layers else kv_cache_factory(info, cand.args) or fp16_cache  # dec mode's
     records = []
+    positions = len(windows) * (window - CONTEXT)  # the scored ones: progress inside a window too (perplexity.py)
     for m in modes:
         if stream_layers:
-            with progress_bar("eval tf layers (streamed)", cand.args.n_layers) as advance:
+            with track("eval tf (layer by layer)", positions, "positions") as advance:
                 r = evaluate_streamed(src, windows, saved=saved, record=record, progress=advance)
         else:
-            with progress_bar(f"eval {m} windows", len(windows)) as advance:
+            label = f"eval {m} ({len(windows)} window{'s' * (len(windows) != 1)} of {window})"
+            with track(label, positions, "positions") as advance:
                 r = evaluate(cand, windows, m, base, batch_size=batch_size, progress=advance,
                              cache_factory=cache_factory, saved=saved, record=record)
         rec = base_record("moec-eval", device) | {
@@ -200,6 +210,6 @@ def _print_table(records: list[dict]) -> None:
                   _fmt(r["kld"], ".5f"), _fmt(r["top1"], ".4f"), _fmt(r["w_bits"], ".2f"),
                   _fmt(r["q_bits"], ".2f"), _fmt(r["kv_bits"], ".2f"),
                   _fmt(r["kv_bits_32k"], ".2f"))
-    out_console.print(t)
+    show_table(t)
     out_console.print("ppl is ppl_tf in the tf row and ppl_dec in the dec row; kv bits are blank in tf mode (no "
                       "cache); columns: docs/metrics.md", style="dim")

@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 
 from ..formats.checkpoint import MANIFEST, check_model_fields, verify
-from .common import out_console, write_json_atomic
+from .common import out_console, show_table, write_json_atomic
 
 _LAYER = re.compile(r"^((?:kv\.)?layers)\.(\d+)\.(.+)$")  # canonical and KV-calibration per-layer names
 
@@ -57,7 +57,7 @@ def inspect(
         first = [g] if per_tensor else [g, layer_ranges(v["layers"])]
         last = [] if per_tensor else [str(v["tensors"])]
         t.add_row(*first, codec, f"{bits:g}", dtype, *middle, *last, human_bytes(v["bytes"]))
-    out_console.print(t)
+    show_table(t)
     b = m["effective_bits"]
     cal = m["calibration"]
     kv_nominal = b.get("kv_bits_nominal")

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from ..atomic import atomic_file
 from ..errors import UserError
-from .common import base_record, out_console
+from .common import base_record, show_table
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def print_table(records: list[dict]) -> None:
                   f"{r['ms_p10']:.3f}", f"{r['ms_p90']:.3f}", f"{r['bytes_per_step'] / 1e9:.2f}",
                   f"{r.get('floor_ms', float('nan')):.3f}", f"{r.get('pct_of_floor', float('nan')):.0f}",
                   f"{r['speedup_vs_bf16']:.2f}" if "speedup_vs_bf16" in r else "-", f"{r['tokens_per_s']:.0f}")
-    out_console.print(t)
+    show_table(t)
     pre = [r for r in records if r["bench"] == "moec-latency-prefill"]
     if pre:
         t = Table(title="prefill (batch 1, real forward)")
@@ -182,7 +182,7 @@ def print_table(records: list[dict]) -> None:
             t.add_row(r["shape"], r["recipe"], str(r["context"]), *(
                 [f"{r['prefill_s']:.2f}", f"{r['prefill_tokens_per_s']:.0f}"] if "prefill_s" in r else
                 [r.get("error", "")[:60], ""]))
-        out_console.print(t)
+        show_table(t)
 
 
 def plot(records: list[dict], path: Path) -> None:

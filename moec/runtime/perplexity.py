@@ -10,12 +10,17 @@ With a baseline model the candidate and baseline run in lockstep on the same win
 we accumulate KL(p_base || p_cand) and argmax agreement at the same positions. The baseline can also be
 its log-probabilities saved by an earlier eval (`saved`, saved_logits.py), and `record` collects the
 evaluated model's for saving.
+Progress is counted in scored positions (windows × (W − CONTEXT) in all), reported as they are done
+and not once per window or batch, so that a long window shows progress inside it: after each decoder
+layer of a forward in tf mode (and in simulated decode, one forward per window: layer_progress), after
+each position in dec mode. The reporter (moec/progress.py) decides how often that is shown.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +96,28 @@ def score_tf(model: Transformer, windows: torch.Tensor, base_logits: list[torch.
 CacheFactory = Callable[[Transformer, int, int], object]
 
 
+def shares(units: int, parts: int) -> list[int]:
+    """`units` split into `parts` integers as even as they go, summing to `units` exactly."""
+    return [(i + 1) * units // parts - i * units // parts for i in range(parts)]
+
+
+@contextmanager
+def layer_progress(model: torch.nn.Module, progress: Callable[[int], None] | None, units: int) -> Iterator[None]:
+    """While open, every forward of `model` reports `units` to progress(n), a share after each decoder
+    layer (model.layers): one forward over a long window (tf, simulated decode) shows progress inside it."""
+    layers = list(getattr(model, "layers", None) or [])
+    if progress is None or not layers:
+        yield
+        return
+    hooks = [block.register_forward_hook(lambda *_, n=n: progress(n))
+             for block, n in zip(layers, shares(units, len(layers)), strict=True) if n]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def fp16_cache(model: Transformer, batch: int, max_len: int) -> DenseKVCache:
     dev = model.tok_embeddings.weight.device
     return DenseKVCache(model.args, batch, max_len, dtype=torch.float16, device=dev)
@@ -103,7 +130,8 @@ def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Tra
     """Perplexity (and kld/top1 against `baseline`) over `windows` [n, W] in mode 'tf' or 'dec'.
 
     saved(mode, rows, cols) -> baseline log-probs [rows, cols, V] (saved_logits.SavedLogits) replaces
-    `baseline`; record(mode, rows, cols, logits) receives the model's logits at the scored positions."""
+    `baseline`; record(mode, rows, cols, logits) receives the model's logits at the scored positions.
+    progress(n): n more scored positions done (the module docstring says when), n·(W − CONTEXT) in all."""
     assert mode in ("tf", "dec"), mode
     assert baseline is None or saved is None, "one baseline"
     with_base = baseline is not None or saved is not None
@@ -117,15 +145,14 @@ def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Tra
         if mode == "tf":
             for b in range(B):  # one window at a time keeps [W, V] logits small
                 x = batch[b : b + 1]
-                logits = model(x)[0, CONTEXT - 1 : W - 1]
+                with layer_progress(model, progress, W - CONTEXT):  # the window's positions, layer by layer
+                    logits = model(x)[0, CONTEXT - 1 : W - 1]
                 base = baseline(x)[0, CONTEXT - 1 : W - 1] if baseline is not None else None
                 if saved is not None:
                     base = saved(mode, slice(s + b, s + b + 1), slice(None))[0].to(dev)
                 if record is not None:
                     record(mode, slice(s + b, s + b + 1), slice(None), logits[None])
                 tot.add(logits, x[0, CONTEXT:], base)
-                if progress is not None:  # per window: a teacher-forced window is the slow unit here
-                    progress(1)
         else:
             cache = cache_factory(model, B, W)
             bcache = fp16_cache(baseline, B, W) if baseline is not None else None  # the baseline: fp16 KV
@@ -138,6 +165,8 @@ def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Tra
             if record is not None:
                 record(mode, rows, slice(0, 1), logits[:, None])
             tot.add(logits, batch[:, CONTEXT], base)
+            if progress is not None:  # every position of every window of the batch, as it is decoded
+                progress(B)
             for t in range(CONTEXT, W - 1):
                 x = batch[:, t : t + 1]
                 logits = model(x, cache, t)[:, -1]
@@ -148,11 +177,11 @@ def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Tra
                 if record is not None:
                     record(mode, rows, slice(k, k + 1), logits[:, None])
                 tot.add(logits, batch[:, t + 1], base)
+                if progress is not None:
+                    progress(B)
             kv_bits.append(cache.bits_per_element())
             if hasattr(cache, "bits_at"):  # tiered caches: the stored-byte formula projected to 32k tokens
                 out_32k = cache.bits_at(32768)
-            if progress is not None:
-                progress(B)
     out = tot.result(with_base)
     out["windows"] = n
     out["window_len"] = W

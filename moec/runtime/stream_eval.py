@@ -25,7 +25,7 @@ from .experts import QLinear, attach, placeholders, pop_quant_experts
 from .hf_layout import HFCheckpoint
 from .loader import open_packed
 from .model import Block, rms_norm, rope_cos_sin
-from .perplexity import CONTEXT, Totals
+from .perplexity import CONTEXT, Totals, shares
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -95,20 +95,22 @@ def evaluate_streamed(src: LayerSource, windows: torch.Tensor, saved=None, recor
                       progress: Callable[[int], None] | None = None) -> dict:
     """ppl_tf (and kld/top1 against `saved` log-probs) over `windows` [n, W], layer by layer.
 
-    saved / record as perplexity.evaluate takes them; progress(k) after each layer (k = 1)."""
+    saved / record as perplexity.evaluate takes them; progress(n) as perplexity.evaluate calls it, in
+    scored positions: each window's W − CONTEXT spread over the layers, reported per layer and window."""
     n, W = windows.shape
     assert W > CONTEXT + 1, f"window {W} must exceed the {CONTEXT}-token context"
     glob = src.global_state()
     x = windows.to(src.device)
     h = torch.nn.functional.embedding(x, glob["tok_embeddings.weight"])  # [n, W, D]
     cos, sin = rope_cos_sin(src.args, torch.arange(W, device=src.device), h.dtype)
+    share = shares(W - CONTEXT, src.args.n_layers)
     for i in range(src.args.n_layers):
         block = src.block(i)
         for b in range(n):  # one window at a time, as the in-memory path runs them
             h[b : b + 1] = block(h[b : b + 1], cos, sin)
+            if progress is not None:
+                progress(share[i])
         del block
-        if progress is not None:
-            progress(1)
     tot = Totals()
     for b in range(n):
         logits = src.lm_head(glob, h[b, CONTEXT - 1 : W - 1])

@@ -74,8 +74,8 @@ def test_seq_len_too_long(tiny_moe_dir, tmp_path):
     out = tmp_path / "calib"
     r = moec("calibrate", tiny_moe_dir, "--recipe", "recipes/fp16.yaml", "--seq-len", "4096", "-o", out)
     assert_clean_failure(r, "--seq-len 4096", "512", outputs=[out])
-    r = moec("eval", tiny_moe_dir, "--window", "4096", "--max-windows", "1")
-    assert_clean_failure(r, "--window 4096", "512")
+    r = moec("eval", tiny_moe_dir, "--seq-len", "4096", "--max-windows", "1")
+    assert_clean_failure(r, "--seq-len 4096", "512")
 
 
 def test_calibrating_on_eval_split_is_refused(tiny_moe_dir, tmp_path):
@@ -104,7 +104,7 @@ def _copy(packed, tmp_path):
 def test_truncated_shard(packed, tmp_path):
     ck, shard = _copy(packed, tmp_path)
     shard.write_bytes(shard.read_bytes()[:-100])
-    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--window", "64"), shard.name, "truncated")
+    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--seq-len", "64"), shard.name, "truncated")
     assert_clean_failure(moec("inspect", ck), shard.name, "truncated")
 
 
@@ -113,7 +113,7 @@ def test_changed_byte(packed, tmp_path):
     data = bytearray(shard.read_bytes())
     data[-7] ^= 0x01
     shard.write_bytes(bytes(data))
-    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--window", "64"), shard.name, "sha256 mismatch")
+    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--seq-len", "64"), shard.name, "sha256 mismatch")
 
 
 def test_missing_manifest(packed, tmp_path):
@@ -127,7 +127,7 @@ def test_newer_format_version(packed, tmp_path):
     m = json.loads((ck / "moec.json").read_text())
     m["format_version"] = 3
     (ck / "moec.json").write_text(json.dumps(m))
-    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--window", "64"), "format_version 3",
+    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--seq-len", "64"), "format_version 3",
                          "newer than this moec reads")
 
 

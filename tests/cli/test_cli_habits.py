@@ -16,7 +16,7 @@ from rich.table import Table
 
 import moec
 from moec.cli import app as cli
-from moec.cli import eval_cmd, inspect_cmd, latency_cmd
+from moec.cli import common, eval_cmd, inspect_cmd, latency_cmd
 
 METRICS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
@@ -55,7 +55,7 @@ def test_eval_help_puts_latency_options_in_their_own_panel(monkeypatch, capsys):
     quality = out.index("Perplexity and KL")
     latency = out.index("Decode latency (--latency; GPU only)")
     assert quality < latency
-    for opt in ("--window", "--baseline", "--mode", "--max-windows"):  # quality options above the latency panel
+    for opt in ("--seq-len", "--baseline", "--mode", "--max-windows"):  # quality options above the latency panel
         assert quality < out.index(opt) < latency, opt
     for opt in ("--contexts", "--batches", "--steps", "--prefill-contexts", "--breakdown", "--plot", "--random"):
         assert out.index(opt) > latency, opt
@@ -79,10 +79,10 @@ def test_random_without_latency_is_explained(monkeypatch, capsys):
     assert rc == 2 and "add --latency" in err and len(err.strip().splitlines()) == 1, err
 
 
-def _headers(monkeypatch, module, fn, *a) -> list[str]:
-    """Column headers of every table `fn` prints through the module's out_console."""
+def _headers(monkeypatch, fn, *a) -> list[str]:
+    """Column headers of every table `fn` prints through the CLI's out_console (moec/cli/common.py)."""
     tables = []
-    monkeypatch.setattr(module.out_console, "print", lambda obj=None, *_, **__: tables.append(obj))
+    monkeypatch.setattr(common.out_console, "print", lambda obj=None, *_, **__: tables.append(obj))
     fn(*a)
     return [str(c.header) for t in tables if isinstance(t, Table) for c in t.columns]
 
@@ -94,14 +94,14 @@ def test_metrics_doc_defines_every_column(monkeypatch):
     rec = {"model": "m", "data": "ptb", "split": "test", "windows": "1 window", "dtype": "fp32", "context": 1024,
            "mode": "dec", "ppl": 10.0, "ppl_base": 9.0, "delta_pct": 11.1, "kld": 0.1, "top1": 0.9, "w_bits": 16.0,
            "q_bits": None, "kv_bits": 4.1, "kv_bits_32k": 2.2}
-    cols = _headers(monkeypatch, eval_cmd, eval_cmd._print_table, [rec])
+    cols = _headers(monkeypatch, eval_cmd._print_table, [rec])
     assert "kv bits @1024" in cols and "kv bits @32k" in cols, cols
     lat = {"bench": "moec-latency", "shape": "s", "recipe": "r", "batch": 1, "context": 4096, "ms_median": 1.0,
            "ms_p10": 0.9, "ms_p90": 1.1, "bytes_per_step": 1e9, "floor_ms": 0.5, "pct_of_floor": 50.0,
            "tokens_per_s": 1000.0}
     pre = {"bench": "moec-latency-prefill", "shape": "s", "recipe": "r", "context": 4096, "prefill_s": 1.0,
            "prefill_tokens_per_s": 4096.0}
-    cols += _headers(monkeypatch, latency_cmd, latency_cmd.print_table, [lat, pre])
+    cols += _headers(monkeypatch, latency_cmd.print_table, [lat, pre])
     assert "floor ms" in cols and "seconds" in cols, cols
     cols += ["group", "layers", "codec", "bits", "dtype", "tensors", "size", "tensor", "shape"]  # inspect
     missing = [c for c in cols if f"`{re.sub(r'@[0-9]+$', '@W', c)}`" not in doc]

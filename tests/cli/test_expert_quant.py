@@ -66,7 +66,7 @@ def test_hls2_pipeline(tiny_moe_dir, tmp_path):
                                                         dtype=torch.float32)(x), atol=1e-3)
 
     out = tmp_path / "eval.json"
-    r = moec("eval", packed, "--mode", "tf", "--max-windows", "1", "--window", "128", "--baseline", tiny_moe_dir,
+    r = moec("eval", packed, "--mode", "tf", "--max-windows", "1", "--seq-len", "128", "--baseline", tiny_moe_dir,
              "--json", out)
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())[0]

@@ -43,7 +43,7 @@ def test_nuq_pipeline(nuq_packed, tiny_moe_dir, tmp_path):
     assert kept == {n: str(t.dtype).removeprefix("torch.") for n, t in source.items()}, kept
     assert set(kept.values()) == {"bfloat16"}
     out = tmp_path / "eval.json"
-    r = moec("eval", nuq_packed, "--mode", "dec", "--max-windows", "2", "--window", "128", "--baseline",
+    r = moec("eval", nuq_packed, "--mode", "dec", "--max-windows", "2", "--seq-len", "128", "--baseline",
              tiny_moe_dir, "--json", out)
     assert r.returncode == 0, r.stderr
     (rec,) = json.loads(out.read_text())
@@ -75,7 +75,7 @@ def test_kv_mismatch_at_eval_is_one_line(nuq_packed, tmp_path, tiny_moe_dir):
     m = json.loads((bad / "moec.json").read_text())
     m["kv"]["head_dim"] = 16
     (bad / "moec.json").write_text(json.dumps(m))
-    r = moec("eval", bad, "--mode", "dec", "--max-windows", "1", "--window", "64")
+    r = moec("eval", bad, "--mode", "dec", "--max-windows", "1", "--seq-len", "64")
     # refused by the manifest check (formats/checkpoint.check_model_fields) before the cache is built
     err = r.stderr.strip()
     assert r.returncode == 2 and "\n" not in err and "Traceback" not in err, r.stderr
@@ -95,7 +95,7 @@ def test_kivi_pipeline_decodes(tiny_moe_dir, tmp_path):
     assert moec("calibrate", tiny_moe_dir, "--recipe", recipe, "--data", "ptb", "--split", "valid", "--samples",
                 "1", "--seq-len", "16", "-o", calib).returncode == 0
     assert moec("pack", tiny_moe_dir, calib, "-o", packed).returncode == 0
-    r = moec("eval", packed, "--mode", "dec", "--max-windows", "1", "--window", "128", "--baseline", tiny_moe_dir,
+    r = moec("eval", packed, "--mode", "dec", "--max-windows", "1", "--seq-len", "128", "--baseline", tiny_moe_dir,
              "--json", out)
     assert r.returncode == 0, r.stderr
     (rec,) = json.loads(out.read_text())

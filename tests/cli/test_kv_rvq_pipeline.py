@@ -41,7 +41,7 @@ def test_rvq_pipeline_decodes(rvq_packed, tmp_path):
     assert manifest["kv"]["codec"] == "rvq-tiered" and manifest["kv"]["rvq"]["archive_after"] == 80
     assert manifest["tensors"]["kv.layers.3.v.arch.0"]["shape"] == [2, 8, 32, 4]  # demo-moe: 2 KV heads, d 32
     out = tmp_path / "eval.json"
-    r = moec("eval", rvq_packed, "--mode", "dec", "--max-windows", "1", "--window", "160", "--baseline", "demo-moe",
+    r = moec("eval", rvq_packed, "--mode", "dec", "--max-windows", "1", "--seq-len", "160", "--baseline", "demo-moe",
              "--json", out)
     assert r.returncode == 0, r.stderr
     (rec,) = json.loads(out.read_text())

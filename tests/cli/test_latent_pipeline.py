@@ -18,7 +18,7 @@ def _pipeline(tmp_path, kv: dict) -> tuple:
     assert r.returncode == 0, r.stderr
     r = moec("pack", "demo-moe", calib, "-o", packed)
     assert r.returncode == 0, r.stderr
-    r = moec("eval", packed, "--mode", "dec", "--max-windows", "1", "--window", "128", "--baseline", "demo-moe",
+    r = moec("eval", packed, "--mode", "dec", "--max-windows", "1", "--seq-len", "128", "--baseline", "demo-moe",
              "--json", out)
     assert r.returncode == 0, r.stderr
     (rec,) = json.loads(out.read_text())

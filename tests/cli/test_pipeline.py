@@ -40,7 +40,7 @@ def test_calibrate_pack_eval_identity(tiny_moe_dir, tmp_path):
 
     out = tmp_path / "eval.json"
     r = moec("eval", packed, "--data", "ptb", "--split", "test", "--mode", "both", "--max-windows", "2",
-             "--window", "128", "--baseline", tiny_moe_dir, "--json", out)
+             "--seq-len", "128", "--baseline", tiny_moe_dir, "--json", out)
     assert r.returncode == 0, r.stderr
     recs = json.loads(out.read_text())
     assert [x["mode"] for x in recs] == ["tf", "dec"]

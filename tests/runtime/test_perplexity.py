@@ -13,7 +13,7 @@ import torch
 
 from moec.runtime.kvcache import DenseKVCache
 from moec.runtime.loader import load_model
-from moec.runtime.perplexity import CONTEXT, evaluate, make_windows
+from moec.runtime.perplexity import CONTEXT, evaluate, layer_progress, make_windows, shares
 
 
 def test_make_windows_drops_partial_tail():
@@ -27,7 +27,9 @@ def test_scored_positions_and_kl_against_itself(tiny_moe_dir):
     windows = torch.randint(0, model.args.vocab_size, (3, 80), generator=torch.Generator().manual_seed(0))
     done = []
     r = evaluate(model, windows, "tf", baseline=model, batch_size=2, progress=done.append)
-    assert done == [1, 1, 1]  # teacher forcing: progress per window (the eval's ETA)
+    # teacher forcing: the 48 scored positions of a window reported across its layers, inside the forward
+    L = model.args.n_layers
+    assert done == shares(80 - CONTEXT, L) * 3 and sum(done) == 3 * (80 - CONTEXT)
     assert r["scored_tokens"] == 3 * (80 - CONTEXT)
     assert r["kld"] == pytest.approx(0.0, abs=1e-9) and r["top1"] == 1.0 and r["delta_pct"] == 0.0
     # teacher forcing by hand: mean NLL of tokens 32..79 given their prefixes
@@ -44,7 +46,8 @@ def test_dec_equals_tf_tiny(tiny_moe_dir):
     done = []
     # batches of 2 and 1: each window its own cache row
     dec = evaluate(model, windows, "dec", batch_size=2, progress=done.append)
-    assert done == [2, 1]  # decode: progress per batch of windows
+    # decode: every position of a batch's windows as it is decoded (68 = 100 - 32 scored positions each)
+    assert done == [2] * 68 + [1] * 68
     assert dec["ppl"] == pytest.approx(tf["ppl"], rel=1e-3)
     assert dec["kv_bits"] == 16.0
 
@@ -79,3 +82,21 @@ def test_dec_equals_tf_smollm2():
     # SmolLM2-135M on the first 256 PTB-test tokens gives ~156 (75.9 over a full 1024-token window,
     # where more context helps); a broken model is near the vocabulary size (49152) or in the thousands.
     assert 50 < tf["ppl"] < 300, tf
+
+
+def test_layer_progress_reports_inside_a_forward_and_leaves_no_hook(tiny_moe_dir):
+    """One forward over a long window (tf, simulated decode) reports its positions after each layer, in
+    integer shares that add up; the hooks go when the block ends, also after an error."""
+    assert shares(48, 5) == [9, 10, 9, 10, 10] and shares(2, 4) == [0, 1, 0, 1]
+    model, _ = load_model(tiny_moe_dir)
+    seen = []
+    x = torch.zeros(1, 40, dtype=torch.long)
+    with torch.no_grad(), layer_progress(model, lambda n: seen.append((n, len(seen))), 10):
+        model(x)
+    assert [n for n, _ in seen] == [s for s in shares(10, model.args.n_layers) if s]
+    with pytest.raises(RuntimeError), layer_progress(model, seen.append, 10):
+        raise RuntimeError("interrupted")
+    assert not any(b._forward_hooks for b in model.layers)
+    with torch.no_grad():
+        model(x)
+    assert len(seen) == len([s for s in shares(10, model.args.n_layers) if s])  # nothing reported outside

@@ -12,7 +12,7 @@ from moec.calibrate.recipe import parse_recipe
 from moec.calibrate.sources import resolve_model
 from moec.runtime.config import ModelArgs
 from moec.runtime.loader import load_model
-from moec.runtime.perplexity import evaluate
+from moec.runtime.perplexity import CONTEXT, evaluate
 from moec.runtime.stream_eval import LayerSource, evaluate_streamed
 from tests.cli.run import moec
 
@@ -27,7 +27,9 @@ def _check(path) -> None:
     ref = evaluate(model, windows, "tf")
     layers = []
     got = evaluate_streamed(LayerSource(path, torch.float32, "cpu"), windows, progress=layers.append)
-    assert len(layers) == model.args.n_layers
+    # every window's scored positions spread over the layers, reported per layer and window
+    assert len(layers) == model.args.n_layers * windows.shape[0]
+    assert sum(layers) == windows.shape[0] * (windows.shape[1] - CONTEXT)
     assert got["scored_tokens"] == ref["scored_tokens"]
     assert got["ppl"] == pytest.approx(ref["ppl"], rel=1e-5), (got["ppl"], ref["ppl"])
 
