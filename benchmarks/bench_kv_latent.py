@@ -41,7 +41,7 @@ from benchutil import cli  # noqa: E402
 
 from moec.calibrate.capture import run_layers  # noqa: E402
 from moec.calibrate.data import load_text, sample_windows  # noqa: E402
-from moec.calibrate.kvconfig import LatentConfig, LatentKVConfig  # noqa: E402
+from moec.codecs.latent import LatentConfig, LatentKVConfig  # noqa: E402
 from moec.calibrate.latent import LatentSampler, fit_latent_tensors  # noqa: E402
 from moec.calibrate.pack_kv import kv_manifest  # noqa: E402
 from moec.calibrate.recipe import Recipe  # noqa: E402

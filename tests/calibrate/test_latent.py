@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moec.calibrate.kvconfig import LatentConfig, LatentKVConfig
+from moec.codecs.latent import LatentConfig, LatentKVConfig
 from moec.calibrate.latent import (
     LatentSampler,
     check_latent_recipe,
