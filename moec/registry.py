@@ -68,6 +68,9 @@ Weight codec hooks (stored parts of a stacked matrix [E, O, I], formats/codecs.p
     kernel_parts       the held buffers the kernels read, in kernels/dequant.QWeight's order (a, b, c)
     kernel_rule(bits, n_in, group_size) -> None or the rule the kernels need that these settings break
                        (checked when a recipe is bound to a model: calibrate, pack, pack --random)
+    rows_concat        every held kernel part is per output row ([E, O, ...]): matrices of this codec reading one
+                       input concatenate along the outputs into one launch (q/k/v: runtime/decode.py); vq's
+                       per-matrix codebook does not
     exports            {export format: hook(param) -> None or why it cannot carry it} (moec/export)
     export_tensors     {export format: hook(param, names) -> (tensors, scheme)} (moec/export)
 """
@@ -148,6 +151,7 @@ class WeightCodecSpec:
     kernel_mode: int | None = None
     kernel_parts: tuple[str, ...] = ()
     kernel_rule: Hook = None
+    rows_concat: bool = False
     exports: dict[str, Hook] = field(default_factory=dict)
     export_tensors: dict[str, Hook] = field(default_factory=dict)
     description: str = ""

@@ -88,10 +88,18 @@ def effective_bits(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
             "model_bits": 8.0 * total_stored / max(total_numel, 1), "model_bytes": total_stored}
 
 
+def bind(args, recipe: Recipe) -> None:
+    """The recipe bound to the model before any work (UserError, one line, naming the rule): the kernel rule of
+    every quantized matrix's codec (fit_experts.check_kernel_rules) and the KV codec's own check."""
+    check_kernel_rules(args, recipe)
+    if recipe.kv is not None and (kv_check := kv_codec(recipe.kv.codec).check) is not None:
+        resolve(kv_check)(args, recipe.kv)
+
+
 def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> dict:
     recipe, report = read_calib(calib_dir)
     ckpt = HFCheckpoint(model_dir)
-    check_kernel_rules(ckpt.args, recipe)  # the recipe bound to the model before any work
+    bind(ckpt.args, recipe)
     fp = ckpt.fingerprint()
     if fp["weights_sha256"] != report.get("weights_sha256"):
         raise UserError(f"{calib_dir} was calibrated on another model ({report.get('model')!r}, weights "
@@ -177,9 +185,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     from ..runtime.latency import param_shapes, random_kv_tensors, random_rotation, random_stored
     from .pack_kv import kv_manifest, kv_tensor_info
 
-    check_kernel_rules(args, recipe)  # the recipe bound to the model before any work
-    if recipe.kv is not None and (kv_check := kv_codec(recipe.kv.codec).check) is not None:
-        resolve(kv_check)(args, recipe.kv)
+    bind(args, recipe)
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = param_shapes(args)
     tensors, info = {}, {}

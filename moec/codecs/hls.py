@@ -38,12 +38,12 @@ for _name, _bits, _mode in (("hls", (2, 3, 4), 0), ("rtn", (2, 3, 4), 1), ("fp3"
         dequantize=f"{_W}:dequantize_lut_{_name}", random_stored=f"{_W}:random_{_name}", lut=f"{_W}:lut_{_name}",
         allocate=True, fit_onehot=_name == "hls", tune=_TUNE.get(_name), hold=f"{_W}:hold_lut_{_name}",
         held_dequantize=f"{_W}:held_dequantize_lut", held_group=f"{_W}:held_group_lut", kernel_mode=_mode,
-        kernel_parts=_KERNEL_PARTS[_name], kernel_rule=lut_kernel_rule, exports=_EXPORTS.get(_name, {}),
-        export_tensors=_EXPORT_TENSORS.get(_name, {})))
+        kernel_parts=_KERNEL_PARTS[_name], kernel_rule=lut_kernel_rule, rows_concat=True,
+        exports=_EXPORTS.get(_name, {}), export_tensors=_EXPORT_TENSORS.get(_name, {})))
 
 register_weight(WeightCodecSpec(
     "fp8", bits=(8,), family="hls", quantize="moec.calibrate.hls:quantize_fp8", dequantize=f"{_W}:dequantize_fp8",
     random_stored=f"{_W}:random_fp8", hold=f"{_W}:hold_fp8", held_dequantize=f"{_W}:dequantize_fp8",
-    held_group=f"{_W}:held_group_row", kernel_mode=2, kernel_parts=("fp8", "scale"),
+    held_group=f"{_W}:held_group_row", kernel_mode=2, kernel_parts=("fp8", "scale"), rows_concat=True,
     exports={"gguf": "moec.export.to_gguf:fp8_reason", "ct": "moec.export.to_ct:fp8_reason"},
     export_tensors={"ct": "moec.export.to_ct:fp8_tensors"}))

@@ -13,8 +13,8 @@ VQ_WIDTHS = (2, 3, 4, 6, 8, 12)  # code widths bits·d the vq kernels take (kern
 
 
 class WeightCodec(StrEnum):
-    """The stored layouts of the built-in weight codecs (each registered in moec/registry.py, which code
-    looks codecs up in; a registered codec outside this list documents its own parts).
+    """The stored layouts of the built-in weight codecs (each registered in its module of moec/codecs/; code looks
+    codecs up in moec/registry.py; a registered codec outside this list documents its own parts).
 
     KEEP: the tensor as-is, in its source dtype and canonical shape (the identity recipe), so a
     packed copy reproduces the source bit for bit.
