@@ -41,12 +41,12 @@ from benchutil import cli  # noqa: E402
 
 from moec.calibrate.capture import run_layers  # noqa: E402
 from moec.calibrate.data import load_text, sample_windows  # noqa: E402
-from moec.codecs.latent import LatentConfig, LatentKVConfig  # noqa: E402
 from moec.calibrate.latent import LatentSampler, fit_latent_tensors  # noqa: E402
 from moec.calibrate.pack_kv import kv_manifest  # noqa: E402
 from moec.calibrate.recipe import Recipe  # noqa: E402
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize  # noqa: E402
 from moec.cli.common import base_record, write_json_atomic  # noqa: E402
+from moec.codecs.latent import LatentConfig, LatentKVConfig  # noqa: E402
 from moec.runtime.hf_layout import HFCheckpoint  # noqa: E402
 from moec.runtime.latent import latent_cache_factory  # noqa: E402
 from moec.runtime.loader import kv_cache_factory, load_model  # noqa: E402
