@@ -36,12 +36,12 @@ import torch
 from benchmarks.benchutil import ROOT, cli
 from moec.calibrate.capture import run_layers
 from moec.calibrate.data import load_text, sample_windows
-from moec.calibrate.kvconfig import LatentConfig, LatentKVConfig
 from moec.calibrate.latent import LatentSampler, fit_latent_tensors
 from moec.calibrate.pack_kv import kv_manifest
 from moec.calibrate.recipe import Recipe
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
 from moec.cli.common import base_record, write_json_atomic
+from moec.codecs.latent import LatentConfig, LatentKVConfig
 from moec.runtime.hf_layout import HFCheckpoint
 from moec.runtime.latent import latent_cache_factory
 from moec.runtime.loader import kv_cache_factory, load_model

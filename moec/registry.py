@@ -1,25 +1,33 @@
 """Codec registries: every KV codec and every weight codec is one registered spec.
 
 A spec names, for one codec, everything the pipeline asks of it: the recipe config class, the
-calibration hooks, the manifest section and tensor names, the runtime builders and kernels, and a
-random stand-in for `moec pack --random`. Code that used to branch on codec names (`if codec ==
-"nuq-outlier"`, allow-lists of codecs) looks the spec up here instead, so a new codec is one
-`register_kv(...)` / `register_weight(...)` call, from any module (a test registers toy codecs from
-the test module alone: tests/test_codec_registry.py).
+calibration hooks, the manifest section and tensor names, the runtime builders and kernels, the kernel
+constraints, and a random stand-in for `moec pack --random`. Code that used to branch on codec names
+(`if codec == "nuq-outlier"`, allow-lists of codecs) reads the spec instead (tests/test_registry_dispatch.py
+fails on a comparison against a codec name outside a codec's own files), so a new codec is one
+`register_kv(...)` / `register_weight(...)` call, from any module.
 
-Codecs outside the package: modules named in `MOEC_PLUGINS` (comma-separated) and the entry points of
-group `moec.codecs` are imported at the registry's first lookup, so their `register_*` calls reach every
-moec command (tests/test_codec_registry.py runs the CLI with MOEC_PLUGINS naming the test module).
+Where codecs register: each built-in codec family registers in its own module of moec/codecs/ (beside
+its config class and its kernel constraints); this module imports them all at the first lookup (not at
+import: `import moec.registry` imports nothing of moec). Codecs outside the package: modules named in
+`MOEC_PLUGINS` (comma-separated) and the entry points of group `moec.codecs` are imported next, so their
+`register_*` calls reach every moec command (tests/test_codec_registry.py registers toy codecs from the
+test module alone and runs the CLI with MOEC_PLUGINS naming it).
 
 A hook is either a callable or a "module:attribute" string resolved on first use: the built-in specs
-below name their hooks by string so that importing the registry imports no codec module, and so that
-the runtime never imports calibration code (`fit` hooks live in moec/calibrate/, builders in
-moec/runtime/).
+name the hooks of their calibration and runtime halves by string so that reading a spec imports neither
+(`fit` hooks live in moec/calibrate/, builders in moec/runtime/). The hooks the runtime resolves
+(RUNTIME_HOOKS of each spec class) never point into moec/calibrate (tests/test_import_rules.py).
+
+Own files: a codec's `family` is the stem of the files that hold its code (nuq-outlier: moec/codecs/nuq.py,
+calibrate/nuq.py, runtime/nuq.py; kernels/<family>_*.py): only those and this module may compare codec
+names (tests/test_registry_dispatch.py).
 
 KV codec hooks (`args` is the model's runtime.config.ModelArgs, `cfg` the codec's config instance,
 `section` the manifest `kv` section, a dict: asdict(cfg) plus shapes, see moec/formats/kvsection.py):
     config             dataclass of the recipe's `kv:` mapping for this codec (strict: keys it does
                        not declare are errors)
+    identity           the uncompressed cache (fp16): nothing to calibrate, pack or load
     check(args, cfg)   UserError for settings the model cannot take (before any work)
     sampler(cfg, seed) capture observer (calibrate/capture.py protocol) or None: no calibration
                        (with state_dict() / load_state_dict() so that `moec calibrate --resume` can
@@ -40,13 +48,31 @@ KV codec hooks (`args` is the model's runtime.config.ModelArgs, `cfg` the codec'
 
 Weight codec hooks (stored parts of a stacked matrix [E, O, I], formats/codecs.py):
     bits               the bit widths it takes
+    identity           stores the tensor as the source has it (keep): nothing fitted, no parts
     quantize(W, H, rule) -> stored   calibration (W [E, O, I] fp32, H [E, I, I] or None)
     dequantize(bits, shape, stored) -> W_hat [E, O, I] fp32   the runtime reference
     random_stored(bits, shape, group_size, device, gen) -> stored   stand-in for --random
     lut(bits, stored) -> [E, O, G, K]   LUT codecs: the table the fused kernels read (optional)
     check_rule(rule)   UserError for a recipe rule's settings the codec cannot take (optional)
+    allocate           calibrate/allocate.py may choose a width per matrix among `bits`
+    fit_onehot         its fit solves the one-hot normal equations of a table refit (hls: calibrate/hls.refit_lut),
+                       counted by the memory estimate (calibrate/memory.py)
+    tune(bits, shape, parts, flat, device) -> tunable parameters (calibrate/tune.py protocol: deltas,
+                       weight(), round_to_stored(), stored()) for end-to-end codebook tuning (optional)
+    hold(bits, stored) -> {buffer: tensor}   what runtime/experts.QuantMatrix holds at run time (default:
+                       the stored parts as they are, dequantized by `dequantize`)
+    held_dequantize(bits, shape, held) -> W_hat [e, O, I] fp32   the reference from the held buffers of
+                       some experts (every held buffer leads with E); with `hold`
+    held_group(shape, held) -> int   the group size (inputs per group or per code) the held buffers encode
     kernel_mode        kernels/dequant.MODE_* when the fused MoE / qlinear kernels take it (else None)
-    tunable            whether calibrate/tune.py can tune its codebooks / scales end to end
+    kernel_parts       the held buffers the kernels read, in kernels/dequant.QWeight's order (a, b, c)
+    kernel_rule(bits, n_in, group_size) -> None or the rule the kernels need that these settings break
+                       (checked when a recipe is bound to a model: calibrate, pack, pack --random)
+    rows_concat        every held kernel part is per output row ([E, O, ...]): matrices of this codec reading one
+                       input concatenate along the outputs into one launch (q/k/v: runtime/decode.py); vq's
+                       per-matrix codebook does not
+    exports            {export format: hook(param) -> None or why it cannot carry it} (moec/export)
+    export_tensors     {export format: hook(param, names) -> (tensors, scheme)} (moec/export)
 """
 
 from __future__ import annotations
@@ -54,8 +80,8 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from .errors import UserError
 
@@ -75,6 +101,7 @@ class KVCodecSpec:
     name: str
     config: Hook
     bits: tuple[int, ...]
+    identity: bool = False
     check: Hook = None
     sampler: Hook = None
     fit: Hook = None
@@ -86,6 +113,11 @@ class KVCodecSpec:
     random_tensors: Hook = None
     rope_pre: Hook = None
     description: str = ""
+    family: str = ""  # the stem of its own files (default: the name)
+
+    # hooks that moec/runtime resolves (never pointing into moec/calibrate: tests/test_import_rules.py)
+    RUNTIME_HOOKS: ClassVar[tuple[str, ...]] = ("config", "section", "tensor_names", "layer_codecs",
+                                                "cache_factory", "static_cache", "random_tensors", "rope_pre")
 
     def hook(self, name: str):
         return resolve(getattr(self, name))
@@ -95,22 +127,56 @@ class KVCodecSpec:
         """A block codec of the tiered cache (runs in the static CUDA-graph engine as well)."""
         return self.layer_codecs is not None
 
+    @property
+    def own(self) -> str:
+        return self.family or self.name
+
 
 @dataclass(frozen=True)
 class WeightCodecSpec:
     name: str
     bits: tuple[int, ...]
+    identity: bool = False
     quantize: Hook = None
     dequantize: Hook = None
     random_stored: Hook = None
     lut: Hook = None
     check_rule: Hook = None
+    allocate: bool = False
+    fit_onehot: bool = False
+    tune: Hook = None
+    hold: Hook = None
+    held_dequantize: Hook = None
+    held_group: Hook = None
     kernel_mode: int | None = None
-    tunable: bool = False
+    kernel_parts: tuple[str, ...] = ()
+    kernel_rule: Hook = None
+    rows_concat: bool = False
+    exports: dict[str, Hook] = field(default_factory=dict)
+    export_tensors: dict[str, Hook] = field(default_factory=dict)
     description: str = ""
+    family: str = ""
+
+    RUNTIME_HOOKS: ClassVar[tuple[str, ...]] = ("dequantize", "random_stored", "lut", "hold", "held_dequantize",
+                                                "held_group", "kernel_rule")
 
     def hook(self, name: str):
         return resolve(getattr(self, name))
+
+    @property
+    def tunable(self) -> bool:
+        """Whether calibrate/tune.py can tune its codebooks / scales end to end."""
+        return self.tune is not None
+
+    @property
+    def own(self) -> str:
+        return self.family or self.name
+
+    def kernel_error(self, bits: int, n_in: int, group_size: int) -> str | None:
+        """The kernel rule that (bits, n_in, group_size) breaks, or None (also None: no kernel reads it)."""
+        if self.kernel_mode is None or self.kernel_rule is None:
+            return None
+        return self.hook("kernel_rule")(bits, n_in, group_size)
 
 
 KV_CODECS: dict[str, KVCodecSpec] = {}
@@ -159,67 +225,41 @@ def weight_codec(name: str) -> WeightCodecSpec:
     return _lookup(weight_codecs(), "weights", name)
 
 
-# -- built-in codecs ---------------------------------------------------------------------------------
+def default_kv() -> KVCodecSpec:
+    """The KV codec of a recipe without `kv:` (the identity: the uncompressed cache)."""
+    return next(s for s in kv_codecs().values() if s.identity)
 
-_CFG = "moec.calibrate.kvconfig"
-register_kv(KVCodecSpec("fp16", config=f"{_CFG}:FP16Config", bits=(16,), description="uncompressed cache"))
-register_kv(KVCodecSpec(
-    "kivi", config=f"{_CFG}:KIVIConfig", bits=(2, 4), check="moec.calibrate.kivi:check_kivi",
-    layer_codecs="moec.runtime.kivi:kivi_layer_codecs",
-    description="KIVI: per-channel keys over a block, per-token values, uniform levels"))
-register_kv(KVCodecSpec(
-    "nuq-outlier", config=f"{_CFG}:NUQConfig", bits=(2, 3),
-    check="moec.calibrate.nuq:check_kv_recipe", sampler="moec.calibrate.nuq:nuq_sampler",
-    fit="moec.calibrate.nuq:fit_kv_tensors", tensor_names="moec.runtime.nuq:nuq_tensor_names",
-    layer_codecs="moec.runtime.nuq:nuq_layer_codecs", random_tensors="moec.runtime.nuq:random_nuq_tensors",
-    rope_pre="moec.runtime.nuq:nuq_rope_pre",
-    description="seed 003: non-uniform fitted levels, sparse fp16 outliers (KVQuant-style)"))
-for _name in ("latent-head", "latent-layer"):
-    register_kv(KVCodecSpec(
-        _name, config=f"{_CFG}:LatentKVConfig", bits=(1, 2, 3, 4, 16),
-        check="moec.calibrate.latent:check_latent_recipe", sampler="moec.calibrate.latent:latent_sampler",
-        fit="moec.calibrate.latent:fit_latent_tensors", section="moec.runtime.latent:latent_section",
-        tensor_names="moec.runtime.latent:latent_tensor_names",
-        cache_factory="moec.runtime.latent:latent_cache_factory",
-        static_cache="moec.runtime.latent:latent_static_factory",
-        random_tensors="moec.runtime.latent:random_latent_tensors",
-        description="seeds 000/001: cross-head / cross-layer PCA latents"))
-register_kv(KVCodecSpec(
-    "rvq-tiered", config=f"{_CFG}:RVQKVConfig", bits=(1, 2, 3, 4),
-    check="moec.calibrate.rvq:check_rvq_recipe", sampler="moec.calibrate.rvq:rvq_sampler",
-    fit="moec.calibrate.rvq:fit_rvq_tensors", tensor_names="moec.runtime.rvq:rvq_tensor_names",
-    cache_factory="moec.runtime.rvq:rvq_cache_factory", static_cache="moec.runtime.rvq:rvq_static_factory",
-    random_tensors="moec.runtime.rvq:random_rvq_tensors",
-    description="seed 002: tiered residual VQ"))
 
-_W = "moec.runtime.weightcodecs"
-register_weight(WeightCodecSpec("keep", bits=tuple(range(1, 17)), description="stored as the source has it"))
-for _name, _bits, _mode, _tunable in (("hls", (2, 3, 4), 0, True), ("rtn", (2, 3, 4), 1, False),
-                                      ("fp3", (3,), 0, True)):
-    register_weight(WeightCodecSpec(
-        _name, bits=_bits, quantize=f"moec.calibrate.hls:quantize_{_name}", dequantize=f"{_W}:dequantize_lut_{_name}",
-        random_stored=f"{_W}:random_{_name}", lut=f"{_W}:lut_{_name}", kernel_mode=_mode, tunable=_tunable))
-register_weight(WeightCodecSpec(
-    "fp8", bits=(8,), quantize="moec.calibrate.hls:quantize_fp8", dequantize=f"{_W}:dequantize_fp8",
-    random_stored=f"{_W}:random_fp8", kernel_mode=2))
-register_weight(WeightCodecSpec(
-    "vq", bits=(2, 3, 4), quantize="moec.calibrate.vq:quantize_vq_rule", dequantize=f"{_W}:dequantize_vq",
-    random_stored=f"{_W}:random_vq", check_rule="moec.calibrate.vq:check_vq_rule", kernel_mode=4, tunable=True,
-    description="vector codebooks: one code per group_size inputs, a codebook per matrix (GPTVQ-style)"))
+def default_weight() -> WeightCodecSpec:
+    """The weight codec of a tensor no recipe rule selects (the identity: stored as the source has it)."""
+    return next(s for s in weight_codecs().values() if s.identity)
+
+
+def stored_as_is(codec: str) -> bool:
+    """Whether a manifest entry's weight codec stores the tensor as the source has it (an unregistered name,
+    e.g. the kv-calib tensors of a KV codec, is not)."""
+    spec = weight_codecs().get(codec)
+    return spec is not None and spec.identity
 
 
 _plugins_loaded = False
 
 
 def load_plugins() -> None:
-    """Import the codec plugins once, at the first lookup (not at import, so a bad `MOEC_PLUGINS` is a
-    one-line usage error from the CLI, not a traceback): `MOEC_PLUGINS` modules, then `moec.codecs`
-    entry points."""
+    """Import the codecs once, at the first lookup (not at import, so a bad `MOEC_PLUGINS` is a one-line
+    usage error from the CLI, not a traceback): the built-in moec/codecs/ modules, then `MOEC_PLUGINS`
+    modules, then `moec.codecs` entry points."""
     global _plugins_loaded
     if _plugins_loaded:
         return
     _plugins_loaded = True
+    import pkgutil
     from importlib.metadata import entry_points
+
+    from . import codecs
+
+    for m in pkgutil.iter_modules(codecs.__path__):  # the built-in codecs, each registered in its own module
+        importlib.import_module(f"{codecs.__name__}.{m.name}")
 
     for name in filter(None, (m.strip() for m in os.environ.get("MOEC_PLUGINS", "").split(","))):
         try:

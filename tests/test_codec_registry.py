@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moec.calibrate.kvconfig import TieredConfig
+from moec.codecs.base import TieredConfig
 from moec.registry import KV_CODECS, WEIGHT_CODECS, KVCodecSpec, WeightCodecSpec, register_kv, register_weight
 
 # -- the toy KV codec -----------------------------------------------------------------------------------

@@ -4,6 +4,12 @@
                      moec.errors: a kernel takes plain tensors (or a NamedTuple view of a codec's tensors)
     moec/runtime/*   never imports moec.calibrate, moec.cli or moec.hf (the transformers adapters)
     moec/formats/*   imports none of moec.runtime, moec.calibrate, moec.cli
+    moec/codecs/*    imports only the standard library, moec.errors, moec.formats, moec.registry and moec.codecs
+                     (the specs and config classes the runtime reads stay light)
+
+Imports through strings count too: a registry hook the runtime resolves ("module:attribute", RUNTIME_HOOKS of
+each spec class in moec/registry.py) must not point into a package the runtime may not import, and no string
+constant in moec/runtime names a moec.calibrate, moec.cli or moec.hf module.
 """
 
 from __future__ import annotations
@@ -64,6 +70,12 @@ def _kernel_import_ok(mod: str) -> bool:
             or _within(mod, "moec.formats") or _within(mod, "moec.kernels") or mod == "moec.errors")
 
 
+def _codecs_import_ok(mod: str) -> bool:
+    top = mod.split(".")[0]
+    return (top in sys.stdlib_module_names and top != "moec") or mod == "moec.errors" or mod == "moec.registry" \
+        or _within(mod, "moec.formats") or _within(mod, "moec.codecs")
+
+
 RULES = {
     "kernels": (_kernel_import_ok, "moec/kernels imports only torch, triton, numpy, the standard library, "
                                    "moec.formats, moec.kernels, moec.errors"),
@@ -71,6 +83,8 @@ RULES = {
                 "moec/runtime never imports moec.calibrate, moec.cli or moec.hf"),
     "formats": (lambda m: not any(_within(m, p) for p in ("moec.runtime", "moec.calibrate", "moec.cli")),
                 "moec/formats imports none of moec.runtime, moec.calibrate, moec.cli"),
+    "codecs": (_codecs_import_ok, "moec/codecs imports only the standard library, moec.errors, moec.formats, "
+                                  "moec.registry, moec.codecs"),
 }
 
 
@@ -99,3 +113,50 @@ def test_the_checker_sees_imports_inside_functions(tmp_path, monkeypatch):
     got = [(line, mod) for line, mod, _ in imports(src)]
     assert got == [(1, "torch"), (5, "moec.runtime.nuq"), (6, "moec.formats.bitpack")]
     assert [m for _, m in got if not _kernel_import_ok(m)] == ["moec.runtime.nuq"]
+
+
+def _hook_module(hook) -> str:
+    if isinstance(hook, str):
+        return hook.partition(":")[0]
+    return getattr(hook, "__module__", "") if hook is not None else ""
+
+
+def hook_violations(specs) -> list[str]:
+    """`codec.hook -> module` for every runtime-resolved hook of the specs that the runtime may not import."""
+    ok = RULES["runtime"][0]
+    return [f"{s.name}.{h} -> {_hook_module(getattr(s, h))}" for s in specs for h in s.RUNTIME_HOOKS
+            if _hook_module(getattr(s, h)) and not ok(_hook_module(getattr(s, h)))]
+
+
+def test_runtime_resolved_hooks_import_no_calibration_code():
+    from moec.registry import kv_codecs, weight_codecs
+
+    specs = [*kv_codecs().values(), *weight_codecs().values()]
+    assert len(specs) >= 12, [s.name for s in specs]
+    bad = hook_violations(specs)
+    assert not bad, "registry hooks the runtime resolves point into moec.calibrate / cli / hf:\n" + "\n".join(bad)
+
+
+def test_the_hook_check_sees_strings_and_callables():
+    from moec.calibrate.nuq import check_kv_recipe
+    from moec.registry import KVCodecSpec, WeightCodecSpec
+
+    specs = [KVCodecSpec("a", config="moec.calibrate.x:Cfg", bits=(2,), fit="moec.calibrate.nuq:fit_kv_tensors"),
+             KVCodecSpec("b", config="moec.codecs.nuq:NUQConfig", bits=(2,), rope_pre=check_kv_recipe),
+             WeightCodecSpec("c", bits=(2,), quantize="moec.calibrate.hls:quantize_hls",
+                             dequantize="moec.calibrate.hls:dequantize")]
+    # fit and quantize are calibration hooks: allowed to live in moec.calibrate
+    assert hook_violations(specs) == ["a.config -> moec.calibrate.x", "b.rope_pre -> moec.calibrate.nuq",
+                                      "c.dequantize -> moec.calibrate.hls"]
+
+
+def test_runtime_names_no_forbidden_module_in_a_string():
+    """`importlib.import_module("moec.calibrate....")` and the like: a string constant naming a module of a
+    package the runtime may not import."""
+    bad = []
+    for path in sorted((PKG / "runtime").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and any(node.value.startswith(p) for p in ("moec.calibrate", "moec.cli", "moec.hf")):
+                bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno}: {node.value!r}")
+    assert not bad, "\n".join(bad)

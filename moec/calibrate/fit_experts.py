@@ -85,12 +85,32 @@ def existing_targets(args: ModelArgs) -> list[str]:
             *(["mlp"] if "dense" in kinds else []), "attention", *(["router"] if "moe" in kinds else []), "lm_head"]
 
 
+def check_kernel_rule(ri: int, rule: WeightRule, name: str, n_in: int) -> None:
+    """UserError (one line) when rule `ri` on matrix `name` (n_in inputs) breaks a rule of the kernels that
+    read its codec (WeightCodecSpec.kernel_rule: e.g. LUT groups of multiples of 16 inputs), for every width
+    the rule may give it; checked before any work instead of a silent torch fallback at run time."""
+    spec = weight_codec(rule.codec)
+    for bits in rule.allocate.bits if rule.allocate is not None else [rule.bits]:
+        if (why := spec.kernel_error(bits, n_in, rule.group_size)) is not None:
+            raise UserError(f"weights rule {ri} (codec {rule.codec}, bits {bits}, group_size {rule.group_size}) on "
+                            f"{name}: {why}")
+
+
+def check_kernel_rules(args: ModelArgs, recipe: Recipe) -> None:
+    """check_kernel_rule for every quantized matrix of the model the recipe selects (`moec pack` and
+    `pack --random` bind the recipe to the model here; calibrate through plan())."""
+    for n, shape in canonical_names(args).items():
+        rule = recipe.rule_for(n, args.ffn_kinds)
+        if rule is not None and not weight_codec(rule.codec).identity and QUANTIZABLE.search(n):
+            check_kernel_rule(next(i for i, r in enumerate(recipe.weights) if r is rule), rule, n, shape[-1])
+
+
 def plan(args: ModelArgs, recipe: Recipe) -> dict[str, WeightRule]:
     """{param: rule} for every tensor a non-keep rule selects; user errors for what cannot be done."""
     names = canonical_names(args)
     targets: dict[str, WeightRule] = {}
     for ri, rule in enumerate(recipe.weights):
-        if rule.codec == "keep":
+        if weight_codec(rule.codec).identity:
             continue
         hit = [n for n in names if recipe.rule_for(n, args.ffn_kinds) is rule]
         if not hit:
@@ -110,6 +130,7 @@ def plan(args: ModelArgs, recipe: Recipe) -> dict[str, WeightRule]:
                 divs = [d for d in range(8, I + 1, 8) if I % d == 0]
                 raise UserError(f"weights rule {ri}: group_size {rule.group_size} does not divide the input dim "
                                 f"{I} of {n} (divisors that are multiples of 8: {divs}; or 0 for one group per row)")
+            check_kernel_rule(ri, rule, n, I)
             if rule.incoherence is not None and not rule.incoherence.block_for(I):
                 raise UserError(f"weights rule {ri}: incoherence block {rule.incoherence.block} does not divide the "
                                 f"input dim {I} of {n} (powers of two that do: "

@@ -245,3 +245,75 @@ def output_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> torch
     num = torch.einsum("eoi,eij,eoj->e", d, H.float(), d)
     den = torch.einsum("eoi,eij,eoj->e", W.float(), H.float(), W.float())
     return num / den.clamp_min(1e-30)
+
+
+# -- end-to-end tuning of fitted tables (calibrate/tune.py; the registry's `tune` hook) ------------------------
+
+class _TunedTable:
+    """A LUT matrix's tunable values (tune.py protocol): delta relative to each group's magnitude (`ref`), so a
+    step of lr moves every group by the same fraction of its range; the code indices stay fixed."""
+
+    def __init__(self, base: torch.Tensor, bits: int, shape: tuple, parts: dict, flat: bool):
+        E, O, I = shape
+        self.bits, self.flat, self.base = bits, flat, base
+        G = base.shape[2]
+        self.idx = bitpack.unpack(parts["codes"], bits, I).view(E, O, G, I // G).long()  # [E, O, G, g]
+        self.ref = base.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # [E, O, G, 1]
+        self.delta = torch.zeros_like(base, requires_grad=True)
+        self.deltas = [self.delta]
+
+    def values(self) -> torch.Tensor:
+        return self.base + self.ref * self.delta
+
+    def weight(self) -> torch.Tensor:
+        """W_hat [E, O, I] (the stored basis: W·R under incoherence)."""
+        lut = self.lut()
+        return lut.gather(-1, self.idx).reshape(*lut.shape[:2], -1)
+
+    @torch.no_grad()
+    def stored(self) -> dict[str, torch.Tensor]:
+        """The stored parts of the current values (the same layout as the fit's)."""
+        v = self.values()
+        assert torch.isfinite(v).all(), "non-finite codebook after tuning"
+        return {p: (t[0] if self.flat else t).cpu().contiguous() for p, t in self.stored_parts(v).items()}
+
+
+class TunedLUT(_TunedTable):
+    """hls: delta [E, O, G, K] on the lut (int8 entries × one fp16 scale per group once stored: the entries and
+    the group's scale move together, the stored pair is recomputed from the tuned lut)."""
+
+    def __init__(self, bits: int, shape: tuple, parts: dict, flat: bool, dev: torch.device):
+        parts = {p: v.to(dev)[None] if flat else v.to(dev) for p, v in parts.items()}  # [E, ...]
+        super().__init__(lut_from_stored("hls", bits, parts), bits, shape, parts, flat)
+
+    def lut(self) -> torch.Tensor:
+        return self.values()
+
+    def stored_parts(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        return int8_codebook(v)
+
+    @torch.no_grad()
+    def round_to_stored(self) -> None:
+        """Set the values to what stored() rounds them to (int8 entries × fp16 scale)."""
+        r = lut_from_stored("hls", self.bits, int8_codebook(self.values()))
+        self.delta.copy_((r - self.base) / self.ref)
+
+
+class TunedScale(_TunedTable):
+    """fp3: delta [E, O, G, 1] on the signed fp16 scale of each group (the grid is fixed)."""
+
+    def __init__(self, bits: int, shape: tuple, parts: dict, flat: bool, dev: torch.device):
+        parts = {p: v.to(dev)[None] if flat else v.to(dev) for p, v in parts.items()}  # [E, ...]
+        super().__init__(parts["scale"].float()[..., None], bits, shape, parts, flat)  # [E, O, G, 1], signed
+        self.grid = FP3_GRID.to(dev)
+
+    def lut(self) -> torch.Tensor:
+        return self.values() * self.grid
+
+    def stored_parts(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"scale": v[..., 0].half()}
+
+    @torch.no_grad()
+    def round_to_stored(self) -> None:
+        """Set the values to what stored() rounds them to (fp16 scales)."""
+        self.delta.copy_((self.values().half().float() - self.base) / self.ref)

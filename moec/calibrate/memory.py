@@ -163,6 +163,7 @@ def estimate(args: ModelArgs, src: SourceSizes, targets: dict, recipe: Recipe, k
 
 def _fit_bytes(args: ModelArgs, targets: dict, all_tokens: bool) -> tuple[int, int]:
     """(one layer's Hessians, the working set of fitting one layer) in bytes, the largest layer's."""
+    from ..registry import weight_codec
     from .fit_experts import ATTN_PARAM, EXPERT_PARAM, HEAD_PARAM, ROUTER_PARAM, SHARED_PARAM
 
     D, Hd = args.dim, args.n_heads * args.head_dim
@@ -189,7 +190,8 @@ def _fit_bytes(args: ModelArgs, targets: dict, all_tokens: bool) -> tuple[int, i
         else:
             continue
         G = I_in // rule.group_size if rule.group_size else 1
-        GK = G * (1 << rule.bits) if rule.codec == "hls" else 0  # refit_lut's one-hot system (hls only)
+        spec = weight_codec(rule.codec)
+        GK = G * (1 << rule.bits) if spec.fit_onehot else 0  # refit_lut's one-hot system
         # one expert at a time (fit_experts.on_layer): regularize's eye, H + λI and Cholesky factor, GPTQ's
         # permuted H, H⁻¹ and factors (7 I²), W, its permuted copy, W_hat and the error terms (6 O·I),
         # refit_lut's H·A and normal matrix; beside the layer's Hessians (h less the w1/w3 copies)

@@ -16,11 +16,12 @@ from safetensors import safe_open
 
 from ..errors import UserError
 from ..formats import checkpoint
-from ..formats.codecs import KEEP, WEIGHT_PATTERN
+from ..formats.codecs import WEIGHT_PATTERN
 from ..progress import tracked
 from ..provenance import environment
+from ..registry import default_weight, kv_codec, resolve, stored_as_is, weight_codec
 from ..runtime.hf_layout import ST_DTYPES, HFCheckpoint, config_from_args
-from .fit_experts import HEAD
+from .fit_experts import HEAD, check_kernel_rules
 from .pack_kv import encode_kv_tensors
 from .recipe import Recipe, load_recipe
 from .sources import TOKENIZER_FILES
@@ -55,10 +56,11 @@ def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe, fitted: dict[
     fitted, bits = fitted or {}, bits or {}
     for name, t in tracked(state.items(), "packing tensors", len(state)):
         rule = recipe.rule_for(name, ffn_kinds)
-        codec = rule.codec if rule else KEEP
-        if codec == KEEP:  # exactly as the source stores it, dtype included: bit-exact and never larger
+        spec = weight_codec(rule.codec) if rule else default_weight()
+        codec = spec.name
+        if spec.identity:  # exactly as the source stores it, dtype included: bit-exact and never larger
             tensors[name] = t
-            info[name] = {"codec": KEEP, "bits": 8 * t.element_size(), "param": name}
+            info[name] = {"codec": codec, "bits": 8 * t.element_size(), "param": name}
             continue
         parts = {k.removeprefix(f"fit.{name}."): v for k, v in fitted.items() if k.startswith(f"fit.{name}.")}
         if not parts:
@@ -78,7 +80,7 @@ def effective_bits(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
     numel = sum(state[n].numel() for n in params)
     total_stored = sum(t.numel() * t.element_size() for t in tensors.values())
     total_numel = sum(t.numel() for t in state.values())
-    qparams = {i["param"] for i in info.values() if i["codec"] != KEEP}
+    qparams = {i["param"] for i in info.values() if not stored_as_is(i["codec"])}
     q_stored = sum(t.numel() * t.element_size() for n, t in tensors.items() if info[n]["param"] in qparams)
     q_numel = sum(state[n].numel() for n in qparams)
     return {"w_bits": 8.0 * stored / max(numel, 1), "w_params": numel,
@@ -86,9 +88,18 @@ def effective_bits(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
             "model_bits": 8.0 * total_stored / max(total_numel, 1), "model_bytes": total_stored}
 
 
+def bind(args, recipe: Recipe) -> None:
+    """The recipe bound to the model before any work (UserError, one line, naming the rule): the kernel rule of
+    every quantized matrix's codec (fit_experts.check_kernel_rules) and the KV codec's own check."""
+    check_kernel_rules(args, recipe)
+    if recipe.kv is not None and (kv_check := kv_codec(recipe.kv.codec).check) is not None:
+        resolve(kv_check)(args, recipe.kv)
+
+
 def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> dict:
     recipe, report = read_calib(calib_dir)
     ckpt = HFCheckpoint(model_dir)
+    bind(ckpt.args, recipe)
     fp = ckpt.fingerprint()
     if fp["weights_sha256"] != report.get("weights_sha256"):
         raise UserError(f"{calib_dir} was calibrated on another model ({report.get('model')!r}, weights "
@@ -98,7 +109,7 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
     state = ckpt.meta_state_dict()
     args, config = ckpt.args, ckpt.config
     head = recipe.rule_for(HEAD, args.ffn_kinds)
-    if args.tie_embeddings and head is not None and head.codec != KEEP:
+    if args.tie_embeddings and head is not None and not weight_codec(head.codec).identity:
         # a quantized head of a tied model is its own tensor: the packed model is untied, the input
         # embedding stays exactly as the source stores it (a gather reads it, not the head's matmul)
         state[HEAD] = state["tok_embeddings.weight"]
@@ -174,6 +185,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     from ..runtime.latency import param_shapes, random_kv_tensors, random_rotation, random_stored
     from .pack_kv import kv_manifest, kv_tensor_info
 
+    bind(args, recipe)
     gen = torch.Generator(device=device).manual_seed(seed)
     shapes = param_shapes(args)
     tensors, info = {}, {}
@@ -181,7 +193,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
         rule = recipe.rule_for(name, args.ffn_kinds)
         is_expert = ".moe." in name and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
         is_attn = LINEAR_PARAM.search(name) is not None  # attention, shared experts, router, LM head
-        if rule is not None and rule.codec != KEEP:
+        if rule is not None and not weight_codec(rule.codec).identity:
             if not (is_expert or is_attn):
                 raise UserError(f"--random packs quantized expert, attention, shared-expert, router and LM-head "
                                 f"matrices only; recipe rule {rule.targets} ({rule.codec}) also matches {name!r}")
@@ -196,7 +208,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
         t = torch.ones(shape, dtype=torch.bfloat16, device=device) if "norm" in name else \
             torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0, shape[-1] ** -0.5, generator=gen)
         tensors[name] = t.cpu()
-        info[name] = {"codec": KEEP, "bits": 16, "param": name}
+        info[name] = {"codec": default_weight().name, "bits": 16, "param": name}
     meta = {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in shapes.items()}
     bits = effective_bits(meta, tensors, info)
     kv_section = kv_manifest(recipe, args)

@@ -28,7 +28,7 @@ def kv_tensor_names(section: dict, args: ModelArgs) -> list[str]:
 
 def kv_manifest(recipe: Recipe, args: ModelArgs) -> dict | None:
     """The `kv` section for the recipe's KV config on this model (None: fp16 cache)."""
-    if recipe.kv is None or recipe.kv.codec == "fp16":
+    if recipe.kv is None or kv_codec(recipe.kv.codec).identity:
         return None
     spec = kv_codec(recipe.kv.codec)
     section = dataclasses.asdict(recipe.kv) | {"n_layers": args.n_layers, "n_kv_heads": args.n_kv_heads,

@@ -3,7 +3,7 @@
     version: 2                # optional; 1 = a resolved recipe of an older moec (read, upgraded)
     kv:                       # omit for an uncompressed (fp16) cache
       codec: nuq-outlier      # a registered KV codec (moec/registry.py); its config class
-      bits: 2                 # (calibrate/kvconfig.py) says which keys it takes: any other is an error
+      bits: 2                 # (moec/codecs/<family>.py) says which keys it takes: any other is an error
       window: 128
     weights:                  # rules, first match wins; unmatched tensors stay as they are
       - targets: [experts, shared_experts, mlp]   # or attention, router, lm_head, or a regex
@@ -41,13 +41,14 @@ from typing import Literal
 
 import yaml
 
+from ..codecs.base import TieredConfig
+from ..codecs.fp16 import FP16Config
 from ..errors import UserError
 from ..formats.codecs import TARGET_KIND, TARGET_PATTERNS
-from ..registry import kv_codec, resolve, weight_codec
+from ..registry import default_kv, kv_codec, resolve, weight_codec, weight_codecs
 from ..typed import build
-from .kvconfig import FP16Config, TieredConfig
 
-RECIPE_VERSION = 2  # 2: one config class per KV codec (kvconfig.py); 1: one flat KV class
+RECIPE_VERSION = 2  # 2: one config class per KV codec (moec/codecs/); 1: one flat KV class
 # keys every v1 resolved recipe carried in `kv:` whatever its codec, with their v1 defaults: a v1
 # recipe (a CALIB_DIR/recipe.yaml written by moec before format 2) may carry them for codecs that
 # do not use them, and they are dropped when they hold the default
@@ -134,10 +135,12 @@ class WeightRule:
             raise UserError(f"weights rule: bits must be in 1..16, got {self.bits}")
         if self.group_size < 0:
             raise UserError(f"weights rule: group_size must be >= 0, got {self.group_size}")
-        allowed = None if self.codec == "keep" else weight_codec(self.codec).bits
+        spec = weight_codec(self.codec)
+        allowed = None if spec.identity else spec.bits
         if self.allocate is not None:
-            if self.codec == "keep" or self.codec not in ("hls", "rtn", "fp3"):
-                raise UserError(f"weights rule: allocate chooses widths of a LUT codec (hls, rtn, fp3), not "
+            if not spec.allocate:
+                takers = ", ".join(n for n, s in weight_codecs().items() if s.allocate)
+                raise UserError(f"weights rule: allocate chooses widths of a LUT codec ({takers}), not "
                                 f"{self.codec!r}")
             if bad := [b for b in self.allocate.bits if b not in allowed]:
                 raise UserError(f"weights rule: allocate.bits {bad} not taken by codec {self.codec!r} "
@@ -149,10 +152,11 @@ class WeightRule:
         if allowed is not None and self.bits not in allowed:
             raise UserError(f"weights rule: codec {self.codec!r} takes bits in {{{', '.join(map(str, allowed))}}}, "
                             f"got {self.bits} (weight bits must be one of 2, 3, 4, 8)")
-        if self.codec != "keep" and (check := weight_codec(self.codec).hook("check_rule")) is not None:
+        if not spec.identity and (check := spec.hook("check_rule")) is not None:
             check(self)
-        if self.incoherence is not None and self.codec == "keep":
-            raise UserError("weights rule: incoherence applies to quantized weights; codec keep stores them as is")
+        if self.incoherence is not None and spec.identity:
+            raise UserError(f"weights rule: incoherence applies to quantized weights; codec {self.codec} stores them "
+                            f"as is")
 
     def patterns(self) -> list[re.Pattern]:
         return [re.compile(TARGET_PATTERNS.get(t, t)) for t in self.targets]
@@ -217,13 +221,13 @@ class CalibrationConfig:
 class Recipe:
     name: str = "unnamed"
     description: str = ""
-    kv: TieredConfig | FP16Config | None = None  # the codec's config class (kvconfig.py), by `codec`
+    kv: TieredConfig | FP16Config | None = None  # the codec's config class (moec/codecs/), by `codec`
     weights: list[WeightRule] = field(default_factory=list)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     version: int = RECIPE_VERSION
 
     def kv_or_default(self) -> TieredConfig | FP16Config:
-        return self.kv or FP16Config()
+        return self.kv or resolve(default_kv().config)()
 
     def rule_for(self, tensor_name: str, ffn_kinds: list[str] | None = None) -> WeightRule | None:
         """The first rule selecting the tensor (WeightRule.selects; ffn_kinds: the model's, which tells
@@ -252,7 +256,7 @@ def _parse_kv(data, where: str):
         return None
     if not isinstance(data, dict):
         raise UserError(f"{where}: expected a mapping, got {type(data).__name__}")
-    codec = data.get("codec", "fp16")
+    codec = data.get("codec", default_kv().name)
     if not isinstance(codec, str):
         raise UserError(f"{where}.codec: expected a codec name, got {type(codec).__name__} {codec!r}")
     return build(resolve(kv_codec(codec).config), data, where, codec=codec)
@@ -264,7 +268,7 @@ def _upgrade_v1(data: dict) -> dict:
     kv = data.get("kv")
     if not isinstance(kv, dict):
         return data
-    known = {f.name for f in dataclasses.fields(resolve(kv_codec(kv.get("codec", "fp16")).config))}
+    known = {f.name for f in dataclasses.fields(resolve(kv_codec(kv.get("codec", default_kv().name)).config))}
     kv = {k: v for k, v in kv.items() if k in known or k not in _V1_KV_DEFAULTS or v != _V1_KV_DEFAULTS[k]}
     return {**data, "kv": kv, "version": RECIPE_VERSION}
 

@@ -28,19 +28,16 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from ..errors import UserError
-from ..formats import bitpack
 from ..formats.codecs import ROTATION_PART
 from ..progress import tracked
+from ..registry import weight_codec
 from ..rotation import rotate, unpack_signs
 from ..runtime.config import ModelArgs
 from ..runtime.model import build_model
-from ..runtime.weightcodecs import FP3_GRID, vq_codes
-from . import hls, vq
 
 log = logging.getLogger(__name__)
 
 LR_DROP = 1 / 3  # the learning rate after each plateau restart (tune_lr_drops)
-TUNABLE = ("hls", "fp3", "vq")  # codecs whose parameters _Param knows (registry: tunable=True)
 
 
 def holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,82 +50,6 @@ def holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torc
                         f"leaves none to tune on: use more --samples or a smaller tune_holdout")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + 17))
     return perm[k:].sort().values, perm[:k].sort().values
-
-
-class _Param:
-    """One quantized matrix's tunable values and how its weights are rebuilt from them.
-
-    hls: delta [E, O, G, K] on the lut; fp3: delta [E, O, G, 1] on the scale; both relative to the
-    group's magnitude (`ref`), so a step of lr moves every group by the same fraction of its range.
-    vq: delta [E, K, d] on the codebook (relative to its largest entry) and delta_s [E, O] on the row
-    scales (relative to each), stored back as fp16."""
-
-    def __init__(self, codec: str, bits: int, shape: tuple, parts: dict, flat: bool, dev: torch.device):
-        E, O, I = shape
-        self.codec, self.bits, self.flat = codec, bits, flat
-        parts = {p: v.to(dev)[None] if flat else v.to(dev) for p, v in parts.items()}  # [E, ...]
-        self.deltas = []
-        if codec == "vq":
-            self.base, self.base_s = parts["codebook"].float(), parts["row_scale"].float()  # [E, K, d], [E, O]
-            self.idx = vq_codes(parts, I)  # [E, O, J]
-            self.ref = self.base.abs().amax((1, 2), keepdim=True).clamp_min(1e-12)
-            self.ref_s = self.base_s.abs().clamp_min(1e-12)
-            self.delta = torch.zeros_like(self.base, requires_grad=True)
-            self.delta_s = torch.zeros_like(self.base_s, requires_grad=True)
-            self.deltas = [self.delta, self.delta_s]
-            return
-        if codec == "hls":
-            self.base = hls.lut_from_stored("hls", bits, parts)  # [E, O, G, K]
-        else:
-            self.base = parts["scale"].float()[..., None]  # [E, O, G, 1], signed
-            self.grid = FP3_GRID.to(dev)
-        G = self.base.shape[2]
-        self.idx = bitpack.unpack(parts["codes"], bits, I).view(E, O, G, I // G).long()  # [E, O, G, g]
-        self.ref = self.base.abs().amax(-1, keepdim=True).clamp_min(1e-12)  # [E, O, G, 1]
-        self.delta = torch.zeros_like(self.base, requires_grad=True)
-        self.deltas = [self.delta]
-
-    def _vq_values(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.base + self.ref * self.delta, self.base_s + self.ref_s * self.delta_s
-
-    def lut(self) -> torch.Tensor:
-        v = self.base + self.ref * self.delta
-        return v if self.codec == "hls" else v * self.grid
-
-    def weight(self) -> torch.Tensor:
-        """W_hat [E, O, I] (the stored basis: W·R under incoherence)."""
-        if self.codec == "vq":
-            return vq.reconstruct(*self._vq_values(), self.idx)
-        lut = self.lut()
-        return lut.gather(-1, self.idx).reshape(*lut.shape[:2], -1)
-
-    @torch.no_grad()
-    def round_to_stored(self) -> None:
-        """Set the values to what stored() rounds them to (int8 entries × fp16 scale, fp16 scale)."""
-        if self.codec == "vq":
-            cb, sc = self._vq_values()
-            self.delta.copy_((cb.half().float() - self.base) / self.ref)
-            self.delta_s.copy_((sc.half().float() - self.base_s) / self.ref_s)
-            return
-        v = self.base + self.ref * self.delta
-        if self.codec == "hls":
-            r = hls.lut_from_stored("hls", self.bits, hls.int8_codebook(v))
-        else:
-            r = v.half().float()
-        self.delta.copy_((r - self.base) / self.ref)
-
-    @torch.no_grad()
-    def stored(self) -> dict[str, torch.Tensor]:
-        """The stored parts of the current values (the same layout as the fit's)."""
-        if self.codec == "vq":
-            cb, sc = self._vq_values()
-            assert torch.isfinite(cb).all() and torch.isfinite(sc).all(), "non-finite codebook after tuning"
-            parts = {"codebook": cb.half(), "row_scale": sc.half()}
-        else:
-            v = self.base + self.ref * self.delta
-            assert torch.isfinite(v).all(), "non-finite codebook after tuning"
-            parts = hls.int8_codebook(v) if self.codec == "hls" else {"scale": v[..., 0].half()}
-        return {p: (t[0] if self.flat else t).cpu().contiguous() for p, t in parts.items()}
 
 
 def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict[str, torch.Tensor],
@@ -149,11 +70,13 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
         p.requires_grad_(False)
     params = {}
     for name, (codec, bits) in codecs.items():
-        assert codec in TUNABLE, codec
+        spec = weight_codec(codec)
+        assert spec.tunable, codec
         parts = {k.removeprefix(f"fit.{name}."): v for k, v in fitted.items()
                  if k.startswith(f"fit.{name}.") and k != f"fit.{name}.{ROTATION_PART}"}
         flat = state[name].dim() == 2
-        params[name] = _Param(codec, bits, state[name].shape if not flat else (1, *state[name].shape), parts, flat, dev)
+        shape = state[name].shape if not flat else (1, *state[name].shape)
+        params[name] = spec.hook("tune")(bits, shape, parts, flat, dev)  # the codec's tunable values
     # incoherence: the codebooks reconstruct W·R (fit_experts.rotation_signs); the model needs W = (W·R)·Rᵀ
     signs = {n: _signs(fitted, n, state[n].shape[-1]).to(dev) for n in params
              if f"fit.{n}.{ROTATION_PART}" in fitted}

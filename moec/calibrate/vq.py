@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
 from ..formats import bitpack
-from ..formats.codecs import VQ_DIMS, VQ_MAX_WIDTH
-from ..runtime.weightcodecs import vq_code_width
+from ..runtime.weightcodecs import vq_code_width, vq_codes
 from .hls import gptq_factor, weighted_lloyd
 
 
@@ -189,18 +187,6 @@ def fitted_weight(stored: dict) -> torch.Tensor:
     return reconstruct(stored["codebook"], stored["row_scale"], stored["codes"].long())
 
 
-def check_vq_rule(rule) -> None:
-    """The registry's `check_rule` hook: group_size is the vector length d."""
-    d = rule.group_size
-    if d not in VQ_DIMS:
-        raise UserError(f"weights rule: codec 'vq' codes group_size consecutive inputs jointly; group_size must "
-                        f"be one of {', '.join(map(str, VQ_DIMS))}, got {d}")
-    if vq_code_width(rule.bits, d) > VQ_MAX_WIDTH:
-        raise UserError(f"weights rule: codec 'vq' with bits {rule.bits} and group_size {d} needs "
-                        f"{vq_code_width(rule.bits, d)}-bit codes, a codebook of 2^{vq_code_width(rule.bits, d)} "
-                        f"vectors; at most {VQ_MAX_WIDTH} bits per code (bits x group_size <= {VQ_MAX_WIDTH})")
-
-
 def quantize_vq_rule(W: torch.Tensor, H: torch.Tensor | None, rule) -> dict:
     """The registry's `quantize` hook: stored parts {codes uint8 [E, O, bytes] (BITSTREAM), codebook fp16
     [E, K, d], row_scale fp16 [E, O]} (formats/codecs.py). `gptq: false` assigns without error feedback."""
@@ -209,3 +195,42 @@ def quantize_vq_rule(W: torch.Tensor, H: torch.Tensor | None, rule) -> dict:
     E, O, J = st["codes"].shape
     st["codes"] = bitpack.pack_bits(st["codes"], [vq_code_width(rule.bits, d)] * J)
     return st
+
+
+class TunedVQ:
+    """A vq matrix's tunable values (calibrate/tune.py protocol; the registry's `tune` hook): delta [E, K, d] on
+    the codebook (relative to its largest entry) and delta_s [E, O] on the row scales (relative to each),
+    stored back as fp16; the codes stay fixed."""
+
+    def __init__(self, bits: int, shape: tuple, parts: dict, flat: bool, dev: torch.device):
+        E, O, I = shape
+        self.bits, self.flat = bits, flat
+        parts = {p: v.to(dev)[None] if flat else v.to(dev) for p, v in parts.items()}  # [E, ...]
+        self.base, self.base_s = parts["codebook"].float(), parts["row_scale"].float()  # [E, K, d], [E, O]
+        self.idx = vq_codes(parts, I)  # [E, O, J]
+        self.ref = self.base.abs().amax((1, 2), keepdim=True).clamp_min(1e-12)
+        self.ref_s = self.base_s.abs().clamp_min(1e-12)
+        self.delta = torch.zeros_like(self.base, requires_grad=True)
+        self.delta_s = torch.zeros_like(self.base_s, requires_grad=True)
+        self.deltas = [self.delta, self.delta_s]
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.base + self.ref * self.delta, self.base_s + self.ref_s * self.delta_s
+
+    def weight(self) -> torch.Tensor:
+        """W_hat [E, O, I] (the stored basis: W·R under incoherence)."""
+        return reconstruct(*self.values(), self.idx)
+
+    @torch.no_grad()
+    def round_to_stored(self) -> None:
+        """Set the values to what stored() rounds them to (fp16 codebook and row scales)."""
+        cb, sc = self.values()
+        self.delta.copy_((cb.half().float() - self.base) / self.ref)
+        self.delta_s.copy_((sc.half().float() - self.base_s) / self.ref_s)
+
+    @torch.no_grad()
+    def stored(self) -> dict[str, torch.Tensor]:
+        cb, sc = self.values()
+        assert torch.isfinite(cb).all() and torch.isfinite(sc).all(), "non-finite codebook after tuning"
+        parts = {"codebook": cb.half(), "row_scale": sc.half()}
+        return {p: (t[0] if self.flat else t).cpu().contiguous() for p, t in parts.items()}

@@ -15,7 +15,8 @@ import torch
 
 from ..errors import UserError
 from ..formats.checkpoint import MANIFEST, check_model_fields, load_tensors, verify
-from ..formats.codecs import KEEP, ROTATION_PART
+from ..formats.codecs import ROTATION_PART
+from ..registry import resolve, stored_as_is, weight_codec
 from ..runtime.config import ModelArgs
 from ..runtime.experts import HEAD_PARAM, ROUTER_PARAM
 from ..runtime.loader import check_quant_parts
@@ -34,6 +35,11 @@ class Param:
     shape: tuple[int, ...]  # canonical shape ([O, I] for attention, [E, O, I] for experts)
     tensor: torch.Tensor | None = None
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def kept(self) -> bool:
+        """Stored as the source has it (`tensor`), not as a codec's parts."""
+        return self.tensor is not None
 
     @property
     def group(self) -> int:
@@ -63,8 +69,8 @@ class PackedModel:
             if name.startswith("kv."):  # KV-codec calibration tensors (see the warning above)
                 continue
             p = e["param"]
-            if e["codec"] == KEEP:
-                self.params[name] = Param(name, KEEP, e["bits"], tuple(tensors[name].shape), tensors[name])
+            if stored_as_is(e["codec"]):
+                self.params[name] = Param(name, e["codec"], e["bits"], tuple(tensors[name].shape), tensors[name])
                 continue
             if p not in self.params:
                 if HEAD_PARAM.search(p) or ROUTER_PARAM.search(p):  # moec-only: eval/generate run them
@@ -97,42 +103,35 @@ def rtn_zero_points(p: Param) -> torch.Tensor | None:
     return k.to(torch.int32) if torch.equal(moec, ct) else None
 
 
-def gguf_reason(p: Param) -> str | None:
-    """Why GGUF cannot carry `p` exactly (None: it can)."""
-    if p.codec == KEEP:
+FORMATS = ("gguf", "ct")
+# what a format says of a codec that registers no export hook for it (WeightCodecSpec.exports)
+NO_FORMAT = {"gguf": "GGUF has no type for {} levels",
+             "ct": "compressed-tensors has no format for {} levels (per-group codebooks or a fixed grid)"}
+
+
+def carry_reason(p: Param, fmt: str) -> str | None:
+    """Why export format `fmt` cannot carry `p` exactly (None: it can): the codec's registered export hook
+    says (moec/registry.py WeightCodecSpec.exports); a kept tensor goes anywhere as it is."""
+    spec = weight_codec(p.codec)
+    if spec.identity:
         return None
-    if p.codec == "rtn":
-        if p.bits == 4 and p.group == 32 and p.parts["scale"].dtype == p.parts["zero"].dtype == torch.float16:
-            return None
-        return (f"Q4_1 holds rtn 4-bit in groups of 32 with fp16 scale and zero; this is {p.bits}-bit in groups "
-                f"of {p.group}")
-    if p.codec == "fp8":
-        return "GGUF has no e4m3 type"
-    return f"GGUF has no type for {p.codec} levels"
+    hook = spec.exports.get(fmt)
+    return NO_FORMAT[fmt].format(p.codec) if hook is None else resolve(hook)(p)
 
 
-def ct_reason(p: Param) -> str | None:
-    """Why compressed-tensors cannot carry `p` exactly (None: it can)."""
-    if p.codec in (KEEP, "fp8"):
-        return None
-    if p.codec == "rtn":
-        if rtn_zero_points(p) is not None:
-            return None
-        return ("pack-quantized needs an integer zero point (zero = -k·scale, 0 <= k < 2^bits); this rtn's zeros "
-                "are fractional multiples of its scales")
-    return f"compressed-tensors has no format for {p.codec} levels (per-group codebooks or a fixed grid)"
-
-
-REASONS = {"gguf": gguf_reason, "ct": ct_reason}
+def export_tensors(p: Param, fmt: str, *args):
+    """What format `fmt` writes for the quantized `p` (its codec's export_tensors hook; refuse_unless_carried
+    has checked that it carries `p`)."""
+    return resolve(weight_codec(p.codec).export_tensors[fmt])(p, *args)
 
 
 def refuse_unless_carried(model: PackedModel, fmt: str) -> None:
     """UserError naming the first parameter `fmt` cannot carry, its codec, and the formats that can."""
     for p in model.params.values():
-        why = REASONS[fmt](p)
+        why = carry_reason(p, fmt)
         if why is None:
             continue
-        others = [f for f, r in REASONS.items() if f != fmt and r(p) is None]
+        others = [f for f in FORMATS if f != fmt and carry_reason(p, f) is None]
         where = f"it exports to --format {' or '.join(others)}" if others else \
             "no export format carries it exactly (moec eval/generate run it)"
         raise UserError(f"{p.name}: codec {p.codec} {p.bits}-bit cannot be exported as {fmt}: {why}; {where}")

@@ -33,9 +33,8 @@ from ..atomic import atomic_dir
 from ..errors import UserError
 from ..formats import bitpack
 from ..formats.checkpoint import MANIFEST, SHARD_BYTES
-from ..formats.codecs import KEEP
 from ..runtime.config import ModelArgs
-from .source import PackedModel, Param, refuse_unless_carried, rtn_zero_points
+from .source import PackedModel, Param, export_tensors, refuse_unless_carried, rtn_zero_points
 from .to_gguf import EXPORT_INFO, is_export
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
@@ -87,16 +86,38 @@ def pack_int32(v: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _module_tensors(p: Param, names: list[str]) -> tuple[dict[str, torch.Tensor], dict | None]:
     """({HF tensor name: tensor}, the scheme's weight args or None when kept) of one parameter."""
-    if p.codec == KEEP:
+    if p.kept:
         stacked = p.name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")  # [E, O, I], one HF name per expert
         return ({n: p.tensor[e] for e, n in enumerate(names)} if stacked else {names[0]: p.tensor}), None
+    return export_tensors(p, "ct", names)  # the codec's registered mapping (moec/codecs/)
+
+
+def fp8_reason(p: Param) -> None:
+    """The fp8 codec's compressed-tensors hook: float-quantized e4m3 with per-channel scales carries it."""
+    return None
+
+
+def fp8_tensors(p: Param, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """fp8 as float-quantized, one fp32 scale per output channel."""
     out = {}
-    if p.codec == "fp8":
-        for e, n in enumerate(names):
-            m = n.removesuffix(".weight")
-            out[m + ".weight"] = p.parts["fp8"][e].contiguous()
-            out[m + ".weight_scale"] = p.parts["scale"][e].float()[:, None].contiguous()
-        return out, {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
+    for e, n in enumerate(names):
+        m = n.removesuffix(".weight")
+        out[m + ".weight"] = p.parts["fp8"][e].contiguous()
+        out[m + ".weight_scale"] = p.parts["scale"][e].float()[:, None].contiguous()
+    return out, {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
+
+
+def rtn_reason(p: Param) -> str | None:
+    """The rtn codec's compressed-tensors hook: pack-quantized needs integer zero points."""
+    if rtn_zero_points(p) is not None:
+        return None
+    return ("pack-quantized needs an integer zero point (zero = -k·scale, 0 <= k < 2^bits); this rtn's zeros "
+            "are fractional multiples of its scales")
+
+
+def rtn_tensors(p: Param, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """rtn as pack-quantized: int32-packed codes, fp32 scales, packed integer zero points."""
+    out = {}
     k = rtn_zero_points(p)  # [E, O, G], checked by refuse_unless_carried
     I, G = p.shape[-1], p.parts["scale"].shape[-1]
     codes = bitpack.unpack(p.parts["codes"], p.bits, I)

@@ -29,8 +29,7 @@ import torch
 from ..atomic import atomic_dir
 from ..errors import UserError
 from ..formats import bitpack
-from ..formats.codecs import KEEP
-from .source import PackedModel, Param, refuse_unless_carried
+from .source import PackedModel, Param, export_tensors, refuse_unless_carried
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +56,25 @@ def gguf_name(name: str, dense: bool) -> str:
     if rest.startswith("moe.w"):
         base += ".weight" if dense else "_exps.weight"
     return f"blk.{layer}.{base}"
+
+
+def rtn_reason(p: Param) -> str | None:
+    """The rtn codec's GGUF hook (moec/codecs/hls.py): Q4_1 holds 4-bit codes in groups of 32 with fp16 d, m."""
+    if p.bits == 4 and p.group == 32 and p.parts["scale"].dtype == p.parts["zero"].dtype == torch.float16:
+        return None
+    return f"Q4_1 holds rtn 4-bit in groups of 32 with fp16 scale and zero; this is {p.bits}-bit in groups of {p.group}"
+
+
+def fp8_reason(p: Param) -> str:
+    """The fp8 codec's GGUF hook: none of GGML's types is e4m3."""
+    return "GGUF has no e4m3 type"
+
+
+def rtn_tensor(p: Param):
+    """The rtn codec's GGUF tensor: (Q4_1 blocks [E, O, G·20] uint8, the GGML type)."""
+    import gguf
+
+    return q4_1_blocks(p), gguf.GGMLQuantizationType.Q4_1
 
 
 def q4_1_blocks(p: Param) -> torch.Tensor:
@@ -108,16 +126,16 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
     tensors: dict[str, tuple[np.ndarray, object]] = {}
     q4 = 0
     for p in model.params.values():
-        if p.codec == KEEP:  # 1-D tensors and the router in F32, as llama.cpp's converter writes them
+        if p.kept:  # 1-D tensors and the router in F32, as llama.cpp's converter writes them
             t = p.tensor.float() if p.tensor.dim() == 1 or p.name.endswith("router.weight") else p.tensor
-        else:
-            t, q4 = q4_1_blocks(p), q4 + 1  # [E, O, G·20]
+        else:  # the codec's registered GGUF mapping (rtn 4-bit g32: Q4_1 blocks [E, O, G·20])
+            t, qtype = export_tensors(p, "gguf")
+            q4 += 1
         if t.dim() == 3 and (len(p.shape) == 2 or (dense and ".moe.w" in p.name)):
             t = t[0]  # attention projections and dense MLPs are plain matrices in GGUF
         if p.name.endswith(("attn.wq.weight", "attn.wk.weight")):
             t = permute_rope_rows(t, a.n_heads if p.name.endswith("wq.weight") else a.n_kv_heads)
-        tensors[gguf_name(p.name, dense)] = _np(t) if p.codec == KEEP else \
-            (t.contiguous().numpy(), gguf.GGMLQuantizationType.Q4_1)
+        tensors[gguf_name(p.name, dense)] = _np(t) if p.kept else (t.contiguous().numpy(), qtype)
 
     size = sum(arr.nbytes for arr, _ in tensors.values())
     with atomic_dir(out, is_output=is_export, what="a moec export", size_hint=size) as tmp:

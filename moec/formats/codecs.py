@@ -9,11 +9,12 @@ KEEP = "keep"  # the `codec` of a tensor stored as the source has it
 ROTATION_PART = "had_signs"  # the stored part of a matrix fitted in a rotated basis (WeightCodec below)
 VQ_DIMS = (1, 2, 4, 8)  # vq vector lengths (WeightCodec.VQ): powers of two, so a code's inputs stay in one word
 VQ_MAX_WIDTH = 12  # bits per vq code: a codebook of at most 4096 vectors, a code spans at most two bytes
+VQ_WIDTHS = (2, 3, 4, 6, 8, 12)  # code widths bits·d the vq kernels take (kernels/dequant.py MODE_VQ)
 
 
 class WeightCodec(StrEnum):
-    """The stored layouts of the built-in weight codecs (each registered in moec/registry.py, which code
-    looks codecs up in; a registered codec outside this list documents its own parts).
+    """The stored layouts of the built-in weight codecs (each registered in its module of moec/codecs/; code looks
+    codecs up in moec/registry.py; a registered codec outside this list documents its own parts).
 
     KEEP: the tensor as-is, in its source dtype and canonical shape (the identity recipe), so a
     packed copy reproduces the source bit for bit.

@@ -1,7 +1,7 @@
 """The manifest's `kv` section: schema, tensor names, and reading older format versions.
 
 Format 2 (this version): the section is the recipe's KV config for its codec, as a dict
-(`dataclasses.asdict` of the codec's config class, moec/calibrate/kvconfig.py), plus
+(`dataclasses.asdict` of the codec's config class, moec/codecs/<family>.py), plus
     n_layers, n_kv_heads, head_dim   the model shapes the calibration was fitted for
     tensors                          the `kv.*` tensors stored (manifest `tensors` entries, codec kv-calib)
 and the derived keys a codec adds (latent: n_groups). The keys a codec reads are its config's: no

@@ -45,10 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats.codecs import VQ_DIMS
+from ..formats.codecs import VQ_DIMS, VQ_WIDTHS
 
 MODE_LUT, MODE_AFFINE, MODE_FP8, MODE_DENSE, MODE_VQ = 0, 1, 2, 3, 4
-VQ_WIDTHS = (2, 3, 4, 6, 8, 12)  # code widths bits·d they take: a code spans at most two bytes of its row
 
 
 class QWeight(NamedTuple):

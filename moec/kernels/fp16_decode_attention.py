@@ -119,7 +119,7 @@ def fp16_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           num_stages: int | None = None, precision: str | None = None,
                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """-> [B, H, d] in out_dtype (q's by default). Writes k_new/v_new into the caches at slot pos[b].
-    precision "fp16" (tensor-core dots; the CUDA default) or "ieee" (fp32 dots; the default elsewhere).
+    precision "half" (fp16 tensor-core dots; the CUDA default) or "ieee" (fp32 dots; the default elsewhere).
     No host syncs: safe under CUDA-graph capture."""
     B, H, d = q.shape
     Bc, K, S, dk = k_cache.shape
@@ -129,7 +129,7 @@ def fp16_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     assert k_new.stride(-1) == 1 and pos.shape == (B,) and d & (d - 1) == 0, (k_new.shape, pos.shape, d)
     cuda = q.is_cuda and not _interpreting()
     config = launch_config.config("fp16_decode_attention", q.device)["launch"]
-    precision = precision or ("fp16" if cuda else "ieee")
+    precision = precision or ("half" if cuda else "ieee")
     block_n = block_n or (config["block_n"] if cuda else 16)
     G = H // K
     if n_splits is None:
@@ -141,7 +141,7 @@ def fp16_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q, k_cache, v_cache, k_new, v_new, pos, part, H, K, S, n_splits, q.stride(0), q.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), sm_scale * LOG2E,
         D=d, G=G, G_P2=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
-        DT=tl.float16 if precision == "fp16" else tl.float32, STAGES=num_stages or config["num_stages"],
+        DT=tl.float16 if precision == "half" else tl.float32, STAGES=num_stages or config["num_stages"],
         INTERP=not cuda, num_warps=num_warps or config["num_warps"])
     return combine_splits(part, B * H, n_splits, d, None, out_dtype or q.dtype).view(B, H, d)
 

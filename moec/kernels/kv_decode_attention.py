@@ -570,7 +570,7 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     (fp32 by default); out_rotation R [d, d] fp32: the output times Rᵀ (a cache that attends in a rotated
     basis, kvtiered.LayerRotations, undoes it in the split combine instead of a cast and a GEMM).
 
-    precision: dot inputs, "fp16" (tensor cores, fp32 accumulation; the CUDA default) or "ieee"
+    precision: dot inputs, "half" (fp16 operands on tensor cores, fp32 accumulation; the CUDA default) or "ieee"
     (exact fp32; the default elsewhere). n_splits: history splits (default: ~`waves` waves of the
     SMs). block_t (history tokens per tile, a multiple of `block`), num_warps, num_stages, deq
     (1: prmt level lookup, CUDA 2-bit only; 0: select tree), lazy, out_mode (sparse residuals: 0
@@ -589,8 +589,8 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     cuda = q.is_cuda and not _interpreting()
     configs = launch_config.config("kv_decode_attention", q.device)
     config = configs["residual"]
-    precision = precision or config.get("precision") or ("fp16" if cuda else "ieee")
-    assert precision in ("fp16", "ieee"), precision
+    precision = precision or config.get("precision") or ("half" if cuda else "ieee")
+    assert precision in ("half", "ieee"), precision
     if cuda and nout == 0:  # launch defaults of the residual-free cache
         dense = configs["dense"]
         block_t = block_t or (dense["block_t"] if dense["block_t"] % block == 0 else None)
@@ -598,8 +598,8 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
         waves = waves or (dense["waves_many"] if B * K > dense["many"] else dense["waves"])
     block_t = block_t or max(block, config["block_t"] if cuda else block)
     assert block_t % block == 0 and block_t & (block_t - 1) == 0, (block_t, block)
-    deq = (1 if cuda and bits == 2 and precision == "fp16" else 0) if deq is None else deq
-    assert deq == 0 or (cuda and bits == 2 and precision == "fp16"), "the prmt lookup is PTX (CUDA, 2-bit, fp16)"
+    deq = (1 if cuda and bits == 2 and precision == "half" else 0) if deq is None else deq
+    assert deq == 0 or (cuda and bits == 2 and precision == "half"), "the prmt lookup is PTX (CUDA, 2-bit, fp16 dots)"
     lazy = config["lazy"] if lazy is None else lazy
     out_mode = config["out_mode"] if out_mode is None else out_mode
     assert out_mode in (0, 1, 2) and (lazy or out_mode == 0 or nout == 0), (out_mode, lazy)
@@ -634,7 +634,7 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
         win_splits,
         D=d, G=G, G_P2=G_P2, BITS=bits, BLOCK=block, BLOCK_T=block_t, NOUT=nout,
         NOUT_P2=triton.next_power_of_2(max(nout, 1)), DEQ=deq,
-        DT=tl.float16 if precision == "fp16" else tl.float32, PREC="ieee",
+        DT=tl.float16 if precision == "half" else tl.float32, PREC="ieee",
         LAZY=bool(lazy), STAGES=num_stages or config["num_stages"], INTERP=not cuda, OUT=out_mode,
         ROPE=rope is not None, CENTER=k_center is not None, WCHUNK=win_chunk, BIAS=k_err2 is not None,
         num_warps=num_warps or config["num_warps"],

@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FormatError
-from ..formats import bitpack
-from ..formats.codecs import ROTATION_PART, VQ_DIMS
+from ..formats.codecs import ROTATION_PART
 from ..registry import weight_codec, weight_codecs
 from ..rotation import hadamard, rotate, signs_error, unpack_signs
 from .backend import kernels_enabled
+from .weightcodecs import lut_poly  # noqa: F401  (kernel tests and benchmarks import it from here)
 
 log = logging.getLogger(__name__)
 
@@ -58,24 +58,15 @@ def lut_from_stored(codec: str, bits: int, stored: dict) -> torch.Tensor:
     return weight_codec(codec).hook("lut")(bits, stored)
 
 
-def lut_poly(lut: torch.Tensor) -> torch.Tensor:
-    """Cubic coefficients [..., 4] (a, b, c, d: p(q) = a + bq + cq² + dq³, fp32) through the four entries
-    of 2-bit tables lut [..., 4] at q = 0..3 (Newton differences): the fused GEMV decodes 2-bit codes
-    through these on the FMA pipe (kernels/dequant.py `_poly_code`)."""
-    L = lut.double()
-    d1, d2 = L[..., 1] - L[..., 0], L[..., 2] - 2 * L[..., 1] + L[..., 0]
-    d3 = L[..., 3] - 3 * L[..., 2] + 3 * L[..., 1] - L[..., 0]
-    return torch.stack([L[..., 0], d1 - d2 / 2 + d3 / 3, d2 / 2 - d3 / 2, d3 / 6], -1).float().contiguous()
-
-
 def dequantize(codec: str, bits: int, shape: tuple[int, int, int], stored: dict) -> torch.Tensor:
     """W_hat [E, O, I] fp32 from the stored parts (the reference the kernels are checked against)."""
     return weight_codec(codec).hook("dequantize")(bits, shape, stored)
 
 
 def is_quantized(codec: str) -> bool:
-    """A registered weight codec other than keep (its parts are stored under `param`)."""
-    return codec in weight_codecs() and codec != "keep"
+    """A registered weight codec that stores parts (under `param`), not the tensor as it is (keep)."""
+    spec = weight_codecs().get(codec)
+    return spec is not None and not spec.identity
 
 
 class QuantMatrix(nn.Module):
@@ -95,32 +86,24 @@ class QuantMatrix(nn.Module):
             b = signs.shape[1]
             self.register_buffer("had_signs", signs.float())
             self.register_buffer("had_h", hadamard(b))  # fp32; inputs are rotated in fp32
-        if len(shape) == 2:  # a plain linear weight [O, I] (attention): one "expert"
-            stored = {k: v[None] if v.dim() < 3 or (k == "scale" and codec == "fp8" and v.dim() == 1) else v
-                      for k, v in stored.items()}
-            shape = (1, *shape)
-        self.codec, self.bits, self.shape = codec, bits, tuple(shape)
+        self.codec, self.bits = codec, bits
         spec = weight_codec(codec)
-        self.kernel_mode = spec.kernel_mode
-        self.lut_codec = spec.lut is not None
-        if codec == "fp8":  # the kernels read the e4m3 weights and fp32 row scales
-            self.register_buffer("fp8", stored["fp8"])
-            self.register_buffer("scale", stored["scale"].float())
-        elif self.lut_codec:
-            self.register_buffer("codes", stored["codes"])  # [E, O, row_bytes] uint8
-            self.register_buffer("lut", lut_from_stored(codec, bits, stored))  # [E, O, G, K] fp32 (reference)
-            if codec == "rtn":  # the kernels compute zero + scale · idx from the stored fp16 parts
-                self.register_buffer("scale", stored["scale"].half().contiguous())
-                self.register_buffer("zero", stored["zero"].half().contiguous())
-            else:
-                self.register_buffer("lut16", self.lut.half().contiguous())
-                if bits == 2:  # the GEMV's FMA-pipe decode (lut_poly) of the same fp16 tables
-                    self.register_buffer("poly", lut_poly(self.lut16))
-        elif codec == "vq":  # the kernels read the stored parts as they are (kernels/dequant.py MODE_VQ)
-            self.parts = ["codes", "codebook", "row_scale"]
-            self.register_buffer("codes", stored["codes"].contiguous())  # uint8 [E, O, bytes] BITSTREAM
-            self.register_buffer("codebook", stored["codebook"].half().contiguous())  # [E, 2^(bits·d), d]
-            self.register_buffer("row_scale", stored["row_scale"].contiguous())  # fp16 [E, O]
+        if len(shape) == 2:  # a plain linear weight [O, I] (attention): one "expert"
+            shape = (1, *shape)
+            # parts stored without the E axis (a 3-D one, an hls codebook [O, G, K], broadcasts against E = 1)
+            stored = {k: v[None] if v.dim() < 3 else v for k, v in stored.items()}
+        self.shape = tuple(shape)
+        self.kernel_mode, self.kernel_parts = spec.kernel_mode, spec.kernel_parts
+        self.held = spec.hold is not None
+        self._kernel_ok = False
+        if self.held:  # the codec's run-time buffers (the kernels' operands, the reference's)
+            held = spec.hook("hold")(bits, stored)
+            self.parts = list(held)
+            for k, v in held.items():
+                self.register_buffer(k, v)
+            if self.kernel_mode is not None:  # decided once: kernel_ok() is asked on every step
+                group = spec.hook("held_group")(self.shape, held)
+                self._kernel_ok = bits in spec.bits and spec.kernel_error(bits, self.shape[2], group) is None
         else:  # any other registered codec: its stored parts, dequantized by its hook (no kernel)
             self.kernel_mode = None
             self.parts = list(stored)
@@ -140,53 +123,32 @@ class QuantMatrix(nn.Module):
         return r == self.rotated and (not r or torch.equal(self.had_signs, other.had_signs))
 
     def kernel_ok(self) -> bool:
-        """Whether the Triton kernels take this matrix (LUT codecs: groups of multiples of 16 inputs, or one
-        per row; vq: d in formats/codecs.VQ_DIMS dividing I and codes of bits·d in VQ_WIDTHS, i.e. at most
-        12 bits, so a code spans at most two bytes of its row; rows of whole word chunks take the faster
-        word-chunk GEMV, others its byte-code variant)."""
-        if self.kernel_mode is None:
-            return False
-        if self.codec == "vq":
-            from ..kernels.dequant import VQ_WIDTHS
-
-            K, d = self.codebook.shape[1:]
-            return d in VQ_DIMS and self.shape[2] % d == 0 and K == 1 << (self.bits * d) \
-                and self.bits * d in VQ_WIDTHS
-        if not self.lut_codec:
-            return True
-        I, G = self.shape[2], self.lut.shape[2]
-        return self.bits in (2, 3, 4) and (G == 1 or (I // G) % 16 == 0)
+        """Whether the Triton kernels take this matrix: its codec has a kernel mode and its settings keep the
+        codec's kernel rule (WeightCodecSpec.kernel_rule: LUT codecs groups of multiples of 16 inputs or one
+        per row; vq vectors in formats/codecs.VQ_DIMS dividing I with codes of VQ_WIDTHS bits). A recipe that
+        breaks the rule is refused when it is bound to a model (calibrate/fit_experts.check_kernel_rule), so
+        this is False only for matrices built outside a recipe."""
+        return self._kernel_ok
 
     def qweight(self):
-        """The kernels' view (kernels/dequant.QWeight) of the stored parts; no copies."""
+        """The kernels' view (kernels/dequant.QWeight) of the held buffers the codec names (kernel_parts); no
+        copies."""
         from ..kernels.dequant import QWeight  # lazy: importing the runtime does not pull Triton
 
-        mode = self.kernel_mode
-        if self.codec == "fp8":
-            return QWeight(mode, 8, self.shape[2], self.fp8, self.scale)
-        if self.codec == "rtn":
-            return QWeight(mode, self.bits, self.shape[2], self.codes, self.scale, self.zero)
-        if self.codec == "vq":
-            return QWeight(mode, self.bits, self.shape[2], self.codes, self.codebook, self.row_scale)
-        return QWeight(mode, self.bits, self.shape[2], self.codes, self.lut16, getattr(self, "poly", None))
+        return QWeight(self.kernel_mode, self.bits, self.shape[2],
+                       *(getattr(self, k, None) for k in self.kernel_parts))
 
     def dequant_ref(self, e: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W_hat [O, I] of expert e (or [E, O, I] for all) in `dtype`."""
         E, O, I = self.shape
         sl = slice(None) if e is None else slice(e, e + 1)
-        if self.codec == "fp8":
-            w = self.fp8[sl].float() * self.scale[sl][..., None]
-        elif self.codec == "vq":  # every part leads with E: dequantize only the experts asked for
-            parts = {k: getattr(self, k)[sl] for k in self.parts}
-            w = dequantize(self.codec, self.bits, (parts["codes"].shape[0], O, I), parts)
-        elif not self.lut_codec:
+        if self.held:  # every held buffer leads with E: dequantize only the experts asked for
+            held = {k: getattr(self, k)[sl] for k in self.parts}
+            n = held[self.parts[0]].shape[0]
+            w = weight_codec(self.codec).hook("held_dequantize")(self.bits, (n, O, I), held)
+        else:
             parts = {k: getattr(self, f"part_{k}") for k in self.parts}
             w = dequantize(self.codec, self.bits, self.shape, parts)[sl]
-        else:
-            lut = self.lut[sl]
-            G = lut.shape[2]
-            idx = bitpack.unpack(self.codes[sl], self.bits, I).view(-1, O, G, I // G)
-            w = lut.gather(-1, idx).reshape(-1, O, I)
         w = w.to(dtype)
         return w if e is None else w[0]
 

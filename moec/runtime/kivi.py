@@ -2,7 +2,7 @@
 keys per channel over a group of tokens (here the cache block, so group = block tokens), values per
 token over groups of `group_size` channels; min/zero and scale in fp16. A block codec of the tiered
 cache (moec/runtime/kvtiered.py; the codec protocol is in moec/runtime/nuq.py's docstring), registered
-in moec/registry.py; codes in moec/formats/bitpack.py Layout.PLANAR. No calibration tensors.
+in moec/codecs/kivi.py; codes in moec/formats/bitpack.py Layout.PLANAR. No calibration tensors.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def random_model(args: ModelArgs, rule_for, device, dtype=torch.bfloat16, seed: 
         rule = rule_for(name)
         is_expert = ".moe." in name and name.rsplit(".", 1)[-1] in EXPERT_PARAM
         is_attn = LINEAR_PARAM.search(name) is not None
-        if rule is not None and rule.codec != "keep" and (is_expert or is_attn):
+        if rule is not None and not weight_codec(rule.codec).identity and (is_expert or is_attn):
             stacked = shape if is_expert else (1, *shape)  # a plain linear weight is one "expert"
             stored = random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen)
             if not is_expert:  # stored without the E axis, as a packed checkpoint stores it (fp8 scales [O])
@@ -420,7 +420,7 @@ def estimate_model_bytes(args: ModelArgs, rule_for) -> int:
     n = 0
     for name, shape in param_shapes(args).items():
         rule = rule_for(name)
-        quant = rule is not None and rule.codec != "keep" and (
+        quant = rule is not None and not weight_codec(rule.codec).identity and (
             (".moe.w" in name and name.rsplit(".", 1)[-1] in EXPERT_PARAM) or LINEAR_PARAM.search(name) is not None)
         n += math.prod(shape) * (rule.bits / 8 if quant else 2)
     return int(n)

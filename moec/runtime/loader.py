@@ -9,8 +9,8 @@ import torch
 
 from ..errors import FormatError, UserError
 from ..formats import checkpoint
-from ..formats.codecs import KEEP, ROTATION_PART, WEIGHT_PATTERN
-from ..registry import weight_codec
+from ..formats.codecs import ROTATION_PART, WEIGHT_PATTERN
+from ..registry import stored_as_is, weight_codec
 from ..rotation import signs_layout_error
 from ..typed import build
 from .config import ModelArgs
@@ -56,7 +56,7 @@ def open_packed(path: str | Path) -> tuple[ModelArgs, dict]:
     except UserError as e:
         raise FormatError(f"{path}: {e}") from None
     for name, e in manifest["tensors"].items():
-        if e["codec"] != KEEP and not name.startswith("kv.") and not is_quant_expert(name, e) \
+        if not stored_as_is(e["codec"]) and not name.startswith("kv.") and not is_quant_expert(name, e) \
                 and not is_quant_linear(name, e):
             raise FormatError(f"{path}: tensor {name!r} uses codec {e['codec']!r}, which this runtime "
                               f"version cannot execute")
@@ -141,9 +141,9 @@ def kv_codec_spec(section: dict):
 
     codecs = kv_codecs()
     spec = codecs.get(section["codec"])
-    if spec is None or spec.name == "fp16":
+    if spec is None or spec.identity:
         raise FormatError(f"KV codec {section['codec']!r} is not one this runtime executes "
-                          f"(registered: {', '.join(c for c in codecs if c != 'fp16')})")
+                          f"(registered: {', '.join(c for c, s in codecs.items() if not s.identity)})")
     kv_config(spec, section)
     return spec
 

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import torch
 
 from ..formats import checkpoint
-from ..formats.codecs import KEEP
+from ..registry import stored_as_is
 from .config import ModelArgs
 from .experts import QLinear, attach, placeholders, pop_quant_experts
 from .hf_layout import HFCheckpoint
@@ -134,5 +134,5 @@ def model_bytes(src: LayerSource) -> int:
         numel = 1
         for d in e["shape"]:
             numel *= d
-        total += numel * size if e["codec"] == KEEP else e["bytes"]
+        total += numel * size if stored_as_is(e["codec"]) else e["bytes"]
     return total

@@ -1,6 +1,8 @@
-"""Runtime halves of the built-in weight codecs (registered in moec/registry.py): the lookup table a
-LUT codec reconstructs from its stored parts, the fp32 reference dequantization, and the random
-stand-in parts of `moec pack --random` / random latency models. Stored layouts: formats/codecs.py.
+"""Runtime halves of the built-in weight codecs (registered in moec/codecs/hls.py and vq.py): the lookup
+table a LUT codec reconstructs from its stored parts, the fp32 reference dequantization, what
+runtime/experts.QuantMatrix holds of each codec (`hold_*`, the buffers the kernels read and the reference
+dequantizes), and the random stand-in parts of `moec pack --random` / random latency models. Stored
+layouts: formats/codecs.py.
 
 LUT codecs (hls, rtn, fp3): w[e, o, i] = lut[e, o, i // g, idx[e, o, i]], lut [E, O, G, K] fp32, idx the
 codes packed per row (formats/bitpack.py). fp8: e4m3 weights times fp32 row scales. vq: one code per d
@@ -74,6 +76,71 @@ def dequantize_vq(bits, shape, stored):
     d = cb.shape[-1]
     idx = vq_codes(stored, I).reshape(E, O * (I // d), 1).expand(-1, -1, d)
     return (cb.gather(1, idx).reshape(E, O, I) * stored["row_scale"].float()[..., None])
+
+
+# -- what QuantMatrix holds at run time (registry hooks hold / held_dequantize / held_group) -----------------
+
+def lut_poly(lut: torch.Tensor) -> torch.Tensor:
+    """Cubic coefficients [..., 4] (a, b, c, d: p(q) = a + bq + cq² + dq³, fp32) through the four entries
+    of 2-bit tables lut [..., 4] at q = 0..3 (Newton differences): the fused GEMV decodes 2-bit codes
+    through these on the FMA pipe (kernels/dequant.py `_poly_code`)."""
+    L = lut.double()
+    d1, d2 = L[..., 1] - L[..., 0], L[..., 2] - 2 * L[..., 1] + L[..., 0]
+    d3 = L[..., 3] - 3 * L[..., 2] + 3 * L[..., 1] - L[..., 0]
+    return torch.stack([L[..., 0], d1 - d2 / 2 + d3 / 3, d2 / 2 - d3 / 2, d3 / 6], -1).float().contiguous()
+
+
+def _hold_table(lut: torch.Tensor, bits: int, stored: dict) -> dict:
+    """hls / fp3: codes, the fp32 lut (the reference) and the fp16 copy the kernels read (2-bit: its cubic)."""
+    held = {"codes": stored["codes"], "lut": lut, "lut16": lut.half().contiguous()}
+    if bits == 2:  # the GEMV's FMA-pipe decode (lut_poly) of the same fp16 tables
+        held["poly"] = lut_poly(held["lut16"])
+    return held
+
+
+def hold_lut_hls(bits: int, stored: dict) -> dict:
+    return _hold_table(lut_hls(bits, stored), bits, stored)
+
+
+def hold_lut_fp3(bits: int, stored: dict) -> dict:
+    return _hold_table(lut_fp3(bits, stored), bits, stored)
+
+
+def hold_lut_rtn(bits: int, stored: dict) -> dict:
+    """rtn: codes, the fp32 lut (the reference), and the fp16 scale and zero the kernels compute
+    zero + scale · idx from (MODE_AFFINE)."""
+    return {"codes": stored["codes"], "lut": lut_rtn(bits, stored), "scale": stored["scale"].half().contiguous(),
+            "zero": stored["zero"].half().contiguous()}
+
+
+def held_dequantize_lut(bits: int, shape: tuple[int, int, int], held: dict) -> torch.Tensor:
+    return dequantize_lut(held["lut"], bits, shape, held["codes"])
+
+
+def held_group_lut(shape, held: dict) -> int:
+    """Inputs per group of the held lut [E, O, G, K] (the whole row: one group)."""
+    return shape[2] // held["lut"].shape[2]
+
+
+def hold_fp8(bits: int, stored: dict) -> dict:
+    """fp8: the e4m3 weights and fp32 row scales the kernels read (MODE_FP8)."""
+    return {"fp8": stored["fp8"], "scale": stored["scale"].float()}
+
+
+def held_group_row(shape, held: dict) -> int:
+    return shape[2]
+
+
+def hold_vq(bits: int, stored: dict) -> dict:
+    """vq: the stored parts as the kernels read them (MODE_VQ): BITSTREAM codes uint8 [E, O, bytes], the fp16
+    codebook [E, 2^(bits·d), d], fp16 row scales [E, O]."""
+    return {"codes": stored["codes"].contiguous(), "codebook": stored["codebook"].half().contiguous(),
+            "row_scale": stored["row_scale"].contiguous()}
+
+
+def held_group_vq(shape, held: dict) -> int:
+    """The vector length d of the held codebook [E, K, d]."""
+    return held["codebook"].shape[-1]
 
 
 # -- random stand-ins (speed runs: the values do not matter, the layout does) ------------------------------

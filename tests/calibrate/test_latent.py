@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from moec.calibrate.kvconfig import LatentConfig, LatentKVConfig
 from moec.calibrate.latent import (
     LatentSampler,
     check_latent_recipe,
@@ -16,6 +15,7 @@ from moec.calibrate.latent import (
     rank_for_energy,
 )
 from moec.calibrate.recipe import load_recipe, parse_recipe
+from moec.codecs.latent import LatentConfig, LatentKVConfig
 from moec.errors import UserError
 from moec.runtime.config import ModelArgs
 from moec.runtime.latent import dequantize_latent, quantize_latent

@@ -17,7 +17,7 @@ from moec.calibrate.run import calibrate
 from moec.formats import checkpoint
 from moec.runtime.hf_layout import HFCheckpoint
 
-RECIPE = {"name": "pack-stream", "weights": [{"targets": ["experts"], "codec": "rtn", "bits": 2, "group_size": 8}],
+RECIPE = {"name": "pack-stream", "weights": [{"targets": ["experts"], "codec": "rtn", "bits": 2, "group_size": 0}],
           "calibration": {"expert_policy": "all-experts-for-stats", "min_expert_tokens": 0, "seed": 0}}
 
 

@@ -16,7 +16,7 @@ from moec.calibrate.recipe import load_recipe
 from moec.calibrate.run import calibrate
 from tests.cli.run import moec
 
-RECIPE = {"name": "propagate-test", "weights": [{"targets": ["experts"], "codec": "rtn", "bits": 2, "group_size": 8}],
+RECIPE = {"name": "propagate-test", "weights": [{"targets": ["experts"], "codec": "rtn", "bits": 2, "group_size": 0}],
           "calibration": {"expert_policy": "all-experts-for-stats", "min_expert_tokens": 0, "seed": 0}}
 
 

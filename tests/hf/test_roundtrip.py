@@ -151,7 +151,8 @@ def test_score_bias_without_moec_attention_is_refused(packs, models):
 
 
 def test_unsupported_caches_are_refused(tmp_path):
-    args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+    # head_dim 32: the recipe's latent ranks (64) must fit the 2 KV heads × head_dim (pack --random checks it)
+    args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                      max_seq_len=128, n_experts=4, top_k=2, expert_dim=64)
     pack_random(args, "tiny", load_recipe("recipes/ablations/kv-latent-head.yaml"), tmp_path / "latent")
     with pytest.raises(UserError, match="latent-head"):
