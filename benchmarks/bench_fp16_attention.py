@@ -32,7 +32,7 @@ from bench_nuq_attention import timed  # noqa: E402
 from moec.atomic import write_json  # noqa: E402
 from moec.cli.common import base_record  # noqa: E402
 from moec.kernels import fp16_decode_attention as fk  # noqa: E402
-from moec.runtime.decode import split_attention  # noqa: E402
+from moec.runtime.kvcache import split_attention  # noqa: E402
 
 SHAPES = {"mixtral-8x7b": (32, 32, 8, 128), "qwen3-30b-a3b": (48, 32, 4, 128)}  # layers, H, K, d
 GRID = (("mixtral-8x7b", 4096, 1), ("mixtral-8x7b", 32768, 1), ("mixtral-8x7b", 32768, 16),

@@ -8,8 +8,8 @@ the per-row positions [B] (device int64, so RoPE and the cache append index by t
 host round trip), the KV cache and the logits. One captured graph per batch-size bucket then
 serves every step: rows advance by updating `pos` in place, never by re-capturing.
 
-Two static caches:
-  StaticFP16Cache   [B, K, S, d] fp16 per layer; the step appends at pos[b] and attends over the
+Two static caches (the `static` mode of a cache family, moec/runtime/kvcache.py):
+  FP16Cache         [B, K, S, d] fp16 per layer; the step appends at pos[b] and attends over the
                     whole buffer with a length mask (SDPA; the G query heads of a KV head become the
                     query rows, so no GQA expansion copy is made).
   StaticTieredCache the tiered layout of moec/runtime/kvtiered.py with static buffers: fp16 sinks +
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from .backend import kernels_enabled
 from .config import ModelArgs
 from .experts import QLinear
+from .kvcache import FP16Cache
 from .kvtiered import HistoryStore, LayerRotations, TierPolicy, biased_scores, history_bias, kernel_path, rope_table
 from .model import MoE, Transformer, rope_cos_sin, route
 
@@ -57,95 +58,6 @@ def bucket_for(b: int, capacity: int) -> int:
 
 
 # -- caches ------------------------------------------------------------------------------------------
-
-SPLIT = 128  # tokens per chunk of the split-K decode attention over the fp16 cache
-
-
-def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Decode attention over a static cache, split along the cache (flash-decoding in plain torch):
-    q [b, K, G, d]; k, v [b, K, S, d] (S a multiple of SPLIT); keys at slots <= pos[b] -> [b, K, G, d].
-
-    SDPA on one query token with a length mask runs one program per (row, KV head), far too few to
-    stream a long cache at bandwidth; here the cache is viewed as n = S / SPLIT chunks, scores and
-    p·V are batched matmuls over (row, head, chunk), and the softmax runs over the whole row."""
-    b, K, S, d = k.shape
-    n = S // SPLIT
-    kc = k.view(b, K, n, SPLIT, d)
-    vc = v.view(b, K, n, SPLIT, d)
-    s = torch.matmul(q[:, :, None], kc.transpose(-1, -2)).float() * d**-0.5  # [b, K, n, G, SPLIT]
-    slots = torch.arange(S, device=k.device).view(1, 1, n, 1, SPLIT)
-    s = s.masked_fill(slots > pos.view(b, 1, 1, 1, 1), float("-inf"))
-    m = s.amax(dim=(2, 4), keepdim=True)
-    p = torch.exp(s - m)
-    den = p.sum(dim=(2, 4))  # [b, K, G]
-    out = torch.matmul(p.to(v.dtype), vc).float().sum(2)  # [b, K, G, d]
-    return out / den[..., None]
-
-class StaticFP16Cache:
-    """Keys/values [B, K, S, d] per layer (fp16), appended at device positions."""
-
-    codec = "fp16"
-
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, device="cpu", dtype=torch.float16):
-        self.args, self.batch, self.max_len, self.device = args, batch, max_len, torch.device(device)
-        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.slots = torch.arange(max_len, device=device)
-        self.rows = torch.arange(batch, device=device)
-        self.pos: torch.Tensor | None = None  # [B] int64, the engine's position buffer
-        self.length = [0] * batch  # host mirror of tokens held per row
-
-    @staticmethod
-    def bytes_per_token(args: ModelArgs) -> int:
-        return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
-
-    def attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
-        """Decode step: q [b, H, 1, d]; k, v [b, K, 1, d] at positions pos[:b] -> [b, H, 1, d]."""
-        b, H, _, d = q.shape
-        K = k.shape[1]
-        pos = self.pos[:b]
-        kc, vc = self.k[layer], self.v[layer]
-        if kernels_enabled(q.device) and d & (d - 1) == 0 and d >= 16:
-            # one kernel: the new token's write and flash-decoding over slots <= pos
-            from ..kernels.fp16_decode_attention import fp16_decode_attention
-
-            return fp16_decode_attention(q[:, :, 0], kc, vc, k[:, :, 0], v[:, :, 0], pos).view(b, H, 1, d)
-        kc[self.rows[:b], :, pos] = k[:, :, 0].to(kc.dtype)
-        vc[self.rows[:b], :, pos] = v[:, :, 0].to(vc.dtype)
-        if q.is_cuda and self.max_len % SPLIT == 0:
-            out = split_attention(q.view(b, K, H // K, d).to(kc.dtype), kc[:b], vc[:b], pos)
-            return out.reshape(b, H, 1, d).to(q.dtype)
-        mask = (self.slots[None, :] <= pos[:, None])[:, None, None, :]  # [b, 1, 1, S]
-        # the query's dtype on the CPU (the fp32 reference)
-        dt = kc.dtype if q.is_cuda else q.dtype
-        out = F.scaled_dot_product_attention(q.view(b, K, H // K, d).to(dt), kc[:b].to(dt), vc[:b].to(dt),
-                                             attn_mask=mask)  # [b, K, G, d]
-        return out.reshape(b, H, 1, d).to(q.dtype)
-
-    def prefill_row(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [K, T, d] of positions 0..T-1 (post-RoPE)."""
-        T = k.shape[1]
-        self.k[layer][row, :, :T] = k
-        self.v[layer][row, :, :T] = v
-
-    def after_step(self, rows: range) -> None:
-        for r in rows:
-            self.length[r] += 1
-
-    def set_length(self, row: int, n: int) -> None:
-        self.length[row] = n
-
-    def bytes_read(self, rows: range) -> int:
-        """KV bytes a decode step reads for `rows` (the tokens held, as stored)."""
-        return sum(self.length[r] + 1 for r in rows) * self.bytes_per_token(self.args)
-
-    def fill_random(self, row: int, n: int, gen: torch.Generator | None = None) -> None:
-        """Stand-in history of n tokens (latency runs; values are irrelevant to the timing)."""
-        for t in (*self.k, *self.v):
-            t[row, :, :n].normal_(0, 1, generator=gen)
-        self.length[row] = n
-
 
 class StaticTieredCache:
     """sinks + packed history + fp16 window, static buffers (see the module docstring)."""
@@ -351,7 +263,7 @@ class StaticTieredCache:
 
     def bytes_read(self, rows: range) -> int:
         """KV bytes a decode step reads: filled history blocks + window tokens (fp16) + static tensors."""
-        tok = StaticFP16Cache.bytes_per_token(self.args)
+        tok = FP16Cache.bytes_per_token(self.args)
         n = sum(self._history_bytes(r) + (self.length[r] + 1 - self.n_blocks[r] * self.block) * tok
                 for r in rows)  # the step reads the held tokens plus the one it appends
         return n + self._static_bytes()
@@ -712,7 +624,7 @@ def make_cache(model: Transformer, batch: int, max_len: int, kv: dict | None = N
     for codecs with a cache of their own (static_cache_factory builds those)."""
     dev = model.tok_embeddings.weight.device
     if not kv:
-        return StaticFP16Cache(model.args, batch, max_len, device=dev)
+        return FP16Cache(model.args, batch, max_len, device=dev, mode="static")
     from .kvtiered import rope_pre
     from .loader import kv_codec_spec
 
