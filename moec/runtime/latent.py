@@ -49,7 +49,6 @@ from ..formats.bitpack import LAYOUTS, Layout
 from ..formats.kvsection import group_tensor
 from .backend import kernels_enabled
 from .config import ModelArgs
-from .decode import StaticTieredCache
 from .kvtiered import HistoryStore, TieredKVCache, rotate
 
 if TYPE_CHECKING:
@@ -434,17 +433,23 @@ def random_latent_tensors(args: ModelArgs, section: dict, gen: torch.Generator, 
     return out
 
 
-def latent_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs,
+def latent_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs, mode: str = "dynamic",
                          use_kernel: bool | None = None):
-    """(model, batch, max_len) -> LatentKVCache, the `cache_factory` of moec.runtime.perplexity.evaluate.
+    """(model, batch, max_len) -> the latent cache in `mode` (dynamic: the `cache_factory` of
+    moec.runtime.perplexity.evaluate; static: the decode engine's, history mirror in the model's dtype).
     use_kernel=False keeps the torch path on CUDA (the oracle of GPU checks)."""
     groups, codecs = build_latent_codecs(section, tensors, args)
     per_device = {}
 
     def make(model, batch: int, max_len: int):
-        dev = model.tok_embeddings.weight.device
+        w = model.tok_embeddings.weight
+        dev = w.device
         if dev not in per_device:
             per_device[dev] = codecs if dev.type == "cpu" else build_latent_codecs(section, tensors, args, dev)[1]
+        if mode == "static":
+            return StaticLatentCache(model.args, batch, max_len, groups, per_device[dev], section["codec"],
+                                     section["window"], section["sinks"], section["block"], section["rope"] == "pre",
+                                     dev, mirror_dtype=w.dtype)
         return LatentKVCache(model.args, batch, max_len, groups, per_device[dev], section["codec"],
                              section["window"], section["sinks"], section["block"], section["rope"] == "pre", dev,
                              use_kernel=use_kernel)
@@ -482,8 +487,8 @@ class _LatentStore(HistoryStore):
                    for t in c[kind].static_tensors().values())
 
 
-class StaticLatentCache(StaticTieredCache):
-    """latent-head / latent-layer in the static CUDA-graph engine (decode.StaticTieredCache): the layers of a
+class StaticLatentCache(TieredKVCache):
+    """latent-head / latent-layer in the static CUDA-graph engine (TieredKVCache in static mode): the layers of a
     group are encoded together when a block leaves their windows (between steps, or after the group's last
     prompt layer), as LatentKVCache encodes them; decode steps attend over the dequantized mirror
     (graph-safe SDPA); the latent kernel is not wired here."""
@@ -493,7 +498,7 @@ class StaticLatentCache(StaticTieredCache):
                  block: int = 32, rope_pre: bool = False, device="cpu", mirror_dtype=torch.float32):
         self.lgroups, self.lcodecs = groups, codecs
         super().__init__(args, batch, max_len, [_NoFields(name, codecs[0]["k"].bits)] * args.n_layers, window,
-                         sinks, block, rope_pre, device, use_kernel=False, mirror_dtype=mirror_dtype)
+                         sinks, block, rope_pre, device, use_kernel=False, mode="static", mirror_dtype=mirror_dtype)
 
     def _make_store(self, mirror_dtype) -> HistoryStore:
         return _LatentStore(self, mirror_dtype)
@@ -501,43 +506,32 @@ class StaticLatentCache(StaticTieredCache):
     def _layer_groups(self) -> list[list[int]]:
         return self.lgroups
 
-    def _encode_group(self, row: int, layers: list[int], xs: dict, nb0: int) -> None:
-        """xs[layer][kind] [n, K, block, d] fp16 (n consecutive blocks of `row`) -> the group's codes + mirror."""
+    def _encode_group(self, rows: slice, layers: list[int], xs: dict, nb0: int) -> None:
+        """xs[layer][kind] [b, K, n·block, d] fp16 (n consecutive blocks of `rows`) -> the group's codes + mirror."""
         g, blk, K, d = self.group_of[layers[0]], self.block, self.args.n_kv_heads, self.args.head_dim
         pos0 = self.sinks + nb0 * blk
         for kind in "kv":
             parts = []
             for i in layers:
-                x = xs[i][kind].float()  # [n, K, blk, d]
-                n = x.shape[0]
+                x = xs[i][kind].float()  # [b, K, n·blk, d]
+                b, n = x.shape[0], x.shape[2] // blk
                 if kind == "k" and self.rope_pre:  # n consecutive blocks: one run of positions
-                    x = rotate(self.args, x.transpose(0, 1).reshape(1, K, n * blk, d), pos0, inverse=True)
-                    x = x.view(K, n, blk, d).transpose(0, 1)
-                parts.append(x.permute(0, 2, 1, 3).reshape(n, blk, K * d))
+                    x = rotate(self.args, x, pos0, inverse=True)
+                parts.append(x.permute(0, 2, 1, 3).reshape(b * n, blk, K * d))
             codec = self.lcodecs[g][kind]
-            enc = codec.encode(torch.cat(parts, dim=2))  # [n, per, ...] per field
+            enc = codec.encode(torch.cat(parts, dim=2))  # [b·n, per, ...] per field
             for name, t in enc.items():
                 per = t.shape[1]
-                self.store.lhist[g][kind][name][row, nb0 * per : (nb0 + n) * per] = t.reshape(n * per, *t.shape[2:])
-            y = codec.decode(enc).view(n, blk, len(layers), K, d)
+                self.store.lhist[g][kind][name][rows, nb0 * per : (nb0 + n) * per] = t.reshape(b, n * per,
+                                                                                               *t.shape[2:])
+            y = codec.decode(enc).view(b, n, blk, len(layers), K, d)
             for j, i in enumerate(layers):
-                yi = y[:, :, j].permute(0, 2, 1, 3).transpose(0, 1).reshape(1, K, n * blk, d)  # [1, K, n·blk, d]
+                yi = y[:, :, :, j].permute(0, 3, 1, 2, 4).reshape(b, K, n * blk, d)
                 if kind == "k" and self.rope_pre:
                     yi = rotate(self.args, yi, pos0, inverse=False)
-                self.mirror[kind][i][row, :, nb0 * blk : (nb0 + n) * blk] = yi[0]
+                self.mirror[kind][i][rows, :, nb0 * blk : (nb0 + n) * blk] = yi
 
 
 def latent_static_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs):
-    """(model, batch, max_len) -> StaticLatentCache: the registry's `static_cache` hook."""
-    groups, codecs = build_latent_codecs(section, tensors, args)
-    per_device = {}
-
-    def make(model, batch: int, max_len: int):
-        dev = model.tok_embeddings.weight.device
-        if dev not in per_device:
-            per_device[dev] = codecs if dev.type == "cpu" else build_latent_codecs(section, tensors, args, dev)[1]
-        return StaticLatentCache(model.args, batch, max_len, groups, per_device[dev], section["codec"],
-                                 section["window"], section["sinks"], section["block"], section["rope"] == "pre", dev,
-                                 mirror_dtype=model.tok_embeddings.weight.dtype)
-
-    return make
+    """The registry's `static_cache` hook: latent_cache_factory in static mode."""
+    return latent_cache_factory(section, tensors, args, mode="static")

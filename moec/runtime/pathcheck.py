@@ -24,7 +24,7 @@ from .model import Transformer
 
 def _static_logits(model: Transformer, section: dict | None, tensors: dict, ids: torch.Tensor, n_prompt: int,
                    graphs: bool | None = None):
-    max_len = -(-ids.numel() // 128) * 128  # whole chunks for the GPU's split attention (decode.SPLIT)
+    max_len = -(-ids.numel() // 128) * 128  # whole chunks for the GPU's split attention (kvcache.SPLIT)
     cache = static_cache_factory(section, tensors, model.args)(model, 1, max_len)
     eng = DecodeEngine(model, cache, graphs=graphs)
     out = [eng.prefill(0, ids[:n_prompt])]

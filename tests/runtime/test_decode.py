@@ -11,10 +11,10 @@ A wrong position, slot or block boundary moves ppl by percents.
 import pytest
 import torch
 
-from moec.runtime.decode import DecodeEngine, StaticTieredCache, bucket_for, evaluate_dec
+from moec.runtime.decode import DecodeEngine, bucket_for, evaluate_dec
 from moec.runtime.kivi import KIVICodec
 from moec.runtime.kvcache import FP16Cache
-from moec.runtime.kvtiered import tiered_cache_factory
+from moec.runtime.kvtiered import TieredKVCache, tiered_cache_factory
 from moec.runtime.nuq import FIXED_LEVELS, NUQOutlierCodec
 from moec.runtime.perplexity import evaluate, make_windows
 
@@ -89,8 +89,8 @@ def test_tiered_engine_matches_reference(demo, codec, rope):
                                   0.01) for _ in range(a.n_layers)]
     sec = {"codec": codec, "window": 32, "sinks": 4, "block": 16, "rope": rope}
     ref = evaluate(model, windows, "dec", batch_size=2, cache_factory=tiered_cache_factory(sec, codecs))
-    got = evaluate_dec(model, windows, lambda B, n: StaticTieredCache(a, B, n, codecs, 32, 4, 16, rope == "pre"),
-                       batch_size=2)
+    got = evaluate_dec(model, windows, lambda B, n: TieredKVCache(a, B, n, codecs, 32, 4, 16, rope == "pre",
+                                                                  mode="static"), batch_size=2)
     assert got["ppl"] == pytest.approx(ref["ppl"], rel=1e-3), (got, ref)
 
 
@@ -104,7 +104,7 @@ def test_rows_at_different_lengths(demo):
               for _ in range(a.n_layers)]
 
     def cache(B):
-        return StaticTieredCache(a, B, 128, codecs, 32, 4, 16, True)
+        return TieredKVCache(a, B, 128, codecs, 32, 4, 16, True, mode="static")
 
     both = DecodeEngine(model, cache(2))
     lens = (37, 60)
@@ -133,7 +133,7 @@ def test_buckets_and_random_fill(demo):
     a = model.args
     codecs = [NUQOutlierCodec(2, a.head_dim, 32, torch.tensor(FIXED_LEVELS[2]), torch.tensor(FIXED_LEVELS[2]),
                               torch.ones(a.n_kv_heads, a.head_dim), 0.01) for _ in range(a.n_layers)]
-    c = StaticTieredCache(a, 1, 1024, codecs, 128, 4, 32)
+    c = TieredKVCache(a, 1, 1024, codecs, 128, 4, 32, mode="static")
     c.fill_random(0, 1000)
     assert c.n_blocks[0] == (1000 - 4 - 128) // 32 and int(c.hist_len[0]) == c.n_blocks[0] * 32
     fp = FP16Cache(a, 1, 1024, mode="static")
