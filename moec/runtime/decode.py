@@ -12,23 +12,25 @@ Two static caches (the `static` mode of a cache family, moec/runtime/kvcache.py)
   FP16Cache         [B, K, S, d] fp16 per layer; the step appends at pos[b] and attends over the
                     whole buffer with a length mask (SDPA; the G query heads of a KV head become the
                     query rows, so no GQA expansion copy is made).
-  TieredKVCache     (static mode) the tiered layout of moec/runtime/kvtiered.py with static buffers: fp16 sinks +
+  TieredKVCache     (static mode) the tiered layout of moec/runtime/kvtiered.py with static buffers:
+                    fp16 sinks +
                     window (a buffer of sinks + window + block slots, kept compact) and a
                     preallocated packed history. A step appends the new token at slot
                     pos − hist_len and attends (the fused `kv_decode_attention` kernel with
                     hist_len / win_len as device int32 tensors, or, without it, SDPA over a
                     dequantized mirror with a mask). Every `block` steps, outside the graph, the
                     oldest block of the window is encoded into the history (codec.encode, the same
-                    rule and rounding as TieredKVCache) and the window shifts down. The tier rule
-                    and the history are kvtiered.TierPolicy / HistoryStore, shared with the dynamic
-                    cache, so every registered block codec runs here; the latent and RVQ caches
-                    extend it (latent.StaticLatentCache: layer groups encoded together;
-                    rvq.StaticRVQCache: blocks re-encoded into the archive tier), attending over
-                    their mirror. `static_cache_factory` builds the cache of any registered codec.
+                    rule and rounding as the dynamic mode) and the window shifts down. The tier rule
+                    and the history are kvtiered.TierPolicy / HistoryStore, and the ageing is
+                    TieredKVCache._age, shared with the dynamic and simulated modes, so every
+                    registered block codec runs here; the latent and RVQ families run their static
+                    mode the same way (latent: layer groups encoded together; RVQ: blocks re-encoded
+                    into the archive tier), attending over their mirror. `static_cache_factory`
+                    builds the cache of any registered codec.
 
 Prefill takes the plain causal forward (SDPA/flash), reads each layer's post-RoPE K/V through the
 model's observer hook and writes them into the static cache, encoding the blocks older than the
-window as TieredKVCache does. The engine runs on the CPU too (no graphs): the test suite checks
+window as the dynamic mode does. The engine runs on the CPU too (no graphs): the test suite checks
 its ppl_dec against moec/runtime/perplexity.py's reference path.
 """
 

@@ -23,13 +23,16 @@ blocks leaving the window are encoded by moec/kernels/kv_quantize_pack.py (the c
 Stored bytes are summed from the tensors held: window and sinks (fp16), every history field sliced
 to the blocks filled, and each codec's per-layer static tensors (scales, levels).
 
-One tier rule and one history store serve every tiered cache: `TierPolicy` (which tokens are sinks,
-history blocks or window after n tokens; capacity; fp16 slots) and `HistoryStore` (field buffers,
-encode dispatch, pre-RoPE rotation, the torch path's mirror, byte counts) are used by TieredKVCache
-here (host-side lengths, the dynamic cache of eval/generate), by decode.StaticTieredCache (device-side
-positions, the CUDA-graph engine), by the simulated decode mode (kvsim.py) and by the latent and RVQ
-caches built on TieredKVCache. Any registered block codec (moec/registry.py `layer_codecs`) runs in
-all of them.
+One class, every mode (moec/runtime/kvcache.py lists the families and modes): TieredKVCache runs dynamic
+(host-side lengths: eval, generate, the transformers Cache), static (device-side positions: the CUDA-graph
+engine of runtime/decode.py) and simulated (one teacher-forced forward per window, exact when the prefill
+evicts nothing: benchmarks/bench_kv_sim_check.py checks it against decode mode). Every mode uses one tier
+rule, `TierPolicy` (which tokens are sinks, history blocks or window after n tokens; capacity; fp16 slots),
+one history store, `HistoryStore` (field buffers, encode dispatch, pre-RoPE rotation, the torch path's
+mirror, byte counts), and one ageing function, `TieredKVCache._age` (window blocks into the history, then
+the family's `_aged`, e.g. the RVQ archive). The latent (latent.py) and RVQ (rvq.py) families subclass it.
+Any registered block codec (moec/registry.py `layer_codecs`) runs in every mode; a codec declaring
+`fused_decode_attention` (nuq-outlier) takes the fused kernels where they run.
 """
 
 from __future__ import annotations
