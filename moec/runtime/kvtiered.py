@@ -258,7 +258,13 @@ class TieredKVCache:
     simulated  one teacher-forced forward per window giving each query the keys/values the dynamic mode
                holds at its step (`_attend_simulated`)
     The tier rule is TierPolicy, the history a HistoryStore, and the ageing of the window into the history
-    (and the family's later tiers, `_aged`) is the one function `_age`, in every mode."""
+    (and the family's later tiers, `_aged`) is the one function `_age`, in every mode. `read_append` and
+    `attend_history` serve callers that attend themselves (the transformers Cache, moec/hf/cache.py), for
+    families whose every query sees the same view in position order (`position_order_view`)."""
+
+    # read_append's keys/values in position order are what every query attends over (a family attending per
+    # query over another view, as the latent groups do, sets it False: moec/hf refuses it)
+    position_order_view = True
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list, window: int = 128,
                  sinks: int = 4, block: int = 32, rope_pre: bool = False, device="cpu",
@@ -400,16 +406,27 @@ class TieredKVCache:
             out = self._attend_kernel(layer, q, wk, wv)
         else:
             keys, vals = self._keys_values(layer, wk, wv, s, h, q.dtype)
-            bias = history_bias(self.codecs[layer], q)
-            if bias is None:
-                out = causal_attention(q, keys, vals, start_pos)
-            else:
-                pos = torch.arange(keys.shape[2], device=q.device)
-                is_hist = ((pos >= s) & (pos < s + h))[None, None, :, None]
-                q2, keys2, scale = biased_scores(q, keys, is_hist, bias)
-                out = causal_attention(q2, keys2, vals, start_pos, scale=scale)
+            out = self.attend_history(layer, q, keys, vals, s, h, start_pos)
         self._store_window(layer, wk, wv, start_pos + T)
         return out
+
+    def attend_history(self, layer: int, q, keys, vals, s: int, h: int, start_pos: int, attn_mask=None):
+        """Attention of q [B, H, T, d] (positions start_pos..) over keys/values [B, K, S, d] in position order whose
+        [s, s + h) is the layer's history (`read_append`'s view): adds the codec's history score bias where it
+        has one (nuq-outlier `score_bias`); causal unless attn_mask (an SDPA mask) is given."""
+        bias = history_bias(self.codecs[layer], q)
+        scale = None
+        if bias is not None:
+            pos = torch.arange(keys.shape[2], device=q.device)
+            is_hist = ((pos >= s) & (pos < s + h))[None, None, :, None]
+            q, keys, scale = biased_scores(q, keys, is_hist, bias)
+        if attn_mask is None:
+            return causal_attention(q, keys, vals, start_pos, scale=scale)
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, scale=scale, enable_gqa=True)
+
+    def history_biased(self, layer: int) -> bool:
+        """Whether the layer's history scores carry a bias (`attend_history` adds it; keys alone cannot)."""
+        return getattr(self.codecs[layer], "k_err2", None) is not None
 
     def _append(self, layer: int, k, v, start_pos: int):
         """The layer's fp16 sinks + window with the new tokens k, v [B, K, T, d] appended (not yet stored):

@@ -170,6 +170,8 @@ class LatentKVCache(TieredKVCache):
     moec/kernels/latent_decode_attention.py where it takes the codec; static mode: the CUDA-graph engine's
     step attends over the dequantized mirror (graph-safe SDPA); the latent kernel is not wired there."""
 
+    position_order_view = False  # queries attend per query over group-encoded blocks (module docstring)
+
     def __init__(self, args: ModelArgs, batch: int, max_len: int, groups: list[list[int]],
                  codecs: list[dict[str, LatentCodec]], name: str = "latent-head", window: int = 128, sinks: int = 4,
                  block: int = 32, rope_pre: bool = False, device="cpu", use_kernel: bool | None = None,
