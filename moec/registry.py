@@ -47,6 +47,8 @@ Weight codec hooks (stored parts of a stacked matrix [E, O, I], formats/codecs.p
     check_rule(rule)   UserError for a recipe rule's settings the codec cannot take (optional)
     kernel_mode        kernels/dequant.MODE_* when the fused MoE / qlinear kernels take it (else None)
     tunable            whether calibrate/tune.py can tune its codebooks / scales end to end
+    concat_outputs     whether stacked matrices of this codec concatenate along their outputs into one
+                       (the static engine's single q/k/v projection, runtime/decode.py _QuantQKV)
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class WeightCodecSpec:
     check_rule: Hook = None
     kernel_mode: int | None = None
     tunable: bool = False
+    concat_outputs: bool = True
     description: str = ""
 
     def hook(self, name: str):
@@ -205,6 +208,7 @@ register_weight(WeightCodecSpec(
 register_weight(WeightCodecSpec(
     "vq", bits=(2, 3, 4), quantize="moec.calibrate.vq:quantize_vq_rule", dequantize=f"{_W}:dequantize_vq",
     random_stored=f"{_W}:random_vq", check_rule="moec.calibrate.vq:check_vq_rule", kernel_mode=4, tunable=True,
+    concat_outputs=False,
     description="vector codebooks: one code per group_size inputs, a codebook per matrix (GPTVQ-style)"))
 
 

@@ -42,6 +42,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..registry import weight_codec
 from .backend import kernels_enabled
 from .config import ModelArgs
 from .experts import QLinear
@@ -170,7 +171,7 @@ class _QuantQKV(torch.nn.Module):
             return None
         if any(q.rotated for q in qs):  # incoherence: each QLinear rotates its input itself (separate launches)
             return None
-        if any(q.codec == "vq" for q in qs):  # one codebook and row scales per matrix: no concatenated layout
+        if not all(weight_codec(q.codec).concat_outputs for q in qs):  # e.g. vq: a codebook per matrix
             return None
         names = [n for n in cls.PARTS if all(isinstance(getattr(q, n, None), torch.Tensor) for q in qs)]
         if any(len({getattr(q, n).shape[2:] for q in qs}) != 1 for n in names):  # groups differ
