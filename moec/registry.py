@@ -28,13 +28,12 @@ KV codec hooks (`args` is the model's runtime.config.ModelArgs, `cfg` the codec'
     section(cfg, args) -> dict   derived manifest keys beyond asdict(cfg) and the shapes (optional)
     tensor_names(section, args) -> [names]   the `kv.*` tensors the runtime needs
     layer_codecs(section, tensors, args) -> [per-layer block codec]   for tiered block codecs: the
-                       tiered caches (runtime/kvtiered.py, runtime/decode.py) and the simulated decode
-                       mode serve every such codec; FormatError on a mismatch with the model
-    cache_factory(section, tensors, args) -> make(model, batch, max_len)
-                       for codecs with their own cache (latent, rvq); tiered codecs leave it None
-    static_cache(section, tensors, args) -> make(model, batch, max_len)   the same codec in the static
-                       CUDA-graph engine (runtime/decode.py) where it needs its own class (latent, rvq);
-                       tiered codecs leave it None (decode.StaticTieredCache holds every block codec)
+                       tiered cache (runtime/kvtiered.TieredKVCache) serves every such codec in each of
+                       its modes (dynamic, static, simulated); FormatError on a mismatch with the model
+    cache_factory(section, tensors, args, mode="dynamic") -> make(model, batch, max_len)
+                       for codecs with a cache family of their own (latent, rvq): the family's one class
+                       in `mode` (runtime/kvcache.py: dynamic, static for the CUDA-graph engine,
+                       simulated); tiered codecs leave it None
     random_tensors(args, section, gen, device) -> {name: tensor}   stand-in calibration
     rope_pre(section) -> bool   keys encoded before RoPE (the tiered caches rotate around the codec)
 
@@ -84,7 +83,6 @@ class KVCodecSpec:
     tensor_names: Hook = None
     layer_codecs: Hook = None
     cache_factory: Hook = None
-    static_cache: Hook = None
     random_tensors: Hook = None
     rope_pre: Hook = None
     description: str = ""
@@ -184,14 +182,13 @@ for _name in ("latent-head", "latent-layer"):
         fit="moec.calibrate.latent:fit_latent_tensors", section="moec.runtime.latent:latent_section",
         tensor_names="moec.runtime.latent:latent_tensor_names",
         cache_factory="moec.runtime.latent:latent_cache_factory",
-        static_cache="moec.runtime.latent:latent_static_factory",
         random_tensors="moec.runtime.latent:random_latent_tensors",
         description="seeds 000/001: cross-head / cross-layer PCA latents"))
 register_kv(KVCodecSpec(
     "rvq-tiered", config=f"{_CFG}:RVQKVConfig", bits=(1, 2, 3, 4),
     check="moec.calibrate.rvq:check_rvq_recipe", sampler="moec.calibrate.rvq:rvq_sampler",
     fit="moec.calibrate.rvq:fit_rvq_tensors", tensor_names="moec.runtime.rvq:rvq_tensor_names",
-    cache_factory="moec.runtime.rvq:rvq_cache_factory", static_cache="moec.runtime.rvq:rvq_static_factory",
+    cache_factory="moec.runtime.rvq:rvq_cache_factory",
     random_tensors="moec.runtime.rvq:random_rvq_tensors",
     description="seed 002: tiered residual VQ"))
 

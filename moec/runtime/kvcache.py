@@ -26,8 +26,8 @@ layers, `_aged` for work after ageing such as re-encoding into another tier, and
 it supports: `_attend` for dynamic, `_step_torch` / `_step_kernel` for static, `_attend_simulated`); a family
 with another layout writes a class with `attend`, `stored_bytes`/`bits_per_element` and, for the static
 engine, `prefill_row`, `set_length`, `after_step`, `bytes_read`, `fill_random`, as FP16Cache does. Then
-register its builder as the codec's `cache_factory(section, tensors, args) -> make(model, batch, max_len,
-mode)` hook (moec/registry.py).
+register its builder as the codec's `cache_factory(section, tensors, args, mode="dynamic") -> make(model,
+batch, max_len)` hook (moec/registry.py; decode.static_cache_factory asks it for mode="static").
 """
 
 from __future__ import annotations

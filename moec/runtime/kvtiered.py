@@ -348,11 +348,12 @@ class TieredKVCache:
             for kind in "kv":
                 self.store.put(layer, kind, xs[layer][kind], nb0, rows)
 
-    def _age(self, rows: slice, groups: list[list[int]], tokens: int) -> None:
-        """The one ageing rule of every mode: after `tokens` tokens in `rows` (dynamic: every row, one layer per
-        call; static: one row, every group), move whole blocks of the oldest non-sink window tokens into the
-        history until TierPolicy.blocks_at(tokens) blocks are held, one block at a time (each encoded alone),
-        then the family's later tiers (`_aged`). The window holds tokens − n_blocks·block slots, sinks first."""
+    def _age(self, rows: slice, groups: list[list[int]], tokens: int, later_tiers: bool = True) -> None:
+        """The one ageing rule of every mode: after `tokens` tokens in `rows` (dynamic and simulated: every row,
+        one layer per call; static: one row, every group), move whole blocks of the oldest non-sink window
+        tokens into the history until TierPolicy.blocks_at(tokens) blocks are held, one block at a time (each
+        encoded alone), then (later_tiers) the family's later tiers (`_aged`). The window holds
+        tokens − n_blocks·block slots, sinks first."""
         s, blk = self.sinks, self.block
         static = self.mode == "static"
         nb = self.n_blocks[rows.start] if static else self.n_blocks[groups[0][0]]
@@ -377,7 +378,8 @@ class TieredKVCache:
                 for layers in groups:
                     for i in layers:
                         self.n_blocks[i] = nb
-        self._aged(rows, groups, tokens)
+        if later_tiers:
+            self._aged(rows, groups, tokens)
 
     def _aged(self, rows: slice, groups: list[list[int]], tokens: int) -> None:
         """Work after the window aged (the RVQ cache archives old blocks here)."""
@@ -505,21 +507,21 @@ class TieredKVCache:
 
     # -- simulated mode -----------------------------------------------------------------------------------
 
-    def _history_blocks(self, layer: int, kf: torch.Tensor, vf: torch.Tensor, nb: int) -> tuple:
-        """Simulated mode: encode blocks 0..nb-1 of a whole window's fp16 keys/values kf, vf [B, K, S, d] (as
-        `_age` would, one at a time) and return their dequantized copies at the same positions (zeros
-        elsewhere): (kq, vq) [B, K, S, d] in kf's dtype."""
-        s, blk = self.sinks, self.block
-        kq, vq = torch.zeros_like(kf), torch.zeros_like(vf)
+    def _history_blocks(self, layer: int, kf: torch.Tensor, vf: torch.Tensor) -> tuple:
+        """Simulated mode: age a whole window's fp16 keys/values kf, vf [B, K, S, d] through `_age` (the blocks
+        every query up to S sees in the history, encoded one at a time as in decode mode; the family's later
+        tiers not yet) and return their dequantized copies at the same positions (zeros elsewhere):
+        (kq, vq) [B, K, S, d] in kf's dtype."""
+        s, blk, S = self.sinks, self.block, kf.shape[2]
         self.n_blocks[layer] = 0
-        for b in range(nb):  # encode + decode each block that leaves the window, as the cache does
-            lo = s + b * blk
-            self.n_blocks[layer] = b
-            self._encode_group(slice(None), [layer], {layer: {"k": kf[:, :, lo : lo + blk],
-                                                              "v": vf[:, :, lo : lo + blk]}}, b)
-            self.n_blocks[layer] = b + 1
-            kq[:, :, lo : lo + blk] = self.mirror["k"][layer][:, :, b * blk : (b + 1) * blk].to(kf.dtype)
-            vq[:, :, lo : lo + blk] = self.mirror["v"][layer][:, :, b * blk : (b + 1) * blk].to(kf.dtype)
+        empty = self.win["k"][layer]
+        self.win["k"][layer], self.win["v"][layer] = kf, vf
+        self._age(slice(None), [[layer]], S, later_tiers=False)
+        self.win["k"][layer] = self.win["v"][layer] = empty  # nothing is held between windows
+        h = self.n_blocks[layer] * blk
+        kq, vq = torch.zeros_like(kf), torch.zeros_like(vf)
+        kq[:, :, s : s + h] = self.mirror["k"][layer][:, :, :h].to(kf.dtype)
+        vq[:, :, s : s + h] = self.mirror["v"][layer][:, :, :h].to(vf.dtype)
         return kq, vq
 
     def _attend_simulated(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
@@ -538,7 +540,7 @@ class TieredKVCache:
         if self.blocks_at(S) == 0:
             return F.scaled_dot_product_attention(q, kf, vf, attn_mask=causal, enable_gqa=True)
         s, blk = self.sinks, self.block
-        kq, vq = self._history_blocks(layer, kf, vf, self.blocks_at(S))
+        kq, vq = self._history_blocks(layer, kf, vf)
         hist_end = s + torch.tensor([self.blocks_at(i) for i in range(S)], device=q.device) * blk  # per query
         in_hist = (pos[None, :] >= s) & (pos[None, :] < hist_end[:, None])  # [S, S]
         mask = torch.cat([causal & ~in_hist, in_hist], dim=1)  # fp16 keys, then quantized keys

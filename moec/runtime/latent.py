@@ -491,8 +491,3 @@ class _LatentStore(HistoryStore):
     def static_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for c in self.lcodecs for kind in "kv"
                    for t in c[kind].static_tensors().values())
-
-
-def latent_static_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs):
-    """The registry's `static_cache` hook: latent_cache_factory in static mode."""
-    return latent_cache_factory(section, tensors, args, mode="static")

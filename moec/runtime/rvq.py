@@ -247,16 +247,13 @@ class RVQTieredCache(TieredKVCache):
             self.length = S
         kf, vf = k.half().to(q.dtype), v.half().to(q.dtype)  # what the cache stores
         s, blk = self.sinks, self.block
-        nb, na = self.blocks_at(S), self.arch_at(S)
         self.n_arch[layer] = 0
-        km, vm = self._history_blocks(layer, kf, vf, nb)  # every block that leaves the window: middle tier
+        km, vm = self._history_blocks(layer, kf, vf)  # every block that leaves the window: middle tier
+        self._aged(slice(None), [[layer]], S)  # then the blocks that age: the archive
         ka, va = torch.zeros_like(kf), torch.zeros_like(vf)
-        for b in range(na):  # then, if it ages, the archive
-            lo = s + b * blk
-            self._archive_block(slice(None), layer, b)
-            self.n_arch[layer] = b + 1
-            ka[:, :, lo : lo + blk] = self.mirror["k"][layer][:, :, b * blk : (b + 1) * blk].to(q.dtype)
-            va[:, :, lo : lo + blk] = self.mirror["v"][layer][:, :, b * blk : (b + 1) * blk].to(q.dtype)
+        a = self.n_arch[layer] * blk
+        ka[:, :, s : s + a] = self.mirror["k"][layer][:, :, :a].to(q.dtype)
+        va[:, :, s : s + a] = self.mirror["v"][layer][:, :, :a].to(q.dtype)
         hist_end = torch.tensor([s + self.blocks_at(i) * blk for i in range(S)], device=q.device)  # per query
         arch_end = torch.tensor([s + self.arch_at(i) * blk for i in range(S)], device=q.device)
         out = torch.empty_like(q)
@@ -386,8 +383,3 @@ def rvq_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: Mod
                               mirror_dtype=w.dtype if mode == "static" else torch.float32, **kw)
 
     return make
-
-
-def rvq_static_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs):
-    """The registry's `static_cache` hook: rvq_cache_factory in static mode."""
-    return rvq_cache_factory(section, tensors, args, mode="static")

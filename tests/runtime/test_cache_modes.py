@@ -1,8 +1,8 @@
 """One cache per codec family (moec/runtime/kvcache.py): the dynamic, static and simulated modes of one family
 write byte-identical packed history for the same keys/values, because every mode ages its window through the
 one TieredKVCache._age (and the RVQ archive through RVQTieredCache._aged). Checked on the stored fields
-themselves (codes, scales, outliers; the latent group codes; the RVQ middle and archive codes), not on
-attention outputs."""
+themselves (codes, scales, outliers; the latent group codes; the RVQ middle and archive codes). Also: the
+simulated mode's one forward gives every query the attention output dynamic decode gives it."""
 
 import pytest
 import torch
@@ -45,17 +45,20 @@ def _run(cache, prefill: int, seed: int = 0):
     simulated (one forward over the whole window)."""
     q, kv = _qkv(seed)
     L = ARGS.n_layers
+    cache.outputs = outs = [[] for _ in range(L)]  # dynamic / simulated: attention outputs per layer [B, H, S, d]
     with torch.no_grad():
         if cache.mode == "simulated":
             for layer in range(L):
-                cache.attend(layer, q, kv[layer][0], kv[layer][1], 0)
+                outs[layer].append(cache.attend(layer, q, kv[layer][0], kv[layer][1], 0))
         elif cache.mode == "dynamic":
             for layer in range(L):
-                cache.attend(layer, q[:, :, :prefill], kv[layer][0][:, :, :prefill], kv[layer][1][:, :, :prefill], 0)
+                outs[layer].append(cache.attend(layer, q[:, :, :prefill], kv[layer][0][:, :, :prefill],
+                                                kv[layer][1][:, :, :prefill], 0))
             for t in range(prefill, S):
                 for layer in range(L):
                     sl = slice(t, t + 1)
-                    cache.attend(layer, q[:, :, sl], kv[layer][0][:, :, sl], kv[layer][1][:, :, sl], t)
+                    outs[layer].append(cache.attend(layer, q[:, :, sl], kv[layer][0][:, :, sl], kv[layer][1][:, :, sl],
+                                                    t))
         else:
             cache.pos = torch.zeros(B, dtype=torch.long)
             for r in range(B):
@@ -68,7 +71,14 @@ def _run(cache, prefill: int, seed: int = 0):
                     sl = slice(t, t + 1)
                     cache.attend(layer, q[:, :, sl], kv[layer][0][:, :, sl], kv[layer][1][:, :, sl], 0)
                 cache.after_step(range(B))
+    cache.outputs = [torch.cat(o, dim=2) if o else None for o in outs]
     return cache
+
+
+def _same_attention(dyn, sim) -> None:
+    """Simulated mode gives every query the view dynamic decode gives it: equal outputs up to summation order."""
+    for layer, (a, b) in enumerate(zip(dyn.outputs, sim.outputs, strict=True)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (layer, (a - b).abs().max())
 
 
 def _equal(a: dict, b: dict, what: str) -> None:
@@ -102,6 +112,8 @@ def test_tiered_modes_write_identical_history(rope_pre, rotated, prefill):
     assert ref["k0.codes"].any() and ref["k1.out_val"].any()  # the history was written
     for mode in ("static", "simulated"):
         _equal(ref, _tiered_fields(caches[mode], nb), mode)
+    if prefill < 2 + 16 + 16:  # the prefill evicts nothing: simulated mode is exact
+        _same_attention(caches["dynamic"], caches["simulated"])
     # the fp16 windows hold the same tokens: dynamic [B, K, n, d]; static slots [0, n) of every row
     for kind in "kv":
         for layer in range(ARGS.n_layers):
@@ -167,3 +179,4 @@ def test_rvq_modes_write_identical_history(rope_pre):
                 c = caches[mode]
                 _equal(ref, {"mid": c.hist[kind][layer]["codes"][:, :, : 5 * 16],
                              "arch": c.arch[kind][layer][:, :, : na * 16]}, f"{mode} {kind}{layer}")
+    _same_attention(caches["dynamic"], caches["simulated"])
