@@ -21,13 +21,17 @@ the window into the history is the one function kvtiered.TieredKVCache._age, use
 tiered family.
 
 Adding a family (e.g. an MLA latent cache): one class. Subclass TieredKVCache when the family keeps the
-fp16 sinks + window and encodes blocks leaving it (override `_encode_group` to encode a block of a group of
-layers, `_aged` for work after ageing such as re-encoding into another tier, and the attention of the modes
-it supports: `_attend` for dynamic, `_step_torch` / `_step_kernel` for static, `_attend_simulated`); a family
-with another layout writes a class with `attend`, `stored_bytes`/`bits_per_element` and, for the static
-engine, `prefill_row`, `set_length`, `after_step`, `bytes_read`, `fill_random`, as FP16Cache does. Then
-register its builder as the codec's `cache_factory(section, tensors, args, mode="dynamic") -> make(model,
-batch, max_len)` hook (moec/registry.py; decode.static_cache_factory asks it for mode="static").
+fp16 sinks + window and encodes blocks leaving it: override `_make_store` (its history buffers, as
+latent._LatentStore), `_layer_groups` (layers encoded together), `_encode_group` (encode n blocks of a
+group of layers), `_aged` (work after ageing, such as the RVQ archive), and the attention of the modes it
+supports (`_attend` for dynamic, `_step_torch` / `_step_kernel` for static, `_attend_simulated`); set
+`position_order_view = False` if its queries do not all attend over one view in position order (moec/hf then
+refuses it). The windows and their ageing (`_age`) come with the base class, in every mode. A family with
+another layout writes a class with `attend`, `stored_bytes` / `bits_per_element` and, for the static engine,
+`prefill_row`, `set_length`, `after_step`, `bytes_read`, `fill_random`, as FP16Cache does. Then register its
+builder as the codec's `cache_factory(section, tensors, args, mode="dynamic") -> make(model, batch, max_len)`
+hook (moec/registry.py; decode.static_cache_factory asks it for mode="static"), and add it to
+tests/runtime/test_cache_modes.py (its modes must store byte-identical history).
 """
 
 from __future__ import annotations

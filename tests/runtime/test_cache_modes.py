@@ -180,3 +180,30 @@ def test_rvq_modes_write_identical_history(rope_pre):
                 _equal(ref, {"mid": c.hist[kind][layer]["codes"][:, :, : 5 * 16],
                              "arch": c.arch[kind][layer][:, :, : na * 16]}, f"{mode} {kind}{layer}")
     _same_attention(caches["dynamic"], caches["simulated"])
+
+
+def test_one_cache_class_per_codec_family():
+    """KV-cache classes in moec/ outside moec/hf/ (by the AST: classes whose methods, inherited ones included,
+    have `attend` and a byte count): one per codec family, the modes being modes of it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "moec"
+    classes = {}  # name -> (module, base names, method names)
+    for path in root.rglob("*.py"):
+        if "hf" in path.relative_to(root).parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+                bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+                classes[node.name] = (path.relative_to(root).as_posix(), bases, methods)
+
+    def methods(name: str) -> set[str]:
+        _, bases, own = classes[name]
+        return own.union(*(methods(b) for b in bases if b in classes))
+
+    caches = {f"{classes[n][0]}:{n}" for n in classes
+              if "attend" in methods(n) and methods(n) & {"bits_per_element", "bytes_read"}}
+    assert caches == {"runtime/kvcache.py:FP16Cache", "runtime/kvtiered.py:TieredKVCache",
+                      "runtime/latent.py:LatentKVCache", "runtime/rvq.py:RVQTieredCache"}, sorted(caches)
