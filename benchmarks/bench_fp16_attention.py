@@ -1,5 +1,5 @@
 """Decode attention over a static fp16 cache: moec/kernels/fp16_decode_attention.py (the new token's write
-fused in) against the torch split-K path it replaces (runtime/decode.py split_attention plus the two index_put
+fused in) against the torch split-K path it replaces (runtime/kvcache.py split_attention plus the two index_put
 writes) and torch SDPA (flash and default) on an exact-length fp16 cache. One step = all layers' caches
 (Mixtral-8x7B: 32 layers, 32 query / 8 KV heads; Qwen3-30B-A3B: 48 layers, 32 / 4), CUDA-graph replays,
 median of --reps; GB/s = the cache bytes read (slots <= pos, keys and values) / time; copy bandwidth from the
@@ -25,7 +25,7 @@ from benchmarks.benchutil import copy_bandwidth, graph_times, stats
 from moec.atomic import write_json
 from moec.cli.common import base_record
 from moec.kernels import fp16_decode_attention as fk
-from moec.runtime.decode import split_attention
+from moec.runtime.kvcache import split_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 

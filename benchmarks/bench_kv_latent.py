@@ -3,7 +3,7 @@
 bit widths, outlier fractions and pre- vs post-RoPE keys.
 
 Protocol (docs/benchmarks.md): PTB test, windows of W tokens (first --max-windows), positions 32..W−1
-scored, fp32 on the CPU, against the same model with an fp16 KV cache (DenseKVCache), decoded the same way.
+scored, fp32 on the CPU, against the same model with an fp16 KV cache (FP16Cache), decoded the same way.
 
 Evaluation mode `chunk` (default): after the 32-token prefill, each window is fed in chunks of
 `window` (128) tokens through the compressed cache; LatentKVCache gives every query of a chunk its own

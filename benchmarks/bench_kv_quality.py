@@ -31,7 +31,7 @@ from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
 from moec.cli.common import base_record, console, write_json_atomic
 from moec.cli.progress import install as show_progress
 from moec.progress import track
-from moec.runtime.kvsim import SimulatedTieredCache
+from moec.runtime.kvcache import FP16Cache
 from moec.runtime.kvtiered import build_codecs, tiered_cache_factory
 from moec.runtime.loader import load_model
 from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, layer_progress, make_windows
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--mode", choices=("dec", "sim"), default="dec",
                     help="dec: token by token through the cache; sim: one forward per window with the same "
-                         "keys/values per query (moec/runtime/kvsim.py), validated against dec")
+                         "keys/values per query (the caches' simulated mode), validated against dec")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     show_progress(console)  # timestamped progress lines on stderr (a bar on a terminal), as the CLI shows them
@@ -91,7 +91,10 @@ def main() -> None:
     base_model, info = load_model(model_dir)
     t0 = time.time()
     sim = a.mode == "sim"
-    base_factory = (lambda m, b, n: SimulatedTieredCache(m.args, b, n, None)) if sim else fp16_cache
+    base_factory = fp16_cache
+    if sim:
+        base_factory = lambda m, b, n: FP16Cache(m.args, b, n, device=m.tok_embeddings.weight.device,  # noqa: E731
+                                                 mode="simulated")
     # decode the baseline once and keep its logits (fp32: windows × W × vocab × 4 bytes)
     base = [(lg, tg) for lg, tg, _ in decode(base_model, windows, base_factory, a.batch, sim, "baseline")]
     print(f"baseline (fp16 cache) decoded in {time.time() - t0:.0f}s", flush=True)
@@ -118,7 +121,8 @@ def main() -> None:
             cli("pack", a.model, calib, "-o", packed)
         cal = json.loads((calib / "report.json").read_text())
         model, pinfo = load_model(packed)
-        factory = tiered_cache_factory(pinfo["kv"], build_codecs(pinfo["kv"], pinfo["kv_tensors"], model.args), sim)
+        factory = tiered_cache_factory(pinfo["kv"], build_codecs(pinfo["kv"], pinfo["kv_tensors"], model.args),
+                                       "simulated" if sim else "dynamic")
         tot, bits, cache = Totals(), [], None
         cand = decode(model, windows, factory, a.batch, sim, name)
         for (lg, tg, cache), (blg, _) in zip(cand, base, strict=True):

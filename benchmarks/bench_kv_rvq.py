@@ -5,7 +5,7 @@ length W (1024: first --windows-short windows; the model's maximum up to 8192: f
 windows, decoded as a batch) the perplexity through the checkpoint's rvq-tiered cache.
 
 Mode `sim` (every quality row): one forward per window in which each query sees exactly the keys and
-values the decode-mode cache holds at its step (moec/runtime/rvq.py SimulatedRVQCache: fp16 sinks
+values the decode-mode cache holds at its step (moec/runtime/rvq.py RVQTieredCache mode="simulated": fp16 sinks
 and window, middle-tier and archive reconstructions), attended in chunks of queries. It is validated
 against real token-by-token decode (`dec`) on a sample first: the tiered recipe with its archive
 boundary moved to 512 tokens (so all three tiers are exercised inside a 1024-token window), one
@@ -189,7 +189,7 @@ def main() -> None:
                  "kmeans_seconds": rep["kmeans_seconds"], "kmeans_device": rep["device"], "calib_rel_err_mean": errs}
         for W in sets:
             t1 = time.time()
-            factory = rvq_cache_factory(pinfo["kv"], pinfo["kv_tensors"], model.args, simulated=True)
+            factory = rvq_cache_factory(pinfo["kv"], pinfo["kv_tensors"], model.args, mode="simulated")
             r, bits, bits32 = run_windows(model, sets[W], factory, base[W], a.batch)
             record(name, W, r, bits, bits32, "sim", extra | {"seconds": round(time.time() - t1)})
         print(f"{name}: {time.time() - t0:.0f}s", flush=True)
@@ -204,7 +204,8 @@ def main() -> None:
         hs = {}
         for mode in ("dec", "sim"):
             t1 = time.time()
-            factory = rvq_cache_factory(sec, pinfo["kv_tensors"], model.args, simulated=mode == "sim")
+            factory = rvq_cache_factory(sec, pinfo["kv_tensors"], model.args,
+                                        mode="simulated" if mode == "sim" else "dynamic")
             cache = factory(model, 1, 1024)
             hs[mode] = hidden(model, win, cache) if mode == "sim" else decode_hidden(model, win, cache)
             tot = Totals()

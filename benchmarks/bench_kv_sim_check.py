@@ -1,4 +1,4 @@
-"""Check simulated decode (moec/runtime/kvsim.py) against real decode mode on a sample (docs/benchmarks.md).
+"""Check simulated decode (the tiered cache's simulated mode) against real decode mode on a sample (docs/benchmarks.md).
 
 For each packed checkpoint (as written by benchmarks/bench_kv_quality.py under --work), decode the
 first N windows of W tokens of PTB test twice: token by token through TieredKVCache (the eval's
@@ -21,7 +21,7 @@ from benchmarks.bench_kv_quality import decode
 from moec.calibrate.data import load_text
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
 from moec.cli.common import base_record, write_json_atomic
-from moec.runtime.kvsim import SimulatedTieredCache
+from moec.runtime.kvcache import FP16Cache
 from moec.runtime.kvtiered import build_codecs, tiered_cache_factory
 from moec.runtime.loader import load_model
 from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, make_windows
@@ -46,7 +46,8 @@ def main() -> None:
     base_model, _ = load_model(model_dir)
     base = {
         "dec": [lg for lg, _, _ in decode(base_model, windows, fp16_cache, a.batch, False)],
-        "sim": [lg for lg, _, _ in decode(base_model, windows, lambda m, b, n: SimulatedTieredCache(m.args, b, n, None),
+        "sim": [lg for lg, _, _ in decode(base_model, windows, lambda m, b, n: FP16Cache(
+                    m.args, b, n, device=m.tok_embeddings.weight.device, mode="simulated"),
                                           a.batch, True)]}
     records = []
     for packed in a.packed:
@@ -57,7 +58,8 @@ def main() -> None:
         for mode in ("dec", "sim"):
             t0 = time.time()
             tot, lgs, bits = Totals(), [], []
-            cand = decode(model, windows, tiered_cache_factory(kv, codecs, mode == "sim"), a.batch, mode == "sim")
+            factory = tiered_cache_factory(kv, codecs, "simulated" if mode == "sim" else "dynamic")
+            cand = decode(model, windows, factory, a.batch, mode == "sim")
             for (lg, tg, cache), blg in zip(cand, base[mode], strict=True):
                 tot.add(lg, tg, blg)
                 lgs.append(lg)
@@ -69,7 +71,7 @@ def main() -> None:
             "model": a.model, "method": f"{kv['codec']}-{kv['bits']}", "recipe": packed.name, "context": a.window,
             "batch": a.batch, "windows": f"{n} windows (0-{n - 1}) of {a.window}, scored {CONTEXT}..{a.window - 1}",
             "dtype": "fp32", "kv": {k: v for k, v in kv.items() if k != "tensors"},
-            "note": "simulated decode (moec/runtime/kvsim.py, one forward per window) vs real decode mode "
+            "note": "simulated decode (TieredKVCache mode simulated, one forward per window) vs real decode mode "
                     "(token by token through TieredKVCache, the `moec eval --mode dec` path), same checkpoint",
             "dec": res["dec"], "sim": res["sim"], "max_abs_logit_diff": diff,
             "max_abs_logit": logits["dec"].abs().max().item(),

@@ -32,8 +32,8 @@ from moec.errors import UserError
 
 def _kv_cases(a, frac: float = 0.01):
     """{name: (reference cache factory or None, static cache fn)} for model args `a`."""
-    from moec.runtime.decode import StaticFP16Cache, StaticTieredCache
-    from moec.runtime.kvtiered import tiered_cache_factory
+    from moec.runtime.kvcache import FP16Cache
+    from moec.runtime.kvtiered import TieredKVCache, tiered_cache_factory
     from moec.runtime.nuq import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec
 
     K, d = a.n_kv_heads, a.head_dim
@@ -45,11 +45,12 @@ def _kv_cases(a, frac: float = 0.01):
                                  torch.randn(K, d, generator=gen) * 0.3, torch.rand(K, d, generator=gen) + 0.1)
                 for _ in range(a.n_layers)]
     return {
-        "fp16": (None, lambda B, n: StaticFP16Cache(a, B, n, device="cuda")),
+        "fp16": (None, lambda B, n: FP16Cache(a, B, n, device="cuda", mode="static")),
         "nuq2-post": (tiered_cache_factory(sec, codecs, use_kernel=False),
-                      lambda B, n: StaticTieredCache(a, B, n, codecs, 32, 4, 16, False, device="cuda")),
+                      lambda B, n: TieredKVCache(a, B, n, codecs, 32, 4, 16, False, device="cuda", mode="static")),
         "nuq2-centered-pre": (tiered_cache_factory(sec | {"rope": "pre"}, centered, use_kernel=False),
-                              lambda B, n: StaticTieredCache(a, B, n, centered, 32, 4, 16, True, device="cuda")),
+                              lambda B, n: TieredKVCache(a, B, n, centered, 32, 4, 16, True, device="cuda",
+                                                                 mode="static")),
     }
 
 

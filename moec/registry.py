@@ -36,13 +36,12 @@ KV codec hooks (`args` is the model's runtime.config.ModelArgs, `cfg` the codec'
     section(cfg, args) -> dict   derived manifest keys beyond asdict(cfg) and the shapes (optional)
     tensor_names(section, args) -> [names]   the `kv.*` tensors the runtime needs
     layer_codecs(section, tensors, args) -> [per-layer block codec]   for tiered block codecs: the
-                       tiered caches (runtime/kvtiered.py, runtime/decode.py) and the simulated decode
-                       mode serve every such codec; FormatError on a mismatch with the model
-    cache_factory(section, tensors, args) -> make(model, batch, max_len)
-                       for codecs with their own cache (latent, rvq); tiered codecs leave it None
-    static_cache(section, tensors, args) -> make(model, batch, max_len)   the same codec in the static
-                       CUDA-graph engine (runtime/decode.py) where it needs its own class (latent, rvq);
-                       tiered codecs leave it None (decode.StaticTieredCache holds every block codec)
+                       tiered cache (runtime/kvtiered.TieredKVCache) serves every such codec in each of
+                       its modes (dynamic, static, simulated); FormatError on a mismatch with the model
+    cache_factory(section, tensors, args, mode="dynamic") -> make(model, batch, max_len)
+                       for codecs with a cache family of their own (latent, rvq): the family's one class
+                       in `mode` (runtime/kvcache.py: dynamic, static for the CUDA-graph engine,
+                       simulated); tiered codecs leave it None
     random_tensors(args, section, gen, device) -> {name: tensor}   stand-in calibration
     rope_pre(section) -> bool   keys encoded before RoPE (the tiered caches rotate around the codec)
 
@@ -109,7 +108,6 @@ class KVCodecSpec:
     tensor_names: Hook = None
     layer_codecs: Hook = None
     cache_factory: Hook = None
-    static_cache: Hook = None
     random_tensors: Hook = None
     rope_pre: Hook = None
     description: str = ""
@@ -117,7 +115,7 @@ class KVCodecSpec:
 
     # hooks that moec/runtime resolves (never pointing into moec/calibrate: tests/test_import_rules.py)
     RUNTIME_HOOKS: ClassVar[tuple[str, ...]] = ("config", "section", "tensor_names", "layer_codecs",
-                                                "cache_factory", "static_cache", "random_tensors", "rope_pre")
+                                                "cache_factory", "random_tensors", "rope_pre")
 
     def hook(self, name: str):
         return resolve(getattr(self, name))

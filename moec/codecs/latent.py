@@ -61,6 +61,5 @@ for _name in ("latent-head", "latent-layer"):
         fit="moec.calibrate.latent:fit_latent_tensors", section="moec.runtime.latent:latent_section",
         tensor_names="moec.runtime.latent:latent_tensor_names",
         cache_factory="moec.runtime.latent:latent_cache_factory",
-        static_cache="moec.runtime.latent:latent_static_factory",
         random_tensors="moec.runtime.latent:random_latent_tensors",
         description="seeds 000/001: cross-head / cross-layer PCA latents"))

@@ -66,6 +66,6 @@ register_kv(KVCodecSpec(
     "rvq-tiered", config=RVQKVConfig, bits=(1, 2, 3, 4), family="rvq",
     check="moec.calibrate.rvq:check_rvq_recipe", sampler="moec.calibrate.rvq:rvq_sampler",
     fit="moec.calibrate.rvq:fit_rvq_tensors", tensor_names="moec.runtime.rvq:rvq_tensor_names",
-    cache_factory="moec.runtime.rvq:rvq_cache_factory", static_cache="moec.runtime.rvq:rvq_static_factory",
+    cache_factory="moec.runtime.rvq:rvq_cache_factory",
     random_tensors="moec.runtime.rvq:random_rvq_tensors",
     description="seed 002: tiered residual VQ"))

@@ -4,19 +4,21 @@
 Shape legend: B = batch, H = query heads, K = KV heads, T = new tokens, S = tokens attended over, d = head dim.
 
 It plugs in as transformers' QuantizedCache does: `update(k, v, layer)` stores the new post-RoPE keys and
-values and returns what attention runs over. Here the store is moec's own dynamic tiered cache
-(runtime/kvtiered.TieredKVCache or its RVQ subclass, built by runtime/loader.kv_cache_factory from the
-manifest's `kv` section and `kv.*` tensors): fp16 sinks and window, the older blocks encoded by the codec,
-returned dequantized in position order (`TieredKVCache.read_append`, the same view `attend` takes). Keys
+values and returns what attention runs over. It re-implements nothing of the cache: it wraps the codec
+family's own cache in its dynamic mode (runtime/kvtiered.TieredKVCache or the RVQ family's subclass, built by
+runtime/loader.kv_cache_factory from the manifest's `kv` section and `kv.*` tensors): fp16 sinks and window,
+the older blocks encoded by the codec, returned dequantized in position order (`TieredKVCache.read_append`,
+the same view `attend` takes), and the history attention is the cache's `attend_history`. Keys
 encoded pre-RoPE (`rope: pre`) are un-rotated and rotated back inside moec's cache, so transformers
 always sees post-RoPE keys; head_dim rotations (nuq-outlier `rotate: hadamard`) are undone on the way out.
 
 One thing keys and values cannot carry: nuq-outlier's `score_bias` (a per-query bias on the history scores,
 runtime/kvtiered.history_bias). For it `update` tags the keys it returns, and the attention function
-`moec_attention` (registered as attn_implementation "moec", which moec.hf's loaders select) adds the bias;
-without it the bias would be dropped, so the next `update` of that layer raises. The latent codecs
-(latent-head, latent-layer) attend per query over group-encoded blocks in an order no causal mask
-expresses: `from_packed` refuses them with a message.
+`moec_attention` (registered as attn_implementation "moec", which moec.hf's loaders select) hands them to the
+cache's `attend_history`; without it the bias would be dropped, so the next `update` of that layer raises.
+A family whose queries do not all see one view in position order (`position_order_view` False: the latent
+codecs attend per query over group-encoded blocks, an order no causal mask expresses) is refused by
+`from_packed` with a message.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -34,12 +35,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..errors import UserError
 from ..formats import checkpoint
 from ..runtime.config import ModelArgs
-from ..runtime.kvcache import causal_attention
-from ..runtime.kvtiered import TieredKVCache, biased_scores, history_bias
+from ..runtime.kvtiered import TieredKVCache
 from ..runtime.loader import kv_cache_factory
 
 ATTENTION = "moec"
-_TAG = "_moec_history"  # attribute update() sets on the keys it returns: (codec, s, h)
+_TAG = "_moec_history"  # attribute update() sets on the keys it returns: (cache, layer, s, h)
 
 
 def _shim(args: ModelArgs, device) -> SimpleNamespace:
@@ -71,10 +71,9 @@ class MoecLayer(DynamicLayer):
         cache = self.owner.moec_cache(key_states)
         keys, values, (s, h) = cache.read_append(self.layer, key_states, value_states, self.seen, key_states.dtype)
         self.seen += key_states.shape[-2]
-        codec = cache.codecs[self.layer]
         self.last_tagged = None
-        if h and getattr(codec, "k_err2", None) is not None:
-            setattr(keys, _TAG, (codec, s, h))
+        if h and cache.history_biased(self.layer):
+            setattr(keys, _TAG, (cache, self.layer, s, h))
             self.last_tagged = keys
         return keys, values
 
@@ -101,7 +100,7 @@ class MoecCache(Cache):
         self.max_len = max_len or args.max_seq_len
         self.make = kv_cache_factory({"kv": section, "kv_tensors": kv_tensors}, args)  # checks the section
         probe = self.make(_shim(args, "cpu"), 1, min(self.max_len, section.get("block", 32) + 1))
-        if not isinstance(probe, TieredKVCache) or type(probe).attend is not TieredKVCache.attend:
+        if not isinstance(probe, TieredKVCache) or not probe.position_order_view:
             raise UserError(f"MoecCache: KV codec {self.codec!r} attends per query over layer-group blocks, "
                             f"which transformers' update()/attention split cannot express; use moec's runtime "
                             f"(moec generate / moec.runtime.generate) for it")
@@ -137,25 +136,20 @@ class MoecCache(Cache):
 
 def moec_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                    dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs):
-    """transformers' SDPA attention, plus the history score bias of keys a MoecCache tagged (query [B, H, T, d],
-    key/value [B, K, S, d] -> ([B, T, H, d], None)); SDPA unchanged for every other call."""
+    """transformers' SDPA attention, or, for keys a MoecCache tagged, the moec cache's own history attention
+    (`attend_history`: the history score bias added) (query [B, H, T, d], key/value [B, K, S, d] ->
+    ([B, T, H, d], None)); SDPA unchanged for every other call."""
     tag = getattr(key, _TAG, None)
     if tag is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     key._moec_used = True
-    codec, s, h = tag
+    cache, layer, s, h = tag
     d, S, T = query.shape[-1], key.shape[2], query.shape[2]
     if scaling is not None and abs(scaling - d**-0.5) > 1e-6 * d**-0.5:
         raise ValueError(f"moec_attention: the history score bias assumes scores scaled by 1/sqrt(d), got {scaling}")
-    pos = torch.arange(S, device=key.device)
-    is_hist = ((pos >= s) & (pos < s + h))[None, None, :, None]
-    q2, k2, scale = biased_scores(query, key, is_hist, history_bias(codec, query))
-    if attention_mask is None:
-        out = causal_attention(q2, k2, value, S - T, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(q2, k2, value, attn_mask=attention_mask[..., :S], scale=scale,
-                                             enable_gqa=True)
+    out = cache.attend_history(layer, query, key, value, s, h, S - T,
+                               None if attention_mask is None else attention_mask[..., :S])
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -8,8 +8,8 @@ Shape legend: B = rows (batch), H = query heads, K = KV heads, d = head_dim, W =
 
 with win_k[b, :, slot[b]] = k[b]·R and win_v[b, :, slot[b]] = v[b]·R (fp16), R None: no rotation. torch does
 this as a concatenation, a GEMM, two casts and two index_put kernels, plus a copy of q, each a few
-microseconds inside a CUDA graph, once per layer (runtime/decode.py StaticTieredCache). One program per
-(row, head of q | k | v, DC output channels) forms x·R in fp32 from x and R's [d, DC] slice, and rounds once
+microseconds inside a CUDA graph, once per layer (runtime/kvtiered.py TieredKVCache, static mode). One program
+per (row, head of q | k | v, DC output channels) forms x·R in fp32 from x and R's [d, DC] slice, and rounds once
 (torch's path rounds x·R to q's dtype before the fp16 window). `rotate_write_window_ref` is the reference.
 """
 

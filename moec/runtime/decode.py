@@ -8,27 +8,29 @@ the per-row positions [B] (device int64, so RoPE and the cache append index by t
 host round trip), the KV cache and the logits. One captured graph per batch-size bucket then
 serves every step: rows advance by updating `pos` in place, never by re-capturing.
 
-Two static caches:
-  StaticFP16Cache   [B, K, S, d] fp16 per layer; the step appends at pos[b] and attends over the
+Two static caches (the `static` mode of a cache family, moec/runtime/kvcache.py):
+  FP16Cache         [B, K, S, d] fp16 per layer; the step appends at pos[b] and attends over the
                     whole buffer with a length mask (SDPA; the G query heads of a KV head become the
                     query rows, so no GQA expansion copy is made).
-  StaticTieredCache the tiered layout of moec/runtime/kvtiered.py with static buffers: fp16 sinks +
+  TieredKVCache     (static mode) the tiered layout of moec/runtime/kvtiered.py with static buffers:
+                    fp16 sinks +
                     window (a buffer of sinks + window + block slots, kept compact) and a
                     preallocated packed history. A step appends the new token at slot
                     pos − hist_len and attends (the fused `kv_decode_attention` kernel with
                     hist_len / win_len as device int32 tensors, or, without it, SDPA over a
                     dequantized mirror with a mask). Every `block` steps, outside the graph, the
                     oldest block of the window is encoded into the history (codec.encode, the same
-                    rule and rounding as TieredKVCache) and the window shifts down. The tier rule
-                    and the history are kvtiered.TierPolicy / HistoryStore, shared with the dynamic
-                    cache, so every registered block codec runs here; the latent and RVQ caches
-                    extend it (latent.StaticLatentCache: layer groups encoded together;
-                    rvq.StaticRVQCache: blocks re-encoded into the archive tier), attending over
-                    their mirror. `static_cache_factory` builds the cache of any registered codec.
+                    rule and rounding as the dynamic mode) and the window shifts down. The tier rule
+                    and the history are kvtiered.TierPolicy / HistoryStore, and the ageing is
+                    TieredKVCache._age, shared with the dynamic and simulated modes, so every
+                    registered block codec runs here; the latent and RVQ families run their static
+                    mode the same way (latent: layer groups encoded together; RVQ: blocks re-encoded
+                    into the archive tier), attending over their mirror. `static_cache_factory`
+                    builds the cache of any registered codec.
 
 Prefill takes the plain causal forward (SDPA/flash), reads each layer's post-RoPE K/V through the
 model's observer hook and writes them into the static cache, encoding the blocks older than the
-window as TieredKVCache does. The engine runs on the CPU too (no graphs): the test suite checks
+window as the dynamic mode does. The engine runs on the CPU too (no graphs): the test suite checks
 its ppl_dec against moec/runtime/perplexity.py's reference path.
 """
 
@@ -40,10 +42,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..registry import weight_codec
 from .backend import kernels_enabled
 from .config import ModelArgs
 from .experts import QLinear
-from .kvtiered import HistoryStore, LayerRotations, TierPolicy, biased_scores, history_bias, kernel_path, rope_table
+from .kvcache import FP16Cache
 from .model import MoE, Transformer, rope_cos_sin, route
 
 log = logging.getLogger(__name__)
@@ -57,325 +60,6 @@ def bucket_for(b: int, capacity: int) -> int:
 
 
 # -- caches ------------------------------------------------------------------------------------------
-
-SPLIT = 128  # tokens per chunk of the split-K decode attention over the fp16 cache
-
-
-def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Decode attention over a static cache, split along the cache (flash-decoding in plain torch):
-    q [b, K, G, d]; k, v [b, K, S, d] (S a multiple of SPLIT); keys at slots <= pos[b] -> [b, K, G, d].
-
-    SDPA on one query token with a length mask runs one program per (row, KV head), far too few to
-    stream a long cache at bandwidth; here the cache is viewed as n = S / SPLIT chunks, scores and
-    p·V are batched matmuls over (row, head, chunk), and the softmax runs over the whole row."""
-    b, K, S, d = k.shape
-    n = S // SPLIT
-    kc = k.view(b, K, n, SPLIT, d)
-    vc = v.view(b, K, n, SPLIT, d)
-    s = torch.matmul(q[:, :, None], kc.transpose(-1, -2)).float() * d**-0.5  # [b, K, n, G, SPLIT]
-    slots = torch.arange(S, device=k.device).view(1, 1, n, 1, SPLIT)
-    s = s.masked_fill(slots > pos.view(b, 1, 1, 1, 1), float("-inf"))
-    m = s.amax(dim=(2, 4), keepdim=True)
-    p = torch.exp(s - m)
-    den = p.sum(dim=(2, 4))  # [b, K, G]
-    out = torch.matmul(p.to(v.dtype), vc).float().sum(2)  # [b, K, G, d]
-    return out / den[..., None]
-
-class StaticFP16Cache:
-    """Keys/values [B, K, S, d] per layer (fp16), appended at device positions."""
-
-    codec = "fp16"
-
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, device="cpu", dtype=torch.float16):
-        self.args, self.batch, self.max_len, self.device = args, batch, max_len, torch.device(device)
-        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.slots = torch.arange(max_len, device=device)
-        self.rows = torch.arange(batch, device=device)
-        self.pos: torch.Tensor | None = None  # [B] int64, the engine's position buffer
-        self.length = [0] * batch  # host mirror of tokens held per row
-
-    @staticmethod
-    def bytes_per_token(args: ModelArgs) -> int:
-        return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
-
-    def attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
-        """Decode step: q [b, H, 1, d]; k, v [b, K, 1, d] at positions pos[:b] -> [b, H, 1, d]."""
-        b, H, _, d = q.shape
-        K = k.shape[1]
-        pos = self.pos[:b]
-        kc, vc = self.k[layer], self.v[layer]
-        if kernels_enabled(q.device) and d & (d - 1) == 0 and d >= 16:
-            # one kernel: the new token's write and flash-decoding over slots <= pos
-            from ..kernels.fp16_decode_attention import fp16_decode_attention
-
-            return fp16_decode_attention(q[:, :, 0], kc, vc, k[:, :, 0], v[:, :, 0], pos).view(b, H, 1, d)
-        kc[self.rows[:b], :, pos] = k[:, :, 0].to(kc.dtype)
-        vc[self.rows[:b], :, pos] = v[:, :, 0].to(vc.dtype)
-        if q.is_cuda and self.max_len % SPLIT == 0:
-            out = split_attention(q.view(b, K, H // K, d).to(kc.dtype), kc[:b], vc[:b], pos)
-            return out.reshape(b, H, 1, d).to(q.dtype)
-        mask = (self.slots[None, :] <= pos[:, None])[:, None, None, :]  # [b, 1, 1, S]
-        # the query's dtype on the CPU (the fp32 reference)
-        dt = kc.dtype if q.is_cuda else q.dtype
-        out = F.scaled_dot_product_attention(q.view(b, K, H // K, d).to(dt), kc[:b].to(dt), vc[:b].to(dt),
-                                             attn_mask=mask)  # [b, K, G, d]
-        return out.reshape(b, H, 1, d).to(q.dtype)
-
-    def prefill_row(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [K, T, d] of positions 0..T-1 (post-RoPE)."""
-        T = k.shape[1]
-        self.k[layer][row, :, :T] = k
-        self.v[layer][row, :, :T] = v
-
-    def after_step(self, rows: range) -> None:
-        for r in rows:
-            self.length[r] += 1
-
-    def set_length(self, row: int, n: int) -> None:
-        self.length[row] = n
-
-    def bytes_read(self, rows: range) -> int:
-        """KV bytes a decode step reads for `rows` (the tokens held, as stored)."""
-        return sum(self.length[r] + 1 for r in rows) * self.bytes_per_token(self.args)
-
-    def fill_random(self, row: int, n: int, gen: torch.Generator | None = None) -> None:
-        """Stand-in history of n tokens (latency runs; values are irrelevant to the timing)."""
-        for t in (*self.k, *self.v):
-            t[row, :, :n].normal_(0, 1, generator=gen)
-        self.length[row] = n
-
-
-class StaticTieredCache:
-    """sinks + packed history + fp16 window, static buffers (see the module docstring)."""
-
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list, window: int = 128,
-                 sinks: int = 4, block: int = 32, rope_pre: bool = False, device="cpu",
-                 use_kernel: bool | None = None, mirror_dtype=torch.float32):
-        assert len(codecs) == args.n_layers, (len(codecs), args.n_layers)
-        self.args, self.batch, self.max_len, self.device = args, batch, max_len, torch.device(device)
-        self.codecs, self.window, self.sinks, self.block, self.rope_pre = codecs, window, sinks, block, rope_pre
-        self.codec, self.bits = codecs[0].name, codecs[0].bits
-        self.policy = TierPolicy(sinks, window, block)
-        B, K, d = batch, args.n_kv_heads, args.head_dim
-        self.wcap = self.policy.window_slots()
-        self.max_blocks = self.policy.capacity(max_len)
-        self.win = {kind: [torch.zeros(B, K, self.wcap, d, dtype=torch.float16, device=device)
-                           for _ in range(args.n_layers)] for kind in "kv"}
-        self.hist_len = torch.zeros(B, dtype=torch.int32, device=device)  # tokens in the history per row
-        self.n_blocks = [0] * B
-        self.length = [0] * B
-        self.rows = torch.arange(B, device=device)
-        self.pos: torch.Tensor | None = None
-        self.use_kernel = kernel_path(device, self.codec, d, block) if use_kernel is None else use_kernel
-        # the history (and, on the torch path, its dequantized mirror): kvtiered.HistoryStore, or a subclass's
-        self.store = self._make_store(None if self.use_kernel else mirror_dtype)
-        self.hist, self.mirror = self.store.hist, self.store.mirror
-        self.rot = LayerRotations.of(codecs, self.device)  # head_dim rotations (nuq-outlier rotate: hadamard)
-        self.groups = self._layer_groups()  # layers encoded together (one each for block codecs)
-        self.group_of = {i: g for g, layers in enumerate(self.groups) for i in layers}
-        self._pending: dict[tuple[int, int], dict] = {}  # (row, layer) -> prompt blocks awaiting their group
-        if self.use_kernel:
-            dev = self.device
-            # the codecs' device tensors (codec.kernel_view, made once per codec), taken here, outside any capture
-            self.views = [c.kernel_view(dev) for c in codecs]
-            self.rope = rope_table(args, sinks, dev) if rope_pre else None  # history token t at sinks + t
-            if not codecs[0].n_out:  # the kernel takes (empty) outlier tensors all the same
-                z = torch.zeros(B, K, self.max_blocks, 0, device=dev)
-                self.no_out = (z.to(torch.int16), z.half())
-        else:
-            self.wslots = torch.arange(self.wcap, device=device)
-            self.hslots = torch.arange(self.max_blocks * block, device=device)
-
-    def _make_store(self, mirror_dtype) -> HistoryStore:
-        return HistoryStore(self.args, self.codecs, self.policy, self.max_blocks, self.batch, self.rope_pre,
-                            self.device, mirror_dtype=mirror_dtype)
-
-    def _layer_groups(self) -> list[list[int]]:
-        return [[i] for i in range(self.args.n_layers)]
-
-    # -- the step (graph-safe: no host reads of device values) -----------------------------------------
-
-    def attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
-        if self.use_kernel:
-            return self._attend_kernel(layer, q, k, v)
-        if self.rot is not None:
-            return self.rot.attend(self._attend, layer, q, k, v, start_pos)
-        return self._attend(layer, q, k, v, start_pos)
-
-    def begin_step(self, b: int) -> None:
-        """The engine opens a step of rows [0, b): the window slot and length of the new token are the same in
-        every layer, so they are computed once here, not per layer (3 tiny integer kernels per layer were
-        ~0.2 ms of a 4.4 ms Qwen3 step). end_step drops them, so no later step reads stale positions."""
-        slot = self.pos[:b] - self.hist_len[:b]
-        self._step_slots = (b, slot, (slot + 1).to(torch.int32))
-
-    def end_step(self) -> None:
-        self._step_slots = None
-
-    def _slots(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot [b] int64, win_len [b] int32) of the new token: the step's, or computed here outside one."""
-        cached = getattr(self, "_step_slots", None)
-        if cached is not None and cached[0] == b:
-            return cached[1], cached[2]
-        slot = self.pos[:b] - self.hist_len[:b]  # [b] window slot of the new token
-        return slot, (slot + 1).to(torch.int32)
-
-    def _attend_kernel(self, layer: int, q, k, v) -> torch.Tensor:
-        """The fused path: one kernel rotates q, k, v and writes the window (kernels/kv_window_write.py), the
-        decode-attention kernel reads the packed history and the window, and the output is rotated back."""
-        from ..kernels.kv_decode_attention import kv_decode_attention
-        from ..kernels.kv_window_write import rotate_write_window
-
-        b = q.shape[0]
-        slot, win_len = self._slots(b)
-        wk, wv = self.win["k"][layer], self.win["v"][layer]
-        R = self.rot.get(layer, torch.float32) if self.rot is not None else None
-        qr = rotate_write_window(q[:, :, 0], k[:, :, 0].to(q.dtype), v[:, :, 0].to(q.dtype), R, wk, wv, slot)
-        hk, hv = self.hist["k"][layer], self.hist["v"][layer]
-        if self.codecs[layer].n_out:
-            koi, kov, voi, vov = hk["out_idx"][:b], hk["out_val"][:b], hv["out_idx"][:b], hv["out_val"][:b]
-        else:
-            koi = voi = self.no_out[0][:b]
-            kov = vov = self.no_out[1][:b]
-        view = self.views[layer]
-        out = kv_decode_attention(qr, hk["codes"][:b], hv["codes"][:b], view.k_scale,
-                                  hv["scale"][:b], view.k_levels, view.v_levels, koi, kov, voi, vov,
-                                  self.hist_len[:b], wk[:b], wv[:b], win_len,
-                                  self.codecs[layer].bits, self.block, rope=self.rope,
-                                  k_center=view.k_center, k_err2=view.k_err2, out_rotation=R,
-                                  out_dtype=q.dtype)  # [b, H, d], rotated back
-        return out[:, :, None]
-
-    def _attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
-        b, H, _, d = q.shape
-        K = k.shape[1]
-        rows = self.rows[:b]
-        slot = self.pos[:b] - self.hist_len[:b]  # [b] window slot of the new token
-        wk, wv = self.win["k"][layer], self.win["v"][layer]
-        wk[rows, :, slot] = k[:, :, 0].half()
-        wv[rows, :, slot] = v[:, :, 0].half()
-        win_len = slot + 1
-        hk, hv = self.mirror["k"][layer][:b], self.mirror["v"][layer][:b]
-        keys = torch.cat([wk[:b].to(q.dtype), hk.to(q.dtype)], dim=2)  # [b, K, wcap + S, d]
-        vals = torch.cat([wv[:b].to(q.dtype), hv.to(q.dtype)], dim=2)
-        mask = torch.cat([self.wslots[None, :] < win_len[:, None],
-                          self.hslots[None, :] < self.hist_len[:b, None]], dim=1)[:, None, None, :]
-        bias = history_bias(self.codecs[layer], q)
-        if bias is not None:  # [b, H, 1, 1] -> per KV head's query group, as q is viewed below
-            is_hist = (torch.arange(keys.shape[2], device=q.device) >= self.wcap)[None, None, :, None]
-            q2, keys, scale = biased_scores(q, keys, is_hist, bias)
-            out = F.scaled_dot_product_attention(q2.view(b, K, H // K, d + 1), keys, vals, attn_mask=mask,
-                                                 scale=scale)
-            return out.reshape(b, H, 1, d)
-        out = F.scaled_dot_product_attention(q.view(b, K, H // K, d), keys, vals, attn_mask=mask)
-        return out.reshape(b, H, 1, d)
-
-    # -- host-side bookkeeping between steps ------------------------------------------------------------
-
-    def _encode_group(self, row: int, layers: list[int], xs: dict, nb0: int) -> None:
-        """Encode xs[layer][kind] [n, K, block, d] (n consecutive blocks of `row`) as history blocks nb0.. of
-        one layer group (a block codec: one layer; latent-layer: the layers sharing a basis)."""
-        for layer in layers:
-            for kind in "kv":
-                self.store.put(layer, kind, xs[layer][kind], nb0, row=row)
-
-    def _after_encode(self, row: int) -> None:
-        """Host-side work after blocks were encoded for `row` (the RVQ cache archives old blocks here)."""
-
-    def _age(self, row: int) -> None:
-        """Move whole blocks of the row's oldest non-sink window tokens into the history (TierPolicy)."""
-        s, blk = self.sinks, self.block
-        while self.n_blocks[row] < self.policy.blocks_at(self.length[row]):
-            nb = self.n_blocks[row]
-            assert nb < self.max_blocks, (nb, self.max_blocks)
-            held = self.length[row] - nb * blk  # window slots in use
-            for layers in self.groups:
-                self._encode_group(row, layers, {i: {kind: self.win[kind][i][row : row + 1, :, s : s + blk]
-                                                     for kind in "kv"} for i in layers}, nb)
-                for i in layers:
-                    for kind in "kv":
-                        w = self.win[kind][i]
-                        w[row, :, s : held - blk] = w[row, :, s + blk : held].clone()
-            self.n_blocks[row] = nb + 1
-            self.hist_len[row] = (nb + 1) * blk
-        self._after_encode(row)
-
-    def after_step(self, rows: range) -> None:
-        for r in rows:
-            self.length[r] += 1
-            self._age(r)
-
-    def prefill_row(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [K, T, d] (post-RoPE) of positions 0..T-1 into an empty row; encodes older blocks."""
-        assert self.n_blocks[row] == 0 and self.length[row] == 0, "prefill_row needs an empty row"
-        if self.rot is not None:
-            k, v = self.rot.rotate(layer, k), self.rot.rotate(layer, v)
-        T = k.shape[1]
-        s, blk = min(self.sinks, T), self.block
-        nb = self.policy.blocks_at(T)
-        hist = {}
-        for kind, x in (("k", k.half()), ("v", v.half())):
-            w = self.win[kind][layer]
-            w[row, :, :s] = x[:, :s]
-            if nb:
-                hist[kind] = x[:, s : s + nb * blk].reshape(x.shape[0], nb, blk, -1).transpose(0, 1)  # [nb, K, blk, d]
-            rest = x[:, s + nb * blk :]
-            w[row, :, s : s + rest.shape[1]] = rest
-        if nb:  # a group is encoded once its last layer's prompt K/V are in
-            self._pending[row, layer] = hist
-            layers = self.groups[self.group_of[layer]]
-            if layer == layers[-1]:
-                self._encode_group(row, layers, {i: self._pending.pop((row, i)) for i in layers}, 0)
-
-    def set_length(self, row: int, n: int) -> None:
-        """After prefill_row of every layer: n tokens held."""
-        nb = self.policy.blocks_at(n)
-        self.length[row], self.n_blocks[row] = n, nb
-        self.hist_len[row] = nb * self.block
-        self._after_encode(row)
-
-    # -- bytes --------------------------------------------------------------------------------------------
-
-    def _static_bytes(self) -> int:
-        return self.store.static_bytes()
-
-    def _row_block_bytes(self) -> int:
-        """Bytes of one history block of one row over all layers, K and V (from the buffers)."""
-        return self.store.row_block_bytes()
-
-    def _history_bytes(self, row: int) -> int:
-        """Bytes of the row's filled history blocks, as stored."""
-        return self.n_blocks[row] * self._row_block_bytes()
-
-    def bytes_read(self, rows: range) -> int:
-        """KV bytes a decode step reads: filled history blocks + window tokens (fp16) + static tensors."""
-        tok = StaticFP16Cache.bytes_per_token(self.args)
-        n = sum(self._history_bytes(r) + (self.length[r] + 1 - self.n_blocks[r] * self.block) * tok
-                for r in rows)  # the step reads the held tokens plus the one it appends
-        return n + self._static_bytes()
-
-    def fill_random(self, row: int, n: int, gen: torch.Generator | None = None) -> None:
-        """Stand-in state after n tokens: random codes, scales and outliers (latency runs only)."""
-        nb = self.policy.blocks_at(n)
-        assert nb <= self.max_blocks, (nb, self.max_blocks)
-        for kind in "kv":
-            for layer in range(self.args.n_layers):
-                self.win[kind][layer][row].normal_(0, 1, generator=gen)
-                if self.mirror is not None:
-                    self.mirror[kind][layer][row].normal_(0, 1, generator=gen)
-        for t in self.store.buffers():
-            r = t[row]
-            if t.dtype == torch.uint8:
-                r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, device=r.device, generator=gen))
-            elif not t.dtype.is_floating_point:  # outlier positions inside a block
-                r.copy_(torch.randint(0, self.block * self.args.head_dim, r.shape, device=r.device,
-                                      generator=gen).to(t.dtype))
-            else:
-                r.uniform_(0.05, 0.5, generator=gen)
-        self.set_length(row, n)
-
 
 # -- the engine -----------------------------------------------------------------------------------------
 
@@ -487,7 +171,7 @@ class _QuantQKV(torch.nn.Module):
             return None
         if any(q.rotated for q in qs):  # incoherence: each QLinear rotates its input itself (separate launches)
             return None
-        if any(q.codec == "vq" for q in qs):  # one codebook and row scales per matrix: no concatenated layout
+        if not all(weight_codec(q.codec).rows_concat for q in qs):  # e.g. vq: a codebook per matrix
             return None
         names = [n for n in cls.PARTS if all(isinstance(getattr(q, n, None), torch.Tensor) for q in qs)]
         if any(len({getattr(q, n).shape[2:] for q in qs}) != 1 for n in names):  # groups differ
@@ -712,21 +396,20 @@ def make_cache(model: Transformer, batch: int, max_len: int, kv: dict | None = N
     for codecs with a cache of their own (static_cache_factory builds those)."""
     dev = model.tok_embeddings.weight.device
     if not kv:
-        return StaticFP16Cache(model.args, batch, max_len, device=dev)
-    from .kvtiered import rope_pre
+        return FP16Cache(model.args, batch, max_len, device=dev, mode="static")
+    from .kvtiered import tiered_cache_factory
     from .loader import kv_codec_spec
 
     if not kv_codec_spec(kv).tiered:
         raise ValueError(f"static engine has no {kv['codec']!r} cache")
-    return StaticTieredCache(model.args, batch, max_len, codecs, window=kv["window"], sinks=kv["sinks"],
-                             block=kv["block"], rope_pre=rope_pre(kv), device=dev, use_kernel=use_kernel,
-                             mirror_dtype=model.tok_embeddings.weight.dtype)
+    return tiered_cache_factory(kv, codecs, mode="static", use_kernel=use_kernel)(model, batch, max_len)
 
 
 def static_cache_factory(kv: dict | None, tensors: dict[str, torch.Tensor], args: ModelArgs):
-    """(model, batch, max_len) -> the static cache for a checkpoint's KV section (None: fp16), from the codec's
-    registered spec: StaticTieredCache for block codecs, the codec's `static_cache` hook otherwise. Checks
-    the calibration against the model once, here (FormatError)."""
+    """(model, batch, max_len) -> the static cache for a checkpoint's KV section (None: fp16): the codec
+    family's cache in static mode (moec/runtime/kvcache.py), by the codec's registered spec: TieredKVCache
+    for block codecs, the codec's `cache_factory` hook otherwise. Checks the calibration against the model
+    once, here (FormatError)."""
     if not kv:
         return lambda model, batch, max_len: make_cache(model, batch, max_len)
     from .loader import kv_codec_spec
@@ -737,9 +420,9 @@ def static_cache_factory(kv: dict | None, tensors: dict[str, torch.Tensor], args
 
         codecs = build_codecs(kv, tensors, args)
         return lambda model, batch, max_len: make_cache(model, batch, max_len, kv, codecs)
-    if spec.static_cache is None:
+    if spec.cache_factory is None:
         raise ValueError(f"static engine has no {kv['codec']!r} cache")
-    return spec.hook("static_cache")(kv, tensors, args)
+    return spec.hook("cache_factory")(kv, tensors, args, mode="static")
 
 
 @torch.no_grad()

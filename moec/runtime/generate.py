@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from .decode import DecodeEngine, make_cache
+from .kvcache import FP16Cache
 from .model import Transformer
 
 
@@ -53,11 +54,11 @@ def generate(model: Transformer, prompt: list[int] | torch.Tensor, max_new_token
         return out
     static = engine if engine is not None else cache_factory is None
     if static:
-        max_len = -(-max_len // 128) * 128  # whole chunks for the GPU's split attention (decode.SPLIT)
+        max_len = -(-max_len // 128) * 128  # whole chunks for the GPU's split attention (kvcache.SPLIT)
         max_len = min(max_len, model.args.max_seq_len)
         cache = static_cache(model, 1, max_len) if static_cache else make_cache(model, 1, max_len, kv, codecs)
         if not kv and static_cache is None:
-            cache = type(cache)(model.args, 1, max_len, device=cache.device, dtype=kv_dtype)
+            cache = FP16Cache(model.args, 1, max_len, device=cache.device, dtype=kv_dtype, mode="static")
         eng = DecodeEngine(model, cache, graphs=graphs)
         logits = eng.prefill(0, ids)
         while not emit(t := pick(logits, temperature, gen)):

@@ -1,9 +1,37 @@
 """KV caches. The model calls `cache.attend(layer, q, k, v, start_pos)`; the cache stores the new
-keys/values in its own format and returns the attention output, so a compressed cache can attend
-straight from its packed history (later issues) without the model knowing the format.
+keys/values in its own format and returns the attention output, so a compressed cache attends straight
+from its packed history without the model knowing the format.
 
-This module holds the uncompressed cache (fp16 by default: the baseline every codec is compared
-against), preallocated for `max_len` tokens like a static cache.
+One class per codec family, each with three modes of the same object (`mode=`):
+    dynamic    host-side lengths, every row at the same length: `Transformer.forward` step by step
+               (eval --mode dec, generate through loader.kv_cache_factory, the transformers Cache)
+    static     device-side positions (`cache.pos`, set by runtime/decode.DecodeEngine), one token per
+               row per step, graph-safe (no host reads of device values, nothing allocated in the step):
+               the CUDA-graph decode engine; rows are filled by `prefill_row` and advance by `after_step`
+    simulated  one teacher-forced forward per window (start_pos 0) that gives each query the keys/values
+               the dynamic mode would hold at its step (benchmarks/bench_kv_quality.py)
+The families:
+    FP16Cache           (here) the uncompressed cache, the baseline every codec is compared against
+    TieredKVCache       (kvtiered.py) fp16 sinks + window, block-encoded history: every registered block
+                        codec (nuq-outlier, kivi, any `layer_codecs` hook of moec/registry.py)
+    LatentKVCache       (latent.py) the tiered layout with layer groups encoded into PCA latents
+    RVQTieredCache      (rvq.py) the tiered layout with a middle and an archive residual-VQ tier
+The tier rule (which tokens are sinks, history blocks or window) is kvtiered.TierPolicy and the ageing of
+the window into the history is the one function kvtiered.TieredKVCache._age, used by every mode of every
+tiered family.
+
+Adding a family (e.g. an MLA latent cache): one class. Subclass TieredKVCache when the family keeps the
+fp16 sinks + window and encodes blocks leaving it: override `_make_store` (its history buffers, as
+latent._LatentStore), `_layer_groups` (layers encoded together), `_encode_group` (encode n blocks of a
+group of layers), `_aged` (work after ageing, such as the RVQ archive), and the attention of the modes it
+supports (`_attend` for dynamic, `_step_torch` / `_step_kernel` for static, `_attend_simulated`); set
+`position_order_view = False` if its queries do not all attend over one view in position order (moec/hf then
+refuses it). The windows and their ageing (`_age`) come with the base class, in every mode. A family with
+another layout writes a class with `attend`, `stored_bytes` / `bits_per_element` and, for the static engine,
+`prefill_row`, `set_length`, `after_step`, `bytes_read`, `fill_random`, as FP16Cache does. Then register its
+builder as the codec's `cache_factory(section, tensors, args, mode="dynamic") -> make(model, batch, max_len)`
+hook (moec/registry.py; decode.static_cache_factory asks it for mode="static"), and add it to
+tests/runtime/test_cache_modes.py (its modes must store byte-identical history).
 """
 
 from __future__ import annotations
@@ -11,7 +39,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .backend import kernels_enabled
 from .config import ModelArgs
+
+MODES = ("dynamic", "static", "simulated")
+SPLIT = 128  # tokens per chunk of the split-K decode attention over the static fp16 cache
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
@@ -25,18 +57,57 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_po
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
-class DenseKVCache:
-    """Keys/values as stored tensors [B, K, max_len, d] per layer, in `dtype` (fp16 unless told)."""
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Decode attention over a static cache, split along the cache (flash-decoding in plain torch):
+    q [b, K, G, d]; k, v [b, K, S, d] (S a multiple of SPLIT); keys at slots <= pos[b] -> [b, K, G, d].
+
+    SDPA on one query token with a length mask runs one program per (row, KV head), far too few to
+    stream a long cache at bandwidth; here the cache is viewed as n = S / SPLIT chunks, scores and
+    p·V are batched matmuls over (row, head, chunk), and the softmax runs over the whole row."""
+    b, K, S, d = k.shape
+    n = S // SPLIT
+    kc = k.view(b, K, n, SPLIT, d)
+    vc = v.view(b, K, n, SPLIT, d)
+    s = torch.matmul(q[:, :, None], kc.transpose(-1, -2)).float() * d**-0.5  # [b, K, n, G, SPLIT]
+    slots = torch.arange(S, device=k.device).view(1, 1, n, 1, SPLIT)
+    s = s.masked_fill(slots > pos.view(b, 1, 1, 1, 1), float("-inf"))
+    m = s.amax(dim=(2, 4), keepdim=True)
+    p = torch.exp(s - m)
+    den = p.sum(dim=(2, 4))  # [b, K, G]
+    out = torch.matmul(p.to(v.dtype), vc).float().sum(2)  # [b, K, G, d]
+    return out / den[..., None]
+
+
+class FP16Cache:
+    """Keys/values as stored tensors [B, K, max_len, d] per layer, in `dtype` (fp16 unless told), in any mode
+    (module docstring). `length`: tokens held, an int (dynamic, simulated) or a host list per row (static)."""
 
     codec = "fp16"
 
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float16, device="cpu"):
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float16, device="cpu",
+                 mode: str = "dynamic"):
+        assert mode in MODES, mode
+        self.args, self.batch, self.max_len, self.device, self.mode = args, batch, max_len, torch.device(device), mode
         shape = (batch, args.n_kv_heads, max_len, args.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.args, self.max_len, self.length = args, max_len, 0
+        if mode == "static":
+            self.slots = torch.arange(max_len, device=device)
+            self.rows = torch.arange(batch, device=device)
+            self.pos: torch.Tensor | None = None  # [B] int64, the engine's position buffer
+            self.length: int | list[int] = [0] * batch  # host mirror of tokens held per row
+        else:
+            self.length = 0
 
-    def attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
+    @staticmethod
+    def bytes_per_token(args: ModelArgs) -> int:
+        return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
+
+    def attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
+        if self.mode == "static":
+            return self._step(layer, q, k, v)
+        if self.mode == "simulated":
+            assert start_pos == 0, "simulated decode runs one forward per window"
         end = start_pos + k.shape[2]
         assert end <= self.max_len, (end, self.max_len)
         self.k[layer][:, :, start_pos:end] = k
@@ -47,6 +118,56 @@ class DenseKVCache:
         values = self.v[layer][:, :, :end].to(q.dtype)
         return causal_attention(q, keys, values, start_pos)
 
+    # -- static mode: the step (graph-safe) and the engine's bookkeeping ---------------------------------
+
+    def _step(self, layer: int, q, k, v) -> torch.Tensor:
+        """Decode step: q [b, H, 1, d]; k, v [b, K, 1, d] at positions pos[:b] -> [b, H, 1, d]."""
+        b, H, _, d = q.shape
+        K = k.shape[1]
+        pos = self.pos[:b]
+        kc, vc = self.k[layer], self.v[layer]
+        if kernels_enabled(q.device) and d & (d - 1) == 0 and d >= 16:
+            # one kernel: the new token's write and flash-decoding over slots <= pos
+            from ..kernels.fp16_decode_attention import fp16_decode_attention
+
+            return fp16_decode_attention(q[:, :, 0], kc, vc, k[:, :, 0], v[:, :, 0], pos).view(b, H, 1, d)
+        kc[self.rows[:b], :, pos] = k[:, :, 0].to(kc.dtype)
+        vc[self.rows[:b], :, pos] = v[:, :, 0].to(vc.dtype)
+        if q.is_cuda and self.max_len % SPLIT == 0:
+            out = split_attention(q.view(b, K, H // K, d).to(kc.dtype), kc[:b], vc[:b], pos)
+            return out.reshape(b, H, 1, d).to(q.dtype)
+        mask = (self.slots[None, :] <= pos[:, None])[:, None, None, :]  # [b, 1, 1, S]
+        # the query's dtype on the CPU (the fp32 reference)
+        dt = kc.dtype if q.is_cuda else q.dtype
+        out = F.scaled_dot_product_attention(q.view(b, K, H // K, d).to(dt), kc[:b].to(dt), vc[:b].to(dt),
+                                             attn_mask=mask)  # [b, K, G, d]
+        return out.reshape(b, H, 1, d).to(q.dtype)
+
+    def prefill_row(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [K, T, d] of positions 0..T-1 (post-RoPE)."""
+        T = k.shape[1]
+        self.k[layer][row, :, :T] = k
+        self.v[layer][row, :, :T] = v
+
+    def after_step(self, rows: range) -> None:
+        for r in rows:
+            self.length[r] += 1
+
+    def set_length(self, row: int, n: int) -> None:
+        self.length[row] = n
+
+    def bytes_read(self, rows: range) -> int:
+        """KV bytes a decode step reads for `rows` (the tokens held, as stored)."""
+        return sum(self.length[r] + 1 for r in rows) * self.bytes_per_token(self.args)
+
+    def fill_random(self, row: int, n: int, gen: torch.Generator | None = None) -> None:
+        """Stand-in history of n tokens (latency runs; values are irrelevant to the timing)."""
+        for t in (*self.k, *self.v):
+            t[row, :, :n].normal_(0, 1, generator=gen)
+        self.length[row] = n
+
+    # -- bytes (dynamic, simulated) -------------------------------------------------------------------------
+
     def stored_bytes(self) -> int:
         """Bytes the cache holds for the tokens written so far (all layers, K and V, whole batch)."""
         per_token = 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim
@@ -55,3 +176,6 @@ class DenseKVCache:
     def bits_per_element(self) -> float:
         elems = self.length * self.k[0].shape[0] * 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim
         return 8.0 * self.stored_bytes() / max(elems, 1)
+
+    def bits_at(self, tokens: int) -> float:
+        return 8.0 * self.k[0].element_size()

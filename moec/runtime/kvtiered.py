@@ -23,13 +23,16 @@ blocks leaving the window are encoded by moec/kernels/kv_quantize_pack.py (the c
 Stored bytes are summed from the tensors held: window and sinks (fp16), every history field sliced
 to the blocks filled, and each codec's per-layer static tensors (scales, levels).
 
-One tier rule and one history store serve every tiered cache: `TierPolicy` (which tokens are sinks,
-history blocks or window after n tokens; capacity; fp16 slots) and `HistoryStore` (field buffers,
-encode dispatch, pre-RoPE rotation, the torch path's mirror, byte counts) are used by TieredKVCache
-here (host-side lengths, the dynamic cache of eval/generate), by decode.StaticTieredCache (device-side
-positions, the CUDA-graph engine), by the simulated decode mode (kvsim.py) and by the latent and RVQ
-caches built on TieredKVCache. Any registered block codec (moec/registry.py `layer_codecs`) runs in
-all of them.
+One class, every mode (moec/runtime/kvcache.py lists the families and modes): TieredKVCache runs dynamic
+(host-side lengths: eval, generate, the transformers Cache), static (device-side positions: the CUDA-graph
+engine of runtime/decode.py) and simulated (one teacher-forced forward per window, exact when the prefill
+evicts nothing: benchmarks/bench_kv_sim_check.py checks it against decode mode). Every mode uses one tier
+rule, `TierPolicy` (which tokens are sinks, history blocks or window after n tokens; capacity; fp16 slots),
+one history store, `HistoryStore` (field buffers, encode dispatch, pre-RoPE rotation, the torch path's
+mirror, byte counts), and one ageing function, `TieredKVCache._age` (window blocks into the history, then
+the family's `_aged`, e.g. the RVQ archive). The latent (latent.py) and RVQ (rvq.py) families subclass it.
+Any registered block codec (moec/registry.py `layer_codecs`) runs in every mode; a codec declaring
+`fused_decode_attention` (nuq-outlier) takes the fused kernels where they run.
 """
 
 from __future__ import annotations
@@ -38,10 +41,11 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from .backend import kernels_enabled
 from .config import ModelArgs
-from .kvcache import causal_attention
+from .kvcache import MODES, FP16Cache, causal_attention
 from .model import apply_rope, rope_cos_sin, rope_inv_freq
 from .nuq import quantize_pack_supports
 
@@ -52,12 +56,14 @@ def rope_table(args: ModelArgs, sinks: int, device) -> tuple[torch.Tensor, int]:
     return rope_inv_freq(args, device).float().contiguous(), sinks
 
 
-def kernel_path(device, codec: str, head_dim: int, block: int) -> bool:
-    """Whether decode steps of a nuq-outlier cache go through the fused kernel by default (its shape limits:
-    power-of-two head_dim >= 64 and block >= 16; where backend.kernels_enabled says so: CUDA by default)."""
+def kernel_path(device, codec, head_dim: int, block: int) -> bool:
+    """Whether decode steps of a cache of block codec `codec` go through the fused kernel by default: the codec
+    declares `fused_decode_attention` (moec/kernels/kv_decode_attention.py takes its fields), within the
+    kernel's shape limits (power-of-two head_dim >= 64 and block >= 16), where backend.kernels_enabled says so
+    (CUDA by default)."""
     d = head_dim
-    return (codec == "nuq-outlier" and d >= 64 and d & (d - 1) == 0 and block >= 16 and block & (block - 1) == 0
-            and kernels_enabled(device))
+    return bool(getattr(codec, "fused_decode_attention", False) and d >= 64 and d & (d - 1) == 0 and block >= 16
+                and block & (block - 1) == 0 and kernels_enabled(device))
 
 
 def alloc_fields(fields: dict, batch: int, n_kv_heads: int, max_blocks: int, block: int, device) -> dict:
@@ -193,38 +199,28 @@ class HistoryStore:
             return kv_quantize_pack(x.contiguous(), kind, codec.kernel_view(x.device))
         return codec.encode(x.float(), kind)
 
-    def put(self, layer: int, kind: str, x: torch.Tensor, nb0: int, row: int | None = None) -> None:
-        """Encode post-RoPE tokens into the history. row None: x [B, K, block, d] is block nb0 of every row
-        (the dynamic cache); row r: x [n, K, block, d] are blocks nb0..nb0+n-1 of row r (the static cache)."""
+    def put(self, layer: int, kind: str, x: torch.Tensor, nb0: int, rows: slice = slice(None)) -> None:
+        """Encode post-RoPE tokens into the history: x [b, K, n·block, d] are blocks nb0..nb0+n-1 of `rows`
+        (b rows; each block encoded alone, so n blocks of one row and one block of b rows encode alike)."""
         blk, codec = self.policy.block, self.codecs[layer]
-        n, K = x.shape[0], x.shape[1]
+        b, K, T = x.shape[0], x.shape[1], x.shape[2]
+        n = T // blk
         pos0 = self.policy.sinks + nb0 * blk
         pre = kind == "k" and self.rope_pre
-        if pre and row is None:
+        if pre:  # n consecutive blocks: one run of positions
             x = rotate(self.args, x.float(), pos0, inverse=True)
-        elif pre:  # n consecutive blocks of one row: one run of positions
-            x = rotate(self.args, x.float().transpose(0, 1).reshape(1, K, n * blk, -1), pos0, inverse=True)
-            x = x.view(K, n, blk, -1).transpose(0, 1)
-        enc = self.encode(layer, kind, x)
+        enc = self.encode(layer, kind, x.reshape(b, K, n, blk, -1).transpose(1, 2).reshape(b * n, K, blk, -1))
         for name, t in enc.items():
             per = self.per_block(layer, kind, name)
-            if row is None:
-                self.hist[kind][layer][name][:, :, nb0 * per : (nb0 + 1) * per] = t
-            else:  # [n, K, per, ...] -> [K, n·per, ...]
-                t = t.transpose(0, 1).reshape(K, n * per, *t.shape[3:])
-                self.hist[kind][layer][name][row, :, nb0 * per : (nb0 + n) * per] = t
+            t = t.reshape(b, n, K, per, *t.shape[3:]).transpose(1, 2).reshape(b, K, n * per, *t.shape[3:])
+            self.hist[kind][layer][name][rows, :, nb0 * per : (nb0 + n) * per] = t
         if self.mirror is None:
             return
-        y = codec.decode(enc, kind)
-        if row is None:
-            if pre:
-                y = rotate(self.args, y, pos0, inverse=False)
-            self.mirror[kind][layer][:, :, nb0 * blk : (nb0 + 1) * blk] = y
-        else:
-            y = y.transpose(0, 1).reshape(1, K, n * blk, -1)  # [1, K, n·block, d]
-            if pre:
-                y = rotate(self.args, y, pos0, inverse=False)
-            self.mirror[kind][layer][row, :, nb0 * blk : (nb0 + n) * blk] = y[0]
+        y = codec.decode(enc, kind)  # [b·n, K, block, d]
+        y = y.reshape(b, n, K, blk, -1).transpose(1, 2).reshape(b, K, n * blk, -1)
+        if pre:
+            y = rotate(self.args, y, pos0, inverse=False)
+        self.mirror[kind][layer][rows, :, nb0 * blk : (nb0 + n) * blk] = y
 
     def fields(self, layer: int, kind: str, blocks: int) -> dict[str, torch.Tensor]:
         """The first `blocks` blocks of every field [B, K, blocks·per, ...] (views)."""
@@ -251,34 +247,83 @@ class HistoryStore:
 
 
 class TieredKVCache:
-    """The dynamic tiered cache (host-side lengths): `attend(layer, q, k, v, start_pos)` for prefill and
-    decode, every row at the same length. The tier rule is TierPolicy, the history a HistoryStore."""
+    """The tiered cache of every registered block codec, in any mode (moec/runtime/kvcache.py):
+
+    dynamic    host-side lengths, every row at the same length: `attend(layer, q, k, v, start_pos)` for prefill
+               and decode; the window of a layer is a tensor [B, K, n, d] that grows by the new tokens and
+               loses whole blocks as they are encoded; `n_blocks[layer]`, `length` an int
+    static     the CUDA-graph engine (runtime/decode.DecodeEngine): one token per row per step at device
+               positions `pos`; the window is a buffer of sinks + window + block slots per row, kept compact;
+               the step is graph-safe (decode.py); `n_blocks[row]`, `length[row]`, `hist_len` [B] int32
+    simulated  one teacher-forced forward per window giving each query the keys/values the dynamic mode
+               holds at its step (`_attend_simulated`)
+    The tier rule is TierPolicy, the history a HistoryStore, and the ageing of the window into the history
+    (and the family's later tiers, `_aged`) is the one function `_age`, in every mode. `read_append` and
+    `attend_history` serve callers that attend themselves (the transformers Cache, moec/hf/cache.py), for
+    families whose every query sees the same view in position order (`position_order_view`)."""
+
+    # read_append's keys/values in position order are what every query attends over (a family attending per
+    # query over another view, as the latent groups do, sets it False: moec/hf refuses it)
+    position_order_view = True
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list, window: int = 128,
                  sinks: int = 4, block: int = 32, rope_pre: bool = False, device="cpu",
-                 use_kernel: bool | None = None):
+                 use_kernel: bool | None = None, mode: str = "dynamic", mirror_dtype=torch.float32,
+                 prefill: int = 32):
+        assert mode in MODES, mode
         assert len(codecs) == args.n_layers, (len(codecs), args.n_layers)
         assert window >= 0 and sinks >= 0 and block > 0, (window, sinks, block)
-        self.args, self.batch, self.max_len = args, batch, max_len
+        self.args, self.batch, self.max_len, self.mode = args, batch, max_len, mode
         self.codecs, self.window, self.sinks, self.block, self.rope_pre = codecs, window, sinks, block, rope_pre
         self.policy = TierPolicy(sinks, window, block)
         self.device = torch.device(device)
-        self.codec = codecs[0].name
-        self.bits = codecs[0].bits
+        self.codec, self.bits = codecs[0].name, codecs[0].bits
         B, K, d = batch, args.n_kv_heads, args.head_dim
         self.max_blocks = self.policy.capacity(max_len)
-        self.win = {kind: [torch.zeros(B, K, 0, d, dtype=torch.float16, device=device)
-                           for _ in range(args.n_layers)] for kind in "kv"}
-        self.n_blocks = [0] * args.n_layers
-        self.length = 0
-        self.use_kernel = kernel_path(device, self.codec, d, block) if use_kernel is None else use_kernel
-        self.store = HistoryStore(args, codecs, self.policy, self.max_blocks, batch, rope_pre, device,
-                                  mirror_dtype=None if self.use_kernel else torch.float32)
+        if mode == "simulated":  # attends over the dequantized mirror: never the kernels
+            assert sinks + window + block > prefill, "the prefill would evict blocks; simulation not exact"
+            use_kernel = False
+        self.use_kernel = kernel_path(device, codecs[0], d, block) if use_kernel is None else use_kernel
+        # the history (and, on the torch path, its dequantized mirror): a HistoryStore, or a family's own
+        self.store = self._make_store(None if self.use_kernel else mirror_dtype)
         self.hist, self.mirror = self.store.hist, self.store.mirror
-        # the decode kernels' `rope` argument for pre-RoPE keys (made here even when use_kernel is off: it may be
-        # switched on later)
+        # the decode kernels' `rope` argument for pre-RoPE keys (history token t at position sinks + t; made here
+        # even when use_kernel is off: it may be switched on later)
         self.rope_table = rope_table(args, sinks, self.device) if rope_pre else None
-        self.rot = LayerRotations.of(codecs, self.device)
+        self.rot = LayerRotations.of(codecs, self.device)  # head_dim rotations (nuq-outlier rotate: hadamard)
+        self.groups = self._layer_groups()  # layers encoded together (one each for block codecs)
+        self.group_of = {i: g for g, layers in enumerate(self.groups) for i in layers}
+        if mode != "static":
+            self.win = {kind: [torch.zeros(B, K, 0, d, dtype=torch.float16, device=device)
+                               for _ in range(args.n_layers)] for kind in "kv"}
+            self.n_blocks = [0] * args.n_layers
+            self.length: int | list[int] = 0
+            return
+        self.wcap = self.policy.window_slots()
+        self.win = {kind: [torch.zeros(B, K, self.wcap, d, dtype=torch.float16, device=device)
+                           for _ in range(args.n_layers)] for kind in "kv"}
+        self.hist_len = torch.zeros(B, dtype=torch.int32, device=device)  # tokens in the history per row
+        self.n_blocks = [0] * B
+        self.length = [0] * B
+        self.rows = torch.arange(B, device=device)
+        self.pos: torch.Tensor | None = None  # [B] int64, the engine's position buffer
+        self._pending: dict[tuple[int, int], dict] = {}  # (row, layer) -> prompt blocks awaiting their group
+        if self.use_kernel:
+            # the codecs' device tensors (codec.kernel_view, made once per codec), taken here, outside any capture
+            self.views = [c.kernel_view(self.device) for c in codecs]
+            if not codecs[0].n_out:  # the kernel takes (empty) outlier tensors all the same
+                z = torch.zeros(B, K, self.max_blocks, 0, device=device)
+                self.no_out = (z.to(torch.int16), z.half())
+        else:
+            self.wslots = torch.arange(self.wcap, device=device)
+            self.hslots = torch.arange(self.max_blocks * block, device=device)
+
+    def _make_store(self, mirror_dtype) -> HistoryStore:
+        return HistoryStore(self.args, self.codecs, self.policy, self.max_blocks, self.batch, self.rope_pre,
+                            self.device, mirror_dtype=mirror_dtype)
+
+    def _layer_groups(self) -> list[list[int]]:
+        return [[i] for i in range(self.args.n_layers)]
 
     def _alloc(self, fields: dict) -> dict[str, torch.Tensor]:
         return alloc_fields(fields, self.batch, self.args.n_kv_heads, self.max_blocks, self.block, self.device)
@@ -289,26 +334,72 @@ class TieredKVCache:
         return rotate(self.args, x, pos0, inverse)
 
     def history_fields(self, layer: int, kind: str, blocks: int | None = None) -> dict[str, torch.Tensor]:
+        """The stored fields of the history blocks (dynamic mode: the layer's; pass `blocks` in static mode)."""
         return self.store.fields(layer, kind, self.n_blocks[layer] if blocks is None else blocks)
 
     def decode_history(self, layer: int, kind: str) -> torch.Tensor:
-        """The dequantized history [B, K, h, d] fp32 (post-RoPE keys), from the stored fields."""
+        """The dequantized history [B, K, h, d] fp32 (post-RoPE keys), from the stored fields (dynamic mode)."""
         return self.store.decode(layer, kind, self.n_blocks[layer])
 
-    def _encode_block(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        nb = self.n_blocks[layer]
-        assert nb < self.max_blocks, (nb, self.max_blocks)
-        for kind, x in (("k", k.float()), ("v", v.float())):
-            self.store.put(layer, kind, x, nb)
-        self.n_blocks[layer] = nb + 1
+    def _encode_group(self, rows: slice, layers: list[int], xs: dict, nb0: int) -> None:
+        """Encode xs[layer][kind] [b, K, n·block, d] (n consecutive blocks of the b `rows`) as history blocks
+        nb0.. of one layer group (a block codec: one layer; latent-layer: the layers sharing a basis)."""
+        for layer in layers:
+            for kind in "kv":
+                self.store.put(layer, kind, xs[layer][kind], nb0, rows)
+
+    def _age(self, rows: slice, groups: list[list[int]], tokens: int, later_tiers: bool = True) -> None:
+        """The one ageing rule of every mode: after `tokens` tokens in `rows` (dynamic and simulated: every row,
+        one layer per call; static: one row, every group), move whole blocks of the oldest non-sink window
+        tokens into the history until TierPolicy.blocks_at(tokens) blocks are held, one block at a time (each
+        encoded alone), then (later_tiers) the family's later tiers (`_aged`). The window holds
+        tokens − n_blocks·block slots, sinks first."""
+        s, blk = self.sinks, self.block
+        static = self.mode == "static"
+        nb = self.n_blocks[rows.start] if static else self.n_blocks[groups[0][0]]
+        while nb < self.policy.blocks_at(tokens):
+            assert nb < self.max_blocks, (nb, self.max_blocks)
+            held = tokens - nb * blk  # window slots in use, sinks included
+            for layers in groups:
+                self._encode_group(rows, layers, {i: {kind: self.win[kind][i][rows, :, s : s + blk] for kind in "kv"}
+                                                  for i in layers}, nb)
+                for i in layers:
+                    for kind in "kv":
+                        w = self.win[kind][i]
+                        if static:  # the fixed slots of the row shift down by one block
+                            w[rows, :, s : held - blk] = w[rows, :, s + blk : held].clone()
+                        else:
+                            self.win[kind][i] = torch.cat([w[:, :, :s], w[:, :, s + blk :]], dim=2)
+            nb += 1
+            if static:
+                self.n_blocks[rows.start] = nb
+                self.hist_len[rows] = nb * blk
+            else:
+                for layers in groups:
+                    for i in layers:
+                        self.n_blocks[i] = nb
+        if later_tiers:
+            self._aged(rows, groups, tokens)
+
+    def _aged(self, rows: slice, groups: list[list[int]], tokens: int) -> None:
+        """Work after the window aged (the RVQ cache archives old blocks here)."""
 
     # -- the cache interface ----------------------------------------------------------------------------
 
-    def attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
-        """q: [B, H, T, d]; k, v: [B, K, T, d] at positions start_pos.. -> [B, H, T, d]."""
+    def attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
+        """q: [B, H, T, d]; k, v: [B, K, T, d] at positions start_pos.. (static: one token at `pos`) ->
+        [B, H, T, d]. Head_dim rotations wrap every path but the static kernel's, which rotates itself."""
+        if self.mode == "static":
+            if self.use_kernel:
+                return self._step_kernel(layer, q, k, v)
+            fn = self._step_torch
+        else:
+            fn = self._attend_simulated if self.mode == "simulated" else self._attend
         if self.rot is not None:
-            return self.rot.attend(self._attend, layer, q, k, v, start_pos)
-        return self._attend(layer, q, k, v, start_pos)
+            return self.rot.attend(fn, layer, q, k, v, start_pos)
+        return fn(layer, q, k, v, start_pos)
+
+    # -- dynamic mode -------------------------------------------------------------------------------------
 
     def _attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
         T = k.shape[2]
@@ -317,16 +408,27 @@ class TieredKVCache:
             out = self._attend_kernel(layer, q, wk, wv)
         else:
             keys, vals = self._keys_values(layer, wk, wv, s, h, q.dtype)
-            bias = history_bias(self.codecs[layer], q)
-            if bias is None:
-                out = causal_attention(q, keys, vals, start_pos)
-            else:
-                pos = torch.arange(keys.shape[2], device=q.device)
-                is_hist = ((pos >= s) & (pos < s + h))[None, None, :, None]
-                q2, keys2, scale = biased_scores(q, keys, is_hist, bias)
-                out = causal_attention(q2, keys2, vals, start_pos, scale=scale)
-        self._age(layer, wk, wv, s, start_pos + T)
+            out = self.attend_history(layer, q, keys, vals, s, h, start_pos)
+        self._store_window(layer, wk, wv, start_pos + T)
         return out
+
+    def attend_history(self, layer: int, q, keys, vals, s: int, h: int, start_pos: int, attn_mask=None):
+        """Attention of q [B, H, T, d] (positions start_pos..) over keys/values [B, K, S, d] in position order whose
+        [s, s + h) is the layer's history (`read_append`'s view): adds the codec's history score bias where it
+        has one (nuq-outlier `score_bias`); causal unless attn_mask (an SDPA mask) is given."""
+        bias = history_bias(self.codecs[layer], q)
+        scale = None
+        if bias is not None:
+            pos = torch.arange(keys.shape[2], device=q.device)
+            is_hist = ((pos >= s) & (pos < s + h))[None, None, :, None]
+            q, keys, scale = biased_scores(q, keys, is_hist, bias)
+        if attn_mask is None:
+            return causal_attention(q, keys, vals, start_pos, scale=scale)
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, scale=scale, enable_gqa=True)
+
+    def history_biased(self, layer: int) -> bool:
+        """Whether the layer's history scores carry a bias (`attend_history` adds it; keys alone cannot)."""
+        return getattr(self.codecs[layer], "k_err2", None) is not None
 
     def _append(self, layer: int, k, v, start_pos: int):
         """The layer's fp16 sinks + window with the new tokens k, v [B, K, T, d] appended (not yet stored):
@@ -340,6 +442,13 @@ class TieredKVCache:
         wv = torch.cat([self.win["v"][layer], v.half()], dim=2)
         return wk, wv, min(self.sinks, wk.shape[2]), h
 
+    def _store_window(self, layer: int, wk, wv, tokens: int) -> None:
+        """Keep the layer's window after `tokens` tokens and age it (`_age`)."""
+        self.win["k"][layer], self.win["v"][layer] = wk, wv
+        if layer == self.args.n_layers - 1:
+            self.length = tokens
+        self._age(slice(None), [[layer]], tokens)
+
     def _keys_values(self, layer: int, wk, wv, s: int, h: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, K, s + h + n, d] in position order: sinks, dequantized history, window."""
         if self.mirror is not None:
@@ -350,22 +459,6 @@ class TieredKVCache:
         vals = torch.cat([wv[:, :, :s].to(dtype), hv.to(dtype), wv[:, :, s:].to(dtype)], dim=2)
         return keys, vals
 
-    def _age(self, layer: int, wk, wv, s: int, tokens: int) -> None:
-        """Store the window after `tokens` tokens, moving whole blocks of its oldest (non-sink) tokens into the
-        history (TierPolicy), then the subclass's `_aged` hook."""
-        target = self.policy.blocks_at(tokens)
-        while self.n_blocks[layer] < target:
-            self._encode_block(layer, wk[:, :, s : s + self.block], wv[:, :, s : s + self.block])
-            wk = torch.cat([wk[:, :, :s], wk[:, :, s + self.block :]], dim=2)
-            wv = torch.cat([wv[:, :, :s], wv[:, :, s + self.block :]], dim=2)
-        self.win["k"][layer], self.win["v"][layer] = wk, wv
-        if layer == self.args.n_layers - 1:
-            self.length = tokens
-        self._aged(layer, tokens)
-
-    def _aged(self, layer: int, tokens: int) -> None:
-        """Work after the window aged (the RVQ cache archives old blocks here)."""
-
     def read_append(self, layer: int, k, v, start_pos: int, dtype) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """For callers that attend themselves (transformers' Cache.update, moec/hf/cache.py): store k, v
         [B, K, T, d] (post-RoPE, positions start_pos..) as `attend` would and return what `attend` attends
@@ -374,21 +467,22 @@ class TieredKVCache:
         values come back rotated by Rᵀ (q·k and p·v are unchanged by an orthogonal R, so attending over them
         equals attending in the rotated basis up to rounding). A codec with a history score bias
         (nuq-outlier `score_bias`) needs it added to the scores of [s, s + h): `history_bias(codecs[layer], q)`."""
+        assert self.mode == "dynamic", self.mode
         R = self.rot.get(layer, torch.float32) if self.rot is not None else None
         if R is not None:
             k, v = k.float() @ R, v.float() @ R
         wk, wv, s, h = self._append(layer, k, v, start_pos)
         keys, vals = self._keys_values(layer, wk, wv, s, h, torch.float32 if R is not None else dtype)
-        self._age(layer, wk, wv, s, start_pos + k.shape[2])
+        self._store_window(layer, wk, wv, start_pos + k.shape[2])
         if R is not None:
             keys, vals = (keys @ R.T).to(dtype), (vals @ R.T).to(dtype)
         return keys, vals, (s, h)
 
     def _attend_kernel(self, layer: int, q, wk, wv) -> torch.Tensor:
-        """One decode step of a nuq-outlier cache through the fused kernel (moec/kernels/kv_decode_attention.py;
-        subclasses with other codecs override this). Pre-RoPE history keys are rotated in the kernel, history
-        token t at position sinks + t. q [B, H, 1, d]; wk, wv [B, K, n, d] fp16 window (sinks first) ->
-        [B, H, 1, d] in q.dtype."""
+        """One decode step of a codec with `fused_decode_attention` through the fused kernel
+        (moec/kernels/kv_decode_attention.py; families with other kernels override this). Pre-RoPE history
+        keys are rotated in the kernel, history token t at position sinks + t. q [B, H, 1, d]; wk, wv
+        [B, K, n, d] fp16 window (sinks first) -> [B, H, 1, d] in q.dtype."""
         from ..kernels.kv_decode_attention import kv_decode_attention
 
         codec = self.codecs[layer]
@@ -411,6 +505,199 @@ class TieredKVCache:
                                   k_err2=view.k_err2)
         return out[:, :, None].to(q.dtype)
 
+    # -- simulated mode -----------------------------------------------------------------------------------
+
+    def _history_blocks(self, layer: int, kf: torch.Tensor, vf: torch.Tensor) -> tuple:
+        """Simulated mode: age a whole window's fp16 keys/values kf, vf [B, K, S, d] through `_age` (the blocks
+        every query up to S sees in the history, encoded one at a time as in decode mode; the family's later
+        tiers not yet) and return their dequantized copies at the same positions (zeros elsewhere):
+        (kq, vq) [B, K, S, d] in kf's dtype."""
+        s, blk, S = self.sinks, self.block, kf.shape[2]
+        self.n_blocks[layer] = 0
+        empty = self.win["k"][layer]
+        self.win["k"][layer], self.win["v"][layer] = kf, vf
+        self._age(slice(None), [[layer]], S, later_tiers=False)
+        self.win["k"][layer] = self.win["v"][layer] = empty  # nothing is held between windows
+        h = self.n_blocks[layer] * blk
+        kq, vq = torch.zeros_like(kf), torch.zeros_like(vf)
+        kq[:, :, s : s + h] = self.mirror["k"][layer][:, :, :h].to(kf.dtype)
+        vq[:, :, s : s + h] = self.mirror["v"][layer][:, :, :h].to(vf.dtype)
+        return kq, vq
+
+    def _attend_simulated(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
+        """One forward over whole windows [B, S] (start_pos 0) that reproduces decode mode: per layer, every block
+        that will ever be evicted is encoded and decoded, and query i sees key j in fp16 if j is a sink or in
+        i's window, in its decoded form if j lies in one of the blocks_at(i) history blocks (causal: j ≤ i).
+        Equal to the dynamic mode up to float summation order, provided the prompt prefill evicts nothing
+        (asserted at construction). benchmarks/bench_kv_sim_check.py checks it against decode mode."""
+        assert start_pos == 0, "simulated decode runs one forward per window"
+        B, H, S, d = q.shape
+        kf, vf = k.half().to(q.dtype), v.half().to(q.dtype)  # what the cache stores
+        pos = torch.arange(S, device=q.device)
+        causal = pos[None, :] <= pos[:, None]  # [S(query), S(key)]
+        if layer == self.args.n_layers - 1:
+            self.length = S
+        if self.blocks_at(S) == 0:
+            return F.scaled_dot_product_attention(q, kf, vf, attn_mask=causal, enable_gqa=True)
+        s, blk = self.sinks, self.block
+        kq, vq = self._history_blocks(layer, kf, vf)
+        hist_end = s + torch.tensor([self.blocks_at(i) for i in range(S)], device=q.device) * blk  # per query
+        in_hist = (pos[None, :] >= s) & (pos[None, :] < hist_end[:, None])  # [S, S]
+        mask = torch.cat([causal & ~in_hist, in_hist], dim=1)  # fp16 keys, then quantized keys
+        keys, vals = torch.cat([kf, kq], 2), torch.cat([vf, vq], 2)
+        bias = history_bias(self.codecs[layer], q)
+        if bias is not None:  # the quantized copies are the second half of the keys
+            is_hist = (torch.arange(2 * S, device=q.device) >= S)[None, None, :, None]
+            q, keys, scale = biased_scores(q, keys, is_hist, bias)
+            # values padded to the keys' d + 1 channels: with value and key head dims unequal, CPU SDPA takes a
+            # path ~4x slower (2 × 8192 simulated decode: ~40 instead of ~10 min); the zero channel is dropped
+            vals = F.pad(vals, (0, 1))
+            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)[..., :-1]
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+
+    # -- static mode: the step (graph-safe: no host reads of device values, nothing allocated) -----------
+
+    def begin_step(self, b: int) -> None:
+        """The engine opens a step of rows [0, b): the window slot and length of the new token are the same in
+        every layer, so they are computed once here, not per layer (3 tiny integer kernels per layer were
+        ~0.2 ms of a 4.4 ms Qwen3 step). end_step drops them, so no later step reads stale positions."""
+        slot = self.pos[:b] - self.hist_len[:b]
+        self._step_slots = (b, slot, (slot + 1).to(torch.int32))
+
+    def end_step(self) -> None:
+        self._step_slots = None
+
+    def _slots(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot [b] int64, win_len [b] int32) of the new token: the step's, or computed here outside one."""
+        cached = getattr(self, "_step_slots", None)
+        if cached is not None and cached[0] == b:
+            return cached[1], cached[2]
+        slot = self.pos[:b] - self.hist_len[:b]  # [b] window slot of the new token
+        return slot, (slot + 1).to(torch.int32)
+
+    def _step_kernel(self, layer: int, q, k, v) -> torch.Tensor:
+        """The fused path: one kernel rotates q, k, v and writes the window (kernels/kv_window_write.py), the
+        decode-attention kernel reads the packed history and the window, and the output is rotated back."""
+        from ..kernels.kv_decode_attention import kv_decode_attention
+        from ..kernels.kv_window_write import rotate_write_window
+
+        b = q.shape[0]
+        slot, win_len = self._slots(b)
+        wk, wv = self.win["k"][layer], self.win["v"][layer]
+        R = self.rot.get(layer, torch.float32) if self.rot is not None else None
+        qr = rotate_write_window(q[:, :, 0], k[:, :, 0].to(q.dtype), v[:, :, 0].to(q.dtype), R, wk, wv, slot)
+        hk, hv = self.hist["k"][layer], self.hist["v"][layer]
+        if self.codecs[layer].n_out:
+            koi, kov, voi, vov = hk["out_idx"][:b], hk["out_val"][:b], hv["out_idx"][:b], hv["out_val"][:b]
+        else:
+            koi = voi = self.no_out[0][:b]
+            kov = vov = self.no_out[1][:b]
+        view = self.views[layer]
+        out = kv_decode_attention(qr, hk["codes"][:b], hv["codes"][:b], view.k_scale,
+                                  hv["scale"][:b], view.k_levels, view.v_levels, koi, kov, voi, vov,
+                                  self.hist_len[:b], wk[:b], wv[:b], win_len,
+                                  self.codecs[layer].bits, self.block, rope=self.rope_table,
+                                  k_center=view.k_center, k_err2=view.k_err2, out_rotation=R,
+                                  out_dtype=q.dtype)  # [b, H, d], rotated back
+        return out[:, :, None]
+
+    def _step_torch(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
+        b, H, _, d = q.shape
+        K = k.shape[1]
+        rows = self.rows[:b]
+        slot = self.pos[:b] - self.hist_len[:b]  # [b] window slot of the new token
+        wk, wv = self.win["k"][layer], self.win["v"][layer]
+        wk[rows, :, slot] = k[:, :, 0].half()
+        wv[rows, :, slot] = v[:, :, 0].half()
+        win_len = slot + 1
+        hk, hv = self.mirror["k"][layer][:b], self.mirror["v"][layer][:b]
+        keys = torch.cat([wk[:b].to(q.dtype), hk.to(q.dtype)], dim=2)  # [b, K, wcap + S, d]
+        vals = torch.cat([wv[:b].to(q.dtype), hv.to(q.dtype)], dim=2)
+        mask = torch.cat([self.wslots[None, :] < win_len[:, None],
+                          self.hslots[None, :] < self.hist_len[:b, None]], dim=1)[:, None, None, :]
+        bias = history_bias(self.codecs[layer], q)
+        if bias is not None:  # [b, H, 1, 1] -> per KV head's query group, as q is viewed below
+            is_hist = (torch.arange(keys.shape[2], device=q.device) >= self.wcap)[None, None, :, None]
+            q2, keys, scale = biased_scores(q, keys, is_hist, bias)
+            out = F.scaled_dot_product_attention(q2.view(b, K, H // K, d + 1), keys, vals, attn_mask=mask,
+                                                 scale=scale)
+            return out.reshape(b, H, 1, d)
+        out = F.scaled_dot_product_attention(q.view(b, K, H // K, d), keys, vals, attn_mask=mask)
+        return out.reshape(b, H, 1, d)
+
+    # -- static mode: host-side bookkeeping between steps ---------------------------------------------------
+
+    def after_step(self, rows: range) -> None:
+        for r in rows:
+            self.length[r] += 1
+            self._age(slice(r, r + 1), self.groups, self.length[r])
+
+    def prefill_row(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [K, T, d] (post-RoPE) of positions 0..T-1 into an empty row: sinks and the newest tokens into the
+        window, the blocks TierPolicy puts in the history after T tokens encoded at once (as `_age` would, one
+        at a time: each block is encoded alone)."""
+        assert self.n_blocks[row] == 0 and self.length[row] == 0, "prefill_row needs an empty row"
+        if self.rot is not None:
+            k, v = self.rot.rotate(layer, k), self.rot.rotate(layer, v)
+        T = k.shape[1]
+        s, blk = min(self.sinks, T), self.block
+        nb = self.policy.blocks_at(T)
+        hist = {}
+        for kind, x in (("k", k.half()), ("v", v.half())):
+            w = self.win[kind][layer]
+            w[row, :, :s] = x[:, :s]
+            if nb:
+                hist[kind] = x[None, :, s : s + nb * blk]  # [1, K, nb·block, d]
+            rest = x[:, s + nb * blk :]
+            w[row, :, s : s + rest.shape[1]] = rest
+        if nb:  # a group is encoded once its last layer's prompt K/V are in
+            self._pending[row, layer] = hist
+            layers = self.groups[self.group_of[layer]]
+            if layer == layers[-1]:
+                self._encode_group(slice(row, row + 1), layers, {i: self._pending.pop((row, i)) for i in layers}, 0)
+
+    def set_length(self, row: int, n: int) -> None:
+        """After prefill_row of every layer: n tokens held (then the family's later tiers age, `_aged`)."""
+        nb = self.policy.blocks_at(n)
+        self.length[row], self.n_blocks[row] = n, nb
+        self.hist_len[row] = nb * self.block
+        self._age(slice(row, row + 1), self.groups, n)
+
+    def _row_block_bytes(self) -> int:
+        """Bytes of one history block of one row over all layers, K and V (from the buffers)."""
+        return self.store.row_block_bytes()
+
+    def _history_bytes(self, row: int) -> int:
+        """Bytes of the row's filled history blocks, as stored."""
+        return self.n_blocks[row] * self._row_block_bytes()
+
+    def bytes_read(self, rows: range) -> int:
+        """KV bytes a decode step reads: filled history blocks + window tokens (fp16) + static tensors."""
+        tok = FP16Cache.bytes_per_token(self.args)
+        n = sum(self._history_bytes(r) + (self.length[r] + 1 - self.n_blocks[r] * self.block) * tok
+                for r in rows)  # the step reads the held tokens plus the one it appends
+        return n + self._static_bytes()
+
+    def fill_random(self, row: int, n: int, gen: torch.Generator | None = None) -> None:
+        """Stand-in state after n tokens: random codes, scales and outliers (latency runs only)."""
+        nb = self.policy.blocks_at(n)
+        assert nb <= self.max_blocks, (nb, self.max_blocks)
+        for kind in "kv":
+            for layer in range(self.args.n_layers):
+                self.win[kind][layer][row].normal_(0, 1, generator=gen)
+                if self.mirror is not None:
+                    self.mirror[kind][layer][row].normal_(0, 1, generator=gen)
+        for t in self.store.buffers():
+            r = t[row]
+            if t.dtype == torch.uint8:
+                r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, device=r.device, generator=gen))
+            elif not t.dtype.is_floating_point:  # outlier positions inside a block
+                r.copy_(torch.randint(0, self.block * self.args.head_dim, r.shape, device=r.device,
+                                      generator=gen).to(t.dtype))
+            else:
+                r.uniform_(0.05, 0.5, generator=gen)
+        self.set_length(row, n)
+
     # -- bytes ------------------------------------------------------------------------------------------
 
     def _static_bytes(self) -> int:
@@ -424,7 +711,7 @@ class TieredKVCache:
         return self.batch * self.args.n_layers * 2 * self.args.n_kv_heads * self.args.head_dim * 2
 
     def stored_bytes(self) -> int:
-        """Bytes held now: window + sinks, filled history fields, per-layer static tensors."""
+        """Bytes held now (dynamic mode): window + sinks, filled history fields, per-layer static tensors."""
         n = 0
         for kind in "kv":
             for layer in range(self.args.n_layers):
@@ -437,6 +724,8 @@ class TieredKVCache:
         return tokens * self.batch * 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim
 
     def bits_per_element(self) -> float:
+        if self.mode == "simulated":  # nothing is held between windows: the formula at the window's length
+            return self.bits_at(self.length)
         return 8.0 * self.stored_bytes() / max(self._elements(self.length), 1)
 
     def blocks_at(self, tokens: int) -> int:
@@ -477,21 +766,20 @@ def rope_pre(section: dict) -> bool:
     return bool(spec.rope_pre is not None and spec.hook("rope_pre")(section))
 
 
-def tiered_cache_factory(section: dict, codecs: list, simulated: bool = False, use_kernel: bool | None = None):
-    """(model, batch, max_len) -> TieredKVCache, the `cache_factory` of moec.runtime.perplexity.evaluate
-    (or, `simulated`, the one-forward-per-window SimulatedTieredCache of moec/runtime/kvsim.py);
+def tiered_cache_factory(section: dict, codecs: list, mode: str = "dynamic", use_kernel: bool | None = None):
+    """(model, batch, max_len) -> TieredKVCache in `mode` (moec/runtime/kvcache.py): dynamic, the `cache_factory`
+    of moec.runtime.perplexity.evaluate; static, the decode engine's (history mirror in the model's dtype);
+    simulated, one forward per window (built on the CPU, as the dynamic reference it reproduces).
     use_kernel=False keeps the dequantize-then-attend torch path on CUDA (the oracle of GPU checks)."""
 
     pre = rope_pre(section)
 
     def make(model, batch: int, max_len: int):
-        dev = model.tok_embeddings.weight.device
-        if simulated:
-            from .kvsim import SimulatedTieredCache
-
-            return SimulatedTieredCache(model.args, batch, max_len, codecs, section["window"], section["sinks"],
-                                        section["block"], pre)
-        return TieredKVCache(model.args, batch, max_len, codecs, window=section["window"], sinks=section["sinks"],
-                             block=section["block"], rope_pre=pre, device=dev, use_kernel=use_kernel)
+        w = model.tok_embeddings.weight
+        kw = dict(window=section["window"], sinks=section["sinks"], block=section["block"], rope_pre=pre)
+        if mode == "simulated":
+            return TieredKVCache(model.args, batch, max_len, codecs, mode=mode, **kw)
+        return TieredKVCache(model.args, batch, max_len, codecs, device=w.device, use_kernel=use_kernel, mode=mode,
+                             mirror_dtype=w.dtype if mode == "static" else torch.float32, **kw)
 
     return make

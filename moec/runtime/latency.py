@@ -268,7 +268,7 @@ def measure_decode(model: Transformer, cache_fn, batch: int, context: int, steps
     bytes per step and the floor. cache_fn(batch, max_len) -> static cache."""
     from .decode import DecodeEngine
 
-    max_len = -(-(context + e2e_steps + 128) // 128) * 128  # whole chunks of decode.SPLIT
+    max_len = -(-(context + e2e_steps + 128) // 128) * 128  # whole chunks of kvcache.SPLIT
     max_len = min(max_len, model.args.max_seq_len)
     cache = cache_fn(batch, max_len)
     eng = DecodeEngine(model, cache, graphs=True)

@@ -49,7 +49,6 @@ from ..formats.bitpack import LAYOUTS, Layout
 from ..formats.kvsection import group_tensor
 from .backend import kernels_enabled
 from .config import ModelArgs
-from .decode import StaticTieredCache
 from .kvtiered import HistoryStore, TieredKVCache, rotate
 
 if TYPE_CHECKING:
@@ -164,31 +163,42 @@ class _NoFields:
 
 
 class LatentKVCache(TieredKVCache):
+    """latent-head / latent-layer in the dynamic and static modes of TieredKVCache (no simulated mode): the tier
+    rule, the windows and their ageing (`_age`) are the tiered cache's; a block leaving the window is encoded
+    for the whole layer group at once (`_encode_group`) into per-group codes (`lhist`, a _LatentStore).
+    Dynamic mode: multi-token calls give each query its own view (module docstring), decode steps go through
+    moec/kernels/latent_decode_attention.py where it takes the codec; static mode: the CUDA-graph engine's
+    step attends over the dequantized mirror (graph-safe SDPA); the latent kernel is not wired there."""
+
+    position_order_view = False  # queries attend per query over group-encoded blocks (module docstring)
+
     def __init__(self, args: ModelArgs, batch: int, max_len: int, groups: list[list[int]],
                  codecs: list[dict[str, LatentCodec]], name: str = "latent-head", window: int = 128, sinks: int = 4,
-                 block: int = 32, rope_pre: bool = False, device="cpu", use_kernel: bool | None = None):
+                 block: int = 32, rope_pre: bool = False, device="cpu", use_kernel: bool | None = None,
+                 mode: str = "dynamic", mirror_dtype=torch.float32):
         assert [i for g in groups for i in g] == list(range(args.n_layers)), groups
+        assert mode != "simulated", "the latent cache has no simulated mode"
         bits = codecs[0]["k"].bits
-        if use_kernel is None:  # the fused kernel's conditions (moec/kernels/latent_decode_attention.py)
+        if mode == "static":
+            use_kernel = False
+        elif use_kernel is None:  # the fused kernel's conditions (moec/kernels/latent_decode_attention.py)
             from ..kernels.latent_decode_attention import kernel_supports
 
             has_out = any(c[k].n_out for c in codecs for k in "kv")
             use_kernel = (kernel_supports(bits, args.head_dim, rope_pre, block, has_out)
                           and kernels_enabled(device))
+        self.lgroups, self.lcodecs = groups, codecs
         super().__init__(args, batch, max_len, [_NoFields(name, bits)] * args.n_layers, window, sinks, block,
-                         rope_pre, device, use_kernel=use_kernel)
-        self.groups, self.lcodecs = groups, codecs
-        self.group_of = {i: g for g, layers in enumerate(groups) for i in layers}
-        self.n_dropped = [0] * args.n_layers  # history blocks already cut from each layer's fp16 window
-        self.lhist = [{kind: self._alloc_group(c[kind]) for kind in "kv"} for c in codecs]
+                         rope_pre, device, use_kernel=use_kernel, mode=mode, mirror_dtype=mirror_dtype)
+        self.lhist = self.store.lhist  # per group and kind: {field: [B, n, ...]}
+        self.n_dropped = [0] * args.n_layers  # dynamic: history blocks already cut from each layer's fp16 window
         self._kernel_layers: dict[int, tuple] = {}  # layer -> its kernel arguments (_kernel_layer)
 
-    def _alloc_group(self, codec: LatentCodec) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, (axis, trail, dtype) in codec.fields().items():
-            n = self.max_blocks * (self.block if axis == "token" else 1)
-            out[name] = torch.zeros(self.batch, n, *trail, dtype=dtype, device=self.device)
-        return out
+    def _make_store(self, mirror_dtype) -> HistoryStore:
+        return _LatentStore(self, mirror_dtype)
+
+    def _layer_groups(self) -> list[list[int]]:
+        return self.lgroups
 
     def group_fields(self, g: int, kind: str, blocks: int | None = None) -> dict[str, torch.Tensor]:
         """The stored fields of group g's filled history blocks (token or block axis at dim 1)."""
@@ -198,33 +208,45 @@ class LatentKVCache(TieredKVCache):
 
     # -- history ----------------------------------------------------------------------------------------
 
+    def _encode_group(self, rows: slice, layers: list[int], xs: dict, nb0: int) -> None:
+        """xs[layer][kind] [b, K, n·block, d] fp16 (n consecutive blocks of `rows`) -> the group's codes (and the
+        mirror): the tokens of every layer of the group concatenated per token, each block encoded alone."""
+        g, blk, K, d = self.group_of[layers[0]], self.block, self.args.n_kv_heads, self.args.head_dim
+        pos0 = self.sinks + nb0 * blk
+        for kind in "kv":
+            parts = []
+            for i in layers:
+                x = xs[i][kind].float()  # [b, K, n·blk, d]
+                b, n = x.shape[0], x.shape[2] // blk
+                if kind == "k" and self.rope_pre:  # n consecutive blocks: one run of positions
+                    x = rotate(self.args, x, pos0, inverse=True)
+                parts.append(x.permute(0, 2, 1, 3).reshape(b * n, blk, K * d))
+            codec = self.lcodecs[g][kind]
+            enc = codec.encode(torch.cat(parts, dim=2))  # [b·n, per, ...] per field
+            for name, t in enc.items():
+                per = t.shape[1]
+                self.lhist[g][kind][name][rows, nb0 * per : (nb0 + n) * per] = t.reshape(b, n * per, *t.shape[2:])
+            if self.mirror is None:
+                continue
+            y = codec.decode(enc).view(b, n, blk, len(layers), K, d)
+            for j, i in enumerate(layers):
+                yi = y[:, :, :, j].permute(0, 3, 1, 2, 4).reshape(b, K, n * blk, d)
+                if kind == "k" and self.rope_pre:
+                    yi = rotate(self.args, yi, pos0, inverse=False)
+                self.mirror[kind][i][rows, :, nb0 * blk : (nb0 + n) * blk] = yi
+
     def _encode_group_block(self, g: int) -> None:
-        """Encode the group's next history block from its layers' fp16 windows (not cut from them here)."""
-        layers, B, K, d, blk = self.groups[g], self.batch, self.args.n_kv_heads, self.args.head_dim, self.block
+        """Dynamic mode: encode the group's next history block ahead of the window's ageing (a multi-token call's
+        later queries see it compressed), from its layers' fp16 windows, which keep its tokens until `_age`."""
+        layers, blk = self.groups[g], self.block
         nb = self.n_blocks[layers[0]]
         assert nb < self.max_blocks, (nb, self.max_blocks)
-        pos0 = self.sinks + nb * blk
-        for kind in "kv":
-            xs = []
-            for i in layers:
-                lo = self.sinks + (nb - self.n_dropped[i]) * blk
-                x = self.win[kind][i][:, :, lo : lo + blk].float()  # [B, K, N, d]
-                assert x.shape[2] == blk, (i, x.shape, lo)
-                if kind == "k" and self.rope_pre:
-                    x = self._rope(x, pos0, inverse=True)
-                xs.append(x.permute(0, 2, 1, 3).reshape(B, blk, K * d))
-            codec = self.lcodecs[g][kind]
-            enc = codec.encode(torch.cat(xs, dim=2))
-            for name, t in enc.items():
-                n = t.shape[1]
-                self.lhist[g][kind][name][:, nb * n : (nb + 1) * n] = t
-            if self.mirror is not None:
-                y = codec.decode(enc).view(B, blk, len(layers), K, d)
-                for j, i in enumerate(layers):
-                    yi = y[:, :, j].permute(0, 2, 1, 3)  # [B, K, N, d]
-                    if kind == "k" and self.rope_pre:
-                        yi = self._rope(yi, pos0, inverse=False)
-                    self.mirror[kind][i][:, :, nb * blk : (nb + 1) * blk] = yi
+        xs = {}
+        for i in layers:
+            lo = self.sinks + (nb - self.n_dropped[i]) * blk
+            xs[i] = {kind: self.win[kind][i][:, :, lo : lo + blk] for kind in "kv"}
+            assert xs[i]["k"].shape[2] == blk, (i, xs[i]["k"].shape, lo)
+        self._encode_group(slice(None), layers, xs, nb)
         for i in layers:
             self.n_blocks[i] = nb + 1
 
@@ -254,8 +276,8 @@ class LatentKVCache(TieredKVCache):
 
     # -- the cache interface ----------------------------------------------------------------------------
 
-    def attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
-        """q: [B, H, T, d]; k, v: [B, K, T, d] at positions start_pos.. -> [B, H, T, d]."""
+    def _attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
+        """Dynamic mode. q: [B, H, T, d]; k, v: [B, K, T, d] at positions start_pos.. -> [B, H, T, d]."""
         T, s, blk = k.shape[2], self.sinks, self.block
         g = self.group_of[layer]
         layers = self.groups[g]
@@ -288,13 +310,12 @@ class LatentKVCache(TieredKVCache):
                 in_hist = (pw[None] >= s) & (pw[None] < hend[:, None])
                 mask = torch.cat([(pw[None] <= qpos[:, None]) & ~in_hist, ph[None] < hend[:, None]], dim=1)
                 out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
-        if layer == layers[-1]:  # the group's tokens are complete: cut encoded blocks, age the window
+        if layer == layers[-1]:  # the group's tokens are complete: cut blocks encoded ahead, age the window
             for i in layers:
                 self._cut_window(i)
-            while self.win["k"][layer].shape[2] - s >= self.window + blk and self.win["k"][layer].shape[2] > s:
-                self._encode_group_block(g)
-                for i in layers:
-                    self._cut_window(i)
+            self._age(slice(None), [layers], start_pos + T)
+            for i in layers:
+                self.n_dropped[i] = self.n_blocks[i]
         if layer == self.args.n_layers - 1:
             self.length = start_pos + T
         return out
@@ -338,19 +359,6 @@ class LatentKVCache(TieredKVCache):
         return out[:, :, None].to(q.dtype)
 
     # -- bytes ------------------------------------------------------------------------------------------
-
-    def _static_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for c in self.lcodecs for kind in "kv"
-                   for t in c[kind].static_tensors().values())
-
-    def _block_bytes(self) -> int:
-        n = 0
-        for g, c in enumerate(self.lcodecs):
-            for kind in "kv":
-                for name, (axis, trail, _dtype) in c[kind].fields().items():
-                    t = self.lhist[g][kind][name]
-                    n += t.element_size() * math.prod(trail) * (self.block if axis == "token" else 1)
-        return n * self.batch
 
     def stored_bytes(self) -> int:
         n = sum(w.numel() * w.element_size() for kind in "kv" for w in self.win[kind])
@@ -434,20 +442,23 @@ def random_latent_tensors(args: ModelArgs, section: dict, gen: torch.Generator, 
     return out
 
 
-def latent_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs,
+def latent_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs, mode: str = "dynamic",
                          use_kernel: bool | None = None):
-    """(model, batch, max_len) -> LatentKVCache, the `cache_factory` of moec.runtime.perplexity.evaluate.
+    """(model, batch, max_len) -> the latent cache in `mode` (dynamic: the `cache_factory` of
+    moec.runtime.perplexity.evaluate; static: the decode engine's, history mirror in the model's dtype).
     use_kernel=False keeps the torch path on CUDA (the oracle of GPU checks)."""
     groups, codecs = build_latent_codecs(section, tensors, args)
     per_device = {}
 
     def make(model, batch: int, max_len: int):
-        dev = model.tok_embeddings.weight.device
+        w = model.tok_embeddings.weight
+        dev = w.device
         if dev not in per_device:
             per_device[dev] = codecs if dev.type == "cpu" else build_latent_codecs(section, tensors, args, dev)[1]
         return LatentKVCache(model.args, batch, max_len, groups, per_device[dev], section["codec"],
                              section["window"], section["sinks"], section["block"], section["rope"] == "pre", dev,
-                             use_kernel=use_kernel)
+                             use_kernel=use_kernel, mode=mode,
+                             mirror_dtype=w.dtype if mode == "static" else torch.float32)
 
     return make
 
@@ -458,7 +469,7 @@ class _LatentStore(HistoryStore):
     """HistoryStore for latent groups: the per-layer fields are empty (_NoFields); the codes live per group
     ([B, n, ...], token or block axis at dim 1) in `lhist`; the mirror is per layer as for block codecs."""
 
-    def __init__(self, cache: StaticLatentCache, mirror_dtype):
+    def __init__(self, cache: LatentKVCache, mirror_dtype):
         super().__init__(cache.args, cache.codecs, cache.policy, cache.max_blocks, cache.batch, cache.rope_pre,
                          cache.device, mirror_dtype=mirror_dtype)
         self.lcodecs, self.blk = cache.lcodecs, cache.block
@@ -480,64 +491,3 @@ class _LatentStore(HistoryStore):
     def static_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for c in self.lcodecs for kind in "kv"
                    for t in c[kind].static_tensors().values())
-
-
-class StaticLatentCache(StaticTieredCache):
-    """latent-head / latent-layer in the static CUDA-graph engine (decode.StaticTieredCache): the layers of a
-    group are encoded together when a block leaves their windows (between steps, or after the group's last
-    prompt layer), as LatentKVCache encodes them; decode steps attend over the dequantized mirror
-    (graph-safe SDPA); the latent kernel is not wired here."""
-
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, groups: list[list[int]],
-                 codecs: list[dict[str, LatentCodec]], name: str = "latent-head", window: int = 128, sinks: int = 4,
-                 block: int = 32, rope_pre: bool = False, device="cpu", mirror_dtype=torch.float32):
-        self.lgroups, self.lcodecs = groups, codecs
-        super().__init__(args, batch, max_len, [_NoFields(name, codecs[0]["k"].bits)] * args.n_layers, window,
-                         sinks, block, rope_pre, device, use_kernel=False, mirror_dtype=mirror_dtype)
-
-    def _make_store(self, mirror_dtype) -> HistoryStore:
-        return _LatentStore(self, mirror_dtype)
-
-    def _layer_groups(self) -> list[list[int]]:
-        return self.lgroups
-
-    def _encode_group(self, row: int, layers: list[int], xs: dict, nb0: int) -> None:
-        """xs[layer][kind] [n, K, block, d] fp16 (n consecutive blocks of `row`) -> the group's codes + mirror."""
-        g, blk, K, d = self.group_of[layers[0]], self.block, self.args.n_kv_heads, self.args.head_dim
-        pos0 = self.sinks + nb0 * blk
-        for kind in "kv":
-            parts = []
-            for i in layers:
-                x = xs[i][kind].float()  # [n, K, blk, d]
-                n = x.shape[0]
-                if kind == "k" and self.rope_pre:  # n consecutive blocks: one run of positions
-                    x = rotate(self.args, x.transpose(0, 1).reshape(1, K, n * blk, d), pos0, inverse=True)
-                    x = x.view(K, n, blk, d).transpose(0, 1)
-                parts.append(x.permute(0, 2, 1, 3).reshape(n, blk, K * d))
-            codec = self.lcodecs[g][kind]
-            enc = codec.encode(torch.cat(parts, dim=2))  # [n, per, ...] per field
-            for name, t in enc.items():
-                per = t.shape[1]
-                self.store.lhist[g][kind][name][row, nb0 * per : (nb0 + n) * per] = t.reshape(n * per, *t.shape[2:])
-            y = codec.decode(enc).view(n, blk, len(layers), K, d)
-            for j, i in enumerate(layers):
-                yi = y[:, :, j].permute(0, 2, 1, 3).transpose(0, 1).reshape(1, K, n * blk, d)  # [1, K, n·blk, d]
-                if kind == "k" and self.rope_pre:
-                    yi = rotate(self.args, yi, pos0, inverse=False)
-                self.mirror[kind][i][row, :, nb0 * blk : (nb0 + n) * blk] = yi[0]
-
-
-def latent_static_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs):
-    """(model, batch, max_len) -> StaticLatentCache: the registry's `static_cache` hook."""
-    groups, codecs = build_latent_codecs(section, tensors, args)
-    per_device = {}
-
-    def make(model, batch: int, max_len: int):
-        dev = model.tok_embeddings.weight.device
-        if dev not in per_device:
-            per_device[dev] = codecs if dev.type == "cpu" else build_latent_codecs(section, tensors, args, dev)[1]
-        return StaticLatentCache(model.args, batch, max_len, groups, per_device[dev], section["codec"],
-                                 section["window"], section["sinks"], section["block"], section["rope"] == "pre", dev,
-                                 mirror_dtype=model.tok_embeddings.weight.dtype)
-
-    return make

@@ -60,6 +60,9 @@ class NUQOutlierCodec:
     """Non-uniform levels, per-channel (keys, offline) / per-token (values) scales, sparse fp16 outliers."""
 
     name = "nuq-outlier"
+    # the fused decode-attention kernel (moec/kernels/kv_decode_attention.py) reads this codec's fields: the
+    # tiered cache's kernel path (kvtiered.kernel_path) asks for this capability, not for the codec's name
+    fused_decode_attention = True
 
     def __init__(self, bits: int, head_dim: int, block: int, k_levels: torch.Tensor, v_levels: torch.Tensor,
                  k_scale: torch.Tensor, outlier_frac: float):

@@ -24,7 +24,7 @@ from .model import Transformer
 
 def _static_logits(model: Transformer, section: dict | None, tensors: dict, ids: torch.Tensor, n_prompt: int,
                    graphs: bool | None = None):
-    max_len = -(-ids.numel() // 128) * 128  # whole chunks for the GPU's split attention (decode.SPLIT)
+    max_len = -(-ids.numel() // 128) * 128  # whole chunks for the GPU's split attention (kvcache.SPLIT)
     cache = static_cache_factory(section, tensors, model.args)(model, 1, max_len)
     eng = DecodeEngine(model, cache, graphs=graphs)
     out = [eng.prefill(0, ids[:n_prompt])]
@@ -41,9 +41,9 @@ def _dynamic_logits(model: Transformer, section: dict | None, tensors: dict, ids
     dev = model.tok_embeddings.weight.device
     factory = kv_cache_factory({"kv": section, "kv_tensors": tensors}, model.args)
     if factory is None:
-        from .kvcache import DenseKVCache
+        from .kvcache import FP16Cache
 
-        cache = DenseKVCache(model.args, 1, ids.numel(), device=dev)
+        cache = FP16Cache(model.args, 1, ids.numel(), device=dev)
     else:
         cache = factory(model, 1, ids.numel())
     ids = ids.to(dev)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kvcache import DenseKVCache
+from .kvcache import FP16Cache
 from .model import Transformer
 
 CONTEXT = 32
@@ -118,9 +118,9 @@ def layer_progress(model: torch.nn.Module, progress: Callable[[int], None] | Non
             h.remove()
 
 
-def fp16_cache(model: Transformer, batch: int, max_len: int) -> DenseKVCache:
+def fp16_cache(model: Transformer, batch: int, max_len: int) -> FP16Cache:
     dev = model.tok_embeddings.weight.device
-    return DenseKVCache(model.args, batch, max_len, dtype=torch.float16, device=dev)
+    return FP16Cache(model.args, batch, max_len, dtype=torch.float16, device=dev)
 
 
 @torch.no_grad()

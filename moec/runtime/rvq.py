@@ -37,8 +37,7 @@ import torch.nn.functional as F
 from ..formats.bitpack import pack_bits, unpack_bits
 from .backend import kernels_enabled
 from .config import ModelArgs
-from .decode import StaticTieredCache
-from .kvtiered import TieredKVCache, rotate
+from .kvtiered import TieredKVCache
 
 if TYPE_CHECKING:
     from ..kernels.rvq_lut_attention import RVQTierView
@@ -134,14 +133,26 @@ class RVQLayerCodec:
 # -- the cache -----------------------------------------------------------------------------------------
 
 class RVQTieredCache(TieredKVCache):
+    """The rvq-tiered family in every mode of TieredKVCache (dynamic, static, simulated): the middle tier is the
+    block codec of the tiered history; after the window ages (TieredKVCache._age), `_aged` re-encodes the
+    blocks older than `archive_after` into the archive tier from the middle tier's reconstruction. The LUT
+    kernel (moec/kernels/rvq_lut_attention.py) serves dynamic decode steps with post-RoPE keys; the static mode
+    attends over the dequantized mirror (graph-safe SDPA); the LUT kernel is not wired there."""
+
+    SIM_CHUNK = 256  # simulated mode: queries attended per chunk, so memory stays bounded at 8k-token windows
+
     def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list[RVQLayerCodec], window: int = 128,
                  sinks: int = 4, block: int = 32, archive_after: int = 4096, rope_pre: bool = False, device="cpu",
-                 use_kernel: bool | None = None):
-        if use_kernel is None:  # the LUT kernel needs post-RoPE keys (tables of q·centroid)
+                 use_kernel: bool | None = None, mode: str = "dynamic", mirror_dtype=torch.float32,
+                 prefill: int = 32):
+        if mode == "static":
+            use_kernel = False
+        elif use_kernel is None:  # the LUT kernel needs post-RoPE keys (tables of q·centroid)
             use_kernel = not rope_pre and kernels_enabled(device)
-        super().__init__(args, batch, max_len, codecs, window, sinks, block, rope_pre, device, use_kernel)
+        super().__init__(args, batch, max_len, codecs, window, sinks, block, rope_pre, device, use_kernel, mode,
+                         mirror_dtype, prefill)
         self.archive_after = archive_after if codecs[0].arch is not None else 0
-        self.n_arch = [0] * args.n_layers
+        self.n_arch = [0] * (batch if mode == "static" else args.n_layers)  # archived blocks per row / per layer
         self.arch = None
         if self.archive_after:
             n = self.max_blocks * block
@@ -172,27 +183,39 @@ class RVQTieredCache(TieredKVCache):
             x = self._rope(x, self.sinks, inverse=False)
         return x
 
-    def archive_block(self, layer: int) -> None:
-        """Re-encode the oldest middle-tier block into the archive, from the middle tier's reconstruction."""
-        b, blk, codec = self.n_arch[layer], self.block, self.codecs[layer]
-        assert b < self.n_blocks[layer], (b, self.n_blocks[layer])
+    def _archive_block(self, rows: slice, layer: int, b: int) -> None:
+        """Re-encode middle-tier block b of `rows` into the archive, from the middle tier's reconstruction."""
+        blk, codec = self.block, self.codecs[layer]
         sl = slice(b * blk, (b + 1) * blk)
         for kind in "kv":
-            x = codec.mid[kind].decode(self.hist[kind][layer]["codes"][:, :, sl])  # pre-RoPE if rope_pre
+            x = codec.mid[kind].decode(self.hist[kind][layer]["codes"][rows, :, sl])  # pre-RoPE if rope_pre
             codes = codec.arch[kind].encode(x)
-            self.arch[kind][layer][:, :, sl] = codes
+            self.arch[kind][layer][rows, :, sl] = codes
             if self.mirror is not None:
                 y = codec.arch[kind].decode(codes)
                 if kind == "k" and self.rope_pre:
                     y = self._rope(y, self.sinks + b * blk, inverse=False)
-                self.mirror[kind][layer][:, :, sl] = y
-        self.n_arch[layer] = b + 1
+                self.mirror[kind][layer][rows, :, sl] = y
 
-    def _aged(self, layer: int, tokens: int) -> None:
-        """After the window aged into the middle tier (TieredKVCache._age): archive its oldest blocks."""
-        target = self.arch_at(tokens)
-        while self.n_arch[layer] < target:
-            self.archive_block(layer)
+    def _aged(self, rows: slice, groups: list[list[int]], tokens: int) -> None:
+        """The archive ageing of every mode, after TieredKVCache._age aged the window into the middle tier: the
+        blocks whose every token is ≥ archive_after back (arch_at) move to the archive, oldest first."""
+        if not self.archive_after:
+            return
+        static = self.mode == "static"
+        layers = [i for g in groups for i in g]
+        na = self.n_arch[rows.start] if static else self.n_arch[layers[0]]
+        while na < self.arch_at(tokens):
+            for layer in layers:
+                nb = self.n_blocks[rows.start] if static else self.n_blocks[layer]
+                assert na < nb, (na, nb)
+                self._archive_block(rows, layer, na)
+            na += 1
+            if static:
+                self.n_arch[rows.start] = na
+            else:
+                for layer in layers:
+                    self.n_arch[layer] = na
 
     def _attend_kernel(self, layer: int, q: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
         """One decode step (post-RoPE keys) through moec/kernels/rvq_lut_attention.py, one code segment per tier.
@@ -215,58 +238,27 @@ class RVQTieredCache(TieredKVCache):
                                 max_len=max([na * blk, (nb - na) * blk, 1]))
         return out[:, :, None].to(q.dtype)
 
-    def _arch_block_bytes(self) -> int:
-        if self.arch is None:
-            return 0
-        return sum(t.element_size() * t.shape[0] * t.shape[1] * t.shape[3] * self.block
-                   for kind in "kv" for t in self.arch[kind])
-
-    def bits_at(self, tokens: int) -> float:
-        """Effective bits projected to `tokens`, by the stored-byte formula (codebooks amortized)."""
-        nb, na = self.blocks_at(tokens), self.arch_at(tokens)
-        n = ((nb - na) * self._block_bytes() + na * self._arch_block_bytes()
-             + self.policy.fp16_tokens(tokens) * self._fp16_token_bytes() + self._static_bytes())
-        return 8.0 * n / self._elements(tokens)
-
-
-class SimulatedRVQCache:
-    """One forward per window giving each query exactly the keys/values the decode-mode RVQTieredCache holds
-    (as kvsim.SimulatedTieredCache, with three representations of a key: fp16, middle, archive), attended in
-    chunks of `chunk` queries so memory stays bounded at 8k-token windows."""
-
-    def __init__(self, args, batch: int, max_len: int, codecs: list, window: int, sinks: int, block: int,
-                 archive_after: int, rope_pre: bool = False, prefill: int = 32, chunk: int = 256):
-        self.ref = RVQTieredCache(args, batch, max_len, codecs, window, sinks, block, archive_after, rope_pre,
-                                  use_kernel=False)
-        assert sinks + window + block > prefill, "the prefill would evict blocks; simulation not exact"
-        self.codec, self.args, self.length, self.chunk = codecs[0].name, args, 0, chunk
-
-    def attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
+    def _attend_simulated(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
+        """TieredKVCache._attend_simulated with three representations of a key (fp16, middle, archive), attended in
+        chunks of SIM_CHUNK queries."""
         assert start_pos == 0, "simulated decode runs one forward per window"
-        c = self.ref
         B, H, S, d = q.shape
         if layer == self.args.n_layers - 1:
             self.length = S
         kf, vf = k.half().to(q.dtype), v.half().to(q.dtype)  # what the cache stores
-        s, blk = c.sinks, c.block
-        nb, na = c.blocks_at(S), c.arch_at(S)
-        km, vm, ka, va = (torch.zeros_like(kf) for _ in range(4))
-        c.n_blocks[layer], c.n_arch[layer] = 0, 0
-        for b in range(nb):  # every block that leaves the window: middle tier, then (if it ages) archive
-            lo = s + b * blk
-            c._encode_block(layer, kf[:, :, lo : lo + blk], vf[:, :, lo : lo + blk])
-            km[:, :, lo : lo + blk] = c.mirror["k"][layer][:, :, b * blk : (b + 1) * blk].to(q.dtype)
-            vm[:, :, lo : lo + blk] = c.mirror["v"][layer][:, :, b * blk : (b + 1) * blk].to(q.dtype)
-        for b in range(na):
-            lo = s + b * blk
-            c.archive_block(layer)
-            ka[:, :, lo : lo + blk] = c.mirror["k"][layer][:, :, b * blk : (b + 1) * blk].to(q.dtype)
-            va[:, :, lo : lo + blk] = c.mirror["v"][layer][:, :, b * blk : (b + 1) * blk].to(q.dtype)
-        hist_end = torch.tensor([s + c.blocks_at(i) * blk for i in range(S)], device=q.device)  # per query
-        arch_end = torch.tensor([s + c.arch_at(i) * blk for i in range(S)], device=q.device)
+        s, blk = self.sinks, self.block
+        self.n_arch[layer] = 0
+        km, vm = self._history_blocks(layer, kf, vf)  # every block that leaves the window: middle tier
+        self._aged(slice(None), [[layer]], S)  # then the blocks that age: the archive
+        ka, va = torch.zeros_like(kf), torch.zeros_like(vf)
+        a = self.n_arch[layer] * blk
+        ka[:, :, s : s + a] = self.mirror["k"][layer][:, :, :a].to(q.dtype)
+        va[:, :, s : s + a] = self.mirror["v"][layer][:, :, :a].to(q.dtype)
+        hist_end = torch.tensor([s + self.blocks_at(i) * blk for i in range(S)], device=q.device)  # per query
+        arch_end = torch.tensor([s + self.arch_at(i) * blk for i in range(S)], device=q.device)
         out = torch.empty_like(q)
-        for i0 in range(0, S, self.chunk):
-            i1 = min(S, i0 + self.chunk)
+        for i0 in range(0, S, self.SIM_CHUNK):
+            i1 = min(S, i0 + self.SIM_CHUNK)
             qi = torch.arange(i0, i1, device=q.device)[:, None]  # [c, 1]
             he, ae = hist_end[i0:i1, None], arch_end[i0:i1, None]
             # keys some query of the chunk sees in each representation
@@ -280,11 +272,25 @@ class SimulatedRVQCache:
                                                               enable_gqa=True)
         return out
 
-    def bits_per_element(self) -> float:
-        return self.ref.bits_at(self.length)
+    def _history_bytes(self, row: int) -> int:
+        """Static mode: bytes of the row's filled middle and archive blocks, as stored."""
+        na, nb = self.n_arch[row], self.n_blocks[row]
+        arch = 0 if self.arch is None else sum(t[0, :, : self.block].numel() * t.element_size()
+                                               for kind in "kv" for t in self.arch[kind])
+        return (nb - na) * self._row_block_bytes() + na * arch
+
+    def _arch_block_bytes(self) -> int:
+        if self.arch is None:
+            return 0
+        return sum(t.element_size() * t.shape[0] * t.shape[1] * t.shape[3] * self.block
+                   for kind in "kv" for t in self.arch[kind])
 
     def bits_at(self, tokens: int) -> float:
-        return self.ref.bits_at(tokens)
+        """Effective bits projected to `tokens`, by the stored-byte formula (codebooks amortized)."""
+        nb, na = self.blocks_at(tokens), self.arch_at(tokens)
+        n = ((nb - na) * self._block_bytes() + na * self._arch_block_bytes()
+             + self.policy.fp16_tokens(tokens) * self._fp16_token_bytes() + self._static_bytes())
+        return 8.0 * n / self._elements(tokens)
 
 
 # -- from a packed checkpoint ----------------------------------------------------------------------------
@@ -358,82 +364,22 @@ def build_rvq_codecs(section: dict, tensors: dict[str, torch.Tensor], args: Mode
     return codecs
 
 
-def rvq_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs, simulated: bool = False,
+def rvq_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs, mode: str = "dynamic",
                       use_kernel: bool | None = None):
-    """(model, batch, max_len) -> RVQTieredCache (or, `simulated`, SimulatedRVQCache), for perplexity.evaluate."""
+    """(model, batch, max_len) -> RVQTieredCache in `mode` (dynamic: for perplexity.evaluate; static: the decode
+    engine's, history mirror in the model's dtype; simulated: one forward per window, built on the CPU): the
+    registry's `cache_factory` hook."""
     codecs = build_rvq_codecs(section, tensors, args)
     rvq = section["rvq"]
     rope_pre = rvq["rope"] == "pre"
 
     def make(model, batch: int, max_len: int):
-        dev = model.tok_embeddings.weight.device
+        w = model.tok_embeddings.weight
         kw = dict(window=section["window"], sinks=section["sinks"], block=section["block"],
-                  archive_after=rvq["archive_after"], rope_pre=rope_pre)
-        if simulated:
-            return SimulatedRVQCache(model.args, batch, max_len, codecs, **kw)
-        return RVQTieredCache(model.args, batch, max_len, codecs, device=dev, use_kernel=use_kernel, **kw)
-
-    return make
-
-
-# -- the static engine's cache ---------------------------------------------------------------------------
-
-class StaticRVQCache(StaticTieredCache):
-    """The rvq-tiered cache in the static CUDA-graph engine (decode.StaticTieredCache): the middle tier is
-    its block codec (HistoryStore), and after each encode the row's blocks older than `archive_after` are
-    re-encoded into the archive tier from the middle tier's reconstruction, as RVQTieredCache does. Decode
-    steps attend over the dequantized mirror (graph-safe SDPA); the LUT kernel is not wired here."""
-
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list[RVQLayerCodec], window: int = 128,
-                 sinks: int = 4, block: int = 32, archive_after: int = 4096, rope_pre: bool = False, device="cpu",
-                 mirror_dtype=torch.float32):
-        super().__init__(args, batch, max_len, codecs, window, sinks, block, rope_pre, device, use_kernel=False,
-                         mirror_dtype=mirror_dtype)
-        self.archive_after = archive_after if codecs[0].arch is not None else 0
-        self.n_arch = [0] * batch
-        self.arch = None
-        if self.archive_after:
-            n = self.max_blocks * block
-            self.arch = {kind: [torch.zeros(batch, args.n_kv_heads, n, c.arch[kind].row_bytes, dtype=torch.uint8,
-                                            device=self.device) for c in codecs] for kind in "kv"}
-
-    def arch_at(self, tokens: int) -> int:
-        """Archived blocks after `tokens` tokens (RVQTieredCache.arch_at)."""
-        if not self.archive_after:
-            return 0
-        return min(self.policy.blocks_at(tokens), max(0, (tokens - self.archive_after - self.sinks) // self.block))
-
-    def _after_encode(self, row: int) -> None:
-        blk = self.block
-        while self.n_arch[row] < self.arch_at(self.length[row]):
-            b = self.n_arch[row]
-            sl = slice(b * blk, (b + 1) * blk)
-            for layer, codec in enumerate(self.codecs):
-                for kind in "kv":
-                    x = codec.mid[kind].decode(self.hist[kind][layer]["codes"][row : row + 1, :, sl])  # pre-RoPE if so
-                    codes = codec.arch[kind].encode(x)
-                    self.arch[kind][layer][row : row + 1, :, sl] = codes
-                    y = codec.arch[kind].decode(codes)
-                    if kind == "k" and self.rope_pre:
-                        y = rotate(self.args, y, self.sinks + b * blk, inverse=False)
-                    self.mirror[kind][layer][row : row + 1, :, sl] = y
-            self.n_arch[row] = b + 1
-
-    def _history_bytes(self, row: int) -> int:
-        na, nb = self.n_arch[row], self.n_blocks[row]
-        arch = 0 if self.arch is None else sum(t[0, :, : self.block].numel() * t.element_size()
-                                               for kind in "kv" for t in self.arch[kind])
-        return (nb - na) * self._row_block_bytes() + na * arch
-
-
-def rvq_static_factory(section: dict, tensors: dict[str, torch.Tensor], args: ModelArgs):
-    """(model, batch, max_len) -> StaticRVQCache: the registry's `static_cache` hook."""
-    codecs = build_rvq_codecs(section, tensors, args)
-    rvq = section["rvq"]
-
-    def make(model, batch: int, max_len: int):
-        return StaticRVQCache(model.args, batch, max_len, codecs, section["window"], section["sinks"],
-                              section["block"], rvq["archive_after"], rvq["rope"] == "pre",
-                              model.tok_embeddings.weight.device, mirror_dtype=model.tok_embeddings.weight.dtype)
+                  archive_after=rvq["archive_after"], rope_pre=rope_pre, mode=mode)
+        if mode == "simulated":
+            return RVQTieredCache(model.args, batch, max_len, codecs, use_kernel=False, **kw)
+        return RVQTieredCache(model.args, batch, max_len, codecs, device=w.device, use_kernel=use_kernel,
+                              mirror_dtype=w.dtype if mode == "static" else torch.float32, **kw)
 
     return make

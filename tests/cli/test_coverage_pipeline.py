@@ -20,9 +20,10 @@ from moec.calibrate.run import calibrate
 from moec.calibrate.sources import load_tokenizer, tokenize
 from moec.errors import UserError
 from moec.rotation import rotate, unpack_signs
-from moec.runtime.decode import DecodeEngine, StaticFP16Cache
+from moec.runtime.decode import DecodeEngine
 from moec.runtime.experts import dequantize
 from moec.runtime.hf_layout import HFCheckpoint
+from moec.runtime.kvcache import FP16Cache
 from moec.runtime.loader import load_model
 from moec.runtime.model import build_model
 from moec.runtime.perplexity import evaluate, make_windows
@@ -122,7 +123,7 @@ def test_perplexity_near_source_and_decode_engine(tiny_qwen2_moe_dir, packed):
 
     # the decode engine (prefill, then one token at a time) equals the torch forward over the whole window
     seq = windows[0]
-    eng = DecodeEngine(model, StaticFP16Cache(model.args, 1, seq.numel()))
+    eng = DecodeEngine(model, FP16Cache(model.args, 1, seq.numel(), mode="static"))
     logits = [eng.prefill(0, seq[:16])]
     for t in range(16, 24):
         eng.tokens[:1] = seq[t]
@@ -144,7 +145,7 @@ def test_decode_engine_kernel_step(packed, monkeypatch):
     out = {}
     for mode in ("0", "1"):
         monkeypatch.setenv("MOEC_KERNELS", "0")
-        eng = DecodeEngine(model, StaticFP16Cache(model.args, 1, 16), graphs=False, fuse=False)
+        eng = DecodeEngine(model, FP16Cache(model.args, 1, 16, mode="static"), graphs=False, fuse=False)
         eng.prefill(0, seq[:10])
         monkeypatch.setenv("MOEC_KERNELS", mode)
         eng.tokens[:1] = seq[10]

@@ -18,7 +18,8 @@ import pytest  # noqa: E402
 
 from moec.kernels.fused_decode import add_rms_norm, qk_norm_rope  # noqa: E402
 from moec.runtime.config import ModelArgs  # noqa: E402
-from moec.runtime.decode import DecodeEngine, StaticFP16Cache  # noqa: E402
+from moec.runtime.decode import DecodeEngine  # noqa: E402
+from moec.runtime.kvcache import FP16Cache  # noqa: E402
 from moec.runtime.latency import random_model  # noqa: E402
 from moec.runtime.model import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
 
@@ -76,8 +77,8 @@ def test_engine_fused_step_matches_plain_step(qk_norm):
     prompt = torch.tensor([3, 9, 27, 17, 51])
     out = []
     for fuse in (False, True):
-        eng = DecodeEngine(model, StaticFP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32), graphs=False,
-                           fuse=fuse)
+        cache = FP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32, mode="static")
+        eng = DecodeEngine(model, cache, graphs=False, fuse=fuse)
         assert eng.fused == fuse
         logits = [eng.prefill(0, prompt)]
         for _ in range(4):
@@ -112,8 +113,8 @@ def test_engine_fuses_quantized_qkv(rotated):
                 quant[f"layers.{i}.attn.{n}.weight"] = QuantMatrix("rtn", 4, tuple(W.shape), stored)
         attach(model, quant, DEVICE)
         ref = [model.layers[0].attn.wk.q.dequant_ref(0)]
-        eng = DecodeEngine(model, StaticFP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32), graphs=False,
-                           fuse=fuse)
+        cache = FP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32, mode="static")
+        eng = DecodeEngine(model, cache, graphs=False, fuse=fuse)
         if fuse:
             assert all((f is None) if rotated else isinstance(f, _QuantQKV) for f in eng.qkv)
             assert isinstance(model.layers[0].attn.wk, QLinear)

@@ -202,9 +202,9 @@ def test_cache_kernel_path_matches_reference_path(rope_pre, centered):
 
 
 def test_static_engine_kernel_path_matches_mirror_path():
-    """The CUDA-graph engine's StaticTieredCache through the fused kernel (pre-RoPE, centered keys: the
+    """The CUDA-graph engine's TieredKVCache (static mode) through the fused kernel (pre-RoPE, centered keys: the
     recipe's codec) gives the ppl_dec of its dequantized-mirror torch path."""
-    from moec.runtime.decode import StaticTieredCache, evaluate_dec
+    from moec.runtime.decode import evaluate_dec
     from moec.runtime.latency import random_model
 
     args = ModelArgs(arch="llama", vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64,
@@ -215,7 +215,8 @@ def test_static_engine_kernel_path_matches_mirror_path():
     codecs = [NUQCenteredCodec(2, 64, 16, lev, lev * 0.8, torch.rand(2, 64, generator=gen) + 0.5, 0.01,
                                torch.randn(2, 64, generator=gen), torch.rand(2, 64, generator=gen))]
     windows = torch.randint(0, 64, (1, 56), generator=gen)  # 2 history blocks by the end
-    res = [evaluate_dec(model, windows, lambda B, n, k=kern: StaticTieredCache(
-        args, B, n, codecs, window=4, sinks=2, block=16, rope_pre=True, device=DEVICE, use_kernel=k), batch_size=1)
+    res = [evaluate_dec(model, windows, lambda B, n, k=kern: TieredKVCache(
+        args, B, n, codecs, window=4, sinks=2, block=16, rope_pre=True, device=DEVICE, use_kernel=k, mode="static"),
+        batch_size=1)
         for kern in (False, True)]
     assert abs(res[1]["ppl"] / res[0]["ppl"] - 1) < (1e-5 if DEVICE == "cpu" else 1e-3), res

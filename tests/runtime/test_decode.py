@@ -11,9 +11,10 @@ A wrong position, slot or block boundary moves ppl by percents.
 import pytest
 import torch
 
-from moec.runtime.decode import DecodeEngine, StaticFP16Cache, StaticTieredCache, bucket_for, evaluate_dec
+from moec.runtime.decode import DecodeEngine, bucket_for, evaluate_dec
 from moec.runtime.kivi import KIVICodec
-from moec.runtime.kvtiered import tiered_cache_factory
+from moec.runtime.kvcache import FP16Cache
+from moec.runtime.kvtiered import TieredKVCache, tiered_cache_factory
 from moec.runtime.nuq import FIXED_LEVELS, NUQOutlierCodec
 from moec.runtime.perplexity import evaluate, make_windows
 
@@ -33,7 +34,7 @@ def demo():
 
 
 def test_fp16_cache_kernel_matches_torch_path(monkeypatch):
-    """StaticFP16Cache.attend through the fp16 decode-attention kernel (MOEC_KERNELS=1; the interpreter on
+    """FP16Cache (static mode) attend through the fp16 decode-attention kernel (MOEC_KERNELS=1; the interpreter on
     the CPU) equals the torch path step by step: outputs, and the cache the kernel writes."""
     from moec.runtime.config import ModelArgs
 
@@ -47,7 +48,7 @@ def test_fp16_cache_kernel_matches_torch_path(monkeypatch):
     calls = []
     real = fk.fp16_decode_attention
     monkeypatch.setattr(fk, "fp16_decode_attention", lambda *x, **kw: calls.append(1) or real(*x, **kw))
-    caches = {m: StaticFP16Cache(a, 2, 64, device=dev) for m in ("0", "1")}
+    caches = {m: FP16Cache(a, 2, 64, device=dev, mode="static") for m in ("0", "1")}
     g = torch.Generator().manual_seed(0)
     for c in caches.values():
         c.pos = torch.tensor([0, 0], device=dev)
@@ -70,7 +71,7 @@ def test_fp16_cache_kernel_matches_torch_path(monkeypatch):
 def test_fp16_engine_matches_reference(demo):
     model, windows = demo
     ref = evaluate(model, windows, "dec", batch_size=2)
-    got = evaluate_dec(model, windows, lambda B, n: StaticFP16Cache(model.args, B, n), batch_size=2)
+    got = evaluate_dec(model, windows, lambda B, n: FP16Cache(model.args, B, n, mode="static"), batch_size=2)
     assert got["scored_tokens"] == ref["scored_tokens"]
     assert got["ppl"] == pytest.approx(ref["ppl"], rel=1e-3), (got, ref)
 
@@ -88,8 +89,8 @@ def test_tiered_engine_matches_reference(demo, codec, rope):
                                   0.01) for _ in range(a.n_layers)]
     sec = {"codec": codec, "window": 32, "sinks": 4, "block": 16, "rope": rope}
     ref = evaluate(model, windows, "dec", batch_size=2, cache_factory=tiered_cache_factory(sec, codecs))
-    got = evaluate_dec(model, windows, lambda B, n: StaticTieredCache(a, B, n, codecs, 32, 4, 16, rope == "pre"),
-                       batch_size=2)
+    got = evaluate_dec(model, windows, lambda B, n: TieredKVCache(a, B, n, codecs, 32, 4, 16, rope == "pre",
+                                                                  mode="static"), batch_size=2)
     assert got["ppl"] == pytest.approx(ref["ppl"], rel=1e-3), (got, ref)
 
 
@@ -103,7 +104,7 @@ def test_rows_at_different_lengths(demo):
               for _ in range(a.n_layers)]
 
     def cache(B):
-        return StaticTieredCache(a, B, 128, codecs, 32, 4, 16, True)
+        return TieredKVCache(a, B, 128, codecs, 32, 4, 16, True, mode="static")
 
     both = DecodeEngine(model, cache(2))
     lens = (37, 60)
@@ -132,13 +133,13 @@ def test_buckets_and_random_fill(demo):
     a = model.args
     codecs = [NUQOutlierCodec(2, a.head_dim, 32, torch.tensor(FIXED_LEVELS[2]), torch.tensor(FIXED_LEVELS[2]),
                               torch.ones(a.n_kv_heads, a.head_dim), 0.01) for _ in range(a.n_layers)]
-    c = StaticTieredCache(a, 1, 1024, codecs, 128, 4, 32)
+    c = TieredKVCache(a, 1, 1024, codecs, 128, 4, 32, mode="static")
     c.fill_random(0, 1000)
     assert c.n_blocks[0] == (1000 - 4 - 128) // 32 and int(c.hist_len[0]) == c.n_blocks[0] * 32
-    fp = StaticFP16Cache(a, 1, 1024)
+    fp = FP16Cache(a, 1, 1024, mode="static")
     fp.fill_random(0, 1000)
     # 2-bit codes + fp16 value scales + 1% outliers: ~5x fewer bytes than fp16 over the history
-    assert fp.bytes_read(range(1)) > 4 * (c.bytes_read(range(1)) - 160 * StaticFP16Cache.bytes_per_token(a))
+    assert fp.bytes_read(range(1)) > 4 * (c.bytes_read(range(1)) - 160 * FP16Cache.bytes_per_token(a))
     eng = DecodeEngine(model, c)  # a step over random history runs and gives finite logits
     eng.pos[0] = 1000
     assert torch.isfinite(eng.step(1)).all()
@@ -148,7 +149,7 @@ def test_split_attention_equals_masked_sdpa():
     """The GPU's split-K attention over the fp16 cache (plain torch, so it runs here too) vs masked SDPA."""
     import torch.nn.functional as F
 
-    from moec.runtime.decode import SPLIT, split_attention
+    from moec.runtime.kvcache import SPLIT, split_attention
 
     g = torch.Generator().manual_seed(0)
     b, K, G, S, d = 3, 2, 4, 4 * SPLIT, 64

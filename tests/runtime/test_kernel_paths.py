@@ -73,8 +73,8 @@ def test_default_path_matches_torch_reference(model, recipe, kernel):
 
 @pytest.mark.parametrize("recipe", [c for c, _ in CASES])
 def test_static_engine_matches_dynamic_cache(model, recipe):
-    """The static CUDA-graph engine's cache (decode.static_cache_factory: StaticTieredCache and the latent /
-    RVQ static caches) against the dynamic cache `moec eval` builds, on the torch path: the same tier rule
+    """The static CUDA-graph engine's cache (decode.static_cache_factory: the tiered, latent and RVQ caches in
+    static mode) against the dynamic cache `moec eval` builds, on the torch path: the same tier rule
     and the same encoded blocks. Not bit-equal: the static engine's prefill attends over the unrounded K/V
     and the dynamic cache's over their fp16 copies, so later layers' K/V (and 2-bit codes near a boundary)
     differ slightly: 0.1–1.1% relative L2 on this model for every codec, nuq and kivi included, against

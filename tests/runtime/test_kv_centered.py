@@ -1,5 +1,5 @@
 """The nuq-outlier options (nuq.NUQCenteredCodec: key centers, query-weighted key outliers; calibrate/nuq.py's
-centered / MSE scales), their recipe validation, and simulated decode (kvsim) against real decode."""
+centered / MSE scales), their recipe validation, and the simulated mode of TieredKVCache against real decode."""
 
 import pytest
 import torch
@@ -9,7 +9,6 @@ from moec.calibrate.recipe import parse_recipe
 from moec.errors import UserError
 from moec.runtime.config import ModelArgs
 from moec.runtime.kvcache import causal_attention
-from moec.runtime.kvsim import SimulatedTieredCache
 from moec.runtime.kvtiered import TieredKVCache
 from moec.runtime.loader import load_model
 from moec.runtime.nuq import FIXED_LEVELS, NUQCenteredCodec, NUQOutlierCodec
@@ -156,7 +155,7 @@ def test_tiered_cache_with_centered_codec_is_the_torch_path():
 
 
 def test_simulated_decode_equals_decode(tiny_moe_dir):
-    """kvsim's one forward per window gives the logits of token-by-token decode through the cache."""
+    """The simulated mode's one forward per window gives the logits of token-by-token decode through the cache."""
     model, _ = load_model(tiny_moe_dir)
     args = model.args
     gen = torch.Generator().manual_seed(5)
@@ -169,7 +168,7 @@ def test_simulated_decode_equals_decode(tiny_moe_dir):
     W = 120
     x = torch.randint(0, args.vocab_size, (2, W), generator=gen)
     with torch.no_grad():
-        sim = SimulatedTieredCache(args, 2, W, codecs, window=24, sinks=2, block=16, rope_pre=True)
+        sim = TieredKVCache(args, 2, W, codecs, window=24, sinks=2, block=16, rope_pre=True, mode="simulated")
         lg_sim = model(x, sim, 0)[:, CONTEXT - 1 : W - 1]
         dec = TieredKVCache(args, 2, W, codecs, window=24, sinks=2, block=16, rope_pre=True)
         out = [model(x[:, :CONTEXT], dec, 0)[:, -1]]

@@ -12,7 +12,6 @@ from moec.errors import UserError
 from moec.rotation import block_hadamard, pow2_block
 from moec.runtime.config import ModelArgs
 from moec.runtime.kvcache import causal_attention
-from moec.runtime.kvsim import SimulatedTieredCache
 from moec.runtime.kvtiered import TieredKVCache
 from moec.runtime.loader import load_model
 from moec.runtime.nuq import FIXED_LEVELS, NUQCenteredCodec
@@ -119,7 +118,7 @@ def test_simulated_decode_equals_decode_with_rotation(tiny_moe_dir, bias):
     W = 120
     x = torch.randint(0, args.vocab_size, (2, W), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        sim = SimulatedTieredCache(args, 2, W, codecs, window=24, sinks=2, block=16)
+        sim = TieredKVCache(args, 2, W, codecs, window=24, sinks=2, block=16, mode="simulated")
         lg_sim = model(x, sim, 0)[:, CONTEXT - 1 : W - 1]
         dec = TieredKVCache(args, 2, W, codecs, window=24, sinks=2, block=16)
         out = [model(x[:, :CONTEXT], dec, 0)[:, -1]]

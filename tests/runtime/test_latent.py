@@ -6,7 +6,7 @@ import torch
 from moec.errors import FormatError
 from moec.formats.bitpack import pack_planar, pack_trits, unpack_planar, unpack_trits
 from moec.runtime.config import ModelArgs
-from moec.runtime.kvcache import DenseKVCache
+from moec.runtime.kvcache import FP16Cache
 from moec.runtime.latent import LatentCodec, LatentKVCache, build_latent_codecs
 
 ARGS = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -126,7 +126,7 @@ def test_full_rank_fp16_latent_matches_dense_cache():
     groups = [[0, 1], [2]]
     codecs = _codecs(groups, 64, 16, 0.0)
     lat = LatentKVCache(ARGS, 2, 50, groups, codecs, window=8, sinks=2, block=8, rope_pre=True)
-    dense = DenseKVCache(ARGS, 2, 50, dtype=torch.float16)
+    dense = FP16Cache(ARGS, 2, 50, dtype=torch.float16)
     for a, b in zip(_run(lat, q, k, v, 1), _run(dense, q, k, v, 1), strict=True):
         assert (a - b).abs().max().item() < 2e-2
     assert lat.n_blocks[0] > 3

@@ -8,7 +8,7 @@ import torch
 from moec.formats.bitpack import pack_planar, unpack_planar
 from moec.runtime.config import ModelArgs
 from moec.runtime.kivi import KIVICodec
-from moec.runtime.kvcache import DenseKVCache, causal_attention
+from moec.runtime.kvcache import FP16Cache, causal_attention
 from moec.runtime.kvtiered import TieredKVCache
 from moec.runtime.nuq import FIXED_LEVELS, NUQOutlierCodec
 
@@ -95,7 +95,7 @@ def test_window_only_equals_dense():
     """While every token fits in sinks + window, the tiered cache is the fp16 cache."""
     gen = torch.Generator().manual_seed(0)
     cache = TieredKVCache(ARGS, 2, 100, _codecs("nuq"), window=64, sinks=4)
-    outs = _run(cache, 90, gen, dense=DenseKVCache(ARGS, 2, 100))
+    outs = _run(cache, 90, gen, dense=FP16Cache(ARGS, 2, 100))
     assert cache.n_blocks == [0, 0]
     assert all(torch.equal(a, b) for a, b in outs)
     static = 2 * (2 * 32 * 4 + 2 * 4 * 4)  # per layer: fp32 key channel scales and K/V levels
@@ -106,7 +106,7 @@ def test_window_only_equals_dense():
 def test_tiered_attend_equals_dequantize_then_attend(codec, rope_pre):
     gen = torch.Generator().manual_seed(1)
     cache = TieredKVCache(ARGS, 2, 200, _codecs(codec), window=16, sinks=3, rope_pre=rope_pre)
-    dense = DenseKVCache(ARGS, 2, 200)
+    dense = FP16Cache(ARGS, 2, 200)
     _run(cache, 130, gen, dense=dense)
     n = cache.length
     assert cache.n_blocks == [cache.blocks_at(n)] * 2 == [3, 3]  # 130 = 3 sinks + 96 + 31 in the window

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from moec.runtime.kvcache import DenseKVCache
+from moec.runtime.kvcache import FP16Cache
 from moec.runtime.loader import load_model
 from moec.runtime.perplexity import CONTEXT, evaluate, layer_progress, make_windows, shares
 
@@ -57,7 +57,7 @@ def test_fp32_cache_decode_is_exact_to_rounding(tiny_moe_dir):
     windows = torch.randint(0, model.args.vocab_size, (2, 70), generator=torch.Generator().manual_seed(2))
 
     def fp32_cache(m, b, n):
-        return DenseKVCache(m.args, b, n, dtype=torch.float32)
+        return FP16Cache(m.args, b, n, dtype=torch.float32)
 
     tf = evaluate(model, windows, "tf")
     dec = evaluate(model, windows, "dec", cache_factory=fp32_cache)
