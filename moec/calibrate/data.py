@@ -55,14 +55,14 @@ def is_eval_split(data: str, split: str) -> bool:
     return data in BUILTIN_DATA and BUILTIN_DATA[data]["eval_split"] == split
 
 
-def eval_windows(tokenizer, data: str, n: int, window: int) -> tuple[str, torch.Tensor]:
-    """("<data>/<split>", the first n windows [n, window]) of `data`'s evaluation split (a built-in data set's
-    `eval_split`, kjv: the New Testament; "test" for any other), tokenized as `moec eval` does."""
+def eval_windows(tokenizer, data: str, n: int, seq_len: int) -> tuple[str, torch.Tensor]:
+    """("<data>/<split>", the first n evaluation windows [n, seq_len]) of `data`'s evaluation split (a built-in
+    data set's `eval_split`, kjv: the New Testament; "test" for any other), tokenized as `moec eval` does."""
     from ..runtime.perplexity import make_windows
     from .sources import tokenize
 
     split = BUILTIN_DATA[data]["eval_split"] if data in BUILTIN_DATA else "test"
-    return f"{data}/{split}", make_windows(tokenize(tokenizer, load_text(data, split)), window, n)
+    return f"{data}/{split}", make_windows(tokenize(tokenizer, load_text(data, split)), seq_len, n)
 
 
 def check_builtin(data: str, split: str, config: str | None = None) -> None:

@@ -266,13 +266,13 @@ class TieredKVCache:
     # query over another view, as the latent groups do, sets it False: moec/hf refuses it)
     position_order_view = True
 
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list, window: int = 128,
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list, window: int,
                  sinks: int = 4, block: int = 32, rope_pre: bool = False, device="cpu",
                  use_kernel: bool | None = None, mode: str = "dynamic", mirror_dtype=torch.float32,
                  prefill: int = 32):
         assert mode in MODES, mode
         assert len(codecs) == args.n_layers, (len(codecs), args.n_layers)
-        assert window >= 0 and sinks >= 0 and block > 0, (window, sinks, block)
+        # window, sinks and block come validated from the recipe's config (moec/codecs/base.py TieredConfig)
         self.args, self.batch, self.max_len, self.mode = args, batch, max_len, mode
         self.codecs, self.window, self.sinks, self.block, self.rope_pre = codecs, window, sinks, block, rope_pre
         self.policy = TierPolicy(sinks, window, block)

@@ -173,7 +173,7 @@ class LatentKVCache(TieredKVCache):
     position_order_view = False  # queries attend per query over group-encoded blocks (module docstring)
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, groups: list[list[int]],
-                 codecs: list[dict[str, LatentCodec]], name: str = "latent-head", window: int = 128, sinks: int = 4,
+                 codecs: list[dict[str, LatentCodec]], name: str = "latent-head", *, window: int, sinks: int = 4,
                  block: int = 32, rope_pre: bool = False, device="cpu", use_kernel: bool | None = None,
                  mode: str = "dynamic", mirror_dtype=torch.float32):
         assert [i for g in groups for i in g] == list(range(args.n_layers)), groups
@@ -456,7 +456,8 @@ def latent_cache_factory(section: dict, tensors: dict[str, torch.Tensor], args: 
         if dev not in per_device:
             per_device[dev] = codecs if dev.type == "cpu" else build_latent_codecs(section, tensors, args, dev)[1]
         return LatentKVCache(model.args, batch, max_len, groups, per_device[dev], section["codec"],
-                             section["window"], section["sinks"], section["block"], section["rope"] == "pre", dev,
+                             window=section["window"], sinks=section["sinks"], block=section["block"],
+                             rope_pre=section["rope"] == "pre", device=dev,
                              use_kernel=use_kernel, mode=mode,
                              mirror_dtype=w.dtype if mode == "static" else torch.float32)
 

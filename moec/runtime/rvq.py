@@ -141,7 +141,7 @@ class RVQTieredCache(TieredKVCache):
 
     SIM_CHUNK = 256  # simulated mode: queries attended per chunk, so memory stays bounded at 8k-token windows
 
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list[RVQLayerCodec], window: int = 128,
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, codecs: list[RVQLayerCodec], window: int,
                  sinks: int = 4, block: int = 32, archive_after: int = 4096, rope_pre: bool = False, device="cpu",
                  use_kernel: bool | None = None, mode: str = "dynamic", mirror_dtype=torch.float32,
                  prefill: int = 32):

@@ -165,7 +165,7 @@ def test_kjv_out_of_domain_scoring(tiny_moe_dir):
     from moec.runtime.perplexity import reference_logits, score_tf, windows_label
 
     tok = load_tokenizer(tiny_moe_dir)
-    name, windows = eval_windows(tok, "kjv", 2, window=64)
+    name, windows = eval_windows(tok, "kjv", 2, seq_len=64)
     assert name == "kjv/test" and windows.shape == (2, 64)
     assert tok.decode(windows[0, :12].tolist()).startswith("The book of the")  # Matthew 1:1
     ck = HFCheckpoint(tiny_moe_dir)
