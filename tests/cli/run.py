@@ -58,6 +58,25 @@ def _own_logging():
         root.handlers, root.level = handlers, level
 
 
+@contextlib.contextmanager
+def _console_width(columns: int):
+    """The CLI's rich consoles (moec.cli.common) at COLUMNS wide, as a fresh process with COLUMNS set starts
+    them: a console this process made earlier may have fixed its width (80 where nothing said otherwise)."""
+    from rich.console import Console
+
+    from moec.cli import common
+
+    consoles = [c for c in vars(common).values() if isinstance(c, Console)]
+    saved = [(c._width, c._height) for c in consoles]
+    for c in consoles:
+        c.width = columns
+    try:
+        yield
+    finally:
+        for c, (w, h) in zip(consoles, saved, strict=True):
+            c._width, c._height = w, h
+
+
 def moec(*args, timeout=600, isolate: bool = False) -> subprocess.CompletedProcess:
     if isolate or any(os.environ.get(k) for k in NEEDS_A_PROCESS):
         return moec_subprocess(*args, timeout=timeout)
@@ -70,7 +89,7 @@ def moec(*args, timeout=600, isolate: bool = False) -> subprocess.CompletedProce
         err.write(warnings.formatwarning(message, category, filename, lineno, line))
 
     old_argv = sys.argv
-    with _environ(ENV), _own_logging(), warnings.catch_warnings(), \
+    with _environ(ENV), _console_width(int(ENV["COLUMNS"])), _own_logging(), warnings.catch_warnings(), \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         warnings.simplefilter("default")
         warnings.showwarning = show
