@@ -32,6 +32,7 @@ from .. import __version__
 from ..atomic import atomic_dir
 from ..errors import UserError
 from ..formats.checkpoint import is_packed
+from ..progress import track
 from ..provenance import created_timestamp, environment
 from ..registry import kv_codec
 from ..runtime.experts import pop_quant_experts
@@ -103,8 +104,14 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if kv_spec.check is not None:  # the KV settings against the model's shapes, before any work
         kv_spec.hook("check")(args, kv_cfg)
     torch.manual_seed(seed)
-    tokenizer = load_tokenizer(model_dir)  # a chat column's template is checked here, before any weight is read
-    ids = [tokenize(tokenizer, load_text(s.name, s.split, s.config, s.column, tokenizer)) for s in sources]
+    # the tokenizer and the text (tens of seconds on a large corpus): shown, as every long step is
+    with track("reading and tokenizing the calibration text", total=1 + len(sources)) as advance:
+        tokenizer = load_tokenizer(model_dir)  # a chat column's template is checked here, before any weight is read
+        advance()
+        ids = []
+        for s in sources:
+            ids.append(tokenize(tokenizer, load_text(s.name, s.split, s.config, s.column, tokenizer)))
+            advance()
     mem = check_memory(ckpt, recipe, samples, seq_len, device)  # before any sample or weight is held (memory.py)
     if notify is not None:
         notify(mem.summary())
