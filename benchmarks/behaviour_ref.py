@@ -18,6 +18,7 @@ Tuned recipes are capped at TUNE_STEPS_CAP tuning steps to keep the full run aff
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -60,34 +61,13 @@ def recipe_file(name: str) -> Path:
 
 
 def _moec(*args: str | Path) -> subprocess.CompletedProcess:
-    """`moec ARGS` through the CLI's entry point (moec.cli.app.main: the same parsing, work and exit code as
-    the `moec` command) in this process, from the repository root, output captured: three commands a recipe
-    would otherwise pay torch's and transformers' imports three times (seconds each on two cores)."""
-    import contextlib
-    import io
+    """`moec ARGS` in this process from the repository root (moec.cli.app.run: the `moec` command's parsing,
+    work and exit code, output captured): three commands a recipe would otherwise pay torch's and
+    transformers' imports three times (seconds each on two cores)."""
+    from moec.cli.app import run
 
-    from moec.cli.app import main
-
-    argv, out, err = ["moec", *map(str, args)], io.StringIO(), io.StringIO()
-    env = {"MOEC_PROGRESS": "0", "COLUMNS": "200"}
-    saved_env, saved_argv = {k: os.environ.get(k) for k in env}, sys.argv
-    os.environ.update(env)
-    sys.argv = argv
-    try:
-        with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main()
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = saved_argv
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+    with contextlib.chdir(ROOT):
+        return run(*args, env={"MOEC_PROGRESS": "0", "COLUMNS": "200"})
 
 
 def tensor_hashes(packed: Path) -> dict[str, str]:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.benchutil import time_step
 from moec.cli.common import base_record, write_json_atomic
 from moec.kernels.rvq_lut_attention import CodeSegment, rvq_lut_attention, rvq_lut_attention_ref
 
@@ -80,18 +81,7 @@ def timed(fn, reps: int, dev: str) -> tuple[list[float], bool]:
         run = graph.replay
     except Exception:  # noqa: BLE001 (any capture failure: time eagerly and say so)
         graph, run = None, fn
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return out, graph is not None
+    return time_step(run, reps), graph is not None
 
 
 def main() -> None:

@@ -41,8 +41,6 @@ hash of moec/ (scripts/source_tree.sh), which the submitter compares with the la
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import multiprocessing
 import shutil
@@ -78,21 +76,12 @@ def source_tree() -> str:
 
 
 def run_cli(*argv: str) -> tuple[int, str]:
-    """`moec ARGV` in this process (the CLI's own entry point and error handling); (exit code, output)."""
-    from moec.cli.app import main
+    """`moec ARGV` in this process (moec.cli.app.run: the CLI's own entry point and error handling); (exit
+    code, stdout and stderr)."""
+    from moec.cli.app import run
 
-    buf = io.StringIO()
-    old = sys.argv
-    sys.argv = ["moec", *argv]
-    rc = 0
-    try:
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-            main()
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = old
-    return rc, buf.getvalue()
+    r = run(*argv)
+    return r.returncode, r.stdout + r.stderr
 
 
 def _tail(text: str, n: int = 300) -> str:

@@ -6,9 +6,13 @@ anything else (one line; MOEC_DEBUG=1 shows the traceback).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
+import subprocess
 import sys
+import warnings
 
 import click
 import typer
@@ -92,6 +96,73 @@ def main() -> None:
         sys.exit(1)
     finally:  # main() called in-process (tests, gpu_smoke) leaves no reporter behind
         set_reporter(None)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _as_a_fresh_process(columns: int | None):
+    """The root logger as a fresh process has it (no handler, level WARNING), so main()'s basicConfig installs
+    the CLI's handler on the captured stderr, and the CLI's consoles `columns` wide (a console made earlier
+    may have fixed its width at 80); both come back afterwards."""
+    from rich.console import Console
+
+    from . import common
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    consoles = [c for c in vars(common).values() if isinstance(c, Console)] if columns else []
+    sizes = [(c._width, c._height) for c in consoles]
+    root.handlers, root.level = [], logging.WARNING
+    for c in consoles:
+        c.width = columns
+    try:
+        yield
+    finally:
+        root.handlers, root.level = handlers, level
+        for c, (w, h) in zip(consoles, sizes, strict=True):
+            c._width, c._height = w, h
+
+
+def run(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`moec ARGS` in this process, as a `moec` process would run it: main() with sys.argv set, the
+    environment updated by `env` for the call (COLUMNS there also sizes the consoles), the exit code, stdout
+    and stderr captured (Python warnings printed to the captured stderr). For callers that run many commands
+    (tests, benchmarks/behaviour_ref.py, benchmarks/gpu_smoke.py): a process would pay torch's and
+    transformers' imports each time."""
+    env = env or {}
+    argv = ["moec", *map(str, args)]
+    out, err = io.StringIO(), io.StringIO()
+
+    def show(message, category, filename, lineno, file=None, line=None):  # as a process prints them
+        err.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    old_argv = sys.argv
+    with _environ(env), _as_a_fresh_process(int(env["COLUMNS"]) if "COLUMNS" in env else None), \
+            warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        warnings.simplefilter("default")
+        warnings.showwarning = show
+        sys.argv = argv
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            sys.argv = old_argv
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 if __name__ == "__main__":

@@ -325,9 +325,6 @@ class TieredKVCache:
     def _layer_groups(self) -> list[list[int]]:
         return [[i] for i in range(self.args.n_layers)]
 
-    def _alloc(self, fields: dict) -> dict[str, torch.Tensor]:
-        return alloc_fields(fields, self.batch, self.args.n_kv_heads, self.max_blocks, self.block, self.device)
-
     # -- history ----------------------------------------------------------------------------------------
 
     def _rope(self, x: torch.Tensor, pos0: int, inverse: bool) -> torch.Tensor:
