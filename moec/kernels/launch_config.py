@@ -34,6 +34,8 @@ from importlib import resources
 
 import torch
 
+from ..errors import UserError
+
 DEFAULT_KEY = "nvidia_h200"  # the device the defaults were tuned on (configs/nvidia_h200.json)
 ENV_DIR = "MOEC_KERNEL_CONFIG_DIR"
 
@@ -54,9 +56,14 @@ def config_files():
 
 
 def _read(text: str, where: str) -> dict:
-    data = json.loads(text)
+    """A device file's JSON object; a malformed one is a one-line UserError naming the file (it is input:
+    $MOEC_KERNEL_CONFIG_DIR, a sweep's output)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        raise UserError(f"{where}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -79,14 +86,14 @@ def _merge(base: dict, over: dict, where: str) -> dict:
             out["device"] = base["device"] | cfgs
             continue
         if kernel not in base:
-            raise ValueError(f"{where}: unknown kernel {kernel!r} (known: {sorted(k for k in base if k[0] != '_')})")
+            raise UserError(f"{where}: unknown kernel {kernel!r} (known: {sorted(k for k in base if k[0] != '_')})")
         merged = dict(base[kernel])
         for name, knobs in cfgs.items():
             if name not in base[kernel]:
-                raise ValueError(f"{where}: {kernel}: unknown config {name!r} (known: {sorted(base[kernel])})")
+                raise UserError(f"{where}: {kernel}: unknown config {name!r} (known: {sorted(base[kernel])})")
             unknown = set(knobs) - set(base[kernel][name])
             if unknown:
-                raise ValueError(f"{where}: {kernel}.{name}: unknown knobs {sorted(unknown)}")
+                raise UserError(f"{where}: {kernel}.{name}: unknown knobs {sorted(unknown)}")
             merged[name] = base[kernel][name] | knobs
         out[kernel] = merged
     return out

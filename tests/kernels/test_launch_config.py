@@ -17,6 +17,7 @@ if not torch.cuda.is_available():  # the CPU runs the kernels in Triton's interp
 
 import pytest  # noqa: E402
 
+from moec.errors import UserError
 from moec.kernels import launch_config as lc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,9 +122,16 @@ def test_device_file_is_read_through_the_cuda_device_name(tmp_path, monkeypatch)
 def test_device_file_typos_are_errors(tmp_path, monkeypatch, over, needle):
     (tmp_path / "typo_gpu.json").write_text(json.dumps(over))
     monkeypatch.setenv(lc.ENV_DIR, str(tmp_path))
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(UserError) as e:  # bad input: one line at the CLI, exit 2
         lc.for_key("typo_gpu")
-    assert needle in str(e.value) and "typo_gpu.json" in str(e.value)
+    assert needle in str(e.value) and "typo_gpu.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_device_file_that_is_not_json_is_an_error(tmp_path, monkeypatch):
+    (tmp_path / "broken_gpu.json").write_text("{not json")
+    monkeypatch.setenv(lc.ENV_DIR, str(tmp_path))
+    with pytest.raises(UserError, match=r"broken_gpu.json: not valid JSON"):
+        lc.for_key("broken_gpu")
 
 
 def test_launch_reads_the_device_config(monkeypatch):
