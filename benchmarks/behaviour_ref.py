@@ -1,6 +1,6 @@
 """Behaviour references: what every `kv-*` / `experts-*` recipe produces on demo-moe, recorded once.
 
-For each recipe in `recipes/` and `recipes/ablations/` whose name starts with `kv-` or `experts-`, through
+For each recipe in `moec/recipes/` and `moec/recipes/ablations/` whose name starts with `kv-` or `experts-`, through
 the CLI as a user runs it:
 calibrate demo-moe (PTB train, 4 × 256 tokens, the recipe's seed), pack, and eval one PTB-test window of
 512 tokens in `tf` and `dec` mode (fp32, CPU). Recorded: the sha256 of every packed tensor's bytes and
@@ -51,12 +51,12 @@ def platform() -> str:
 
 
 def recipes() -> list[Path]:
-    """The shipped recipes and their ablations (recipes/ablations/), in name order."""
-    return [p for p in recipe_files(ROOT / "recipes") if p.stem.startswith(("kv-", "experts-"))]
+    """The shipped recipes and their ablations (moec/recipes/ablations/), in name order."""
+    return [p for p in recipe_files(ROOT / "moec" / "recipes") if p.stem.startswith(("kv-", "experts-"))]
 
 
 def recipe_file(name: str) -> Path:
-    """recipes/NAME.yaml, or recipes/ablations/NAME.yaml for an ablation."""
+    """moec/recipes/NAME.yaml, or moec/recipes/ablations/NAME.yaml for an ablation."""
     return next(p for p in recipes() if p.stem == name)
 
 
@@ -134,7 +134,7 @@ def main() -> int:
     todo = [p for p in recipes() if not a.only or p.stem in a.only]
     unknown = sorted(set(a.only or ()) - {p.stem for p in todo})
     if unknown:
-        print(f"behaviour_ref: no kv-*/experts-* recipe named {', '.join(unknown)} under recipes/", file=sys.stderr)
+        print(f"behaviour_ref: no kv-*/experts-* recipe named {', '.join(unknown)} under moec/recipes/", file=sys.stderr)
         return 2
     refs = json.loads(REFS.read_text()) if REFS.exists() else {"protocol": {}, "recipes": {}}
     same_platform = refs["protocol"].get("platform") == platform()

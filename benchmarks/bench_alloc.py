@@ -2,7 +2,7 @@
 calibrate → (choose again at each budget and sensitivity) → pack → ppl_tf on PTB test (docs/benchmarks.md).
 
     python3 -m benchmarks.bench_alloc --model smollm2-135m \
-        --recipe recipes/ablations/smollm2-mlp-alloc23-had-sweep.yaml --budgets 2.25 2.3 \
+        --recipe moec/recipes/ablations/smollm2-mlp-alloc23-had-sweep.yaml --budgets 2.25 2.3 \
         --sensitivities output relative [--windows 8]
 
 The recipe's allocate rule must set `keep_candidates: true`: every candidate fit is then in

@@ -180,7 +180,7 @@ class LiveTensors(TorchDispatchMode):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="mixtral-8x7b", choices=[k for k, v in PRESETS.items() if v.is_moe])
-    ap.add_argument("--recipe", type=Path, default=ROOT / "recipes/experts-hls2.yaml")
+    ap.add_argument("--recipe", type=Path, default=ROOT / "moec/recipes/experts-hls2.yaml")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)

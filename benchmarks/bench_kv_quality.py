@@ -8,7 +8,7 @@ lockstep for every recipe: the numbers equal `moec eval --mode dec --baseline` (
 fp32), at half the cost.
 
     python3 -m benchmarks.bench_kv_quality --model smollm2-135m --max-windows 2 \\
-        --recipes recipes/kv-kivi2.yaml recipes/ablations/kv-nuq2-outlier.yaml ...
+        --recipes moec/recipes/kv-kivi2.yaml moec/recipes/ablations/kv-nuq2-outlier.yaml ...
 
 Writes benchmarks/results/kv_quality_<model>.json (a list of records, docs/benchmarks.md fields).
 HF transformers' QuantizedCache peers (quanto / HQQ) run in benchmarks/bench_kv_peers.py on the

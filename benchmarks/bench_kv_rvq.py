@@ -16,7 +16,7 @@ The baseline is the same model with an fp16 cache (keys/values rounded to fp16, 
 are computed in chunks from kept final hidden states (an 8192-token window of SmolLM2 has 1.6 G logits).
 
     OMP_NUM_THREADS=1 python3 -m benchmarks.bench_kv_rvq --model smollm2-135m \\
-        --recipes recipes/kv-rvq-tiered.yaml recipes/ablations/kv-rvq2.yaml recipes/ablations/kv-rvq1.yaml
+        --recipes moec/recipes/kv-rvq-tiered.yaml moec/recipes/ablations/kv-rvq2.yaml moec/recipes/ablations/kv-rvq1.yaml
 
 Writes benchmarks/results/kv_rvq_<model>.json (docs/benchmarks.md records; `kmeans_seconds` from calibration).
 """
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--samples", type=int, default=16, help="calibration windows (PTB train)")
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--validate", default="recipes/kv-rvq-tiered.yaml",
+    ap.add_argument("--validate", default="moec/recipes/kv-rvq-tiered.yaml",
                     help="recipe whose sim mode is checked against real decode on one 1024-token window ('' skips)")
     ap.add_argument("--only-validate", action="store_true", help="run only the sim-vs-dec validation")
     ap.add_argument("--work", type=Path, default=Path("/tmp/moec-kv-rvq"))

@@ -37,7 +37,7 @@ from moec.cli.common import base_record, write_json_atomic
 from moec.cli.latency_cmd import attach_peers, build_config, print_table, run_config
 from moec.runtime.latency import copy_bandwidth
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[1] / "moec" / "recipes"
 HLS2, ATTN4 = RECIPES / "latency-hls2-nuq2.yaml", RECIPES / "latency-hls2-nuq2-attn4.yaml"
 SHAPES = ("mixtral-8x7b", "qwen3-30b-a3b")
 

@@ -7,7 +7,7 @@ baseline; on CUDA, torch.cuda.max_memory_allocated after reset_peak_memory_stats
 at the baseline (the estimate's device term; the host term is recorded beside it, unchecked).
 
     OMP_NUM_THREADS=1 python3 -m benchmarks.bench_memory_estimate --samples 64 --seq-len 512   # ~5 min
-    python3 -m benchmarks.bench_memory_estimate --model demo-moe --recipe recipes/experts-hls2.yaml \\
+    python3 -m benchmarks.bench_memory_estimate --model demo-moe --recipe moec/recipes/experts-hls2.yaml \\
         --ids benchmarks/data/demo-moe_ptb_ids.pt --samples 512 --seq-len 512 --device cuda \\
         --out $OUT/memory_estimate_gpu.json
 
@@ -74,7 +74,7 @@ def use_ids(path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--recipe", type=Path, default=ROOT / "recipes/ablations/kv-nuq2-outlier.yaml")
+    ap.add_argument("--recipe", type=Path, default=ROOT / "moec/recipes/ablations/kv-nuq2-outlier.yaml")
     ap.add_argument("--data", default="ptb")
     ap.add_argument("--split", default="train")
     ap.add_argument("--ids", type=Path, help="pre-tokenized windows (.pt with 'calib') instead of --data")

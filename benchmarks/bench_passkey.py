@@ -11,7 +11,7 @@ the same trials.
 
     python3 -m benchmarks.bench_passkey --model smollm2-135m --lengths 2048,4096,8192 --trials 18   (fp16)
     python3 -m benchmarks.bench_passkey --model smollm2-135m --lengths 4096 --trials 108 \\
-        --recipes recipes/kv-nuq2-rot.yaml recipes/ablations/kv-nuq2-outlier.yaml ...
+        --recipes moec/recipes/kv-nuq2-rot.yaml moec/recipes/ablations/kv-nuq2-outlier.yaml ...
 
 Writes benchmarks/results/passkey_<model>.json: one record per (recipe, context) with `recipe` (`fp16` for
 the uncompressed cache), `context`, `trials`, `accuracy` (percent), accuracy per depth, and the cache's

@@ -1,7 +1,7 @@
 """Decode attention speed: residual-VQ lookup-table kernel (tiered cache of seed 002) vs torch SDPA on an
 fp16 cache and vs the nuq2 kernel, Mixtral-8x7B attention shape (32 q heads, 8 KV heads, head_dim 128).
 
-Cache layout at context T (recipes/kv-rvq-tiered.yaml): 4 sinks + 128 recent tokens fp16, the middle
+Cache layout at context T (moec/recipes/kv-rvq-tiered.yaml): 4 sinks + 128 recent tokens fp16, the middle
 tier (tokens up to 4096 back: 2 stages of 64 + 32 centroids over 4-dim sub-vectors, 2.75 bits) and
 the archive tier (older: 128 centroids over 4 dims, 1.75 bits), random codes and codebooks.
 

@@ -1,6 +1,6 @@
 """The transformers round trip on CUDA (moec/hf): a random-weight packed MoE (`pack --random smoke-moe`, 2-bit
 hls experts, 4-bit attention projections and the kv-nuq2-rot cache of
-recipes/latency-hls2-nuq2-attn4.yaml, its window cut to 16 tokens) loaded by AutoModelForCausalLM on the GPU,
+moec/recipes/latency-hls2-nuq2-attn4.yaml, its window cut to 16 tokens) loaded by AutoModelForCausalLM on the GPU,
 whose experts and projections then run moec's Triton kernels; its logits against moec's own runtime on the
 same GPU, and `generate` through MoecCache against moec's dynamic-cache decode (teacher-forced on the
 generated tokens), beside the CPU torch reference of both.
@@ -28,7 +28,7 @@ from moec.runtime.loader import kv_cache_factory, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RECIPE = ROOT / "recipes" / "latency-hls2-nuq2-attn4.yaml"
+RECIPE = ROOT / "moec" / "recipes" / "latency-hls2-nuq2-attn4.yaml"
 KV_SMALL = {"window": 16, "sinks": 2, "block": 16}  # 24 + 40 tokens leave the window: the codec is exercised
 
 

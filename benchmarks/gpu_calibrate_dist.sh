@@ -12,7 +12,7 @@ OUT=$1; N=${2:-1}; LAYERS=${3:-1}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MOEC_LOG=WARNING NCCL_NVLS_ENABLE=0
 W=$(mktemp -d)
-RUN=(calibrate demo-moe --recipe recipes/experts-hls2.yaml --data "${DATA:-ptb}" --split train --samples 16 --seq-len 256
+RUN=(calibrate demo-moe --recipe moec/recipes/experts-hls2.yaml --data "${DATA:-ptb}" --split train --samples 16 --seq-len 256
      --device cuda)
 python3 -m moec.cli.app "${RUN[@]}" -o "$W/one" || exit 1
 python3 -m moec.cli.app "${RUN[@]}" --gpus "$N" -o "$W/gpus" || exit 1

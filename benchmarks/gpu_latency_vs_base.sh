@@ -11,11 +11,13 @@ OUT=${2:?usage: gpu_latency_vs_base.sh BASE_DIR OUT_DIR [TOL]}
 TOL=${3:-0.03}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-LAT=(--steps 50 --contexts 32768 --prefill none --no-breakdown --budget 400
-     --recipes recipes/latency-hls2-nuq2.yaml)
-base() { (cd "$BASE" && PYTHONPATH=$PWD python3 benchmarks/bench_latency.py --out "$OUT/$1" "${LAT[@]}" > "$OUT/$1.log" 2>&1); }
+LAT=(--steps 50 --contexts 32768 --prefill none --no-breakdown --budget 400)
+# the latency recipe of a tree: moec/recipes/ since issue 34, recipes/ before
+recipe() { if [ -d moec/recipes ]; then echo moec/recipes/latency-hls2-nuq2.yaml; else echo recipes/latency-hls2-nuq2.yaml; fi; }
+base() { (cd "$BASE" && PYTHONPATH=$PWD python3 benchmarks/bench_latency.py --out "$OUT/$1" "${LAT[@]}" --recipes "$(recipe)" \
+          > "$OUT/$1.log" 2>&1); }
 base latency_base.json
-PYTHONPATH=$PWD python3 -m benchmarks.bench_latency --out "$OUT/latency_new.json" "${LAT[@]}" > "$OUT/latency_new.log" 2>&1
+PYTHONPATH=$PWD python3 -m benchmarks.bench_latency --out "$OUT/latency_new.json" "${LAT[@]}" --recipes "$(recipe)" > "$OUT/latency_new.log" 2>&1
 base latency_base2.json
 echo "base vs base (drift):"; PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_base.json" "$OUT/latency_base2.json" --tol "$TOL"
 echo "base vs this tree:"; PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_base.json" "$OUT/latency_new.json" --tol "$TOL"

@@ -45,7 +45,7 @@ part() {  # name, timeout_s, command...: run, log to $W/name.log, record a failu
 }
 
 BENCH=(python3 -m benchmarks.bench_calibrate_scale --samples 128 --seq-len 2048 --device cuda
-       --recipe recipes/experts-hls2.yaml)
+       --recipe moec/recipes/experts-hls2.yaml)
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 if want a; then
     part calibrate_scale_1layer 240 "${BENCH[@]}" --layers 1 --out "$OUT/calibrate_scale_1layer.json"
@@ -71,7 +71,7 @@ from pathlib import Path
 text = "\n".join(p.read_text() for p in sorted([Path("README.md"), *Path("docs").glob("*.md")]))
 Path(sys.argv[1]).write_text(f"penn = {{'train': {text!r}, 'valid': {text!r}, 'test': {text!r}}}\n")
 EOF
-RUN=(calibrate demo-moe --recipe recipes/experts-fp8.yaml --data ptb --split train --samples 16 --seq-len 256
+RUN=(calibrate demo-moe --recipe moec/recipes/experts-fp8.yaml --data ptb --split train --samples 16 --seq-len 256
      --device cuda)
 PYTHONPATH=$W/tb:$PYTHONPATH part identity_one 180 python3 -m moec.cli.app "${RUN[@]}" -o "$W/one"
 PYTHONPATH=$W/tb:$PYTHONPATH part identity_gpus1 180 python3 -m moec.cli.app "${RUN[@]}" --gpus 1 -o "$W/gpus1"

@@ -5,7 +5,7 @@
 CI runs on a CPU, where the runtime takes the torch path, so a slip in the GPU path lands silently (one
 did: the static engine crashed on its first decode step with default arguments). This script is the gate
 before anything else runs on the GPU (benchmarks/gpu_sweep.sh starts with it). For each shipped recipe
-(moec.calibrate.recipe.shipped_gpu_recipes: every recipe under recipes/ and recipes/ablations/ but the identity
+(moec.calibrate.recipe.shipped_gpu_recipes: every recipe under moec/recipes/ and moec/recipes/ablations/ but the identity
 and the ablations of one setting, whose description starts "ablation of") on the
 `smoke-moe` preset (head_dim 128 as in the big shapes, one dense and three MoE layers; random weights):
 
@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = REPO / "recipes"
+RECIPES = REPO / "moec" / "recipes"
 SHAPE = "smoke-moe"
 SLACK_FACTOR, SLACK_ABS = 3.0, 0.01  # rel_l2_exact <= SLACK_FACTOR * rel_l2_floor + SLACK_ABS
 PROMPT_TOKENS, STEPS = 256, 24  # prompt > sinks + window + 2 blocks: the history is encoded at prefill
@@ -65,7 +65,7 @@ PROMPT = ("The committee met on Tuesday to review the budget for the coming year
 
 
 def recipe_file(name: str) -> Path:
-    """recipes/NAME.yaml, or recipes/ablations/NAME.yaml."""
+    """moec/recipes/NAME.yaml, or moec/recipes/ablations/NAME.yaml."""
     shipped = RECIPES / f"{name}.yaml"
     return shipped if shipped.is_file() else RECIPES / "ablations" / f"{name}.yaml"
 

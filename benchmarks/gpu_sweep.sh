@@ -34,7 +34,7 @@ step() {  # step GPU SECONDS NAME CMD...
 }
 
 kernel_tests() { step "$1" "$2" kernel_tests python3 -m pytest -q -rs tests/kernels; }
-kv_attention() { step "$1" "$2" kv_attention python3 -m benchmarks.bench_kv_attention --recipe recipes/ablations/kv-nuq2-outlier-post.yaml --out "$OUT/kv_attention_h200.json"; }
+kv_attention() { step "$1" "$2" kv_attention python3 -m benchmarks.bench_kv_attention --recipe moec/recipes/ablations/kv-nuq2-outlier-post.yaml --out "$OUT/kv_attention_h200.json"; }
 kv_sweep() { step "$1" "$2" kv_sweep python3 -m benchmarks.bench_kv_attention --sweep --out "$OUT/kv_attention_sweep_h200.json"; }
 kv_tests() { step "$1" "$2" kv_tests python3 -m pytest -q -rs tests/kernels/test_fused_decode.py tests/kernels/test_kv_decode_attention.py tests/kernels/test_kv_quantize_pack.py tests/kernels/test_moe_decode.py::test_split_and_paths_agree; }
 moe_kernel() { step "$1" "$2" moe_kernel python3 -m benchmarks.bench_moe_kernel --out "$OUT/moe_kernel_h200.json"; }
@@ -48,7 +48,7 @@ latent_attention() { step "$1" "$2" latent_attention python3 -m benchmarks.bench
 rvq_attention() { step "$1" "$2" rvq_attention python3 -m benchmarks.bench_rvq_attention --out "$OUT/rvq_attention_h200.json"; }
 gpu_fit() {  # k-means (issue 7) and calibration (issue 4) times on the GPU, merged into one file
   step "$1" "$2" kmeans python3 -m benchmarks.bench_kmeans --device cuda --out "$LOGS/kmeans.json"
-  step "$1" 100 gpu_calib python3 -m benchmarks.gpu_calibrate_demo_moe --device cuda --recipes recipes/experts-hls2.yaml --out "$LOGS/calib.json"
+  step "$1" 100 gpu_calib python3 -m benchmarks.gpu_calibrate_demo_moe --device cuda --recipes moec/recipes/experts-hls2.yaml --out "$LOGS/calib.json"
   python3 -c 'import json, sys, os; print(json.dumps(sum((json.load(open(f)) for f in sys.argv[2:] if os.path.exists(f)), []), indent=1), file=open(sys.argv[1], "w"))' \
     "$OUT/fit_gpu_h200.json" "$LOGS/kmeans.json" "$LOGS/calib.json"
 }

@@ -19,7 +19,8 @@ from test_recipe_comments import comment_lines, measured_figures  # noqa: E402
 
 def main() -> None:
     tree = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE
-    recipes = sorted((tree / "recipes").rglob("*.yaml"))
+    shipped = tree / "moec" / "recipes"  # before issue 34 the recipes lived at the top of the tree
+    recipes = sorted((shipped if shipped.is_dir() else tree / "recipes").rglob("*.yaml"))
     comments = [(p, i, t) for p in recipes for i, t in comment_lines(p)]
     hits = [(p, i, t) for p, i, t in comments if measured_figures(t)]
     for p, i, t in hits:

@@ -148,8 +148,8 @@ def main(n: int, seed: int = 0):
     out: collections.Counter = collections.Counter()
     examples: dict = {}
     base = Path(tempfile.mkdtemp()) / "packed"
-    pack_random(ARGS, "tiny", load_recipe("recipes/ablations/kv-nuq2-outlier.yaml"), base)
-    pack_random(ARGS, "tiny", load_recipe("recipes/experts-hls2.yaml"), base.with_name("packed_hls"))
+    pack_random(ARGS, "tiny", load_recipe("moec/recipes/ablations/kv-nuq2-outlier.yaml"), base)
+    pack_random(ARGS, "tiny", load_recipe("moec/recipes/experts-hls2.yaml"), base.with_name("packed_hls"))
     for _ in range(n):
         src = base if rng.random() < 0.7 else base.with_name("packed_hls")
         d = Path(tempfile.mkdtemp()) / "ck"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
+RECIPES = sorted((ROOT / "moec" / "recipes").rglob("*.yaml"))
 
 _NUM = r"\d+(?:\.\d+)?"
 # Each pattern is one kind of measured figure; the message names it.
@@ -55,7 +55,7 @@ def test_recipes_exist():
     assert len(RECIPES) >= 60, len(RECIPES)
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT / "recipes")))
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT / "moec" / "recipes")))
 def test_recipe_comments_quote_no_measured_figures(path):
     bad = [f"{path.relative_to(ROOT)}:{i}: {kind} {hit!r}" for i, text in comment_lines(path)
            for kind, hit in measured_figures(text)]

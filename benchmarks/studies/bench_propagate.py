@@ -4,7 +4,7 @@ layer i with its fitted weights, llm-compressor's sequential pipeline), same rec
 and ppl_tf on the first 8 windows of PTB test against the source model (kld, top1).
 
     OMP_NUM_THREADS=1 python3 -m benchmarks.studies.bench_propagate --model demo-moe \\
-        --recipe recipes/experts-hls2.yaml --out benchmarks/results/propagate_demo-moe.json
+        --recipe moec/recipes/experts-hls2.yaml --out benchmarks/results/propagate_demo-moe.json
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from moec.cli.common import base_record, write_json_atomic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="demo-moe")
-    ap.add_argument("--recipe", type=Path, default=ROOT / "recipes/experts-hls2.yaml")
+    ap.add_argument("--recipe", type=Path, default=ROOT / "moec/recipes/experts-hls2.yaml")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--windows", type=int, default=8)

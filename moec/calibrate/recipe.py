@@ -27,8 +27,8 @@
       tune_lr_drops: 0        # plateau restarts from the best state at lr / 3 before stopping
 
 The resolved recipe (every default filled in) is written beside every output (`recipe.yaml`). An
-empty recipe is an error (the identity recipe is recipes/fp16.yaml); YAML errors keep their line
-and column.
+empty recipe is an error (the identity recipe is moec/recipes/fp16.yaml, `--recipe fp16`); YAML errors
+keep their line and column. Shipped recipes are found by name (moec/calibrate/catalog.py).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from ..errors import UserError
 from ..formats.codecs import TARGET_KIND, TARGET_PATTERNS
 from ..registry import default_kv, kv_codec, resolve, weight_codec, weight_codecs
 from ..typed import build
+from .catalog import find_recipe, recipe_files
 
 RECIPE_VERSION = 2  # 2: one config class per KV codec (moec/codecs/); 1: one flat KV class
 # keys every v1 resolved recipe carried in `kv:` whatever its codec, with their v1 defaults: a v1
@@ -275,7 +276,7 @@ def _upgrade_v1(data: dict) -> dict:
 
 def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
     if not data:
-        raise UserError(f"{where}: the recipe is empty (the identity recipe is recipes/fp16.yaml: `name: fp16`)")
+        raise UserError(f"{where}: the recipe is empty (the identity recipe is the shipped fp16: `name: fp16`)")
     if not isinstance(data, dict):
         raise UserError(f"{where}: expected a mapping, got {type(data).__name__}")
     version = data.get("version", RECIPE_VERSION)
@@ -288,9 +289,8 @@ def parse_recipe(data: dict, where: str = "recipe") -> Recipe:
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"recipe {p}: no such file")
+    """The recipe of a file, or of a shipped recipe by name (catalog.find_recipe: `load_recipe("experts-hls3")`)."""
+    p = find_recipe(path)
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
@@ -302,12 +302,6 @@ def load_recipe(path: str | Path) -> Recipe:
     if recipe.name == "unnamed":
         recipe.name = p.stem
     return recipe
-
-
-def recipe_files(directory: str | Path) -> list[Path]:
-    """The recipe files of a recipes directory and of its ablations/ folder, in name order."""
-    d = Path(directory)
-    return sorted([*d.glob("*.yaml"), *d.glob("ablations/*.yaml")], key=lambda p: p.stem)
 
 
 def shipped_gpu_recipes(directory: str | Path) -> list[str]:

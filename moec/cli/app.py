@@ -1,4 +1,4 @@
-"""The `moec` command: calibrate, pack, eval, inspect, models, generate, export, report.
+"""The `moec` command: calibrate, pack, eval, inspect, models, recipes, generate, export, report.
 
 Exit codes: 0 success, 2 bad usage or input (one line naming the problem, no traceback), 1 for
 anything else (one line; MOEC_DEBUG=1 shows the traceback).
@@ -21,7 +21,17 @@ from rich.logging import RichHandler
 from .. import __version__
 from ..errors import UserError
 from ..progress import install as set_reporter
-from . import calibrate_cmd, eval_cmd, export_cmd, generate_cmd, inspect_cmd, models_cmd, pack_cmd, report_cmd
+from . import (
+    calibrate_cmd,
+    eval_cmd,
+    export_cmd,
+    generate_cmd,
+    inspect_cmd,
+    models_cmd,
+    pack_cmd,
+    recipes_cmd,
+    report_cmd,
+)
 from .common import console
 from .progress import install as install_progress
 
@@ -43,6 +53,7 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
 
 
 app.command("models")(models_cmd.models)
+app.command("recipes")(recipes_cmd.recipes)
 app.command("calibrate")(calibrate_cmd.calibrate)
 app.command("pack")(pack_cmd.pack)
 app.command("eval")(eval_cmd.eval_)

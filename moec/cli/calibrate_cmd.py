@@ -1,4 +1,4 @@
-"""`moec calibrate MODEL --recipe R.yaml --data ptb --split train -o CALIB_DIR [--gpus N]`.
+"""`moec calibrate MODEL --recipe NAME|R.yaml (or --scheme W4A16 ...) --data ptb --split train -o CALIB_DIR [--gpus N]`.
 
 `--data` is one source or a mix (moec/calibrate/dataspec.py), checked before the model is resolved.
 Expert parallel over N processes (moec/calibrate/distributed.py): `--gpus N` starts one process per
@@ -19,6 +19,7 @@ import typer
 from rich.table import Table
 
 from ..calibrate import distributed
+from ..calibrate.catalog import recipe_arg
 from ..calibrate.dataspec import check_data, parse_data
 from ..calibrate.recipe import load_recipe
 from ..calibrate.run import calibrate as run_calibrate
@@ -33,7 +34,10 @@ DEFAULT_SAMPLES, DEFAULT_SEQ_LEN = 32, 512  # when neither the flags nor the rec
 
 def calibrate(
     model: str = typer.Argument(..., help="HF directory, GGUF file, hub id or built-in name"),
-    recipe: Path = typer.Option(..., "--recipe", "-r", help="recipe YAML"),
+    recipe: str | None = typer.Option(None, "--recipe", "-r", help="a shipped recipe's name (`moec recipes`) or a "
+                                      "recipe YAML"),
+    scheme: str | None = typer.Option(None, "--scheme", help="instead of --recipe: W4A16, W8A16, FP8, NVFP4, MXFP4, "
+                                      "moec-e2, moec-e3 (`moec recipes`)"),
     data: str = typer.Option("ptb", help="built-in data set (ptb, kjv), local .txt/.json/.jsonl/.parquet file or "
                              "saved data set, hub data set (NAME@CONFIG picks a config), or a mix "
                              "NAME:SPLIT:FRACTION,... (NAME@CONFIG in a mix too) with fractions summing to 1"),
@@ -72,7 +76,7 @@ def calibrate(
             raise typer.Exit(distributed.launch(gpus, sys.argv[1:]))
         if int(os.environ["WORLD_SIZE"]) != gpus:
             raise UserError(f"--gpus {gpus} under a launcher of {os.environ['WORLD_SIZE']} processes")
-    r = load_recipe(recipe)
+    r = load_recipe(recipe_arg(recipe, scheme))
     if seed is not None:
         r.calibration.seed = seed
     if samples is None:

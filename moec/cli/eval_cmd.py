@@ -15,6 +15,7 @@ import torch
 import typer
 from rich.table import Table
 
+from ..calibrate.catalog import recipe_arg
 from ..calibrate.data import load_text
 from ..calibrate.sources import load_tokenizer, resolve_model, tokenize
 from ..errors import UserError
@@ -66,8 +67,10 @@ def eval_(
                                  rich_help_panel=LATENCY),
     random: str | None = typer.Option(None, "--random", help="random weights at a performance shape (`moec "
                                       "models`), built in memory", rich_help_panel=LATENCY),
-    recipe: Path | None = typer.Option(None, "--recipe", help="with --random: the recipe's codecs",
-                                       rich_help_panel=LATENCY),
+    recipe: str | None = typer.Option(None, "--recipe", help="with --random: the recipe's codecs (a shipped "
+                                      "recipe's name, `moec recipes`, or a recipe YAML)", rich_help_panel=LATENCY),
+    scheme: str | None = typer.Option(None, "--scheme", help="with --random, instead of --recipe: W4A16, FP8, "
+                                      "moec-e2, ... (`moec recipes`)", rich_help_panel=LATENCY),
     batches: str = typer.Option("1,16", "--batches", help="batch sizes", rich_help_panel=LATENCY),
     contexts: str = typer.Option("4k,32k,128k", "--contexts", help="contexts (k = 1024)", rich_help_panel=LATENCY),
     steps: int = typer.Option(50, "--steps", help="timed decode steps after warm-up", rich_help_panel=LATENCY),
@@ -97,11 +100,13 @@ def eval_(
     if latency:
         from .latency_cmd import latency as run_latency
 
-        run_latency(model, random, recipe, batches, contexts, steps, prefill_contexts, bf16_peer, breakdown,
-                    json_out, plot)
+        run_latency(model, random, recipe_arg(recipe, scheme, required=False), batches, contexts, steps,
+                    prefill_contexts, bf16_peer, breakdown, json_out, plot)
         return
     if random is not None:  # a performance shape has random weights and no tokenizer: nothing to score
         raise UserError(f"--random {random} is for speed runs: add --latency (GPU); perplexity needs a real MODEL")
+    if recipe is not None or scheme is not None:  # a packed MODEL carries its recipe
+        raise UserError("--recipe / --scheme are for --latency --random SHAPE (a packed MODEL carries its recipe)")
     if model is None:
         raise UserError("eval needs MODEL (a packed checkpoint, HF directory, GGUF file or built-in name)")
     if baseline is not None and baseline_logits is not None:

@@ -33,7 +33,7 @@ class _Keep:
     codec = "keep"
 
 
-def build_config(model: str | None, random: str | None, recipe: Path | None, device: str, bf16_peer: bool = False):
+def build_config(model: str | None, random: str | None, recipe: str | None, device: str, bf16_peer: bool = False):
     """(model, kv section, static cache builder, description) for a packed/HF model or a random shape + recipe."""
     from ..runtime.config import PRESETS
     from ..runtime.decode import static_cache_factory
@@ -226,7 +226,7 @@ def parse_ints(text: str, what: str) -> list[int]:
     return vals
 
 
-def latency(model: str | None, random: str | None, recipe: Path | None, batches: str, contexts: str, steps: int,
+def latency(model: str | None, random: str | None, recipe: str | None, batches: str, contexts: str, steps: int,
             prefill: str, bf16_peer: bool, breakdown: bool, json_out: Path | None, plot_out: Path | None) -> list[dict]:
     """The `moec eval --latency` command body."""
     from ..runtime.latency import copy_bandwidth
@@ -272,7 +272,7 @@ def latency(model: str | None, random: str | None, recipe: Path | None, batches:
     return records
 
 
-def _check_memory(shape: str, recipe: Path, context: int) -> None:
+def _check_memory(shape: str, recipe: str, context: int) -> None:
     """Before any allocation: the random model + a batch-1 cache of `context` tokens must fit in free memory
     (larger batches that do not fit fall back to smaller graph buckets, recorded per row)."""
     from ..calibrate.pack_kv import kv_manifest

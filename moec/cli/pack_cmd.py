@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from ..calibrate.catalog import recipe_arg
 from ..calibrate.pack import pack as run_pack
 from ..calibrate.sources import resolve_model
 from ..errors import UserError
@@ -17,14 +18,20 @@ def pack(
     calib: Path | None = typer.Argument(None, help="CALIB_DIR written by `moec calibrate`"),
     out: Path = typer.Option(..., "-o", "--out", help="packed checkpoint directory"),
     random: str | None = typer.Option(None, "--random", help="random weights at a preset shape (GPU speed runs)"),
-    recipe: Path | None = typer.Option(None, "--recipe", help="recipe for --random"),
+    recipe: str | None = typer.Option(None, "--recipe", help="recipe for --random: a shipped recipe's name "
+                                      "(`moec recipes`) or a recipe YAML"),
+    scheme: str | None = typer.Option(None, "--scheme", help="instead of --recipe: W4A16, FP8, moec-e2, ... "
+                                      "(`moec recipes`)"),
 ) -> None:
     """Write the packed checkpoint (manifest + safetensors + tokenizer + config)."""
     if random is not None:
-        _pack_random(random, recipe, out, model, calib)
+        _pack_random(random, recipe_arg(recipe, scheme, required=False), out, model, calib)
         return
     if model is None or calib is None:
         raise UserError("pack needs MODEL and CALIB_DIR (or --random SHAPE --recipe R.yaml)")
+    if recipe is not None or scheme is not None:
+        raise UserError("pack MODEL CALIB_DIR packs with the calibration's recipe: --recipe / --scheme are for "
+                        "--random")
     model_dir = resolve_model(model)
     m = run_pack(model_dir, model, calib, out)  # its long steps show their progress (moec/progress.py)
     b = m["effective_bits"]
@@ -32,7 +39,7 @@ def pack(
                       f"w_bits {b['w_bits']:.3f}, {b['model_bytes'] / 2**20:.1f} MiB")
 
 
-def _pack_random(shape: str, recipe: Path | None, out: Path, model, calib) -> None:
+def _pack_random(shape: str, recipe: str | None, out: Path, model, calib) -> None:
     import torch
 
     from ..calibrate.pack import pack_random
@@ -44,7 +51,7 @@ def _pack_random(shape: str, recipe: Path | None, out: Path, model, calib) -> No
     if shape not in PRESETS:
         raise UserError(f"--random: unknown shape {shape!r}; presets: {', '.join(PRESETS)}")
     if recipe is None:
-        raise UserError("--random needs --recipe R.yaml (the codecs to pack with)")
+        raise UserError("--random needs --recipe NAME|R.yaml or --scheme NAME (the codecs to pack with)")
     r = load_recipe(recipe)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     console.log(f"packing random {shape} on {device}")

@@ -74,7 +74,7 @@ LOG2E = 1.4426950408889634
 # Launch settings on CUDA, from configs/<device>.json (launch_config; the names below are the defaults,
 # tuned on the H200): CONFIG (residual), with sparse residuals: the fastest of
 # benchmarks/bench_kv_attention.py --sweep at 32k batch 16 (results/kv_attention_sweep_h200.json);
-# CONFIG_DENSE (dense), without them (a Hadamard-rotated cache, recipes/kv-nuq2-rot.yaml): the fastest of
+# CONFIG_DENSE (dense), without them (a Hadamard-rotated cache, moec/recipes/kv-nuq2-rot.yaml): the fastest of
 # benchmarks/studies/bench_nuq_attention.py --sweep-runtime, CUDA-graph replays (results/nuq_attention_h200.json):
 # 64-token tiles, 3 stages, `waves` waves of programs when there are few (batch · KV heads <= `many`),
 # `waves_many` when there are many. The split count is sized in waves of the device's SMs

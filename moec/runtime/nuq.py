@@ -30,7 +30,7 @@ precision, as if x itself were stored in fp16.
 `rotate: hadamard` (NUQCenteredCodec.rotation, a per-layer [d, d] randomized Hadamard, moec/rotation.py):
 the codec is calibrated on k·R and v·R and the cache stores and attends in that basis
 (kvtiered.LayerRotations), so heavy channels are spread before quantization and the recipe can drop the
-outliers, which are most of the fused kernel's time (recipes/kv-nuq2-rot.yaml).
+outliers, which are most of the fused kernel's time (moec/recipes/kv-nuq2-rot.yaml).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from moec.calibrate.recipe import shipped_gpu_recipes
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD = REPO / "benchmarks" / "results" / "gpu_smoke_h200.json"
-SHIPPED = shipped_gpu_recipes(REPO / "recipes")  # what benchmarks/gpu_smoke.py checks by default
+SHIPPED = shipped_gpu_recipes(REPO / "moec" / "recipes")  # what benchmarks/gpu_smoke.py checks by default
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_names_every_shipped_recipe(records):
     checks: dict[str, set] = {}
     for r in records:
         checks.setdefault(r["recipe"], set()).add(r["check"])
-    assert SHIPPED, "no recipe with a GPU path found under recipes/"
+    assert SHIPPED, "no recipe with a GPU path found under moec/recipes/"
     missing = [n for n in SHIPPED if n not in checks]
     assert not missing, f"recipes without a smoke record: {missing}"
     for name in SHIPPED:

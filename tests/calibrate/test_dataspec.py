@@ -140,7 +140,7 @@ def test_cli_checks_data_before_resolving_the_model(tmp_path, monkeypatch):
                          (str(tmp_path / "chat.jsonl"), "has no 'text' column (columns: messages)"),
                          (str(tmp_path / "none.jsonl"), "none.jsonl does not exist")]:
         with pytest.raises(UserError, match=re.escape(needle)):
-            calibrate_cmd.calibrate(model="m", recipe=Path("recipes/fp16.yaml"), data=data, split="train",
+            calibrate_cmd.calibrate(model="m", recipe=Path("moec/recipes/fp16.yaml"), data=data, split="train",
                                     data_config=None, text_column="text", samples=4, seq_len=32,
                                     out=tmp_path / "calib", seed=None, device="cpu", resume=False, gpus=None,
                                     offload_activations=False, propagate="fp")

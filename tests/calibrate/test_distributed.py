@@ -118,7 +118,7 @@ def test_gpus_refused(tiny_moe_dir, tmp_path):
     """--gpus on the CPU points at torchrun; more GPUs than present names how many there are."""
     from moec.cli.calibrate_cmd import calibrate as cli
 
-    kw = dict(model=str(tiny_moe_dir), recipe=Path("recipes/experts-hls2.yaml"), data="ptb", split="valid",
+    kw = dict(model=str(tiny_moe_dir), recipe=Path("moec/recipes/experts-hls2.yaml"), data="ptb", split="valid",
               samples=2, seq_len=24, out=tmp_path / "c", seed=None, resume=False)
     with pytest.raises(UserError, match=r"--gpus 2 needs --device cuda; on the CPU .*torchrun --nproc-per-node 2"):
         cli(**kw, device="cpu", gpus=2)

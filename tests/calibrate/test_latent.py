@@ -106,14 +106,14 @@ def test_recipe_errors_name_the_field(kv, match):
 
 
 def test_shipped_recipes_parse():
-    head = load_recipe("recipes/ablations/kv-latent-head.yaml").kv
-    layer = load_recipe("recipes/ablations/kv-latent-layer.yaml").kv
+    head = load_recipe("moec/recipes/ablations/kv-latent-head.yaml").kv
+    layer = load_recipe("moec/recipes/ablations/kv-latent-layer.yaml").kv
     assert head.codec == "latent-head" and head.latent.group_layers == 1 and head.latent.outlier_frac <= 0.005
     assert layer.codec == "latent-layer" and layer.latent.group_layers == 4 and layer.latent.rank_k == 48
     assert parse_recipe({"kv": {"codec": "latent-layer", "bits": 16}}).kv.latent.group_layers == 4  # default G
     from pathlib import Path
 
-    variants = sorted(Path("recipes").glob("**/kv-latent-*.yaml"))  # shipped and recipes/ablations/
+    variants = sorted(Path("moec/recipes").glob("**/kv-latent-*.yaml"))  # shipped and moec/recipes/ablations/
     assert len(variants) >= 6
     for p in variants:  # every variant, shipped or ablation, parses, and its name is its file name
         assert load_recipe(str(p)).name == p.stem

@@ -27,7 +27,7 @@ def test_estimate_within_25_percent_of_the_measured_peak(tiny_moe_dir, tmp_path)
     ids, out = tmp_path / "ids.pt", tmp_path / "m.json"
     torch.save({"calib": torch.randint(0, 300, (64, 256), generator=torch.Generator().manual_seed(0))}, ids)
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_memory_estimate", "--model", str(tiny_moe_dir),
-                        "--recipe", str(ROOT / "recipes/fp16.yaml"), "--ids", str(ids), "--samples", "256",
+                        "--recipe", str(ROOT / "moec/recipes/fp16.yaml"), "--ids", str(ids), "--samples", "256",
                         "--seq-len", "256", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr

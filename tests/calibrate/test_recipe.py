@@ -8,7 +8,7 @@ from moec.errors import UserError
 
 
 def test_fp16_recipe_resolves_defaults():
-    r = load_recipe("recipes/fp16.yaml")
+    r = load_recipe("moec/recipes/fp16.yaml")
     assert r.name == "fp16" and r.kv is None and r.weights == [] and r.calibration.seed == 0
 
 

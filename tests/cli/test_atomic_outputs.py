@@ -66,7 +66,7 @@ def work(tiny_moe_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("atomic")
     for recipe in ("fp16.yaml", "ablations/experts-rtn2.yaml"):
         name = Path(recipe).stem
-        calibrate(tiny_moe_dir, str(tiny_moe_dir), load_recipe(Path("recipes") / recipe), "ptb", "valid",
+        calibrate(tiny_moe_dir, str(tiny_moe_dir), load_recipe(Path("moec/recipes") / recipe), "ptb", "valid",
                   2, 16, 0, d / name)
     pack(tiny_moe_dir, str(tiny_moe_dir), d / "fp16", d / "previous")
     return d

@@ -23,7 +23,7 @@ def assert_clean_failure(r, *needles, outputs=()):
         assert not atomic.lock_path(o).exists(), "lock file left behind"
 
 
-def calibrate(model, out, *extra, recipe="recipes/fp16.yaml"):
+def calibrate(model, out, *extra, recipe="moec/recipes/fp16.yaml"):
     return moec("calibrate", model, "--recipe", recipe, "--data", "ptb", "--split", "valid", "--samples", "2",
                 "--seq-len", "32", "-o", out, *extra)
 
@@ -61,18 +61,18 @@ def test_bad_recipe(tiny_moe_dir, tmp_path, body, needle):
 
 def test_data_path_missing_or_empty(tiny_moe_dir, tmp_path):
     out = tmp_path / "calib"
-    r = moec("calibrate", tiny_moe_dir, "--recipe", "recipes/fp16.yaml", "--data", tmp_path / "none.txt",
+    r = moec("calibrate", tiny_moe_dir, "--recipe", "moec/recipes/fp16.yaml", "--data", tmp_path / "none.txt",
              "-o", out)
     assert_clean_failure(r, "none.txt", "does not exist", outputs=[out])
     (tmp_path / "empty.txt").write_text("")
-    r = moec("calibrate", tiny_moe_dir, "--recipe", "recipes/fp16.yaml", "--data", tmp_path / "empty.txt",
+    r = moec("calibrate", tiny_moe_dir, "--recipe", "moec/recipes/fp16.yaml", "--data", tmp_path / "empty.txt",
              "-o", out)
     assert_clean_failure(r, "empty.txt", "is empty", outputs=[out])
 
 
 def test_seq_len_too_long(tiny_moe_dir, tmp_path):
     out = tmp_path / "calib"
-    r = moec("calibrate", tiny_moe_dir, "--recipe", "recipes/fp16.yaml", "--seq-len", "4096", "-o", out)
+    r = moec("calibrate", tiny_moe_dir, "--recipe", "moec/recipes/fp16.yaml", "--seq-len", "4096", "-o", out)
     assert_clean_failure(r, "--seq-len 4096", "512", outputs=[out])
     r = moec("eval", tiny_moe_dir, "--seq-len", "4096", "--max-windows", "1")
     assert_clean_failure(r, "--seq-len 4096", "512")
@@ -80,14 +80,14 @@ def test_seq_len_too_long(tiny_moe_dir, tmp_path):
 
 def test_calibrating_on_eval_split_is_refused(tiny_moe_dir, tmp_path):
     out = tmp_path / "calib"
-    r = moec("calibrate", tiny_moe_dir, "--recipe", "recipes/fp16.yaml", "--split", "test", "-o", out)
+    r = moec("calibrate", tiny_moe_dir, "--recipe", "moec/recipes/fp16.yaml", "--split", "test", "-o", out)
     assert_clean_failure(r, "evaluation split", outputs=[out])
 
 
 @pytest.fixture(scope="module")
 def packed(tiny_moe_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("packed")
-    r = moec("calibrate", tiny_moe_dir, "--recipe", "recipes/fp16.yaml", "--split", "valid", "--samples", "2",
+    r = moec("calibrate", tiny_moe_dir, "--recipe", "moec/recipes/fp16.yaml", "--split", "valid", "--samples", "2",
              "--seq-len", "32", "-o", d / "calib")
     assert r.returncode == 0, r.stderr
     r = moec("pack", tiny_moe_dir, d / "calib", "-o", d / "packed")
@@ -156,7 +156,7 @@ def test_bad_codec_plugin_is_one_line(tiny_moe_dir, tmp_path, monkeypatch):
     """MOEC_PLUGINS naming a module that does not import: a usage error (exit 2) at the first codec lookup."""
     monkeypatch.setenv("MOEC_PLUGINS", "no_such_codec_module")
     out = tmp_path / "calib"
-    assert_clean_failure(calibrate(tiny_moe_dir, out, recipe="recipes/kv-kivi2.yaml"),
+    assert_clean_failure(calibrate(tiny_moe_dir, out, recipe="moec/recipes/kv-kivi2.yaml"),
                          "MOEC_PLUGINS: cannot import 'no_such_codec_module'", outputs=[out])
 
 
@@ -174,7 +174,7 @@ def test_uncached_hub_data_fails_before_the_model(tmp_path, monkeypatch):
     the other data errors are checked in-process in tests/calibrate/test_dataspec.py."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # tests never use the network
     out = tmp_path / "calib"
-    r = moec("calibrate", tmp_path / "no-model", "--recipe", "recipes/fp16.yaml", "--data", "moec-tests/uncached",
+    r = moec("calibrate", tmp_path / "no-model", "--recipe", "moec/recipes/fp16.yaml", "--data", "moec-tests/uncached",
              "--data-config", "c1", "-o", out)
     assert_clean_failure(r, "hub data set 'moec-tests/uncached' (config 'c1') is not in the local cache and "
                             "HF_HUB_OFFLINE is set", outputs=[out])

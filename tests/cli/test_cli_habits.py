@@ -62,7 +62,7 @@ def test_eval_help_puts_latency_options_in_their_own_panel(monkeypatch, capsys):
     assert "docs/metrics.md" in out and "BENCHMARKS" not in out
 
 
-@pytest.mark.parametrize("command", [("calibrate", "mixtral-8x7b", "-r", "recipes/fp16.yaml", "-o", "{tmp}/c"),
+@pytest.mark.parametrize("command", [("calibrate", "mixtral-8x7b", "-r", "moec/recipes/fp16.yaml", "-o", "{tmp}/c"),
                                      ("eval", "qwen3-30b-a3b")])
 def test_random_shape_name_is_explained(monkeypatch, capsys, tmp_path, command):
     """`moec models` lists the performance shapes beside the models; using one as MODEL says what it is for."""
@@ -121,7 +121,7 @@ def test_inspect_groups_layers_and_names_dense_mlps(monkeypatch, capsys, tmp_pat
     args = ModelArgs(arch="qwen3_moe", vocab_size=64, dim=16, n_layers=12, n_heads=2, n_kv_heads=1, head_dim=8,
                      qk_norm="head", ffn_kinds=["dense"] * 2 + ["moe"] * 10, dense_dim=16, n_experts=2, top_k=1,
                      expert_dim=8)
-    pack_random(args, "tiny-mixed", load_recipe(Path("recipes/fp16.yaml")), tmp_path / "p")
+    pack_random(args, "tiny-mixed", load_recipe(Path("moec/recipes/fp16.yaml")), tmp_path / "p")
 
     rc, _, err = run(monkeypatch, capsys, "inspect", tmp_path / "p", "--json", tmp_path / "g.json")
     assert rc == 0, err

@@ -88,7 +88,7 @@ def test_plan_tells_experts_from_dense_mlps(tiny_qwen2_moe_dir):
                    "shared_experts": {f"layers.0.moe.shared.w{i}.weight" for i in (1, 2, 3)},
                    "router": {"layers.0.moe.router.weight"}, "lm_head": {"output.weight"}}
     # the shipped recipe for shared-expert models is the first rule of the pipeline below
-    full = load_recipe(Path(__file__).parents[2] / "recipes" / "ablations" / "experts-hls3-had-full.yaml")
+    full = load_recipe(Path(__file__).parents[2] / "moec" / "recipes" / "ablations" / "experts-hls3-had-full.yaml")
     assert set(plan(args, full)) == got["experts"] | got["mlp"] | got["shared_experts"]
     assert full.weights[0] == parse_recipe({"weights": RULES[:1]}).weights[0]
     with pytest.raises(UserError, match="quantizes only .* and LM-head matrices"):  # the [1, D] shared gate

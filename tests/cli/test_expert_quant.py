@@ -159,7 +159,7 @@ def test_demo_moe_hls3_perplexity_bound(tmp_path):
     and per-row RTN at 3 bits +18%; the bound (+12%) leaves room for the smaller calibration set and
     catches a fit, pack or runtime dequant that is wrong (those land at RTN level or far above)."""
     calib, packed, out = tmp_path / "calib", tmp_path / "packed", tmp_path / "eval.json"
-    r = moec("calibrate", "demo-moe", "--recipe", "recipes/experts-hls3.yaml", "--data", "ptb", "--split", "train",
+    r = moec("calibrate", "demo-moe", "--recipe", "moec/recipes/experts-hls3.yaml", "--data", "ptb", "--split", "train",
              "--samples", "8", "--seq-len", "256", "-o", calib)
     assert r.returncode == 0, r.stderr
     assert moec("pack", "demo-moe", calib, "-o", packed).returncode == 0

@@ -41,7 +41,7 @@ def test_generate_streams_demo_moe_greedy(moec):
 def test_bad_input_is_one_clean_line(moec, tmp_path):
     for args, needle in ((("generate", "demo-moe", "--prompt", "x", "-n", "0"), "--max-new-tokens"),
                          (("generate", "demo-moe", "--prompt", "x", "-n", "5000"), "maximum of 4096"),
-                         (("pack", "--random", "nope", "--recipe", "recipes/fp16.yaml", "-o", tmp_path / "p"),
+                         (("pack", "--random", "nope", "--recipe", "moec/recipes/fp16.yaml", "-o", tmp_path / "p"),
                           "mixtral-8x7b"),
                          (("pack", "--random", "mixtral-8x7b", "-o", tmp_path / "p"), "--recipe"),
                          (("eval", "--latency", "--random", "mixtral-8x7b"), "CUDA" if not torch.cuda.is_available()
@@ -61,7 +61,7 @@ def test_pack_random_roundtrip_tiny(tmp_path):
 
     args = ModelArgs(arch="mixtral", vocab_size=300, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64,
                      max_seq_len=1024, n_experts=4, top_k=2, expert_dim=96)
-    m = pack_random(args, "tiny", load_recipe("recipes/latency-hls2-nuq2-attn4.yaml"), tmp_path / "rp")
+    m = pack_random(args, "tiny", load_recipe("moec/recipes/latency-hls2-nuq2-attn4.yaml"), tmp_path / "rp")
     manifest = json.loads((tmp_path / "rp" / "moec.json").read_text())
     assert manifest["kv"]["codec"] == "nuq-outlier" and manifest["source"]["model"] == "random:tiny"
     # experts (295k params): 2-bit codes + a per-row int8 codebook and fp16 scale, 2.42 bits here;

@@ -19,7 +19,7 @@ from moec.runtime.hf_layout import HFCheckpoint
 from tests.cli.run import moec
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "recipes" / "ablations").glob("*.yaml"))
+RECIPES = sorted((ROOT / "moec" / "recipes").glob("*.yaml")) + sorted((ROOT / "moec" / "recipes" / "ablations").glob("*.yaml"))
 # SmolLM2-135M (calibrate/sources.py; the weights are not needed to bind a recipe): hidden 576, MLP 1536
 SMOLLM2 = ModelArgs(arch="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
                     tie_embeddings=True, ffn_kinds=["dense"] * 30, dense_dim=1536)

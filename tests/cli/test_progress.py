@@ -142,7 +142,7 @@ def test_cli_not_on_a_terminal_prints_timestamped_eta_lines(tiny_moe_dir, tmp_pa
     env = {k: v for k, v in os.environ.items() if k != "MOEC_PROGRESS"}
     env.update(MOEC_PROGRESS_SECONDS="0", COLUMNS="200", OMP_NUM_THREADS="1")
     calib, packed = tmp_path / "calib", tmp_path / "packed"
-    runs = [["calibrate", tiny_moe_dir, "--recipe", "recipes/ablations/experts-rtn3.yaml", "--data", "ptb",
+    runs = [["calibrate", tiny_moe_dir, "--recipe", "moec/recipes/ablations/experts-rtn3.yaml", "--data", "ptb",
              "--split", "valid", "--samples", "2", "--seq-len", "32", "-o", calib],
             ["pack", tiny_moe_dir, calib, "-o", packed]]
     err = ""

@@ -18,7 +18,7 @@ ARGS = ModelArgs(arch="mixtral", vocab_size=64, dim=32, n_layers=2, n_heads=4, n
 
 def test_inspect_random_pack_and_escaping_link(tmp_path, capsys):
     ck = tmp_path / "ck"
-    pack_random(ARGS, "tiny", load_recipe("recipes/experts-hls2.yaml"), ck)
+    pack_random(ARGS, "tiny", load_recipe("moec/recipes/experts-hls2.yaml"), ck)
     inspect(ck, None, False)
     out = capsys.readouterr().out
     assert "calibration: none (random weights, seed 0)" in out and "hls" in out, out

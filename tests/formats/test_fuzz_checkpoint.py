@@ -59,9 +59,9 @@ WEIRD = [None, -1, 0, 1, 3, 2**31, 2**62, 10**9, 1.5, 1e308, math.nan, True, "x"
 
 
 def _recipes() -> dict:
-    nuq = load_recipe(ROOT / "recipes/ablations/kv-nuq2-outlier.yaml").to_dict()
+    nuq = load_recipe(ROOT / "moec/recipes/ablations/kv-nuq2-outlier.yaml").to_dict()
     nuq["kv"].update(SMALL_KV)
-    rvq = load_recipe(ROOT / "recipes/ablations/kv-rvq1.yaml").to_dict()
+    rvq = load_recipe(ROOT / "moec/recipes/ablations/kv-rvq1.yaml").to_dict()
     rvq["kv"].update(SMALL_KV)
     return {
         "nuq": parse_recipe(nuq),

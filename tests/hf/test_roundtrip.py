@@ -42,11 +42,11 @@ def packs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("hf")
     src = resolve_model("demo-moe")
-    experts = yaml.safe_load(open("recipes/experts-hls2.yaml"))
+    experts = yaml.safe_load(open("moec/recipes/experts-hls2.yaml"))
     recipes = {
         "experts_rot": {"name": "hf-experts-rot", "weights": experts["weights"], "calibration": experts["calibration"],
-                        "kv": {**yaml.safe_load(open("recipes/kv-nuq2-rot.yaml"))["kv"], **KV_SMALL}},
-        "nuq_pre": {"name": "hf-nuq-pre", "kv": {**yaml.safe_load(open("recipes/ablations/kv-nuq2-outlier.yaml"))["kv"],
+                        "kv": {**yaml.safe_load(open("moec/recipes/kv-nuq2-rot.yaml"))["kv"], **KV_SMALL}},
+        "nuq_pre": {"name": "hf-nuq-pre", "kv": {**yaml.safe_load(open("moec/recipes/ablations/kv-nuq2-outlier.yaml"))["kv"],
                                                  **KV_SMALL}},
     }
     mp = pytest.MonkeyPatch()
@@ -154,7 +154,7 @@ def test_unsupported_caches_are_refused(tmp_path):
     # head_dim 32: the recipe's latent ranks (64) must fit the 2 KV heads × head_dim (pack --random checks it)
     args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                      max_seq_len=128, n_experts=4, top_k=2, expert_dim=64)
-    pack_random(args, "tiny", load_recipe("recipes/ablations/kv-latent-head.yaml"), tmp_path / "latent")
+    pack_random(args, "tiny", load_recipe("moec/recipes/ablations/kv-latent-head.yaml"), tmp_path / "latent")
     with pytest.raises(UserError, match="latent-head"):
         moec.hf.MoecCache.from_packed(tmp_path / "latent")
     pack_random(args, "tiny", parse_recipe({"name": "none"}), tmp_path / "fp16")
@@ -170,7 +170,7 @@ def test_moec_cache_update_attends_as_moec_cache(tmp_path, recipe, extra):
 
     args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                      max_seq_len=128, n_experts=4, top_k=2, expert_dim=64)
-    kv = {**yaml.safe_load(open(f"recipes/{recipe}.yaml"))["kv"], **KV_SMALL}
+    kv = {**yaml.safe_load(open(f"moec/recipes/{recipe}.yaml"))["kv"], **KV_SMALL}
     if extra:
         kv["rvq"] = {**kv["rvq"], **extra}
     p = tmp_path / "p"
@@ -201,7 +201,7 @@ def test_quantized_attention_through_from_pretrained(tmp_path):
     args = ModelArgs(arch="mixtral", vocab_size=300, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64,
                      max_seq_len=256, n_experts=4, top_k=2, expert_dim=96)
     p = tmp_path / "p"
-    pack_random(args, "tiny", load_recipe("recipes/latency-hls2-nuq2-attn4.yaml"), p)
+    pack_random(args, "tiny", load_recipe("moec/recipes/latency-hls2-nuq2-attn4.yaml"), p)
     # pack --random writes a stub config.json (no source model): the full one transformers builds from
     cfg = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "vocab_size": 300, "hidden_size": 128,
            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -13,14 +13,14 @@ def test_runtime_import_is_light():
 
 
 def test_loading_a_packed_kv_checkpoint_imports_no_calibration_code(tmp_path):
-    """A packed KV checkpoint (pack --random of recipes/kv-nuq2-rot.yaml at the smoke-moe shape) loaded, its
+    """A packed KV checkpoint (pack --random of moec/recipes/kv-nuq2-rot.yaml at the smoke-moe shape) loaded, its
     cache built and stepped past sinks + window + a block (199 > 4 + 128 + 32 tokens: the codec encodes and
     decodes history) in a fresh
     process: not one moec.calibrate module is imported, statically or through a registry hook string."""
     from tests.cli.run import moec
 
     packed = tmp_path / "packed"
-    r = moec("pack", "--random", "smoke-moe", "--recipe", "recipes/kv-nuq2-rot.yaml", "-o", packed)
+    r = moec("pack", "--random", "smoke-moe", "--recipe", "moec/recipes/kv-nuq2-rot.yaml", "-o", packed)
     assert r.returncode == 0, r.stderr
     code = (
         "import sys, torch\n"

@@ -127,7 +127,7 @@ def test_random_pack_stores_bit_packed_signs_and_loads(tmp_path):
     args = ModelArgs(arch="mixtral", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                      max_seq_len=128, n_experts=4, top_k=2, expert_dim=16)
     ck = tmp_path / "ck"
-    pack_random(args, "tiny", load_recipe("recipes/experts-hls2-had.yaml"), ck)
+    pack_random(args, "tiny", load_recipe("moec/recipes/experts-hls2-had.yaml"), ck)
     man = json.loads((ck / checkpoint.MANIFEST).read_text())
     e = man["tensors"]["layers.0.moe.w1.had_signs"]  # 32 inputs, auto block 32: one row of 4 bytes
     assert (e["dtype"], e["shape"]) == ("uint8", [1, 4])

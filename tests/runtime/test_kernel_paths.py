@@ -28,7 +28,7 @@ from moec.runtime.pathcheck import compare_paths
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the kernels run on the CPU only under TRITON_INTERPRET=1")
 
-RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
+RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "moec", "recipes")
 # dense MLPs: the experts' kernels are not what this file checks (tests/kernels does), and under the
 # interpreter they would triple its time
 ARGS = ModelArgs(arch="llama", vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64,
