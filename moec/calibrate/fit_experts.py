@@ -86,9 +86,15 @@ def existing_targets(args: ModelArgs) -> list[str]:
 
 
 def check_kernel_rule(ri: int, rule: WeightRule, name: str, n_in: int) -> None:
-    """UserError (one line) when rule `ri` on matrix `name` (n_in inputs) breaks a rule of the kernels that
+    """UserError (one line) when rule `ri` on matrix `name` (n_in inputs) has groups that do not divide n_in
+    (W4A16's 128 on SmolLM2's 576, named with the matrix and its dim), or breaks a rule of the kernels that
     read its codec (WeightCodecSpec.kernel_rule: e.g. LUT groups of multiples of 16 inputs), for every width
     the rule may give it; checked before any work instead of a silent torch fallback at run time."""
+    if rule.group_size and n_in % rule.group_size:  # every grouped codec (the fitters and packers assume it)
+        divs = [d for d in range(8, n_in + 1, 8) if n_in % d == 0]
+        raise UserError(f"weights rule {ri} (codec {rule.codec}): group_size {rule.group_size} does not divide the "
+                        f"input dim {n_in} of {name} (divisors that are multiples of 8: {divs}; or 0 for one group "
+                        f"per row)")
     spec = weight_codec(rule.codec)
     for bits in rule.allocate.bits if rule.allocate is not None else [rule.bits]:
         if (why := spec.kernel_error(bits, n_in, rule.group_size)) is not None:
@@ -126,10 +132,6 @@ def plan(args: ModelArgs, recipe: Recipe) -> dict[str, WeightRule]:
                                 f"(layers.*.moe.w1/w2/w3, layers.*.moe.shared.w1/w2/w3.weight, "
                                 f"layers.*.attn.wq/wk/wv/wo.weight, layers.*.moe.router.weight, output.weight)")
             I = names[n][-1]  # experts [E, O, I], the others [O, I]
-            if rule.group_size and I % rule.group_size:
-                divs = [d for d in range(8, I + 1, 8) if I % d == 0]
-                raise UserError(f"weights rule {ri}: group_size {rule.group_size} does not divide the input dim "
-                                f"{I} of {n} (divisors that are multiples of 8: {divs}; or 0 for one group per row)")
             check_kernel_rule(ri, rule, n, I)
             if rule.incoherence is not None and not rule.incoherence.block_for(I):
                 raise UserError(f"weights rule {ri}: incoherence block {rule.incoherence.block} does not divide the "

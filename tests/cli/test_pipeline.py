@@ -62,7 +62,7 @@ def test_calibrate_pack_eval_identity(tiny_moe_dir, tmp_path):
 def test_demo_moe_end_to_end(tmp_path):
     """The README job at small scale on the trained built-in MoE: a perplexity bound on real text."""
     calib, packed, out = tmp_path / "calib", tmp_path / "packed", tmp_path / "eval.json"
-    r = moec("calibrate", "demo-moe", "--recipe", "moec/recipes/fp16.yaml", "--data", "ptb", "--split", "train",
+    r = moec("calibrate", "demo-moe", "--recipe", "fp16", "--data", "ptb", "--split", "train",
              "--samples", "8", "--seq-len", "256", "-o", calib)
     assert r.returncode == 0, r.stderr
     report = json.loads((calib / "report.json").read_text())
