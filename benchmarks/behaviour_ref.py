@@ -134,7 +134,8 @@ def main() -> int:
     todo = [p for p in recipes() if not a.only or p.stem in a.only]
     unknown = sorted(set(a.only or ()) - {p.stem for p in todo})
     if unknown:
-        print(f"behaviour_ref: no kv-*/experts-* recipe named {', '.join(unknown)} under moec/recipes/", file=sys.stderr)
+        print(f"behaviour_ref: no kv-*/experts-* recipe named {', '.join(unknown)} under moec/recipes/",
+              file=sys.stderr)
         return 2
     refs = json.loads(REFS.read_text()) if REFS.exists() else {"protocol": {}, "recipes": {}}
     same_platform = refs["protocol"].get("platform") == platform()

@@ -2,7 +2,8 @@
 PTB test (docs/benchmarks.md).
 
     python3 -m benchmarks.bench_expert_quality --model demo-moe \
-        --recipes moec/recipes/experts-hls2.yaml moec/recipes/ablations/experts-rtn2.yaml ... [--windows 8] [--samples 32]
+        --recipes moec/recipes/experts-hls2.yaml moec/recipes/ablations/experts-rtn2.yaml ... \
+        [--windows 8] [--samples 32]
 
 For each recipe: `moec calibrate` (PTB train) and `moec pack` in-process, then teacher-forced
 perplexity of the packed model over the first N windows of 1024 tokens of PTB test (positions

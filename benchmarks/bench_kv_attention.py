@@ -40,7 +40,8 @@ from moec.kernels import kv_decode_attention as kda
 from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref
 
 H, K, D, LAYERS, BLOCK, WIN = 32, 8, 128, 32, 32, 128 + 4 + 16  # window: 4 sinks + 128 recent + a partial block
-RECIPE = ROOT / "moec" / "recipes" / "ablations" / "kv-nuq2-outlier.yaml"  # --recipe: e.g. moec/recipes/kv-nuq2-rot.yaml
+# --recipe: e.g. moec/recipes/kv-nuq2-rot.yaml
+RECIPE = ROOT / "moec" / "recipes" / "ablations" / "kv-nuq2-outlier.yaml"
 
 
 def use_recipe(path: Path) -> None:

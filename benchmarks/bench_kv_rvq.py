@@ -16,7 +16,8 @@ The baseline is the same model with an fp16 cache (keys/values rounded to fp16, 
 are computed in chunks from kept final hidden states (an 8192-token window of SmolLM2 has 1.6 G logits).
 
     OMP_NUM_THREADS=1 python3 -m benchmarks.bench_kv_rvq --model smollm2-135m \\
-        --recipes moec/recipes/kv-rvq-tiered.yaml moec/recipes/ablations/kv-rvq2.yaml moec/recipes/ablations/kv-rvq1.yaml
+        --recipes moec/recipes/kv-rvq-tiered.yaml moec/recipes/ablations/kv-rvq2.yaml \
+                  moec/recipes/ablations/kv-rvq1.yaml
 
 Writes benchmarks/results/kv_rvq_<model>.json (docs/benchmarks.md records; `kmeans_seconds` from calibration).
 """

@@ -5,8 +5,8 @@
 CI runs on a CPU, where the runtime takes the torch path, so a slip in the GPU path lands silently (one
 did: the static engine crashed on its first decode step with default arguments). This script is the gate
 before anything else runs on the GPU (benchmarks/gpu_sweep.sh starts with it). For each shipped recipe
-(moec.calibrate.recipe.shipped_gpu_recipes: every recipe under moec/recipes/ and moec/recipes/ablations/ but the identity
-and the ablations of one setting, whose description starts "ablation of") on the
+(moec.calibrate.recipe.shipped_gpu_recipes: every recipe under moec/recipes/ and moec/recipes/ablations/ but the
+identity and the ablations of one setting, whose description starts "ablation of") on the
 `smoke-moe` preset (head_dim 128 as in the big shapes, one dense and three MoE layers; random weights):
 
   pack      `moec pack --random smoke-moe --recipe R` (stand-in calibration for every codec), plus

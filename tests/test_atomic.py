@@ -212,7 +212,7 @@ def test_modes_follow_the_umask(tiny_moe_dir, tmp_path, umask, file_mode, dir_mo
     old = os.umask(umask)
     try:
         assert atomic.current_umask() == umask
-        calibrate(tiny_moe_dir, str(tiny_moe_dir), load_recipe(Path("moec/recipes/fp16.yaml")), "ptb", "valid", 2, 16, 0,
+        calibrate(tiny_moe_dir, str(tiny_moe_dir), load_recipe("fp16"), "ptb", "valid", 2, 16, 0,
                   out / "calib")
         pack(tiny_moe_dir, str(tiny_moe_dir), out / "calib", out / "packed")
         atomic.write_json(out / "eval.json", [])

@@ -26,7 +26,8 @@ from moec.atomic import write_json
 from moec.calibrate.recipe import load_recipe
 from moec.calibrate.sources import resolve_model
 
-RECIPES = ["moec/recipes/experts-hls2.yaml", "moec/recipes/ablations/experts-hls3-tuned.yaml", "moec/recipes/experts-fp8.yaml",
+RECIPES = ["moec/recipes/experts-hls2.yaml", "moec/recipes/ablations/experts-hls3-tuned.yaml",
+           "moec/recipes/experts-fp8.yaml",
            "moec/recipes/kv-nuq2-rot.yaml", "moec/recipes/kv-rvq-tiered.yaml", "moec/recipes/kv-latent-layer-g2.yaml"]
 
 

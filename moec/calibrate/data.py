@@ -81,11 +81,13 @@ def require_package(data: str) -> None:
         _kjv_spec()
 
 
-def load_text(data: str, split: str, config: str | None = None, column: str = "text", tokenizer=None) -> str:
+def load_text(data: str, split: str | None, config: str | None = None, column: str | None = "text",
+              tokenizer=None) -> str:
     """The text of `split` of `data` (a built-in name, a local file or saved data set, or a hub data set).
 
-    `config` picks a hub data set's configuration, `column` the column read from anything with columns;
-    a column of chat messages is rendered with `tokenizer`'s chat template, one conversation per row.
+    `config` picks a hub data set's configuration, `column` the column read from anything with columns (None:
+    pick_column's choice); a column of chat messages is rendered with `tokenizer`'s chat template, one
+    conversation per row. A single local file has no splits: `split` None or "train" (datasets' name for it).
     """
     if data in BUILTIN_DATA:
         check_builtin(data, split, config)
@@ -93,6 +95,7 @@ def load_text(data: str, split: str, config: str | None = None, column: str = "t
         text = _ptb(split) if data == "ptb" else _kjv(split)
     else:
         ds = open_data(data, split, config)
+        column = pick_column(ds, data, column)
         kind = column_kind(ds, data, column)
         if kind == "chat":
             check_chat_template(tokenizer, data, column)  # before any row is read
@@ -105,18 +108,41 @@ def load_text(data: str, split: str, config: str | None = None, column: str = "t
 
 def column_kind(ds, data: str, column: str) -> str:
     """"text" (a string column) or "chat" (lists of {role, content}), from the data set's features."""
-    import datasets
-
     if column not in ds.column_names:
         raise UserError(f"data {data!r} has no {column!r} column (columns: {', '.join(ds.column_names)})")
-    f = ds.features[column]
+    kind = _kind(ds.features[column])
+    if kind is None:
+        raise UserError(f"column {column!r} of data {data!r} holds {ds.features[column]}, neither text nor chat "
+                        f"messages (lists of {{role, content}})")
+    return kind
+
+
+def pick_column(ds, data: str, column: str | None) -> str:
+    """`column`, or when None the column to read: `text` if there is one, else a `messages` column of chat
+    messages (rendered with the chat template), else a UserError listing the columns."""
+    if column is not None:
+        column_kind(ds, data, column)
+        return column
+    for auto in AUTO_COLUMNS:
+        if auto in ds.column_names and _kind(ds.features[auto]) is not None:
+            return auto
+    raise UserError(f"data {data!r} has neither a 'text' column nor a 'messages' column of chat messages "
+                    f"(columns: {', '.join(ds.column_names)}); name one: --text-column COL, or NAME:SPLIT:FRACTION:COL "
+                    f"in a mix")
+
+
+AUTO_COLUMNS = ("text", "messages")  # what a file or data set is read from when no column is named
+
+
+def _kind(f) -> str | None:
+    import datasets
+
     if isinstance(f, datasets.Value) and f.dtype in ("string", "large_string"):
         return "text"
     inner = getattr(f, "feature", f[0] if isinstance(f, list) and f else None)
     if isinstance(inner, dict) and {"role", "content"} <= inner.keys():
         return "chat"
-    raise UserError(f"column {column!r} of data {data!r} holds {f}, neither text nor chat messages "
-                    f"(lists of {{role, content}})")
+    return None
 
 
 def check_chat_template(tokenizer, data: str, column: str) -> None:
@@ -136,7 +162,7 @@ def _render(tokenizer, messages: list, data: str, column: str) -> str:
                         f"{_first_line(e)}") from None
 
 
-def open_data(data: str, split: str, config: str | None = None):
+def open_data(data: str, split: str | None, config: str | None = None):
     """`data` as a `datasets.Dataset`: a local file, a directory (saved data set or data files), or a hub name."""
     import datasets  # heavy import: only when a file or hub data set is asked for
 
@@ -161,12 +187,16 @@ def open_data(data: str, split: str, config: str | None = None):
         raise UserError(f"--data-config is for hub data sets; {data} is a local file")
     if p.stat().st_size == 0:
         raise UserError(f"data file {data} is empty")
-    # one file is one split: --split names the split of a hub or saved data set, not of a file
+    # one file is one split, which datasets calls "train": --split names the split of a hub or saved data set
+    if split not in (None, FILE_SPLIT):
+        raise UserError(f"--split {split}: {data} is a single file, which has no splits (datasets reads it as its "
+                        f"one split, {FILE_SPLIT!r}); omit --split, or pass the file that holds that split")
     kind = LOCAL_KINDS.get(p.suffix, "text")
-    return _wrap(lambda: datasets.load_dataset(kind, data_files=str(p), split="train"), data, split)
+    return _wrap(lambda: datasets.load_dataset(kind, data_files=str(p), split=FILE_SPLIT), data, split)
 
 
 LOCAL_KINDS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+FILE_SPLIT = "train"  # the one split of a data file as datasets loads it
 
 
 def _wrap(load, data: str, split: str):

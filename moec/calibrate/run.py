@@ -42,7 +42,7 @@ from ..runtime.stream_eval import build_block
 from .allocate import check_budgets
 from .capture import ExpertTokenCounts, KVRange, run_layers
 from .data import load_text
-from .dataspec import check_specs, describe, parse_data, sample_mix
+from .dataspec import check_specs, describe, parse_data, resolve_columns, sample_mix
 from .distributed import Dist
 from .faults import FiniteActivations, check_final_hidden, checked_global_state, checked_layer_state, fault_report
 from .fit_experts import HEAD, ExpertFitter, canonical_names, plan
@@ -66,7 +66,7 @@ def load_balance(counts: torch.Tensor, top_k: int) -> dict:
 
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,
               seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None, resume: bool = False,
-              data_config: str | None = None, text_column: str = "text", dist: Dist | None = None,
+              data_config: str | None = None, text_column: str | None = None, dist: Dist | None = None,
               offload: bool = False, propagate: str = "fp", notify=None) -> dict | None:
     """offload: hidden states on the host (capture.run_layers). propagate: what feeds layer i + 1: "fp" the
     original layer i's outputs (statistics of every layer from the unquantized model), "quantized" the
@@ -104,6 +104,7 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if kv_spec.check is not None:  # the KV settings against the model's shapes, before any work
         kv_spec.hook("check")(args, kv_cfg)
     torch.manual_seed(seed)
+    sources = resolve_columns(sources)  # the column each source is read from, recorded in report.json
     # the tokenizer and the text (tens of seconds on a large corpus): shown, as every long step is
     with track("reading and tokenizing the calibration text", total=1 + len(sources)) as advance:
         tokenizer = load_tokenizer(model_dir)  # a chat column's template is checked here, before any weight is read

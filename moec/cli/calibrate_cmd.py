@@ -40,12 +40,14 @@ def calibrate(
                                       "moec-e2, moec-e3 (`moec recipes`)"),
     data: str = typer.Option("ptb", help="built-in data set (ptb, kjv), local .txt/.json/.jsonl/.parquet file or "
                              "saved data set, hub data set (NAME@CONFIG picks a config), or a mix "
-                             "NAME:SPLIT:FRACTION,... (NAME@CONFIG in a mix too) with fractions summing to 1"),
-    split: str = typer.Option("train", help="split to calibrate on (never the evaluation split)"),
+                             "NAME:SPLIT:FRACTION[:COLUMN],... (NAME@CONFIG in a mix too) with fractions summing to 1"),
+    split: str = typer.Option("train", help="split to calibrate on (never the evaluation split; a local file has "
+                              "none: datasets reads it as its one split, train)"),
     data_config: str | None = typer.Option(None, "--data-config", help="hub data set configuration "
                                            "(e.g. wikitext-2-raw-v1 for wikitext)"),
-    text_column: str = typer.Option("text", "--text-column", help="column to read from files and data sets; a "
-                                    "column of chat messages is rendered with the model's chat template"),
+    text_column: str | None = typer.Option(None, "--text-column", help="column to read from files and data sets "
+                                           "(default: text, else a messages column); a column of chat messages is "
+                                           "rendered with the model's chat template"),
     samples: int | None = typer.Option(None, help="number of calibration sequences (default: the recipe's "
                                        "calibration.samples, else 32)"),
     seq_len: int | None = typer.Option(None, "--seq-len", help="tokens per calibration sequence (default: the "
@@ -84,7 +86,7 @@ def calibrate(
     from_recipe = seq_len is None and r.calibration.seq_len > 0
     if seq_len is None:
         seq_len = r.calibration.seq_len or DEFAULT_SEQ_LEN
-    check_data(parse_data(data, split, data_config, text_column), samples)  # before a model is downloaded or read
+    sources = check_data(parse_data(data, split, data_config, text_column), samples)  # before a model is read
     model_dir = resolve_model(model)
     src_args = HFCheckpoint(model_dir).args if not is_packed(model_dir) else None  # validates the config
     n_layers = src_args.n_layers if src_args is not None else 1
@@ -94,7 +96,10 @@ def calibrate(
     dist = distributed.from_env(device)
     if dist.main:
         procs = f" on {dist.world} processes" if dist.grouped else ""
-        console.log(f"calibrating {model} with recipe {r.name} on {data}/{split}: {samples} × {seq_len} tokens{procs}")
+        on = data if len(sources) > 1 else f"{data}/{split}"  # a mix names each source's split
+        # as written: a mix's `:train:` is no emoji, a file name's [brackets] no markup
+        console.log(f"calibrating {model} with recipe {r.name} on {on}: {samples} × {seq_len} tokens{procs}",
+                    markup=False, emoji=False, highlight=False)
     layers = ExitStack()
     advance = layers.enter_context(progress_bar("calibrate layers" if dist.main else "", n_layers if dist.main else 0))
 

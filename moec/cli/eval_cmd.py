@@ -38,7 +38,8 @@ def eval_(
     model: str | None = typer.Argument(None, help="packed checkpoint, HF directory, GGUF file or built-in name"),
     data: str = typer.Option("ptb", help="built-in data set, local text/json file, or hub data set",
                              rich_help_panel=QUALITY),
-    split: str = typer.Option("test", rich_help_panel=QUALITY),
+    split: str | None = typer.Option(None, help="split to evaluate on (default: test; a local file has none)",
+                                     rich_help_panel=QUALITY),
     mode: str = typer.Option("both", help="tf (teacher-forced), dec (token-by-token through the cache) or both",
                              rich_help_panel=QUALITY),
     max_windows: int | None = typer.Option(8, "--max-windows", help="first N windows (0: all)",
@@ -140,10 +141,13 @@ def eval_(
         if base.args.vocab_size != cand.args.vocab_size:
             raise UserError(f"baseline {baseline!r} has another vocabulary ({base.args.vocab_size} vs "
                             f"{cand.args.vocab_size}); KL needs the same tokenizer")
+    if split is None and not Path(data).is_file():  # a local file has no splits (data.py)
+        split = "test"
     ids = tokenize(load_tokenizer(model_dir), load_text(data, split))
     windows = make_windows(ids, window, max_windows or None)
     if len(windows) == 0:
-        raise UserError(f"{data}/{split} has {ids.numel()} tokens, fewer than one window of {window}")
+        where = data + (f"/{split}" if split else "")
+        raise UserError(f"{where} has {ids.numel()} tokens, fewer than one window of {window}")
     modes = ["tf", "dec"] if mode == "both" else [mode]
     what = {"data": data, "split": split, "windows": len(windows), "window": window, "context": CONTEXT,
             "vocab": cand.args.vocab_size, "tokens_sha256": tokens_sha(windows)}
@@ -205,7 +209,8 @@ def _print_table(records: list[dict]) -> None:
     context (the window W) and projected to 32k tokens, since a tiered cache's fp16 window and sinks weigh
     more at a short context than at a long one."""
     ctx = records[0]["context"]
-    t = Table(title=f"{records[0]['model']} on {records[0]['data']}/{records[0]['split']} "
+    where = records[0]["data"] + (f"/{records[0]['split']}" if records[0]["split"] else "")
+    t = Table(title=f"{records[0]['model']} on {where} "
                     f"({records[0]['windows']}, {records[0]['dtype']})")
     for c in ("mode", "ppl", "ppl_base", "Δppl %", "KL", "top1", "w_bits", "q_bits", f"kv bits @{ctx}",
               "kv bits @32k"):

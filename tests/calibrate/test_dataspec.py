@@ -2,19 +2,20 @@
 and, through `calibrate` in-process on the tiny MoE, that data errors come before any weight is read."""
 
 import json
+import logging
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from moec.calibrate.data import sample_windows
-from moec.calibrate.dataspec import DataSpec, describe, mix_counts, parse_data, sample_mix
+from moec.calibrate.data import load_text, sample_windows
+from moec.calibrate.dataspec import DataSpec, check_data, describe, mix_counts, parse_data, sample_mix
 from moec.calibrate.recipe import parse_recipe
 from moec.calibrate.run import calibrate
 from moec.errors import UserError
 from moec.runtime.hf_layout import HFCheckpoint
+from tests.cli.run import moec
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
 
@@ -65,7 +66,7 @@ def test_mix_counts_sum_to_samples():
 
 def test_sample_mix_in_proportion_and_deterministic():
     a, b = torch.arange(10_000), torch.arange(50_000, 60_000)  # tell the sources apart by value
-    specs = parse_data("a.txt:train:0.7,b.txt:train:0.3", "train")
+    specs = parse_data("a.txt:train:0.7,b.txt:train:0.3:text", "train", column="text")
     w, records = sample_mix([a, b], specs, 10, 16, seed=5)
     assert w.shape == (10, 16) and int((w[:, 0] < 10_000).sum()) == 7
     assert not torch.equal(w[:7, 0] < 10_000, torch.ones(7, dtype=torch.bool))  # shuffled, not 7 then 3
@@ -100,13 +101,20 @@ FP16 = parse_recipe({"name": "fp16"})
 
 
 def test_mix_with_chat_messages_records_every_source(chat_model, tmp_path):
+    """A chat + plain-text mix (issue 34: one --text-column for every source made it impossible): the chat
+    source's `messages` column found by itself, the notes' column named in the source (NAME:SPLIT:FRACTION:COLUMN),
+    and each recorded."""
     model, chat = chat_model
-    report = calibrate(model, "m", FP16, f"ptb:valid:0.5,{chat}:train:0.5", "train", 4, 32, 0, tmp_path / "calib",
-                       text_column="messages")
-    assert (report["data"], report["split"]) == (f"ptb:valid:0.5,{chat}:train:0.5", "valid+train")
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text("\n".join(json.dumps({"body": f"note {i}: the market closed higher on light volume"})
+                               for i in range(40)))
+    mix = f"ptb:valid:0.5,{chat}:train:0.25,{notes}:train:0.25:body"
+    report = calibrate(model, "m", FP16, mix, "train", 4, 32, 0, tmp_path / "calib")
+    assert report["split"] == "valid+train"
     assert [(s["name"], s["split"], s["config"], s["column"], s["fraction"], s["samples"], s["tokens"])
             for s in report["sources"]] == [("ptb", "valid", None, None, 0.5, 2, 64),
-                                            (str(chat), "train", None, "messages", 0.5, 2, 64)]
+                                            (str(chat), "train", None, "messages", 0.25, 1, 32),
+                                            (str(notes), "train", None, "body", 0.25, 1, 32)]
     assert report["tokens"] == 128 and report["text_tokens"] == sum(s["text_tokens"] for s in report["sources"])
     assert json.loads((tmp_path / "calib" / "report.json").read_text())["sources"] == report["sources"]
 
@@ -140,7 +148,73 @@ def test_cli_checks_data_before_resolving_the_model(tmp_path, monkeypatch):
                          (str(tmp_path / "chat.jsonl"), "has no 'text' column (columns: messages)"),
                          (str(tmp_path / "none.jsonl"), "none.jsonl does not exist")]:
         with pytest.raises(UserError, match=re.escape(needle)):
-            calibrate_cmd.calibrate(model="m", recipe=Path("moec/recipes/fp16.yaml"), data=data, split="train",
+            calibrate_cmd.calibrate(model="m", recipe="fp16", scheme=None, data=data, split="train",
                                     data_config=None, text_column="text", samples=4, seq_len=32,
                                     out=tmp_path / "calib", seed=None, device="cpu", resume=False, gpus=None,
                                     offload_activations=False, propagate="fp")
+
+
+# --- data honesty (issue 34, item 6) ---
+
+def test_oversampled_text_warns_with_the_reuse_factor(caplog):
+    """64 × 512 windows from a 1,504-token text: a warning naming the 21.8x reuse (before: report.json only)."""
+    caplog.set_level(logging.WARNING, logger="moec.calibrate.dataspec")
+    sample_mix([torch.arange(1504)], [DataSpec("small.txt", "train", column="text")], 64, 512, seed=0)
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "small.txt (train) holds 1504 tokens" in msg and "64 × 512 = 32768" in msg and "21.8x reuse" in msg, msg
+    caplog.clear()
+    specs = parse_data("a.txt:train:0.5,b.txt:train:0.5", "train")
+    sample_mix([torch.arange(10_000), torch.arange(100)], specs, 4, 64, seed=0)  # b: 2 × 64 from 100 tokens
+    assert [m for r in caplog.records if "1.3x reuse" in (m := r.getMessage())] and len(caplog.records) == 1
+    caplog.clear()
+    sample_mix([torch.arange(10_000)], [DataSpec("ptb", "train")], 4, 64, seed=0)  # 256 of 10,000: silent
+    assert not caplog.records
+
+
+def test_a_local_file_has_no_splits(tmp_path):
+    """--split valid on a file was accepted and recorded; datasets reads a file as its one split, train."""
+    txt = tmp_path / "notes.txt"
+    txt.write_text("the market closed higher\n" * 20)
+    for split in ("valid", "test"):
+        with pytest.raises(UserError, match=re.escape(f"--split {split}: {txt} is a single file, which has no "
+                                                      "splits")) as e:
+            check_data(parse_data(str(txt), split), 2)
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="--split valid: .* is a single file"):  # in a mix too
+        check_data(parse_data(f"ptb:train:0.5,{txt}:valid:0.5", "train"), 2)
+    assert check_data(parse_data(str(txt), "train"), 2)[0].column == "text"
+
+
+def test_per_source_columns_and_messages_detected(tiny_moe_dir, tmp_path):
+    import transformers
+
+    chat, body = tmp_path / "chat.jsonl", tmp_path / "body.jsonl"
+    chat.write_text(json.dumps({"id": 1, "messages": [{"role": "user", "content": "hi"},
+                                                      {"role": "assistant", "content": "hello"}]}))
+    body.write_text(json.dumps({"id": 1, "body": "a plain note"}))
+    specs = parse_data(f"{chat}:train:0.5,{body}:train:0.5:body", "train")
+    assert [s.column for s in specs] == [None, "body"]
+    assert [s.column for s in check_data(specs, 2)] == ["messages", "body"]  # messages found, not named
+    with pytest.raises(UserError, match=r"has neither a 'text' column nor a 'messages' column .*\(columns: id, "
+                                        r"body\)"):
+        check_data(parse_data(str(body), "train"), 2)
+    with pytest.raises(UserError, match="the column after the fraction is empty"):
+        parse_data(f"{chat}:train:0.5:,{body}:train:0.5", "train")
+    with pytest.raises(UserError, match=re.escape("expected NAME[@CONFIG]:SPLIT:FRACTION[:COLUMN]")):
+        parse_data(f"{chat}:train:0.5:messages:x,{body}:train:0.5", "train")
+    tok = transformers.AutoTokenizer.from_pretrained(str(tiny_moe_dir))
+    tok.chat_template = TEMPLATE
+    assert load_text(str(chat), "train", column=None, tokenizer=tok) == "<|user|> hi\n<|assistant|> hello\n"
+
+
+def test_the_header_prints_the_mix_as_written(monkeypatch, tmp_path):
+    """`:train:` is rich's emoji code for a train: the header printed 🚋 for ptb:train:0.5 (and would read a
+    file name's [brackets] as markup)."""
+    from moec.cli import calibrate_cmd
+
+    monkeypatch.setattr(calibrate_cmd, "run_calibrate", lambda *a, **k: None)  # the header only, no run
+    mix = "ptb:train:0.5,kjv:train:0.5"
+    r = moec("calibrate", "demo-moe", "--recipe", "fp16", "--data", mix, "--samples", "2", "--seq-len", "32",
+             "-o", tmp_path / "c")
+    assert r.returncode == 0, r.stderr
+    assert f"on {mix}: 2 × 32 tokens" in r.stderr and "\N{TRAM CAR}" not in r.stderr, r.stderr

@@ -5,6 +5,7 @@ to a model, before any work: `moec calibrate` (fit_experts.plan), `moec pack` an
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -13,13 +14,15 @@ import yaml
 from moec.calibrate.fit_experts import check_kernel_rules
 from moec.calibrate.recipe import load_recipe
 from moec.calibrate.sources import DEMO_MOE_DIR
+from moec.errors import UserError
 from moec.registry import kv_codec, resolve, weight_codec
 from moec.runtime.config import PRESETS, ModelArgs
 from moec.runtime.hf_layout import HFCheckpoint
 from tests.cli.run import moec
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = sorted((ROOT / "moec" / "recipes").glob("*.yaml")) + sorted((ROOT / "moec" / "recipes" / "ablations").glob("*.yaml"))
+RECIPES = sorted((ROOT / "moec" / "recipes").glob("*.yaml")) + sorted((ROOT / "moec" / "recipes" / "ablations").glob(
+    "*.yaml"))
 # SmolLM2-135M (calibrate/sources.py; the weights are not needed to bind a recipe): hidden 576, MLP 1536
 SMOLLM2 = ModelArgs(arch="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
                     tie_embeddings=True, ffn_kinds=["dense"] * 30, dense_dim=1536)
@@ -41,8 +44,12 @@ def test_every_shipped_recipe_binds(recipe):
     (with the KV codec's own check, which pack --random runs too)."""
     r = load_recipe(recipe)
     models = {"demo-moe": HFCheckpoint(DEMO_MOE_DIR).args, "smollm2-135m": SMOLLM2, **PRESETS}
+    home = "smollm2-135m" if recipe.stem.startswith("smollm2-") else "demo-moe"  # the model it is written for
     for name, args in models.items():
-        check_kernel_rules(args, r)
+        try:
+            check_kernel_rules(args, r)
+        except UserError as e:  # elsewhere only a group that does not divide that model's dims (as at calibrate)
+            assert name != home and re.search(r"group_size \d+ does not divide the input dim", str(e)), (name, e)
         if name in PRESETS and r.kv is not None and (check := kv_codec(r.kv.codec).check) is not None:
             resolve(check)(args, r.kv)
 

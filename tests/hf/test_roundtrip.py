@@ -46,8 +46,8 @@ def packs(tmp_path_factory):
     recipes = {
         "experts_rot": {"name": "hf-experts-rot", "weights": experts["weights"], "calibration": experts["calibration"],
                         "kv": {**yaml.safe_load(open("moec/recipes/kv-nuq2-rot.yaml"))["kv"], **KV_SMALL}},
-        "nuq_pre": {"name": "hf-nuq-pre", "kv": {**yaml.safe_load(open("moec/recipes/ablations/kv-nuq2-outlier.yaml"))["kv"],
-                                                 **KV_SMALL}},
+        "nuq_pre": {"name": "hf-nuq-pre",
+                    "kv": {**yaml.safe_load(open("moec/recipes/ablations/kv-nuq2-outlier.yaml"))["kv"], **KV_SMALL}},
     }
     mp = pytest.MonkeyPatch()
     mp.setattr(data, "_ptb", lambda split: penn[split][:40_000])
