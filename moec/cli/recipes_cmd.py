@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from ..calibrate.catalog import SCHEMES, is_ablation, purpose, shipped
 from .common import out_console
@@ -22,14 +23,14 @@ def recipes(ablations: bool = typer.Option(False, "--ablations", help="also the 
             n_abl += 1
             if not ablations:
                 continue
-        t.add_row(name, purpose(path))
+        t.add_row(Text(name), Text(purpose(path)))  # as written: no markup or emoji codes in a description
     out_console.print(t)
     s = Table(title="--scheme NAME (case-insensitive): the recipe it stands for", title_justify="left")
     for c in ("scheme", "recipe", "what"):
         s.add_column(c, no_wrap=True, overflow="ellipsis")
     for name, sch in SCHEMES.items():
         s.add_row(name, sch.recipe if sch.recipe in files else f"{sch.recipe} (not shipped in this version)",
-                  sch.about)
+                  Text(sch.about))
     out_console.print(s)
     if not ablations and n_abl:
         out_console.print(f"{n_abl} ablations (variants kept to reproduce measurements): moec recipes --ablations",
