@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from ..calibrate import distributed
 from ..calibrate.catalog import recipe_arg
@@ -91,7 +92,8 @@ def calibrate(
     src_args = HFCheckpoint(model_dir).args if not is_packed(model_dir) else None  # validates the config
     n_layers = src_args.n_layers if src_args is not None else 1
     if from_recipe and src_args is not None and seq_len > src_args.max_seq_len:  # the recipe's "as long as served"
-        console.log(f"calibration.seq_len {seq_len} is longer than {model} supports: {src_args.max_seq_len} tokens")
+        console.log(f"calibration.seq_len {seq_len} is longer than {model} supports: {src_args.max_seq_len} tokens",
+                    markup=False, emoji=False, highlight=False)
         seq_len = src_args.max_seq_len
     dist = distributed.from_env(device)
     if dist.main:
@@ -117,7 +119,7 @@ def calibrate(
     dist.close()  # on success only: after a lost rank, leaving it to the process's exit cannot hang
     if report is None:  # not rank 0: rank 0 wrote the output
         return
-    t = Table(title=f"calibration → {out}")
+    t = Table(title=Text(f"calibration → {out}"))  # a path as written
     for c in ("layer", "ffn", "expert tokens (min / max)", "min/max", "|k| max", "|v| max"):
         t.add_column(c)
     for e in report["layers"]:
