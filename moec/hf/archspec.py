@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
 import re
 import textwrap
@@ -206,12 +207,21 @@ def _find_router(scope: nn.Module, skip: set[int], n_experts: int, hidden: int) 
     return None
 
 
-def _calls(cls) -> list[str]:
+@functools.cache
+def _source(cls) -> str:
+    try:
+        return textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return ""
+
+
+@functools.cache
+def _calls(cls) -> tuple[str, ...]:
     """Names of the functions called in a class's methods, in source order (comments and strings excluded)."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return []
+        tree = ast.parse(_source(cls))
+    except SyntaxError:
+        return ()
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
@@ -219,7 +229,7 @@ def _calls(cls) -> list[str]:
             name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
             if name:
                 out.append((node.lineno, node.col_offset, name))
-    return [n for _, _, n in sorted(out)]
+    return tuple(n for _, _, n in sorted(out))
 
 
 def _score_from_source(router: nn.Module, block: nn.Module) -> str:
@@ -353,7 +363,7 @@ def _router_spec(path: str, router: nn.Module, block: nn.Module, config, n_exper
         if norm is None:
             norm = getattr(config, "norm_topk_prob", None)
         if norm is None:
-            norm = bool(re.search(r"/=?\s*\(?[\w.\[\]]*\.sum\(", inspect.getsource(type(router))))
+            norm = bool(re.search(r"/=?\s*\(?[\w.\[\]]*\.sum\(", _source(type(router))))
         renorm = bool(norm)
         scaling = float(scale_attr) if scale_attr is not None else None
     return RouterSpec(score=score, top_k=int(top_k), n_experts=n_experts, bias=bias,
