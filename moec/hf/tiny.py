@@ -224,3 +224,37 @@ def save_tiny(model_type: str, path, seed: int = 0) -> Path:
 
 
 TINY_TYPES: tuple[str, ...] = tuple(TABLE)
+
+
+def _runs(kinds: list[str]) -> str:
+    """["sliding", "full", "sliding", "full"] → "sliding, full, sliding, full"; repeats of one → "full ×4"."""
+    return f"{kinds[0]} ×{len(kinds)}" if len(set(kinds)) == 1 else ", ".join(kinds)
+
+
+def model_types_table() -> str:
+    """The markdown table of docs/model-types.md: every tiny type with its special layers, read from its
+    ArchSpec (built on the meta device)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from .archspec import arch_spec_from_config
+
+    rows = ["| type | causal LM class | attention per layer | FFN per layer | router | experts layout | shared "
+            "experts | KV recipes |", "|---|---|---|---|---|---|---|---|"]
+    for t in TINY_TYPES:
+        spec = arch_spec_from_config(tiny_config(t))
+        attn = [layer.attention + ("+sinks" if layer.sinks else "") for layer in spec.layers]
+        moe = next(layer for layer in spec.layers if layer.ffn == "moe")
+        r, e = moe.router, moe.experts
+        router = f"{r.score} top-{r.top_k}" + (" +bias" if r.bias else "") + \
+            (f" groups {r.n_group}/{r.topk_group}" if r.n_group else "") + \
+            (f" ×{r.scaling:g}" if r.scaling not in (None, 1.0) else "") + (" renorm" if r.renormalize else "")
+        layout = ", ".join(x for x, on in (("transposed", e.is_transposed), ("bias", e.has_bias),
+                                           ("no gate", not e.has_gate), ("undecorated", not e.decorated)) if on)
+        refusal = spec.kv_refusal()
+        kv = "yes" if refusal is None else "refused: " + refusal.split(": ", 1)[1].split(" cannot")[0]
+        name = f"`{t}`" + (" (text model of a multimodal family)" if t in MULTIMODAL_FAMILY else "") + \
+            (" (moec engine)" if spec.engine else "")
+        rows.append(f"| {name} | `{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t]}` | {_runs(attn)} | "
+                    f"{_runs([layer.ffn for layer in spec.layers])} | {router} | {layout or 'standard'} | "
+                    f"{max(layer.shared_experts for layer in spec.layers)} | {kv} |")
+    return "\n".join(rows)
