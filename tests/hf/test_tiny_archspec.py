@@ -162,6 +162,24 @@ def test_llama4_undecorated_experts():
     assert param_groups(model, spec)["model.layers.1.feed_forward.experts.gate_up_proj"] == "experts"
 
 
+def test_real_size_configs_on_meta():
+    # the default configs (real sizes: 128 / 512 experts, hidden 2880 / 2048) built on the meta device; the
+    # router probe must still tell renormalised top-k weights from raw ones (gpt_oss: softmax over the top-k
+    # logits; qwen3_next: norm_topk_prob=True; qwen3_moe: False)
+    from transformers import GptOssConfig, Qwen3MoeConfig, Qwen3NextConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gpt, qn, q3 = (arch_spec_from_config(c()) for c in (GptOssConfig, Qwen3NextConfig, Qwen3MoeConfig))
+    assert [(layer.attention, layer.window) for layer in gpt.layers[:2]] == [("sliding", 128), ("full", None)]
+    assert (gpt.layers[0].router.top_k, gpt.layers[0].router.renormalize, gpt.layers[0].experts.n_experts) == \
+        (4, True, 128)
+    assert (qn.layers[0].attention, qn.layers[3].attention) == ("linear", "full")
+    assert (qn.layers[0].router.top_k, qn.layers[0].router.renormalize, qn.layers[0].experts.n_experts) == \
+        (10, True, 512)
+    assert (q3.layers[0].router.renormalize, q3.engine, len(q3.layers)) == (False, True, 24)
+
+
 def test_unknown_type_is_one_line():
     with pytest.raises(UserError) as e:
         tiny.tiny_config("not_a_model")
