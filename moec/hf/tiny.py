@@ -32,14 +32,17 @@ VOCAB = 8192  # the demo-moe tokenizer's vocabulary
 BOS = EOS = 0  # its one special token, <|endoftext|>
 WINDOW = 8  # sliding window: shorter than the 16-token test forward
 
+# Linear input sizes are multiples of 32 (64, 128, and 32 for MLA ranks), so 4-bit recipes with groups of 32
+# and per-row codebooks apply to every projection; head_dim 32 is a power of two that kivi's groups of 32
+# divide.
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-    shared_intermediate_size=48, num_local_experts=8, num_experts=8,
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=32, intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    shared_intermediate_size=64, num_local_experts=8, num_experts=8,
     max_position_embeddings=512, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None,
     num_nextn_predict_layers=0, tie_word_embeddings=False,
     # MLA (DeepSeek-V2/V3 family): small ranks and head parts
-    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
     # linear attention / state-space internals
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
     linear_conv_kernel_dim=4, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
@@ -58,7 +61,7 @@ DENSE0 = ["dense", "sparse", "sparse", "sparse"]  # mlp_layer_types: one leading
 SLIDING = ["sliding_attention", "full_attention"] * 2
 SLIDING_2ND = ["full_attention", "sliding_attention"] * 2
 LINEAR = ["linear_attention", "full_attention"] * 2
-INDEXER = dict(index_n_heads=2, index_head_dim=16, index_topk=8)  # DeepSeek sparse attention's indexer
+INDEXER = dict(index_n_heads=2, index_head_dim=32, index_topk=8)  # DeepSeek sparse attention's indexer
 
 # model_type -> overrides on top of COMMON / SHRINK: the type's special layers, its own names for shared
 # experts and dense layers, and whatever its config validation needs at these sizes.
@@ -75,11 +78,11 @@ TABLE: dict[str, dict] = {
     "solar_open": {},
     "hunyuan_v1_moe": dict(num_experts_per_tok=2),  # the class default is one expert, top-1
     # MLA types keep as many KV heads as heads (their attention repeats K/V by heads // kv_heads)
-    "deepseek_v2": dict(num_key_value_heads=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+    "deepseek_v2": dict(num_key_value_heads=2, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                         topk_method="group_limited_greedy", n_group=4, topk_group=2),  # as DeepSeek-V2, not -Lite
-    "deepseek_v3": dict(num_key_value_heads=4, n_shared_experts=1),
+    "deepseek_v3": dict(num_key_value_heads=2, n_shared_experts=1),
     "glm4_moe": dict(n_shared_experts=1),
-    "glm4_moe_lite": dict(num_key_value_heads=4, n_shared_experts=1, mlp_layer_types=DENSE0),
+    "glm4_moe_lite": dict(num_key_value_heads=2, n_shared_experts=1, mlp_layer_types=DENSE0),
     "dots1": dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1),
     "ernie4_5_moe": dict(moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=3),
     "gpt_oss": dict(layer_types=SLIDING),
@@ -88,37 +91,37 @@ TABLE: dict[str, dict] = {
     "afmoe": dict(num_dense_layers=1, num_shared_experts=1, layer_types=SLIDING),
     "cohere2_moe": dict(layer_types=SLIDING),
     "exaone_moe": dict(num_shared_experts=1, layer_types=SLIDING, mlp_layer_types=DENSE0),
-    "mimo_v2_flash": dict(layer_types=SLIDING_2ND, mlp_layer_types=DENSE0, v_head_dim=16),
-    "laguna": dict(layer_types=SLIDING_2ND, mlp_layer_types=DENSE0, num_attention_heads_per_layer=[4] * 4),
+    "mimo_v2_flash": dict(layer_types=SLIDING_2ND, mlp_layer_types=DENSE0, v_head_dim=32),
+    "laguna": dict(layer_types=SLIDING_2ND, mlp_layer_types=DENSE0, num_attention_heads_per_layer=[2] * 4),
     "mellum": dict(layer_types=SLIDING_2ND),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention"] * 2),
     "granitemoehybrid": dict(layer_types=LINEAR, mamba_n_heads=8),  # heads × head dim = 2 × hidden
     "granitemoe_swa": dict(layer_types=SLIDING_2ND),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
-    "kimi_linear": dict(num_key_value_heads=4, layer_types=LINEAR, mlp_layer_types=DENSE0, linear_head_dim=16,
+    "kimi_linear": dict(num_key_value_heads=2, layer_types=LINEAR, mlp_layer_types=DENSE0, linear_head_dim=16,
                         linear_num_heads=4),
     "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
-                       n_routed_experts=8, n_shared_experts=1, moe_shared_expert_intermediate_size=48,
+                       n_routed_experts=8, n_shared_experts=1, moe_shared_expert_intermediate_size=64,
                        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=16),
-    "deepseek_v32": dict(num_key_value_heads=4, n_shared_experts=1, mlp_layer_types=DENSE0, **INDEXER),
-    "glm_moe_dsa": dict(num_key_value_heads=4, n_shared_experts=1, mlp_layer_types=DENSE0, **INDEXER),
+    "deepseek_v32": dict(num_key_value_heads=2, n_shared_experts=1, mlp_layer_types=DENSE0, **INDEXER),
+    "glm_moe_dsa": dict(num_key_value_heads=2, n_shared_experts=1, mlp_layer_types=DENSE0, **INDEXER),
     "hy_v3": dict(num_shared_experts=1, mlp_layer_types=DENSE0),
     "zaya": dict(sliding_window=WINDOW, router_hidden_size=32, layer_types=["hybrid", "hybrid_sliding"] * 2),
-    "axk1": dict(num_key_value_heads=4, n_shared_experts=1),
-    "axk2": dict(num_key_value_heads=4, n_shared_experts=1, mlp_layer_types=DENSE0, gated_norm_rank=8, **INDEXER),
-    "hy_v4": dict(num_key_value_heads=4, n_shared_experts=1, mlp_layer_types=DENSE0, **INDEXER),
+    "axk1": dict(num_key_value_heads=2, n_shared_experts=1),
+    "axk2": dict(num_key_value_heads=2, n_shared_experts=1, mlp_layer_types=DENSE0, gated_norm_rank=8, **INDEXER),
+    "hy_v4": dict(num_key_value_heads=2, n_shared_experts=1, mlp_layer_types=DENSE0, **INDEXER),
     "deepseek_v4": dict(num_key_value_heads=1, n_shared_experts=1, o_lora_rank=16, o_groups=2, **INDEXER),
     # text models of families whose main checkpoints are multimodal (MULTIMODAL_FAMILY)
     "qwen3_5_moe_text": dict(layer_types=LINEAR),
     "qwen4_exp_text": dict(layer_types=["linear_attention", "qwen_sparse_attention"] * 2, hc_lowrank=8,
-                           indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=32, indexer_budget=8,
                            indexer_compress_ratio=4),
     "gemma4_text": dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
-                        global_head_dim=32, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                        global_head_dim=64, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
                         layer_types=SLIDING),
-    "inkling_text": dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, n_shared_experts=1),
-    "minimax_m3_vl_text": dict(dense_intermediate_size=96, rotary_dim=8),
-    "llama4_text": dict(intermediate_size_mlp=96, moe_layers=[1, 3], interleave_moe_layer_step=2,
+    "inkling_text": dict(swa_num_attention_heads=2, swa_num_key_value_heads=1, swa_head_dim=32, n_shared_experts=1),
+    "minimax_m3_vl_text": dict(dense_intermediate_size=128, rotary_dim=16),
+    "llama4_text": dict(intermediate_size_mlp=128, moe_layers=[1, 3], interleave_moe_layer_step=2,
                         attention_chunk_size=8, no_rope_layers=[1, 1, 1, 0]),
 }
 # config types that are the text model of a multimodal family (they count apart from text-only types)
@@ -214,7 +217,7 @@ def save_tiny(model_type: str, path, seed: int = 0) -> Path:
     tokenizer), written atomically."""
     model = tiny_model(model_type, seed=seed)
     path = Path(path)
-    with atomic_dir(path, what=f"tiny {model_type} model") as tmp:
+    with atomic_dir(path, what="an HF model directory", is_output=lambda p: (p / "config.json").is_file()) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         for name in TOKENIZER_FILES:
             shutil.copyfile(DEMO_TOKENIZER / name, tmp / name)

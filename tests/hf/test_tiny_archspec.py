@@ -81,6 +81,14 @@ def test_param_groups_cover_every_parameter_once(model_type):
         for layer in spec.layers if layer.experts)
     assert "router" in groups.values() and ("attention" in groups.values()) == any(
         layer.attention not in ("linear", "none") for layer in spec.layers)
+    # every weight a recipe can target reads a multiple of 32 inputs (groups of 32, per-row codebooks)
+    params = dict(model.named_parameters())
+    for name, group in groups.items():
+        p = params[name]
+        if group != "other" and p.dim() >= 2 and not name.endswith("_bias"):
+            index = int(name[len(prefix) + 1:].split(".")[0])
+            transposed = group == "experts" and spec.layers[index].experts.is_transposed
+            assert (p.shape[-2] if transposed else p.shape[-1]) % 32 == 0, (name, tuple(p.shape))
 
 
 def test_deepseek_v3():
@@ -99,7 +107,7 @@ def test_deepseek_v3():
     assert moe.shared_experts == 1 and moe.shared_modules == ("mlp.shared_experts",)
     e = moe.experts
     assert (e.module, e.gate_up, e.is_transposed, e.has_bias, e.decorated, e.n_experts, e.intermediate) == \
-        ("mlp.experts", "gate_up_proj", False, False, True, 8, 32)
+        ("mlp.experts", "gate_up_proj", False, False, True, 8, 64)
     msg = spec.kv_refusal()
     assert msg.startswith("deepseek_v3 layer 0 (self_attn): mla attention") and "\n" not in msg
     assert not spec.engine and spec.layers_path == "model.layers"
@@ -112,7 +120,7 @@ def test_gpt_oss():
     assert [(layer.attention, layer.window, layer.sinks) for layer in spec.layers] == \
         [("sliding", tiny.WINDOW, True), ("full", None, True)] * 2
     e = spec.layers[0].experts
-    assert (e.is_transposed, e.has_bias, e.has_gate, e.decorated, e.intermediate) == (True, True, True, True, 96)
+    assert (e.is_transposed, e.has_bias, e.has_gate, e.decorated, e.intermediate) == (True, True, True, True, 128)
     r = spec.layers[0].router
     assert (r.score, r.renormalize, r.bias, r.n_group, r.scaling) == ("softmax", True, False, None, None)
     assert "sliding attention" in spec.kv_refusal()
@@ -156,7 +164,7 @@ def test_llama4_undecorated_experts():
     model, spec = _model("llama4_text")
     assert [layer.ffn for layer in spec.layers] == ["dense", "moe", "dense", "moe"]
     e = spec.layers[1].experts
-    assert (e.decorated, e.is_transposed, e.has_gate, e.n_experts, e.intermediate) == (False, True, True, 8, 96)
+    assert (e.decorated, e.is_transposed, e.has_gate, e.n_experts, e.intermediate) == (False, True, True, 8, 128)
     assert spec.layers[1].router.score == "sigmoid" and spec.layers[1].shared_modules == ("feed_forward.shared_expert",)
     assert [layer.attention for layer in spec.layers] == ["chunked", "chunked", "chunked", "full"]
     assert param_groups(model, spec)["model.layers.1.feed_forward.experts.gate_up_proj"] == "experts"
