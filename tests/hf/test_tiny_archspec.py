@@ -86,8 +86,8 @@ def test_param_groups_cover_every_parameter_once(model_type):
     for name, group in groups.items():
         p = params[name]
         if group != "other" and p.dim() >= 2 and not name.endswith("_bias"):
-            index = int(name[len(prefix) + 1:].split(".")[0])
-            transposed = group == "experts" and spec.layers[index].experts.is_transposed
+            transposed = group == "experts" and \
+                spec.layers[int(name[len(prefix) + 1:].split(".")[0])].experts.is_transposed
             assert (p.shape[-2] if transposed else p.shape[-1]) % 32 == 0, (name, tuple(p.shape))
 
 
