@@ -76,6 +76,7 @@ class ExpertsSpec:
     decorated: bool  # False for llama4's plain Llama4TextExperts
     n_experts: int
     intermediate: int
+    custom_gate: bool = False  # the class defines its own `_apply_gate` (gpt_oss: clamped SwiGLU)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,14 @@ def _experts_spec(path: str, mod: nn.Module, hidden: int) -> ExpertsSpec:
         module=path, gate_up=gate_up, down="down_proj", is_transposed=transposed,
         is_concatenated=bool(getattr(mod, "is_concatenated", True)),
         has_bias=bool(mod.has_bias) if decorated else hasattr(mod, f"{gate_up}_bias"),
-        has_gate=has_gate, decorated=decorated, n_experts=int(gu.shape[0]), intermediate=int(intermediate))
+        has_gate=has_gate, decorated=decorated, n_experts=int(gu.shape[0]), intermediate=int(intermediate),
+        custom_gate=decorated and _custom_gate(type(mod)))
+
+
+def _custom_gate(cls) -> bool:
+    from transformers.integrations.moe import _default_apply_gate
+
+    return getattr(cls, "_apply_gate", _default_apply_gate) is not _default_apply_gate
 
 
 def _is_attention(mod: nn.Module) -> bool:

@@ -252,7 +252,8 @@ def model_types_table() -> str:
             (f" groups {r.n_group}/{r.topk_group}" if r.n_group else "") + \
             (f" ×{r.scaling:g}" if r.scaling not in (None, 1.0) else "") + (" renorm" if r.renormalize else "")
         layout = ", ".join(x for x, on in (("transposed", e.is_transposed), ("bias", e.has_bias),
-                                           ("no gate", not e.has_gate), ("undecorated", not e.decorated)) if on)
+                                           ("no gate", not e.has_gate), ("undecorated", not e.decorated),
+                                           ("own gate function", e.custom_gate)) if on)
         refusal = spec.kv_refusal()
         kv = "yes" if refusal is None else "refused: " + refusal.split(": ", 1)[1].split(" cannot")[0]
         name = f"`{t}`" + (" (text model of a multimodal family)" if t in MULTIMODAL_FAMILY else "") + \

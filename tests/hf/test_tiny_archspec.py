@@ -121,6 +121,7 @@ def test_gpt_oss():
         [("sliding", tiny.WINDOW, True), ("full", None, True)] * 2
     e = spec.layers[0].experts
     assert (e.is_transposed, e.has_bias, e.has_gate, e.decorated, e.intermediate) == (True, True, True, True, 128)
+    assert e.custom_gate and not _model("mixtral")[1].layers[0].experts.custom_gate  # GptOssExperts._apply_gate
     r = spec.layers[0].router
     assert (r.score, r.renormalize, r.bias, r.n_group, r.scaling) == ("softmax", True, False, None, None)
     assert "sliding attention" in spec.kv_refusal()
