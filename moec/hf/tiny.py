@@ -1,4 +1,4 @@
-"""Tiny random configs for every text-only causal-LM MoE type of transformers that moec tests.
+"""Tiny random configs for every MoE causal-LM type of transformers (5.17) that moec tests.
 
 One override table (`TABLE`, model_type → overrides) on top of `COMMON` (the knobs most config classes
 share: hidden 64, 4 layers, 8 experts, vocab 8192 so the built-in demo-moe tokenizer drives any of them).
@@ -41,6 +41,7 @@ COMMON = dict(
     shared_intermediate_size=64, num_local_experts=8, num_experts=8,
     max_position_embeddings=512, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None,
     num_nextn_predict_layers=0, tie_word_embeddings=False,
+    initializer_range=0.125,  # 1/sqrt(hidden): activations, router and attention logits of order one
     # MLA (DeepSeek-V2/V3 family): small ranks and head parts
     kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
     # linear attention / state-space internals
@@ -182,8 +183,8 @@ def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
     transformers initializes norms to ones and biases, score-correction biases, sinks and some gates to
     zeros; a constant tensor hides layout mistakes (a transposed bias, a swapped norm) and makes a
     quantization test trivial. A constant tensor c becomes c + s·N(0, 1) with s = 0.1·|c| (norm weights
-    around 1: N(1, 0.1²)) or 0.02 where c = 0 (biases). Non-constant tensors (the std-0.02 matrices, the
-    state-space A_log / dt ranges) are left as initialized."""
+    around 1: N(1, 0.1²)) or 0.02 where c = 0 (biases). Non-constant tensors (the matrices, normal with std
+    `initializer_range` = 1/sqrt(hidden); the state-space A_log / dt ranges) are left as initialized."""
     with torch.no_grad():
         for _name, t in model.state_dict(keep_vars=True).items():
             if not t.is_floating_point() or t.numel() == 0:
@@ -199,8 +200,9 @@ def _randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
 def tiny_model(model_type: str, seed: int = 0, dtype=torch.float32):
     """`AutoModelForCausalLM.from_config(tiny_config(model_type))` with seeded random weights, in eval mode.
 
-    transformers' own init runs under `torch.manual_seed(seed)`; then `_randomize` makes every constant
-    tensor (norms, zero biases, sinks, score-correction biases) random around its value."""
+    transformers' own init runs under `torch.manual_seed(seed)` (matrices normal with std 1/sqrt(hidden), so
+    activations and logits are of order one); then `_randomize` makes every constant tensor (norms, zero
+    biases, sinks, score-correction biases) random around its value."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type)
