@@ -47,11 +47,11 @@ def build_config(model: str | None, random: str | None, recipe: Path | None, dev
             m = random_model(args, lambda n: None, device)
             return m, None, static_cache_factory(None, {}, args), {"shape": random, "method": "bf16",
                                                                   "recipe": "bf16-fp16kv"}
-        from ..calibrate.pack_kv import kv_manifest
+        from ..calibrate.pack_kv import kv_manifest, kv_view
         from ..calibrate.recipe import load_recipe
 
         r = load_recipe(recipe)
-        kv = kv_manifest(r, args)
+        kv = kv_view(r, kv_manifest(r, args))
         caches = static_cache_factory(kv, random_kv_tensors(args, kv) if kv else {}, args)
         m = random_model(args, r.rule_for, device)
         return m, kv, caches, {"shape": random, "method": "packed-random", "recipe": r.name}
