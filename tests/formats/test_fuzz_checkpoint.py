@@ -144,7 +144,8 @@ def mutate(d: Path, draw) -> str:
         if not m.get("kv"):
             return "kv-none"
         recipe_kv = m["recipe"]["kv"]  # the recipe keys' one home (format 3); a key in both is refused
-        key = draw(st.sampled_from(sorted({*m["kv"], *recipe_kv, "bits", "window", "block", "sinks", "rope", "tensors"})))
+        keys = {*m["kv"], *recipe_kv, "bits", "window", "block", "sinks", "rope", "tensors"}
+        key = draw(st.sampled_from(sorted(keys)))
         home = m["kv"] if key in m["kv"] or (key not in recipe_kv and draw(st.booleans())) else recipe_kv
         home[key] = draw(st.one_of(weird, st.sampled_from([3, 64, 1024, "nuq-outlier", "rvq-tiered", "latent-layer",
                                                            ["x"]])))
