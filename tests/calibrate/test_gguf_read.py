@@ -132,3 +132,20 @@ def test_unmapped_architecture_and_tensor_are_refused(tmp_path, monkeypatch):
     write_gguf(tmp_path / "x.gguf", "qwen3moe", _hf_model("qwen3moe"), extra)
     with pytest.raises(UserError, match="tensor 'blk.0.ffn_gate_inp_shexp.weight' of GGUF architecture 'qwen3moe'"):
         resolve_model(str(tmp_path / "x.gguf"))
+
+
+def test_moec_gguf_export_reads_back_as_the_packed_moe(tmp_path, monkeypatch):
+    """moec's own export (llama with experts, Q4_1 experts and attention) is read back as the MoE it was: the
+    logits of moec's runtime on the packed checkpoint."""
+    from moec.export import export
+    from tests.export.packs import pack, rule
+
+    monkeypatch.setenv("MOEC_CACHE", str(tmp_path / "cache"))
+    p = pack(tmp_path / "p", rule(["experts", "attention"], "rtn", 4, 32))
+    info = export(p, "gguf", tmp_path / "g")
+    back, _ = load_model(resolve_model(str(tmp_path / "g" / info["file"])))
+    packed, _ = load_model(p)
+    assert (back.args.arch, back.args.n_experts) == ("mixtral", packed.args.n_experts)
+    x = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), packed(x), rtol=1e-4, atol=1e-4)
