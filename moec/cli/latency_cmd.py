@@ -275,14 +275,14 @@ def latency(model: str | None, random: str | None, recipe: Path | None, batches:
 def _check_memory(shape: str, recipe: Path, context: int) -> None:
     """Before any allocation: the random model + a batch-1 cache of `context` tokens must fit in free memory
     (larger batches that do not fit fall back to smaller graph buckets, recorded per row)."""
-    from ..calibrate.pack_kv import kv_manifest
+    from ..calibrate.pack_kv import kv_manifest, kv_view
     from ..calibrate.recipe import load_recipe
     from ..runtime.config import PRESETS
     from ..runtime.kvtiered import build_codecs
     from ..runtime.latency import estimate_model_bytes, kv_bytes_per_token, largest_context, random_kv_tensors
 
     args, r = PRESETS[shape], load_recipe(recipe)
-    kv = kv_manifest(r, args)
+    kv = kv_view(r, kv_manifest(r, args))
     from ..runtime.loader import kv_codec_spec
 
     if kv and kv_codec_spec(kv).tiered:
