@@ -109,7 +109,7 @@ class MoecCache(Cache):
 
     @classmethod
     def from_packed(cls, path: str | Path, max_len: int | None = None) -> MoecCache:
-        """The cache of packed checkpoint `path`'s KV codec (its manifest `kv` section and `kv.*` tensors),
+        """The cache of packed checkpoint `path`'s KV codec (runtime/loader.kv_section and the `kv.*` tensors),
         for up to `max_len` tokens per row (the model's context by default: history buffers are allocated up
         front, so a smaller bound saves memory). UserError for a checkpoint without a KV codec."""
         manifest = checkpoint.verify(path)
