@@ -80,6 +80,10 @@ def inspect(path: Path) -> str:
     if arch not in ARCHS:
         raise UserError(f"{path.name}: GGUF architecture {arch!r} is not one moec reads exactly "
                         f"(supported: {', '.join(ARCHS)})")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":  # transformers' GGUF config mapping does not carry it: the RoPE would silently change
+        raise UserError(f"{path.name}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not one moec reads "
+                        f"from a GGUF exactly")
     names = [t.name for t in reader.tensors]
     has_experts = any(_BLK.match(n) and _BLK.match(n).group(2) in _EXPERTS for n in names) \
         or bool(_field(reader, f"{arch}.expert_count", 0))

@@ -115,18 +115,26 @@ def test_moe_gguf_is_read_as_a_moe(tmp_path, monkeypatch, arch):
         torch.testing.assert_close(rt(x), model(x).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_unmapped_architecture_and_tensor_are_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEC_CACHE", str(tmp_path / "cache"))
-    w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+def _stub(path, arch: str, **kv):
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
+    for key, value in kv.items():
+        w.add_string(f"{arch}.{key}", value)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_unmapped_architecture_and_tensor_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEC_CACHE", str(tmp_path / "cache"))
     with pytest.raises(UserError, match="architecture 'phi3' is not one moec reads") as e:
-        resolve_model(str(tmp_path / "phi.gguf"))
+        resolve_model(str(_stub(tmp_path / "phi.gguf", "phi3")))
     assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="RoPE scaling 'yarn'"):  # transformers' llama mapping drops it
+        resolve_model(str(_stub(tmp_path / "yarn.gguf", "llama", **{"rope.scaling.type": "yarn"})))
     # a shared-expert gate, which qwen3moe has not: dropping it would change the model
     extra = {"blk.0.ffn_gate_inp_shexp.weight": (np.zeros(64, np.float32), F32, None, None)}
     write_gguf(tmp_path / "x.gguf", "qwen3moe", _hf_model("qwen3moe"), extra)
