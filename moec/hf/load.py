@@ -202,8 +202,9 @@ AutoConfig.register(checkpoint.MODEL_TYPE, MoecPackedConfig, exist_ok=True)
 
 @register_quantization_config(QUANT_METHOD)
 class MoecConfig(QuantizationConfigMixin):
-    """config.json's `quantization_config` as `moec pack` writes it (calibrate/pack.py): the format and the
-    recipe's rules, for display; what is loaded comes from the manifest (moec.json)."""
+    """config.json's `quantization_config` as `moec pack` writes it (formats/checkpoint.quantization_config, a
+    mirror of the manifest's recipe): the format and the recipe's rules, for display; what is loaded comes
+    from the manifest (moec.json)."""
 
     def __init__(self, format: str = checkpoint.FORMAT, format_version: int = checkpoint.FORMAT_VERSION,
                  config_groups: dict | None = None, kv_cache_scheme: dict | None = None, ignore: list | None = None,
