@@ -37,7 +37,7 @@ from benchmarks.benchutil import ROOT, cli
 from moec.calibrate.capture import run_layers
 from moec.calibrate.data import load_text, sample_windows
 from moec.calibrate.latent import LatentSampler, fit_latent_tensors
-from moec.calibrate.pack_kv import kv_manifest
+from moec.calibrate.pack_kv import kv_manifest, kv_view
 from moec.calibrate.recipe import Recipe
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
 from moec.cli.common import base_record, write_json_atomic
@@ -199,7 +199,8 @@ def main() -> None:
         try:
             kvc = kv_config(*cfg)
             tensors, fit_report = fit_latent_tensors(model.args, kvc, sampler)
-            section = kv_manifest(Recipe(name="grid", kv=kvc), model.args)
+            grid_recipe = Recipe(name="grid", kv=kvc)
+            section = kv_view(grid_recipe, kv_manifest(grid_recipe, model.args))
             factory = latent_cache_factory(section, tensors, model.args)
             extra = {"fit": {k: [g[k] for g in fit_report["groups"]] for k in ("k", "v")}}
             if j == 0 and a.validate and chunk is not None:  # chunked vs token-by-token decode, same windows

@@ -24,7 +24,8 @@ calibrate/nuq.py, runtime/nuq.py; kernels/<family>_*.py): only those and this mo
 names (tests/test_registry_dispatch.py).
 
 KV codec hooks (`args` is the model's runtime.config.ModelArgs, `cfg` the codec's config instance,
-`section` the manifest `kv` section, a dict: asdict(cfg) plus shapes, see moec/formats/kvsection.py):
+`section` the KV view, a dict: asdict(cfg) of the manifest's recipe.kv plus the `kv` section's shapes and derived
+keys, joined by moec/runtime/loader.kv_section; see moec/formats/kvsection.py):
     config             dataclass of the recipe's `kv:` mapping for this codec (strict: keys it does
                        not declare are errors)
     identity           the uncompressed cache (fp16): nothing to calibrate, pack or load

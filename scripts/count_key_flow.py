@@ -2,17 +2,23 @@
 to it, the validations of it (an `if` on it that raises, an `assert` on it), and the places its default is
 written. Comments and docstrings do not count (the source is read through its AST).
 
-    python3 scripts/count_key_flow.py [--key window] [--default 128] [--root moec] [-v]
+    python3 scripts/count_key_flow.py [--key window] [--default 128] [--root moec] [--packed DIR] [-v]
 
 A reference is an attribute `.KEY`, a subscript `["KEY"]`, `.get("KEY", ...)`, a keyword `KEY=`, a parameter or
 a name `KEY`, or a dict key / string "KEY". Files where the same word means something else are left out
 (EXCLUDE: `moec eval --window` is the evaluation window, not the cache's).
+
+`--packed DIR` also counts the places a packed checkpoint stores the key: every occurrence as a mapping key
+in its JSON and YAML files (the manifest's per-tensor and per-shard entries left out: their `codec` and
+`bits` are the tensor's own); those inside config.json's `quantization_config` are counted apart, as
+mirrors (derived from the manifest in one function, never read back by moec).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 from pathlib import Path
 
 EXCLUDE = {"window": ("cli/eval_cmd.py", "runtime/perplexity.py", "runtime/saved_logits.py",
@@ -85,19 +91,53 @@ def count(root: Path, key: str, default) -> dict:
     return {"files": files, "validations": validations, "defaults": defaults}
 
 
+def _paths(x, key: str, at: str = "") -> list[str]:
+    if isinstance(x, dict):
+        return [p for k, v in x.items() for p in ([f"{at}{k}"] if k == key else []) + _paths(v, key, f"{at}{k}.")]
+    if isinstance(x, list):
+        return [p for v in x for p in _paths(v, key, at)]
+    return []
+
+
+def stores(packed: Path, key: str) -> dict:
+    """{"stores": [file:path], "mirrors": [file:path]} of `key` in a packed checkpoint directory."""
+    import yaml
+
+    out = {"stores": [], "mirrors": []}
+    for f in sorted(packed.iterdir()):
+        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
+            data = json.loads(f.read_text())
+        elif f.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(f.read_text())
+        else:
+            continue
+        if f.name == "moec.json":
+            data = {k: v for k, v in data.items() if k not in ("tensors", "shards")}
+        for p in _paths(data, key):
+            mirror = f.name == "config.json" and p.startswith("quantization_config.")
+            out["mirrors" if mirror else "stores"].append(f"{f.name}:{p}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--key", default="window")
     ap.add_argument("--default", type=int, default=128)
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1] / "moec")
+    ap.add_argument("--packed", type=Path, help="also count the stores of the key in this packed checkpoint")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args()
     c = count(a.root, a.key, a.default)
-    print(f"kv.{a.key}: {len(c['files'])} files, {len(c['validations'])} validations, "
-          f"{len(c['defaults'])} defaults ({a.default})")
+    line = (f"kv.{a.key}: {len(c['files'])} files, {len(c['validations'])} validations, "
+            f"{len(c['defaults'])} defaults ({a.default})")
+    if a.packed is not None:
+        c |= stores(a.packed, a.key)
+        line += f", stored {len(c['stores'])}x in {a.packed.name} (+ {len(c['mirrors'])} derived mirror)"
+    print(line)
     if a.verbose:
-        for what in ("files", "validations", "defaults"):
-            print(f"{what}:\n  " + "\n  ".join(c[what]))
+        for what in ("files", "validations", "defaults", "stores", "mirrors"):
+            if what in c:
+                print(f"{what}:\n  " + "\n  ".join(c[what]))
 
 
 if __name__ == "__main__":

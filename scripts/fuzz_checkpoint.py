@@ -101,9 +101,10 @@ def mutate(d: Path, rng: random.Random) -> str:
     elif kind == "tensor":
         e = m["tensors"][tensor]
         e[rng.choice(list(e) + ["param", "shard", "shape"])] = rng.choice(WEIRD)
-    elif kind == "kv" and m.get("kv"):
-        f = rng.choice(list(m["kv"]) + ["codec", "bits", "n_layers", "window", "block", "sinks", "rope"])
-        m["kv"][f] = rng.choice(WEIRD + [3, 64, 1024, "nuq-outlier", "rvq-tiered", "latent-layer"])
+    elif kind == "kv" and m.get("kv"):  # the section (shapes, tensors) or the recipe keys' home, recipe.kv
+        home = m["kv"] if rng.random() < 0.5 else m["recipe"]["kv"]
+        f = rng.choice(list(home) + ["codec", "bits", "n_layers", "window", "block", "sinks", "rope"])
+        home[f] = rng.choice(WEIRD + [3, 64, 1024, "nuq-outlier", "rvq-tiered", "latent-layer"])
     elif kind == "shard":
         m["shards"][next(iter(m["shards"]))] = rng.choice(WEIRD)
     elif kind == "header":

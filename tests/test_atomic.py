@@ -31,7 +31,7 @@ def tree(path: Path) -> dict[str, bytes]:
 
 def _write(out: Path, tensors: dict[str, torch.Tensor]) -> Path:
     info = {n: {"codec": "keep", "bits": 32} for n in tensors}
-    return checkpoint.write_packed(out, tensors, info, {}, {"model_type": "x"}, {"quant_method": "moec"})
+    return checkpoint.write_packed(out, tensors, info, {}, {"model_type": "x"})
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "rename-away"])

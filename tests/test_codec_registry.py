@@ -123,7 +123,7 @@ def test_toy_codecs_end_to_end(tmp_path, monkeypatch):
     r = moec("pack", "demo-moe", calib, "-o", packed)
     assert r.returncode == 0, r.stderr
     manifest = json.loads((packed / "moec.json").read_text())
-    assert manifest["kv"]["codec"] == "toy-int8" and manifest["kv"]["clip"] == 1.0
+    assert manifest["recipe"]["kv"]["codec"] == "toy-int8" and manifest["recipe"]["kv"]["clip"] == 1.0
     assert manifest["tensors"]["layers.0.moe.w1.q"]["codec"] == "toy-int8w"
     r = moec("eval", packed, "--mode", "both", "--max-windows", "1", "--seq-len", "256", "--baseline", "demo-moe",
              "--json", out)

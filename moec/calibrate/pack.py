@@ -121,8 +121,6 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
     kv_tensors, kv_info, kv_section = encode_kv_tensors(calib_dir, recipe, args)
     tensors.update(kv_tensors)
     info.update(kv_info)
-    kv = recipe.kv_or_default()
-    bits["kv_bits_nominal"] = float(kv.bits)
     provenance = {k: report[k] for k in ("data", "split", "samples", "seq_len", "seed", "tokens", "created",
                                           "device", "expert_policy", "min_expert_tokens")}
     provenance["environment"] = report.get("environment")  # what calibrated it (None: an older calibration)
@@ -134,16 +132,8 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
                 "model_args": args.to_dict(), "recipe": recipe.to_dict(),
                 "calibration": provenance, "effective_bits": bits,
                 "kv": kv_section, "environment": environment("cpu")}  # what packed it
-    quant = {"quant_method": "moec", "format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION,
-             "config_groups": {f"group_{i}": {"targets": r.targets, "weights": {
-                 "codec": r.codec, "num_bits": r.bits, "group_size": r.group_size or None,
-                 "strategy": "group" if r.group_size else "channel"}} for i, r in enumerate(recipe.weights)},
-             "kv_cache_scheme": None if recipe.kv is None else {"codec": kv.codec, "num_bits": kv.bits,
-                                                                "window": kv.window, "sinks": kv.sinks},
-             "ignore": [], "w_bits": bits["w_bits"]}
     extra = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
-    checkpoint.write_packed(out_dir, tensors, info, manifest, config, quant, extra_files=extra,
-                            extra_texts={"recipe.yaml": recipe.to_yaml()},
+    checkpoint.write_packed(out_dir, tensors, info, manifest, config, extra_files=extra,
                             load=_source_loader(ckpt, set(state), calib_file))
     return manifest
 
@@ -183,7 +173,7 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     Built on `device` (the GPU when there is one), written atomically like any packed checkpoint."""
     from ..runtime.experts import LINEAR_PARAM
     from ..runtime.latency import param_shapes, random_kv_tensors, random_rotation, random_stored
-    from .pack_kv import kv_manifest, kv_tensor_info
+    from .pack_kv import kv_manifest, kv_tensor_info, kv_view
 
     bind(args, recipe)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -213,19 +203,14 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
     bits = effective_bits(meta, tensors, info)
     kv_section = kv_manifest(recipe, args)
     if kv_section is not None:
-        kvt = random_kv_tensors(args, kv_section)
+        kvt = random_kv_tensors(args, kv_view(recipe, kv_section))
         if kvt:
             tensors.update(kvt)
-            info.update(kv_tensor_info(kv_section, kvt))
+            info.update(kv_tensor_info(kvt))
             kv_section["tensors"] = sorted(kvt)
-    bits["kv_bits_nominal"] = float(recipe.kv_or_default().bits)
     manifest = {"source": {"model": f"random:{shape_name}", "path": None, "seed": seed},
                 "model_args": args.to_dict(), "recipe": recipe.to_dict(),
                 "calibration": {"data": None, "random": True, "seed": seed}, "effective_bits": bits, "kv": kv_section}
     hf_config = config_from_args(args) | {"moec_random_shape": shape_name}  # whole: transformers loads it
-    quant = {"quant_method": "moec", "format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION,
-             "config_groups": {f"group_{i}": {"targets": r.targets, "weights": {"codec": r.codec, "num_bits": r.bits}}
-                               for i, r in enumerate(recipe.weights)}, "ignore": [], "w_bits": bits["w_bits"]}
-    checkpoint.write_packed(out_dir, tensors, info, manifest, hf_config, quant,
-                            extra_texts={"recipe.yaml": recipe.to_yaml()})
+    checkpoint.write_packed(out_dir, tensors, info, manifest, hf_config)
     return manifest

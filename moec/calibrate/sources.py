@@ -2,8 +2,11 @@
 
 MODEL is a built-in name (`smollm2-135m`, `demo-moe`), an HF model directory, a packed checkpoint,
 a GGUF file, or a hub id (resolved with huggingface_hub; needs network or a warm hub cache).
-GGUF files are converted once, with transformers' GGUF loader, into an HF-layout cache directory
-(`$MOEC_CACHE`, default ~/.cache/moec) that the runtime then reads like any other.
+GGUF files are converted once into an HF-layout cache directory (`$MOEC_CACHE`, default ~/.cache/moec)
+that the runtime then reads like any other: a GGUF whose architecture or tensors moec does not map
+exactly is refused in one line first (calibrate/gguf_read.py); dense Llama files go through
+transformers' GGUF loader, MoE files (llama with experts, qwen2moe, qwen3moe) through gguf_read, which
+dequantizes with gguf-py.
 """
 
 from __future__ import annotations
@@ -93,7 +96,12 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
     """Convert a GGUF file once into an HF-layout directory in the cache; return that directory."""
     if not gguf.is_file():
         raise UserError(f"GGUF file {gguf} does not exist")
+    from . import gguf_read
+
+    model_type = gguf_read.inspect(gguf)  # refused here, in one line, unless moec maps it exactly
     key = name or f"{gguf.stem}-{hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:8]}"
+    if model_type != "llama":  # not the cache a moec before gguf_read wrote (a dense misreading) for the file
+        key += f"-{model_type}"
     out = cache_dir() / "models" / key
     if (out / "config.json").is_file():
         return out
@@ -103,6 +111,12 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
     from safetensors.torch import save_file
 
     transformers.logging.set_verbosity_error()
+    if model_type != "llama":
+        with atomic_dir(out) as tmp:
+            gguf_read.write_moe_hf(gguf, tmp)
+            if gguf_read.has_tokenizer(gguf):
+                transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        return out
     with atomic_dir(out) as tmp:
         # fp32 on purpose. transformers dequantizes each block (fp16 scale · code + fp16 min) to fp32, and
         # for SmolLM2's Q4_1 file only ~25% of those values are exact in bf16 (~70% in fp16): a 16-bit

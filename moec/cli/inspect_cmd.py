@@ -1,4 +1,7 @@
-"""`moec inspect PACKED_DIR [--json OUT] [--per-tensor]`: what a packed checkpoint holds.
+"""`moec inspect PACKED_DIR [--json OUT] [--per-tensor] [--recipe]`: what a packed checkpoint holds.
+
+`--recipe` prints the resolved recipe the checkpoint was packed with, as YAML that `--recipe` of
+calibrate and pack takes back (the manifest's `recipe`, the one place a packed checkpoint stores it).
 
 By default one row per tensor kind: `layers.3.attn.wq.weight` and its siblings in the other layers make
 one row `layers.*.attn.wq.weight` with the layers it covers, so a 30-layer model prints a screenful,
@@ -10,10 +13,12 @@ stored name. Rows sort naturally (layers.2 before layers.10).
 from __future__ import annotations
 
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import typer
+import yaml
 from rich.table import Table
 
 from ..formats.checkpoint import MANIFEST, check_model_fields, verify
@@ -26,10 +31,14 @@ def inspect(
     packed: Path = typer.Argument(..., help="packed checkpoint directory"),
     json_out: Path | None = typer.Option(None, "--json", help="write the summary here"),
     per_tensor: bool = typer.Option(False, "--per-tensor", help="one row per stored tensor instead of per kind"),
+    recipe: bool = typer.Option(False, "--recipe", help="print the resolved recipe (YAML) instead of the summary"),
 ) -> None:
     """Verify a packed checkpoint and summarize codecs, bits and bytes (grouped over layers)."""
     m = verify(packed)
     check_model_fields(m, packed / MANIFEST)
+    if recipe is True:  # (a direct call passes the typer.Option default, not a bool)
+        sys.stdout.write(yaml.safe_dump(m["recipe"], sort_keys=False))
+        return
     ffn_kinds = (m.get("model_args") or {}).get("ffn_kinds") or []
     groups: dict[tuple, dict] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "params": 0, "layers": []})
     for name, e in m["tensors"].items():
@@ -60,7 +69,7 @@ def inspect(
     show_table(t)
     b = m["effective_bits"]
     cal = m["calibration"]
-    kv_nominal = b.get("kv_bits_nominal")
+    kv_nominal = (m["recipe"].get("kv") or {}).get("bits", 16) if m.get("kv") else 16  # the fp16 cache: 16
     kv_nominal = f"{kv_nominal:g}" if isinstance(kv_nominal, int | float) else str(kv_nominal)
     q = f"; quantized matrices {b['q_bits']:.3f} over {b['q_params']:,} params" if b.get("q_bits") else ""
     out_console.print(f"effective bits: weights {b['w_bits']:.3f} over {b['w_params']:,} params{q}; model "

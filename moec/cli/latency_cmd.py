@@ -47,11 +47,11 @@ def build_config(model: str | None, random: str | None, recipe: str | None, devi
             m = random_model(args, lambda n: None, device)
             return m, None, static_cache_factory(None, {}, args), {"shape": random, "method": "bf16",
                                                                   "recipe": "bf16-fp16kv"}
-        from ..calibrate.pack_kv import kv_manifest
+        from ..calibrate.pack_kv import kv_manifest, kv_view
         from ..calibrate.recipe import load_recipe
 
         r = load_recipe(recipe)
-        kv = kv_manifest(r, args)
+        kv = kv_view(r, kv_manifest(r, args))
         caches = static_cache_factory(kv, random_kv_tensors(args, kv) if kv else {}, args)
         m = random_model(args, r.rule_for, device)
         return m, kv, caches, {"shape": random, "method": "packed-random", "recipe": r.name}
@@ -275,14 +275,14 @@ def latency(model: str | None, random: str | None, recipe: str | None, batches: 
 def _check_memory(shape: str, recipe: str, context: int) -> None:
     """Before any allocation: the random model + a batch-1 cache of `context` tokens must fit in free memory
     (larger batches that do not fit fall back to smaller graph buckets, recorded per row)."""
-    from ..calibrate.pack_kv import kv_manifest
+    from ..calibrate.pack_kv import kv_manifest, kv_view
     from ..calibrate.recipe import load_recipe
     from ..runtime.config import PRESETS
     from ..runtime.kvtiered import build_codecs
     from ..runtime.latency import estimate_model_bytes, kv_bytes_per_token, largest_context, random_kv_tensors
 
     args, r = PRESETS[shape], load_recipe(recipe)
-    kv = kv_manifest(r, args)
+    kv = kv_view(r, kv_manifest(r, args))
     from ..runtime.loader import kv_codec_spec
 
     if kv and kv_codec_spec(kv).tiered:

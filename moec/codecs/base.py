@@ -1,8 +1,9 @@
 """What the KV codec configs share: the bits check against the registry, and the tiered cache's keys.
 
 A recipe's `kv:` mapping is parsed into its codec's config class (calibrate/recipe.py, strict: a key the
-codec does not declare is an error); the packed manifest's `kv` section is `dataclasses.asdict` of it plus
-the model's shapes (formats/kvsection.py).
+codec does not declare is an error); a packed manifest stores it once, in its resolved `recipe`, and the
+runtime's view of the KV codec (runtime/loader.kv_section) is `dataclasses.asdict` of it plus the `kv`
+section's shapes and derived keys (formats/kvsection.py).
 
     kv:
       codec: nuq-outlier      # fp16 | kivi | nuq-outlier | latent-head | latent-layer | rvq-tiered

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..formats.checkpoint import MANIFEST, check_model_fields, load_tensors, verify
+from ..formats.checkpoint import MANIFEST, check_model_fields, load_tensors, source_hf_config, verify
 from ..formats.codecs import ROTATION_PART
 from ..registry import resolve, stored_as_is, weight_codec
 from ..runtime.config import ModelArgs
@@ -59,10 +59,10 @@ class PackedModel:
         self.args = ModelArgs.from_dict(self.manifest["model_args"])
         cfg = self.path / "config.json"
         self.config = json.loads(cfg.read_text()) if cfg.is_file() else {}
-        self.config.pop("quantization_config", None)
+        self.config = source_hf_config(self.config)  # the source's model_type, without moec's mirror
         if self.manifest.get("kv"):
             log.warning("the KV codec %s is a runtime setting of moec: no export format carries it (the export "
-                        "holds the weights)", self.manifest["kv"].get("codec"))
+                        "holds the weights)", self.manifest["recipe"]["kv"]["codec"])
         tensors = load_tensors(self.path, self.manifest)
         self.params: dict[str, Param] = {}
         for name, e in self.manifest["tensors"].items():

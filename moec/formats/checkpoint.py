@@ -1,4 +1,4 @@
-"""The packed checkpoint, format `moec-packed` version 2 (version 1 is read: formats/kvsection.upgrade).
+"""The packed checkpoint, format `moec-packed` version 3 (versions 2 and 1 are read: formats/kvsection.upgrade).
 
 A directory:
     moec.json               manifest (below); readers check `format` and `format_version` first
@@ -7,16 +7,23 @@ A directory:
                             the manifest and written beside it, so that transformers finds the shards
                             (`AutoModelForCausalLM.from_pretrained` with moec.hf's quantizer); checkpoints
                             packed before it lack it (moec.hf.from_pretrained reads those); moec reads the manifest
-    config.json             the source HF config plus a compressed-tensors style `quantization_config`
-                            (`quant_method: "moec"`, the key transformers dispatches on)
+    config.json             derived (`hf_config_json`): the source HF config with `model_type` replaced by
+                            MODEL_TYPE (transformers without moec refuses it, naming moec and the fix; the
+                            source's is kept under SOURCE_MODEL_TYPE, and `import moec.hf` maps it back) and a
+                            compressed-tensors style `quantization_config` mirroring the manifest's recipe
+                            (`quant_method: "moec"`, the key transformers dispatches on). No moec reader
+                            reads the mirror: the manifest is the one home of every recipe key.
     tokenizer files         copied from the source model
 
 Manifest fields: format, format_version, moec_version, created (SOURCE_DATE_EPOCH when set), source
 {model, path, config_sha256, weights_sha256}, model_args (moec.runtime.config.ModelArgs as a dict), recipe
-(resolved), calibration (provenance: data, split, samples, seq_len, seed, token counts, the environment
-that calibrated: moec/provenance.py), environment (the one that packed), tensors {name: {shard,
-codec, bits, shape, dtype, bytes}}, shards {file: {sha256, bytes}}, effective_bits, kv (the KV codec's
-section, formats/kvsection.py; null for an fp16 cache). Version 2 changed only the `kv` section.
+(resolved: every recipe key, the KV codec's included, stored here only), calibration (provenance: data,
+split, samples, seq_len, seed, token counts, the environment that calibrated: moec/provenance.py),
+environment (the one that packed), tensors {name: {shard, codec, bits, shape, dtype, bytes}}, shards
+{file: {sha256, bytes}}, effective_bits, kv (what the KV codec needs beyond its recipe keys: shapes,
+tensor names, derived keys, formats/kvsection.py; null for an fp16 cache).
+Version 3: recipe keys only in `recipe` (the `kv` section, `recipe.yaml`, the kv tensors' entries and
+effective_bits.kv_bits_nominal no longer repeat them). Version 2 changed only the `kv` section.
 
 Writes go through moec.atomic.atomic_dir (a temporary sibling directory renamed into place only when
 complete), so a failed or killed pack never leaves a half-written checkpoint under the name. The reader
@@ -51,10 +58,16 @@ from ..provenance import created_timestamp
 from . import kvsection
 
 FORMAT = "moec-packed"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "moec.json"
 HF_INDEX = "model.safetensors.index.json"
 SHARD_BYTES = 2 << 30
+# config.json's model_type: one that transformers does not know, so that a tool which did not import moec
+# refuses the directory (transformers quotes it in its error) instead of loading a randomly initialised
+# model; `import moec.hf` registers it (moec/hf/load.py) and maps it back to the source's, kept under
+# SOURCE_MODEL_TYPE, whatever that architecture is
+MODEL_TYPE = "moec-packed (load it with moec: pip install moec; then import moec.hf, or moec.hf.from_pretrained(DIR))"
+SOURCE_MODEL_TYPE = "moec_source_model_type"
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -84,10 +97,10 @@ def _shard(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 
 def write_packed(out_dir: str | Path, tensors: dict[str, torch.Tensor], tensor_info: dict[str, dict],
-                 manifest: dict, hf_config: dict, quantization_config: dict,
-                 extra_files: Iterable[Path] = (), extra_texts: dict[str, str] | None = None,
+                 manifest: dict, hf_config: dict, extra_files: Iterable[Path] = (),
                  load: Callable[[str], torch.Tensor] | None = None) -> Path:
-    """Write a packed checkpoint atomically. `tensor_info[name]` holds codec and bits per tensor.
+    """Write a packed checkpoint atomically. `tensor_info[name]` holds codec and bits per tensor; `hf_config`
+    is the source's HF config (config.json is derived from it and the manifest: `hf_config_json`).
 
     Streamed: with `load`, `tensors` may hold meta tensors (shapes and dtypes only, which plan the
     shards) and load(name) reads the data when its shard is written, so only one shard's tensors are
@@ -115,13 +128,51 @@ def write_packed(out_dir: str | Path, tensors: dict[str, torch.Tensor], tensor_i
         index = {"metadata": {"format": FORMAT, "total_size": sum(e["bytes"] for e in entries.values())},
                  "weight_map": {name: e["shard"] for name, e in entries.items()}}
         (tmp / HF_INDEX).write_text(json.dumps(index, indent=1))
-        cfg = dict(hf_config)
-        cfg["quantization_config"] = quantization_config
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+        (tmp / "config.json").write_text(json.dumps(hf_config_json(hf_config, full), indent=1))
         for f in extra_files:
             shutil.copy2(f, tmp / Path(f).name)
-        for fname, text in (extra_texts or {}).items():
-            (tmp / fname).write_text(text)
+    return out
+
+
+def quantization_config(manifest: dict) -> dict:
+    """config.json's `quantization_config`, derived from the manifest (its one source): compressed-tensors
+    style, for tools that display what a checkpoint is, and `quant_method` for transformers' dispatch to
+    moec.hf's quantizer. A mirror: no moec reader reads it."""
+    recipe = manifest.get("recipe") or {}
+    groups = {}
+    for i, r in enumerate(recipe.get("weights") or []):
+        group = r.get("group_size") or None
+        groups[f"group_{i}"] = {"targets": r.get("targets"), "weights": {
+            "codec": r.get("codec"), "num_bits": r.get("bits"), "group_size": group,
+            "strategy": "group" if group else "channel"}}
+    kv = recipe.get("kv") if manifest.get("kv") is not None else None
+    return {"quant_method": "moec", "format": FORMAT, "format_version": FORMAT_VERSION, "config_groups": groups,
+            "kv_cache_scheme": None if kv is None else {"codec": kv.get("codec"), "num_bits": kv.get("bits"),
+                                                        "window": kv.get("window"), "sinks": kv.get("sinks")},
+            "ignore": [], "w_bits": (manifest.get("effective_bits") or {}).get("w_bits")}
+
+
+def hf_config_json(hf_config: dict, manifest: dict) -> dict:
+    """The packed directory's config.json: the source's HF config, its model_type moved to SOURCE_MODEL_TYPE
+    and replaced by MODEL_TYPE, plus `quantization_config(manifest)`. `source_hf_config` inverts it."""
+    cfg = {k: v for k, v in hf_config.items() if k not in ("quantization_config", SOURCE_MODEL_TYPE)}
+    cfg[SOURCE_MODEL_TYPE] = source_model_type(hf_config)
+    cfg["model_type"] = MODEL_TYPE
+    cfg["quantization_config"] = quantization_config(manifest)
+    return cfg
+
+
+def source_model_type(cfg: dict):
+    """The source architecture's model_type of a packed config.json (or of a plain HF config)."""
+    return cfg.get(SOURCE_MODEL_TYPE) if cfg.get("model_type") == MODEL_TYPE else cfg.get("model_type")
+
+
+def source_hf_config(cfg: dict) -> dict:
+    """The source's HF config from a packed directory's config.json (any version: before format 3 the
+    model_type was the source's): the mirror and the marker removed."""
+    out = {k: v for k, v in cfg.items() if k not in ("quantization_config", SOURCE_MODEL_TYPE)}
+    if "model_type" in cfg:
+        out["model_type"] = source_model_type(cfg)
     return out
 
 
@@ -156,9 +207,11 @@ def read_manifest(path: str | Path) -> dict:
     if version > FORMAT_VERSION:
         raise FormatError(f"{mf}: format_version {version!r} is newer than this moec reads "
                           f"({FORMAT_VERSION}); upgrade moec")
+    kvsection.upgrade(manifest, version)
     if manifest.get("kv") is not None:
         try:
-            manifest["kv"] = kvsection.check(kvsection.upgrade(manifest["kv"], version))
+            recipe = manifest.get("recipe")
+            kvsection.check(manifest["kv"], recipe.get("kv") if isinstance(recipe, dict) else None)
         except FormatError as e:
             raise FormatError(f"{mf}: {e}") from None
     return manifest

@@ -36,7 +36,7 @@ from ..errors import UserError
 from ..formats import checkpoint
 from ..runtime.config import ModelArgs
 from ..runtime.kvtiered import TieredKVCache
-from ..runtime.loader import kv_cache_factory
+from ..runtime.loader import kv_cache_factory, kv_section
 
 ATTENTION = "moec"
 _TAG = "_moec_history"  # attribute update() sets on the keys it returns: (cache, layer, s, h)
@@ -109,7 +109,7 @@ class MoecCache(Cache):
 
     @classmethod
     def from_packed(cls, path: str | Path, max_len: int | None = None) -> MoecCache:
-        """The cache of packed checkpoint `path`'s KV codec (its manifest `kv` section and `kv.*` tensors),
+        """The cache of packed checkpoint `path`'s KV codec (runtime/loader.kv_section and the `kv.*` tensors),
         for up to `max_len` tokens per row (the model's context by default: history buffers are allocated up
         front, so a smaller bound saves memory). UserError for a checkpoint without a KV codec."""
         manifest = checkpoint.verify(path)
@@ -118,7 +118,7 @@ class MoecCache(Cache):
                             f"DynamicCache")
         names = [n for n in manifest["tensors"] if n.startswith("kv.")]
         tensors = checkpoint.load_tensors(path, manifest, names)
-        return cls(manifest["kv"], tensors, ModelArgs.from_dict(manifest["model_args"]), max_len)
+        return cls(kv_section(manifest), tensors, ModelArgs.from_dict(manifest["model_args"]), max_len)
 
     def moec_cache(self, key_states: torch.Tensor) -> TieredKVCache:
         B = key_states.shape[0]

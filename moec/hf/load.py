@@ -18,6 +18,13 @@ parameters there; the hook then fills every one of them from moec's loader (the 
 as missing/unexpected are expected, and silenced). `AutoModelForCausalLM.from_pretrained` needs the
 checkpoint's `model.safetensors.index.json` (written by `moec pack` since it was added to the format);
 `from_pretrained` below also reads checkpoints packed before it, building the model from its config.
+
+Why a model_type of moec's own: a packed directory's config.json says `model_type:
+formats/checkpoint.MODEL_TYPE` (the source's kept under SOURCE_MODEL_TYPE), so that transformers without moec
+refuses it, quoting that model_type, which names moec and the fix, where the source's model_type would give
+a randomly initialised model with warnings only (the `moec` quant_method unknown, every tensor missing).
+Importing this module registers MoecPackedConfig for it, whose `from_dict` returns the source architecture's
+own config class, so any architecture transformers knows loads (nothing per architecture is registered).
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -171,10 +179,32 @@ def _owners(model: nn.Module, name: str):
         yield model.get_submodule(".".join(parts[:j]))
 
 
+class MoecPackedConfig(PreTrainedConfig):
+    """The config of a moec packed directory as AutoConfig reads it once moec.hf is imported: `from_dict`
+    returns the source architecture's own config (model_type from SOURCE_MODEL_TYPE, quantization_config
+    kept so that transformers dispatches to MoecHfQuantizer), so AutoModelForCausalLM picks that
+    architecture's model class."""
+
+    model_type = checkpoint.MODEL_TYPE
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        source = config_dict.get(checkpoint.SOURCE_MODEL_TYPE)
+        if source not in CONFIG_MAPPING:
+            raise ValueError(f"moec packed checkpoint of model_type {source!r}, which this transformers version "
+                             f"does not know")
+        cfg = {k: v for k, v in config_dict.items() if k != checkpoint.SOURCE_MODEL_TYPE} | {"model_type": source}
+        return CONFIG_MAPPING[source].from_dict(cfg, **kwargs)
+
+
+AutoConfig.register(checkpoint.MODEL_TYPE, MoecPackedConfig, exist_ok=True)
+
+
 @register_quantization_config(QUANT_METHOD)
 class MoecConfig(QuantizationConfigMixin):
-    """config.json's `quantization_config` as `moec pack` writes it (calibrate/pack.py): the format and the
-    recipe's rules, for display; what is loaded comes from the manifest (moec.json)."""
+    """config.json's `quantization_config` as `moec pack` writes it (formats/checkpoint.quantization_config, a
+    mirror of the manifest's recipe): the format and the recipe's rules, for display; what is loaded comes
+    from the manifest (moec.json)."""
 
     def __init__(self, format: str = checkpoint.FORMAT, format_version: int = checkpoint.FORMAT_VERSION,
                  config_groups: dict | None = None, kv_cache_scheme: dict | None = None, ignore: list | None = None,
@@ -247,8 +277,7 @@ def from_pretrained(path: str | Path, device: str | torch.device = "cpu", dtype:
     `attach_packed`. `AutoModelForCausalLM.from_pretrained(path)` gives the same model where the index exists."""
     path = Path(path)
     checkpoint.read_manifest(path)  # a clear FormatError before transformers reads anything
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.pop("quantization_config", None)
+    cfg = checkpoint.source_hf_config(json.loads((path / "config.json").read_text()))
     config = AutoConfig.for_model(**cfg)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     use_moec_attention(model)

@@ -35,7 +35,7 @@ def load_state(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor], di
         args, manifest = open_packed(path)
         state = checkpoint.load_tensors(path, manifest)
         kv_tensors = {n: state.pop(n) for n in [n for n in state if n.startswith("kv.")]}  # KV codec calibration
-        return args, state, {"kind": "packed", "manifest": manifest, "kv": manifest.get("kv"),
+        return args, state, {"kind": "packed", "manifest": manifest, "kv": kv_section(manifest),
                              "kv_tensors": kv_tensors, "w_bits": manifest["effective_bits"]["w_bits"]}
     ckpt = HFCheckpoint(path)
     state = ckpt.state_dict()
@@ -134,6 +134,20 @@ def check_state_shapes(path, args: ModelArgs, shapes: dict[str, torch.Size]) -> 
                               f"{list(want[name])}")
 
 
+def kv_section(manifest: dict) -> dict | None:
+    """The KV codec's view of a packed checkpoint (None: an fp16 cache), the one place where its two homes
+    join: the codec's config, built strictly from the manifest's `recipe.kv` (the one home of every recipe
+    key: codec, bits, window, ...), as the writer resolves it (`asdict`: defaults filled in, nested configs
+    whole), plus the `kv` section (shapes, tensor names, derived keys: formats/kvsection.py). The codecs'
+    hooks take this dict (moec/registry.py). FormatError for a codec this runtime does not execute or
+    values its config refuses."""
+    section = manifest.get("kv")
+    if not section:
+        return None
+    recipe_kv = manifest["recipe"]["kv"]  # kvsection.check: a mapping with codec and bits
+    return {**dataclasses.asdict(kv_config(kv_codec_spec(recipe_kv), recipe_kv)), **section}
+
+
 def kv_codec_spec(section: dict):
     """The registered spec of a checkpoint's KV codec (FormatError: a codec this moec does not know, or a
     section whose keys do not pass the codec's config class, the schema it was written from)."""
@@ -154,7 +168,7 @@ def kv_config(spec, section: dict):
     config = spec.hook("config")
     declared = {f.name for f in dataclasses.fields(config)}
     try:
-        return build(config, {k: v for k, v in section.items() if k in declared}, "manifest kv", codec=spec.name)
+        return build(config, {k: v for k, v in section.items() if k in declared}, "manifest recipe.kv", codec=spec.name)
     except UserError as e:
         raise FormatError(str(e)) from None
 
@@ -167,10 +181,7 @@ def kv_cache_factory(info: dict, args: ModelArgs):
     section = info.get("kv")
     if not section:
         return None
-    spec, tensors = kv_codec_spec(section), info.get("kv_tensors", {})
-    # the config's keys as the writer writes them (asdict of the resolved config: defaults filled in, nested
-    # configs whole), so a codec reads no key that the section left out
-    section = {**section, **dataclasses.asdict(kv_config(spec, section))}
+    spec, tensors = kv_codec_spec(section), info.get("kv_tensors", {})  # section: kv_section's view
     model_shapes = {"n_layers": args.n_layers, "n_kv_heads": args.n_kv_heads, "head_dim": args.head_dim}
     for key, want in model_shapes.items():
         if section[key] != want:

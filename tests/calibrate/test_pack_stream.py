@@ -61,5 +61,5 @@ def test_bad_source_tensor_is_caught(tmp_path):
 
     meta = {"a": torch.empty(4, dtype=torch.float16, device="meta")}
     with pytest.raises(AssertionError):
-        checkpoint.write_packed(tmp_path / "out", meta, {"a": {"codec": "keep", "bits": 16, "param": "a"}}, {}, {}, {},
+        checkpoint.write_packed(tmp_path / "out", meta, {"a": {"codec": "keep", "bits": 16, "param": "a"}}, {}, {},
                                 load=lambda n: torch.zeros(5, dtype=torch.float16))

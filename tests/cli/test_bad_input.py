@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from moec import atomic
+from moec.formats.checkpoint import FORMAT_VERSION
 from tests.cli.run import moec
 
 
@@ -125,10 +126,10 @@ def test_missing_manifest(packed, tmp_path):
 def test_newer_format_version(packed, tmp_path):
     ck, _ = _copy(packed, tmp_path)
     m = json.loads((ck / "moec.json").read_text())
-    m["format_version"] = 3
+    m["format_version"] = FORMAT_VERSION + 1
     (ck / "moec.json").write_text(json.dumps(m))
-    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--seq-len", "64"), "format_version 3",
-                         "newer than this moec reads")
+    assert_clean_failure(moec("eval", ck, "--max-windows", "1", "--seq-len", "64"),
+                         f"format_version {FORMAT_VERSION + 1}", "newer than this moec reads")
 
 
 def test_pack_with_wrong_model_leaves_nothing(tiny_moe_dir, packed, tmp_path):

@@ -63,7 +63,7 @@ def test_pack_random_roundtrip_tiny(tmp_path):
                      max_seq_len=1024, n_experts=4, top_k=2, expert_dim=96)
     m = pack_random(args, "tiny", load_recipe("moec/recipes/latency-hls2-nuq2-attn4.yaml"), tmp_path / "rp")
     manifest = json.loads((tmp_path / "rp" / "moec.json").read_text())
-    assert manifest["kv"]["codec"] == "nuq-outlier" and manifest["source"]["model"] == "random:tiny"
+    assert manifest["recipe"]["kv"]["codec"] == "nuq-outlier" and manifest["source"]["model"] == "random:tiny"
     # experts (295k params): 2-bit codes + a per-row int8 codebook and fp16 scale, 2.42 bits here;
     # attention (197k): 4-bit codes + fp16 scale and zero per 128 inputs, 4.25 bits: 3.15 over both
     assert 3.1 < m["effective_bits"]["q_bits"] < 3.2

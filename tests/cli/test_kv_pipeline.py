@@ -34,8 +34,8 @@ def nuq_packed(tiny_moe_dir, tmp_path_factory):
 
 def test_nuq_pipeline(nuq_packed, tiny_moe_dir, tmp_path):
     manifest = json.loads((nuq_packed / "moec.json").read_text())
-    kv = manifest["kv"]
-    assert (kv["codec"], kv["bits"], kv["n_kv_heads"], kv["head_dim"]) == ("nuq-outlier", 2, 2, 8)
+    kv, recipe_kv = manifest["kv"], manifest["recipe"]["kv"]  # shapes / recipe keys, each stored once
+    assert (recipe_kv["codec"], recipe_kv["bits"], kv["n_kv_heads"], kv["head_dim"]) == ("nuq-outlier", 2, 2, 8)
     assert manifest["tensors"]["kv.layers.1.k_scale"]["shape"] == [2, 8]
     # a KV-only recipe keeps every weight as the bf16 source stores it, never upcast (issue 18)
     kept = {n: e["dtype"] for n, e in manifest["tensors"].items() if e["codec"] == "keep"}

@@ -38,7 +38,7 @@ def rvq_packed(tmp_path_factory):
 
 def test_rvq_pipeline_decodes(rvq_packed, tmp_path):
     manifest = json.loads((rvq_packed / "moec.json").read_text())
-    assert manifest["kv"]["codec"] == "rvq-tiered" and manifest["kv"]["rvq"]["archive_after"] == 80
+    assert manifest["recipe"]["kv"]["codec"] == "rvq-tiered" and manifest["recipe"]["kv"]["rvq"]["archive_after"] == 80
     assert manifest["tensors"]["kv.layers.3.v.arch.0"]["shape"] == [2, 8, 32, 4]  # demo-moe: 2 KV heads, d 32
     out = tmp_path / "eval.json"
     r = moec("eval", rvq_packed, "--mode", "dec", "--max-windows", "1", "--seq-len", "160", "--baseline", "demo-moe",

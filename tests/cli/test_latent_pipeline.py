@@ -32,7 +32,7 @@ def test_latent_layer_pipeline_on_demo_moe(tmp_path):
         "codec": "latent-layer", "bits": 4, "window": 32, "sinks": 2, "block": 16, "rope": "pre",
         "latent": {"rank_k": 64, "rank_v": 96, "group_layers": 3, "outlier_frac": 0.005}})
     assert [g["layers"] for g in rep["groups"]] == [[0, 1, 2], [3]] and rep["groups"][1]["v"]["rank"] == 64
-    assert manifest["kv"]["codec"] == "latent-layer"
+    assert manifest["recipe"]["kv"]["codec"] == "latent-layer"
     assert manifest["tensors"]["kv.groups.0.k_basis"]["shape"] == [192, 64]
     # 128 tokens, batch 1: the fp16 window and the bases (fp16, ~100 KB) dominate (can exceed 16); at 32k:
     # (64 + 96 latent dims of 3 layers, 64 + 64 of 1) × 4 bits per 512 elements = 2.25, + 0.16 outliers + bases
@@ -47,7 +47,7 @@ def test_ternary_latent_pipeline_on_demo_moe(tmp_path):
     _, manifest, rec = _pipeline(tmp_path, {
         "codec": "latent-layer", "bits": 1, "window": 32, "sinks": 2, "block": 16, "rope": "post",
         "latent": {"rank_k": 48, "rank_v": 48, "group_layers": 2, "outlier_frac": 0.005}})
-    assert manifest["kv"]["bits"] == 1
+    assert manifest["recipe"]["kv"]["bits"] == 1
     # at 32k: 48 trits = 10 bytes per token, group (2 layers × 2 heads × 32 = 128 dims) and kind: 0.625 bits,
     # + outliers 0.005 × 32 bits = 0.16, + the fp16 window and the fp16 bases (~0.1)
     assert 0.75 < rec["kv_bits_32k"] < 1.0, rec

@@ -11,8 +11,7 @@ from moec.formats import checkpoint
 
 def _write(tmp_path, tensors, **kw):
     info = {n: {"codec": "keep", "bits": 8 * t.element_size(), "param": n} for n, t in tensors.items()}
-    return checkpoint.write_packed(tmp_path / "ck", tensors, info, {"note": "test"}, {"model_type": "x"},
-                                   {"quant_method": "moec"}, **kw)
+    return checkpoint.write_packed(tmp_path / "ck", tensors, info, {"note": "test"}, {"model_type": "x"}, **kw)
 
 
 def test_round_trip_exact_across_dtypes_and_shards(tmp_path, monkeypatch):
@@ -21,14 +20,15 @@ def test_round_trip_exact_across_dtypes_and_shards(tmp_path, monkeypatch):
     tensors = {"a": torch.randn(17, 9, generator=g), "b": torch.randn(300, generator=g).to(torch.bfloat16),
                "c": torch.randint(0, 255, (41, 3), generator=g, dtype=torch.uint8),
                "d": torch.randn(5, generator=g).to(torch.float16)}
-    out = _write(tmp_path, tensors, extra_texts={"recipe.yaml": "name: t\n"})
+    out = _write(tmp_path, tensors)
     m = checkpoint.verify(out)
     assert len(m["shards"]) > 1 and m["format_version"] == checkpoint.FORMAT_VERSION and m["note"] == "test"
     back = checkpoint.load_tensors(out, m)
     for n, t in tensors.items():
         assert back[n].dtype == t.dtype and torch.equal(back[n], t), n
-    assert json.loads((out / "config.json").read_text())["quantization_config"] == {"quant_method": "moec"}
-    assert (out / "recipe.yaml").read_text() == "name: t\n"
+    cfg = json.loads((out / "config.json").read_text())  # derived: checkpoint.hf_config_json
+    assert cfg["quantization_config"]["quant_method"] == "moec" and cfg["model_type"] == checkpoint.MODEL_TYPE
+    assert checkpoint.source_hf_config(cfg) == {"model_type": "x"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temporary, no lock file
     # the standard shard index transformers reads names every tensor's shard, as the manifest does
     index = json.loads((out / checkpoint.HF_INDEX).read_text())
@@ -49,7 +49,7 @@ def test_stale_index_is_a_format_error_and_no_index_is_read(tmp_path):
 def test_failed_write_leaves_nothing(tmp_path):
     tensors = {"a": torch.zeros(3)}
     with pytest.raises(KeyError):  # info for a tensor is missing: the writer fails midway
-        checkpoint.write_packed(tmp_path / "ck", tensors, {}, {}, {}, {})
+        checkpoint.write_packed(tmp_path / "ck", tensors, {}, {}, {})
     assert list(tmp_path.iterdir()) == []
 
 

@@ -55,3 +55,51 @@ def test_newer_format_is_refused_naming_both_versions(tmp_path):
     with pytest.raises(FormatError, match=rf"format_version {FORMAT_VERSION + 1}.*\({FORMAT_VERSION}\)") as e:
         load_model(pack)
     assert "\n" not in str(e.value)
+
+
+def _key_counts(x, counts: dict) -> dict:
+    if isinstance(x, dict):
+        for k, v in x.items():
+            counts[k] = counts.get(k, 0) + 1
+            _key_counts(v, counts)
+    elif isinstance(x, list):
+        for v in x:
+            _key_counts(v, counts)
+    return counts
+
+
+def test_each_recipe_key_is_stored_once(tmp_path):
+    """Format 3 (issue 30, "one value, one place"): the manifest's resolved recipe is the one home of every
+    recipe key, KV keys included; the `kv` section holds none, the kv tensors' entries and effective_bits
+    repeat none, no recipe.yaml is written (`moec inspect --recipe` prints the recipe, which parses back to
+    the same recipe), and config.json's quantization_config is the mirror derived from the manifest."""
+    import yaml
+
+    from moec.calibrate.pack import pack_random
+    from moec.calibrate.recipe import parse_recipe
+    from moec.cli.app import run
+    from moec.formats import checkpoint
+    from moec.runtime.config import ModelArgs
+
+    args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                     max_seq_len=128, n_experts=4, top_k=2, expert_dim=64)
+    recipe = parse_recipe({"name": "once", "kv": {"codec": "nuq-outlier", "bits": 2, "window": 16, "sinks": 2,
+                                                  "block": 8, "outlier_frac": 0.02},
+                           "weights": [{"targets": ["experts"], "codec": "rtn", "bits": 4, "group_size": 16}]})
+    pack_random(args, "tiny", recipe, tmp_path / "p")
+    stored = json.loads((tmp_path / "p" / "moec.json").read_text())
+    # every key of the KV codec's config, counted over the manifest but the weight rules' and tensors' own
+    # codec and bits
+    rest = {k: v for k, v in stored.items() if k not in ("tensors", "shards")}
+    counts = _key_counts(rest | {"recipe": {k: v for k, v in stored["recipe"].items() if k != "weights"}}, {})
+    assert {k: counts[k] for k in stored["recipe"]["kv"]} == {k: 1 for k in stored["recipe"]["kv"]}
+    assert set(stored["kv"]) == {"n_layers", "n_kv_heads", "head_dim", "tensors"}
+    assert {tuple(sorted(e)) for n, e in stored["tensors"].items() if n.startswith("kv.")} == \
+        {("bits", "bytes", "codec", "dtype", "param", "shape", "shard")}
+    assert not (tmp_path / "p" / "recipe.yaml").exists()
+    cfg = json.loads((tmp_path / "p" / "config.json").read_text())
+    assert cfg["quantization_config"] == checkpoint.quantization_config(stored)
+    assert cfg["quantization_config"]["kv_cache_scheme"]["window"] == 16
+    r = run("inspect", tmp_path / "p", "--recipe")
+    assert r.returncode == 0, r.stderr
+    assert parse_recipe(yaml.safe_load(r.stdout)) == recipe

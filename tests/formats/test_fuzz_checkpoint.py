@@ -143,8 +143,12 @@ def mutate(d: Path, draw) -> str:
     elif kind == "kv":
         if not m.get("kv"):
             return "kv-none"
-        m["kv"][draw(st.sampled_from(sorted({*m["kv"], "bits", "window", "block", "sinks", "rope", "tensors"})))] = \
-            draw(st.one_of(weird, st.sampled_from([3, 64, 1024, "nuq-outlier", "rvq-tiered", "latent-layer", ["x"]])))
+        recipe_kv = m["recipe"]["kv"]  # the recipe keys' one home (format 3); a key in both is refused
+        keys = {*m["kv"], *recipe_kv, "bits", "window", "block", "sinks", "rope", "tensors"}
+        key = draw(st.sampled_from(sorted(keys)))
+        home = m["kv"] if key in m["kv"] or (key not in recipe_kv and draw(st.booleans())) else recipe_kv
+        home[key] = draw(st.one_of(weird, st.sampled_from([3, 64, 1024, "nuq-outlier", "rvq-tiered", "latent-layer",
+                                                           ["x"]])))
     elif kind == "shard-entry":
         m["shards"][draw(st.sampled_from(sorted(m["shards"])))] = draw(weird)
     elif kind == "shard-name":  # the shard's name (and every reference to it) made to leave the directory

@@ -1,5 +1,6 @@
-"""The manifest `kv` section: format-1 sections are read (latent keys moved under `latent`), broken ones
-named, and the version rules hold."""
+"""The manifest `kv` section: format-3 sections hold no recipe key (their home is `recipe.kv`), format-2 and
+format-1 sections are read (recipe keys moved to `recipe.kv`, format-1 latent keys nested under `latent`
+first), broken ones named, and the version rules hold."""
 
 import json
 
@@ -12,35 +13,50 @@ V1_LATENT = {"codec": "latent-layer", "bits": 4, "window": 128, "sinks": 4, "blo
              "outlier_frac": 0.005, "levels": "fitted", "rope": "pre", "n_layers": 4, "n_kv_heads": 2,
              "head_dim": 32, "group_layers": 2, "n_groups": 2, "rank_k": 64, "rank_v": 96, "energy": 0.99,
              "tensors": []}
+V1_RECIPE_KV = {k: V1_LATENT[k] for k in ("codec", "bits", "window", "sinks", "block", "group_size", "outlier_frac",
+                                         "levels", "rope")} | {"latent": None, "rvq": None}
+SHAPES = {"n_layers": 2, "n_kv_heads": 2, "head_dim": 8, "tensors": []}
+KIVI = {"codec": "kivi", "bits": 2, "window": 16, "sinks": 2, "block": 16, "group_size": 8}
 
 
-def _manifest_dir(tmp_path, version, kv):
+def _manifest_dir(tmp_path, version, kv, recipe_kv=None):
     (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"format": checkpoint.FORMAT, "format_version": version,
-                                                             "kv": kv}))
+                                                             "recipe": {"name": "r", "kv": recipe_kv}, "kv": kv}))
     return tmp_path
 
 
 def test_v1_latent_section_is_upgraded(tmp_path):
-    m = checkpoint.read_manifest(_manifest_dir(tmp_path, 1, V1_LATENT))
-    kv = m["kv"]
-    assert kv["latent"] == {"rank_k": 64, "rank_v": 96, "energy": 0.99, "group_layers": 2, "outlier_frac": 0.005}
-    assert "outlier_frac" not in kv and kv["n_groups"] == 2 and kv["codec"] == "latent-layer"
+    m = checkpoint.read_manifest(_manifest_dir(tmp_path, 1, V1_LATENT, V1_RECIPE_KV))
+    kv, recipe_kv = m["kv"], m["recipe"]["kv"]
+    assert recipe_kv["latent"] == {"rank_k": 64, "rank_v": 96, "energy": 0.99, "group_layers": 2,
+                                   "outlier_frac": 0.005}
+    assert recipe_kv["codec"] == "latent-layer" and recipe_kv["window"] == 128
+    assert kv == {"n_layers": 4, "n_kv_heads": 2, "head_dim": 32, "n_groups": 2, "tensors": []}
 
 
-def test_v2_section_is_read_as_written(tmp_path):
-    kv = {"codec": "kivi", "bits": 2, "window": 16, "sinks": 2, "block": 16, "group_size": 8, "n_layers": 2,
-          "n_kv_heads": 2, "head_dim": 8, "tensors": []}
-    assert checkpoint.read_manifest(_manifest_dir(tmp_path, 2, kv))["kv"] == kv
+def test_v2_section_keeps_only_what_is_not_a_recipe_key(tmp_path):
+    """Format 2 stored each recipe key twice (section and recipe.kv); the section's value is what a format-2
+    reader read, so it wins."""
+    m = checkpoint.read_manifest(_manifest_dir(tmp_path, 2, KIVI | SHAPES, KIVI | {"window": 99}))
+    assert m["kv"] == SHAPES and m["recipe"]["kv"] == KIVI
 
 
-@pytest.mark.parametrize("kv,needle", [
-    ({"bits": 2, "n_layers": 2, "n_kv_heads": 2, "head_dim": 8}, "missing 'codec'"),
-    ({"codec": "kivi", "bits": "2", "n_layers": 2, "n_kv_heads": 2, "head_dim": 8}, "kv.bits: expected int"),
-    ([1, 2], "expected a mapping"),
+def test_v3_section_is_read_as_written(tmp_path):
+    assert checkpoint.read_manifest(_manifest_dir(tmp_path, 3, SHAPES, KIVI))["kv"] == SHAPES
+
+
+@pytest.mark.parametrize("kv,recipe_kv,needle", [
+    (SHAPES, {"bits": 2}, "recipe.kv: missing 'codec'"),
+    (SHAPES, {"codec": "kivi", "bits": "2"}, "recipe.kv.bits: expected int"),
+    (SHAPES, None, "recipe.kv: expected the KV codec's mapping"),
+    ({"n_layers": 2, "n_kv_heads": 2}, KIVI, "kv: missing 'head_dim'"),
+    ([1, 2], KIVI, "expected a mapping"),
+    (SHAPES | {"window": 16}, KIVI, "kv.window: stored twice"),
 ])
-def test_broken_sections_are_named(tmp_path, kv, needle):
-    with pytest.raises(FormatError, match=needle):
-        checkpoint.read_manifest(_manifest_dir(tmp_path, 2, kv))
+def test_broken_sections_are_named(tmp_path, kv, recipe_kv, needle):
+    with pytest.raises(FormatError, match=needle) as e:
+        checkpoint.read_manifest(_manifest_dir(tmp_path, 3, kv, recipe_kv))
+    assert "\n" not in str(e.value)
 
 
 def test_version_zero_is_refused(tmp_path):
@@ -48,6 +64,8 @@ def test_version_zero_is_refused(tmp_path):
         checkpoint.read_manifest(_manifest_dir(tmp_path, 0, None))
 
 
-def test_upgrade_leaves_other_codecs():
+def test_upgrade_leaves_other_codecs_and_none():
     nuq = {"codec": "nuq-outlier", "bits": 2, "outlier_frac": 0.01}
-    assert kvsection.upgrade(nuq, 1) == nuq and kvsection.upgrade(None, 1) is None
+    m = kvsection.upgrade({"recipe": {"kv": dict(nuq)}, "kv": nuq | SHAPES}, 1)
+    assert m["recipe"]["kv"] == nuq and m["kv"] == SHAPES
+    assert kvsection.upgrade({"kv": None}, 1) == {"kv": None}

@@ -28,7 +28,7 @@ from moec.calibrate.sources import resolve_model
 from moec.errors import UserError
 from moec.formats import checkpoint
 from moec.runtime.config import ModelArgs
-from moec.runtime.loader import kv_cache_factory, load_model
+from moec.runtime.loader import kv_cache_factory, kv_section, load_model
 
 PROMPT, NEW = 12, 40
 KV_SMALL = {"window": 16, "sinks": 2, "block": 16}
@@ -178,7 +178,7 @@ def test_moec_cache_update_attends_as_moec_cache(tmp_path, recipe, extra):
     hc = moec.hf.MoecCache.from_packed(p, max_len=128)
     m = checkpoint.read_manifest(p)
     kv_names = [n for n in m["tensors"] if n.startswith("kv.")]
-    info = {"kv": m["kv"], "kv_tensors": checkpoint.load_tensors(p, m, kv_names)}
+    info = {"kv": kv_section(m), "kv_tensors": checkpoint.load_tensors(p, m, kv_names)}
     model = SimpleNamespace(args=args, tok_embeddings=SimpleNamespace(weight=torch.empty(0)))  # what factories read
     rc = kv_cache_factory(info, args)(model, 1, 128)
     g = torch.Generator().manual_seed(0)

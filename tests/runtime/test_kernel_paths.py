@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from moec.calibrate.pack_kv import kv_manifest
+from moec.calibrate.pack_kv import kv_manifest, kv_view
 from moec.calibrate.recipe import load_recipe
 from moec.errors import UserError
 from moec.runtime.backend import kernels_enabled, kernels_forced
@@ -49,7 +49,8 @@ def model():
 
 
 def _section(recipe: str) -> tuple[dict, dict]:
-    kv = kv_manifest(load_recipe(os.path.join(RECIPES, f"{recipe}.yaml")), ARGS)
+    r = load_recipe(os.path.join(RECIPES, f"{recipe}.yaml"))
+    kv = kv_view(r, kv_manifest(r, ARGS))
     kv |= {"window": 32, "sinks": 4, "block": 16}
     if "rvq" in kv:
         kv["rvq"] = kv["rvq"] | {"archive_after": 64}  # the archive tier too (must exceed window + block)
