@@ -131,6 +131,32 @@ def rtn_tensors(p: Param, names: list[str]) -> tuple[dict[str, torch.Tensor], di
     return out, {"num_bits": p.bits, "type": "int", "symmetric": False, **group, "dynamic": False}
 
 
+# -- intsym (moec/codecs/intsym.py) -> pack-quantized, symmetric ------------------------------------------------
+# What llm-compressor's W4A16 / W8A16 write and vLLM's Marlin (WNA16) kernels take: `weight_packed` int32
+# [O, ceil(I·b/32)] of u = q + 2^(b-1) (compressed-tensors' pack_to_int32: the library packs q + 2^(b-1) too),
+# `weight_scale` [O, G], `weight_shape`, no zero point (symmetric). The library computes w = q·scale in the
+# scale's dtype; the scales go as fp32, so that product is moec's (exact: an fp16 scale times an integer of
+# at most 8 bits). vLLM casts the scale to the model's dtype at load: exact at fp16, rounded at bf16.
+
+def intsym_reason(p: Param) -> None:
+    """The intsym codec's compressed-tensors hook: pack-quantized carries any group and both widths."""
+    return None
+
+
+def intsym_tensors(p: Param, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """intsym as symmetric pack-quantized: int32-packed codes, fp32 scales."""
+    out = {}
+    I, G = p.shape[-1], p.parts["scale"].shape[-1]
+    codes = bitpack.unpack(p.parts["codes"], p.bits, I)  # [E, O, I], q + 2^(b-1)
+    for e, n in enumerate(names):
+        m = n.removesuffix(".weight")
+        out[m + ".weight_packed"] = pack_int32(codes[e], p.bits)
+        out[m + ".weight_scale"] = p.parts["scale"][e].float().contiguous()
+        out[m + ".weight_shape"] = torch.tensor([codes.shape[1], I])
+    group = {"strategy": "channel"} if G == 1 else {"strategy": "group", "group_size": I // G}
+    return out, {"num_bits": p.bits, "type": "int", "symmetric": True, **group, "dynamic": False}
+
+
 def write_ct(model: PackedModel, out: Path) -> dict:
     refuse_unless_carried(model, "ct")
     tensors: dict[str, torch.Tensor] = {}

@@ -88,6 +88,37 @@ def q4_1_blocks(p: Param) -> torch.Tensor:
     return torch.cat([d, m, qs], -1).reshape(E, O, G * 20)
 
 
+# -- intsym (moec/codecs/intsym.py) -> Q4_0 / Q8_0 ---------------------------------------------------------------
+# Q4_0: an 18-byte block of 32 weights: fp16 d, then 16 bytes of which byte j holds u[j] in its low nibble and
+# u[j + 16] in its high one (u in 0..15); w = d·(u - 8). Q8_0: a 34-byte block: fp16 d, 32 int8 q; w = d·q.
+# intsym stores code = q + 2^(b-1) and an fp16 scale per group: with groups of 32, d = scale and u = code
+# (4-bit) or q = code - 128 (8-bit), and both sides compute fl32(d·q), exact (an 11-bit mantissa times an
+# integer of at most 8 bits), so gguf.quants.dequantize gives moec's weights bit for bit.
+
+def intsym_reason(p: Param) -> str | None:
+    """The intsym codec's GGUF hook: Q4_0 / Q8_0 hold 4- / 8-bit symmetric levels in groups of 32."""
+    if p.bits in (4, 8) and p.shape[-1] // p.parts["scale"].shape[-1] == 32:
+        return None
+    return (f"Q4_0 / Q8_0 hold symmetric 4- / 8-bit levels in groups of 32; this is {p.bits}-bit in groups of "
+            f"{p.shape[-1] // p.parts['scale'].shape[-1]}")
+
+
+def intsym_tensor(p: Param):
+    """The intsym codec's GGUF tensor: (Q4_0 [E, O, G·18] or Q8_0 [E, O, G·34] blocks as uint8, the GGML type)."""
+    import gguf
+
+    E, O, G = p.parts["scale"].shape
+    I = p.shape[-1]
+    code = bitpack.unpack(p.parts["codes"], p.bits, I).view(E, O, G, 32)
+    d = p.parts["scale"].contiguous().view(torch.uint8).view(E, O, G, 2)
+    if p.bits == 4:
+        u = code.to(torch.uint8)
+        return torch.cat([d, u[..., :16] | (u[..., 16:] << 4)], -1).reshape(E, O, G * 18), \
+            gguf.GGMLQuantizationType.Q4_0
+    q = (code - 128).to(torch.int8).view(torch.uint8)
+    return torch.cat([d, q], -1).reshape(E, O, G * 34), gguf.GGMLQuantizationType.Q8_0
+
+
 def permute_rope_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
     """Rows [n_head·hd, ...] from HF's rotate-half order to GGML's interleaved pairs (per head: rows
     0, hd/2, 1, hd/2 + 1, ...), what llama.cpp's converter does to q and k."""
@@ -124,13 +155,13 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
     a = model.args
     dense = not a.is_moe
     tensors: dict[str, tuple[np.ndarray, object]] = {}
-    q4 = 0
+    quantized: dict[str, int] = {}  # GGML type name -> tensors of it
     for p in model.params.values():
         if p.kept:  # 1-D tensors and the router in F32, as llama.cpp's converter writes them
             t = p.tensor.float() if p.tensor.dim() == 1 or p.name.endswith("router.weight") else p.tensor
         else:  # the codec's registered GGUF mapping (rtn 4-bit g32: Q4_1 blocks [E, O, G·20])
             t, qtype = export_tensors(p, "gguf")
-            q4 += 1
+            quantized[qtype.name] = quantized.get(qtype.name, 0) + 1
         if t.dim() == 3 and (len(p.shape) == 2 or (dense and ".moe.w" in p.name)):
             t = t[0]  # attention projections and dense MLPs are plain matrices in GGUF
         if p.name.endswith(("attn.wq.weight", "attn.wk.weight")):
@@ -141,7 +172,7 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
     with atomic_dir(out, is_output=is_export, what="a moec export", size_hint=size) as tmp:
         w = gguf.GGUFWriter(str(tmp / GGUF_FILE), "llama")
         w.add_name(str(model.manifest["source"].get("model", "moec export")))
-        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if q4 else gguf.LlamaFileType.MOSTLY_F16)
+        w.add_file_type(_file_type(quantized))
         w.add_vocab_size(a.vocab_size)
         w.add_context_length(a.max_seq_len)
         w.add_embedding_length(a.dim)
@@ -165,9 +196,19 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
         w.write_tensors_to_file()
         w.close()
         info = {"format": "gguf", "file": GGUF_FILE, "source": str(model.path), "arch": "llama",
-                "q4_1_tensors": q4, "tensors": len(tensors), "tokenizer": vocab}
+                "q4_1_tensors": quantized.get("Q4_1", 0), "quantized_tensors": quantized, "tensors": len(tensors),
+                "tokenizer": vocab}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
     return info
+
+
+def _file_type(quantized: dict[str, int]):
+    """general.file_type: the GGML type most tensors have (F16 when none is quantized)."""
+    import gguf
+
+    if not quantized:
+        return gguf.LlamaFileType.MOSTLY_F16
+    return gguf.LlamaFileType[f"MOSTLY_{max(quantized, key=quantized.get)}"]
 
 
 def _add_tokenizer(w, path: Path, vocab_size: int) -> bool:

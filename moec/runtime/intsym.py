@@ -55,9 +55,10 @@ def held_group_intsym(shape, held: dict) -> int:
 
 
 def random_intsym(bits, shape, group_size, device, gen=None):
-    """Uniform random codes, scale 0.03 / 2^(b-1) (weights within ±0.03)."""
+    """Uniform random codes, scales in [0.015, 0.03) / 2^(b-1) (weights within ±0.03)."""
     E, O, I = shape
     G = I // group_size if group_size else 1
     codes = torch.randint(0, 256, (E, O, bitpack.packed_row_bytes(I, bits)), dtype=torch.uint8, device=device,
                           generator=gen)
-    return {"codes": codes, "scale": torch.full((E, O, G), 0.03 / offset(bits), device=device, dtype=torch.float16)}
+    scale = (1 + torch.rand(E, O, G, device=device, generator=gen)) * (0.015 / offset(bits))
+    return {"codes": codes, "scale": scale.half()}
