@@ -22,6 +22,7 @@ Mappings (compressed_tensors.compressors; checked with the library in tests/expo
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from ..runtime.config import ModelArgs
 from .source import PackedModel, Param, export_tensors, refuse_unless_carried, rtn_zero_points
 from .to_gguf import EXPORT_INFO, is_export
 
+EXPERTS = re.compile(r"layers\.\d+\.moe\.w[123]$")  # stacked experts (or a dense MLP: ffn_kinds tells)
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 _MLP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _NORMS = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -161,22 +163,30 @@ def write_ct(model: PackedModel, out: Path) -> dict:
     refuse_unless_carried(model, "ct")
     tensors: dict[str, torch.Tensor] = {}
     groups: dict[str, dict] = {}  # scheme key -> config group
+    kept_linears = ["lm_head"]  # HF modules of kept matrices: `ignore` of a class-name target (_targets)
+    expert_group = None
     for p in model.params.values():
         names = hf_names(p.name, model.args)
         ts, weights = _module_tensors(p, names)
         tensors.update(ts)
         if weights is None:
+            if p.tensor.dim() >= 2 and p.name != "tok_embeddings.weight":
+                kept_linears += [n.removesuffix(".weight") for n in names if n != "lm_head.weight"]
             continue
         fmt = "float-quantized" if weights["type"] == "float" else "pack-quantized"
         key = json.dumps([fmt, weights], sort_keys=True)
         g = groups.setdefault(key, {"targets": [], "weights": weights, "input_activations": None,
                                     "output_activations": None, "format": fmt})
         g["targets"] += [n.removesuffix(".weight") for n in names]
+        if EXPERTS.search(p.name) and model.args.ffn_kinds[int(p.name.split(".")[1])] == "moe":
+            expert_group = expert_group or key
+    quantized_modules = sum(len(g["targets"]) for g in groups.values())
+    groups, ignore = _targets(groups, expert_group, kept_linears)
     formats = {g["format"] for g in groups.values()}
     qcfg = {"quant_method": "compressed-tensors", "quantization_status": "compressed",
             "format": formats.pop() if len(formats) == 1 else "mixed-precision",
             "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
-            "ignore": [], "kv_cache_scheme": None} if groups else None  # nothing quantized: a plain HF directory
+            "ignore": ignore, "kv_cache_scheme": None} if groups else None  # nothing quantized: a plain HF directory
     shards = _shards(tensors)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     with atomic_dir(out, is_output=is_export, what="a moec export", size_hint=size) as tmp:
@@ -196,9 +206,22 @@ def write_ct(model: PackedModel, out: Path) -> dict:
             if f.is_file() and not f.is_symlink() and f.name not in kept:
                 shutil.copy2(f, tmp / f.name)
         info = {"format": "ct", "source": str(model.path), "quantization_format": qcfg["format"] if qcfg else None,
-                "quantized_modules": sum(len(g["targets"]) for g in groups.values()), "tensors": len(tensors)}
+                "quantized_modules": quantized_modules, "tensors": len(tensors)}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
     return info
+
+
+def _targets(groups: dict[str, dict], expert_group: str | None, kept: list[str]) -> tuple[dict[str, dict], list[str]]:
+    """(config groups, ignore) as llm-compressor writes them for a MoE: the group quantizing the experts targets
+    the class `Linear` and comes first, with every kept linear module in `ignore`; any other group names its
+    modules. transformers fuses a MoE layer's experts into 3-D parameters, so per-expert module names match
+    nothing there and compressed-tensors printed one "Could not match" line for each; its expert loader
+    (DecompressExperts) takes the experts' scheme from the first group with a class-name target. vLLM and
+    compressed-tensors give an exact name precedence over a class name, so the other groups keep theirs."""
+    if expert_group is None:  # every target is a module transformers builds: names, nothing ignored
+        return groups, []
+    g = dict(groups[expert_group], targets=["Linear"])
+    return {expert_group: g, **{k: v for k, v in groups.items() if k != expert_group}}, kept
 
 
 def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

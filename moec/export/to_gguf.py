@@ -13,8 +13,10 @@ Kept tensors keep their values: 1-D ones and the router as F32 (as llama.cpp's c
 matrices in their stored dtype (F16, BF16 or F32). Attention q/k rows are permuted from the HF
 rotate-half layout to GGML's interleaved RoPE pairs, as llama.cpp's converter does; a row permutation moves
 whole Q4_1 rows, so it stays exact. The tokenizer (a BPE tokenizer.json beside the checkpoint) goes in as
-llama.cpp's `gpt2` model with the `default` pre-tokenizer; without one the file holds no vocabulary and
-llama.cpp can load it only with a vocabulary from elsewhere (a warning says so).
+llama.cpp's `gpt2` model with the pre-tokenizer that splits text as the model's tokenizer does (`tokenizer_pre`:
+a source GGUF's own value, or ByteLevel with the GPT-2 pattern -> `gpt-2`; anything else is refused, since
+llama.cpp would tokenize differently) and bos/eos/pad as the model's config.json says; without a tokenizer.json
+the file holds no vocabulary and llama.cpp can load it only with a vocabulary from elsewhere (a warning says so).
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
         if not dense:
             w.add_expert_count(a.n_experts)
             w.add_expert_used_count(a.top_k)
-        vocab = _add_tokenizer(w, model.path, a.vocab_size)
+        vocab = _add_tokenizer(w, model.path, a.vocab_size, model.config)
         for name, (arr, raw) in tensors.items():
             w.add_tensor(name, arr, raw_dtype=raw)
         w.write_header_to_file()
@@ -211,8 +213,49 @@ def _file_type(quantized: dict[str, int]):
     return gguf.LlamaFileType[f"MOSTLY_{max(quantized, key=quantized.get)}"]
 
 
-def _add_tokenizer(w, path: Path, vocab_size: int) -> bool:
-    """The BPE vocabulary of `path/tokenizer.json` as llama.cpp's `gpt2` tokenizer; False when there is none."""
+# the GPT-2 split pattern (tokenizers' ByteLevel with use_regex, or an explicit Split before a regex-less ByteLevel):
+# llama.cpp's `gpt-2` pre-tokenizer applies the same pattern
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def tokenizer_pre(tok: dict, config: dict, where: Path) -> str:
+    """llama.cpp's `tokenizer.ggml.pre` for a tokenizer.json: the source GGUF's own value when the model came
+    from one (calibrate/sources.gguf_to_hf records it), else the mapping of its pre_tokenizer (ByteLevel with
+    the GPT-2 pattern: `gpt-2`); UserError for a pre-tokenizer no llama.cpp name is known to reproduce."""
+    pre = (config.get("moec_source") or {}).get("tokenizer_pre")
+    if pre:
+        return pre
+    p = tok.get("pre_tokenizer") or {}
+    steps = p.get("pretokenizers", []) if p.get("type") == "Sequence" else [p]
+    kinds = [s.get("type") for s in steps]
+    byte_level = steps[-1] if kinds and kinds[-1] == "ByteLevel" and not steps[-1].get("add_prefix_space") else None
+    if byte_level is not None and len(steps) == 1 and byte_level.get("use_regex", True):
+        return "gpt-2"
+    if byte_level is not None and kinds == ["Split", "ByteLevel"] and not byte_level.get("use_regex", True) \
+            and (steps[0].get("pattern") or {}).get("Regex") == GPT2_PATTERN \
+            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
+        return "gpt-2"
+    what = "+".join(f"{k}" for k in kinds) or "none"
+    raise UserError(f"{where / 'tokenizer.json'}: pre-tokenizer {what} has no llama.cpp pre-tokenizer known to "
+                    f"split text the same way (moec maps ByteLevel with the GPT-2 pattern to gpt-2, and keeps a "
+                    f"source GGUF's own); llama.cpp would tokenize differently from the model")
+
+
+def special_ids(config: dict) -> dict[str, int]:
+    """{bos, eos, pad: id} from the model's config.json (its generation's stop token is the config's eos; a
+    list of eos ids gives its first)."""
+    out = {}
+    for kind in ("bos", "eos", "pad"):
+        v = config.get(f"{kind}_token_id")
+        v = v[0] if isinstance(v, list) and v else v
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            out[kind] = v
+    return out
+
+
+def _add_tokenizer(w, path: Path, vocab_size: int, config: dict) -> bool:
+    """The BPE vocabulary of `path/tokenizer.json` as llama.cpp's `gpt2` tokenizer (the pre-tokenizer from
+    tokenizer_pre, bos/eos/pad as the model's config.json says); False when there is none."""
     import gguf
 
     f = path / "tokenizer.json"
@@ -221,6 +264,7 @@ def _add_tokenizer(w, path: Path, vocab_size: int) -> bool:
         log.warning("%s: no BPE tokenizer.json, so the GGUF holds no vocabulary (llama.cpp needs one to load it)",
                     path)
         return False
+    pre = tokenizer_pre(tok, config, path)
     ids = {i: t for t, i in tok["model"]["vocab"].items()}
     special = set()
     for t in tok.get("added_tokens", []):
@@ -233,8 +277,10 @@ def _add_tokenizer(w, path: Path, vocab_size: int) -> bool:
         types.append(gguf.TokenType.CONTROL if i in special else
                      gguf.TokenType.NORMAL if i in ids else gguf.TokenType.UNUSED)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
-    gguf.SpecialVocab(path, load_merges=True, n_vocab=vocab_size).add_to_gguf(w)
+    sv = gguf.SpecialVocab(path, load_merges=True, n_vocab=vocab_size)
+    sv.special_token_ids.update({k: v for k, v in special_ids(config).items() if v < vocab_size})
+    sv.add_to_gguf(w)
     return True

@@ -30,11 +30,14 @@ def _decompressed(out) -> dict[str, torch.Tensor]:
     got = {}
     with safe_open(out / "model.safetensors", "pt") as h:
         keys = list(h.keys())  # noqa: SIM118 (safe_open handles are not mappings)
-        for scheme in qc.config_groups.values():
+        modules = [k.removesuffix(".weight_scale") for k in keys if k.endswith(".weight_scale")]
+        for m in modules:  # its scheme: the group naming it, else the class-name (`Linear`) group, unless ignored
+            assert m not in qc.ignore, m
+            scheme = next((g for g in qc.config_groups.values() if m in g.targets), None) or \
+                next(g for g in qc.config_groups.values() if g.targets == ["Linear"])
             compressor = BaseCompressor.get_value_from_registry(scheme.format)
-            for m in scheme.targets:
-                sd = {k.removeprefix(m + "."): h.get_tensor(k) for k in keys if k.startswith(m + ".")}
-                got[m] = compressor.decompress(sd, scheme)["weight"]
+            sd = {k.removeprefix(m + "."): h.get_tensor(k) for k in keys if k.startswith(m + ".")}
+            got[m] = compressor.decompress(sd, scheme)["weight"]
     return got
 
 

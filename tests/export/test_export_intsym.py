@@ -27,6 +27,11 @@ def test_intsym_exports_to_symmetric_pack_quantized_exactly(tmp_path):
     schemes = sorted((g["weights"]["num_bits"], g["weights"]["strategy"], g["weights"]["symmetric"])
                      for g in cfg["config_groups"].values())
     assert schemes == [(4, "group", True), (8, "channel", True)]
+    # the experts' group first, targeting the class Linear as llm-compressor writes a MoE (transformers fuses
+    # the experts: per-expert names would match nothing there); the kept router and LM head ignored
+    first = next(iter(cfg["config_groups"].values()))
+    assert first["targets"] == ["Linear"] and first["weights"]["num_bits"] == 4
+    assert set(cfg["ignore"]) == {"lm_head", *(f"model.layers.{i}.block_sparse_moe.gate" for i in (0, 1))}
     assert _check_exact(p, tmp_path / "c") == info["quantized_modules"] == 2 * (3 * 4 + 4)
     # and compressed-tensors' own packing of those weights is byte for byte the export's (the layout vLLM reads)
     from compressed_tensors.compressors import BaseCompressor
@@ -37,7 +42,9 @@ def test_intsym_exports_to_symmetric_pack_quantized_exactly(tmp_path):
     with safe_open(tmp_path / "c" / "model.safetensors", "pt") as h:
         for scheme in qc.config_groups.values():
             compressor = BaseCompressor.get_value_from_registry(scheme.format)
-            for m in scheme.targets[:3]:
+            named = scheme.targets if scheme.targets != ["Linear"] else \
+                [f"model.layers.{i}.block_sparse_moe.experts.{e}.w{j}" for i in (0, 1) for e in (0, 3) for j in (1, 2)]
+            for m in named:
                 sd = {k: h.get_tensor(f"{m}.{k}") for k in ("weight_packed", "weight_scale", "weight_shape")}
                 w = compressor.decompress(sd, scheme)["weight"]
                 again = compressor.compress({"weight": w, "weight_scale": sd["weight_scale"]}, scheme)
