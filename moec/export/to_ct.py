@@ -212,16 +212,19 @@ def write_ct(model: PackedModel, out: Path) -> dict:
 
 
 def _targets(groups: dict[str, dict], expert_group: str | None, kept: list[str]) -> tuple[dict[str, dict], list[str]]:
-    """(config groups, ignore) as llm-compressor writes them for a MoE: the group quantizing the experts targets
-    the class `Linear` and comes first, with every kept linear module in `ignore`; any other group names its
-    modules. transformers fuses a MoE layer's experts into 3-D parameters, so per-expert module names match
-    nothing there and compressed-tensors printed one "Could not match" line for each; its expert loader
-    (DecompressExperts) takes the experts' scheme from the first group with a class-name target. vLLM and
-    compressed-tensors give an exact name precedence over a class name, so the other groups keep theirs."""
+    """(config groups, ignore) as llm-compressor writes a MoE: the group quantizing the experts targets the class
+    `Linear` (vLLM takes a fused-MoE layer's scheme from it), every kept linear module is in `ignore`, and any
+    other group names its modules by anchored regexes, placed before the `Linear` group. Why: transformers fuses
+    a MoE layer's experts into 3-D parameters, so per-expert module names match nothing there (compressed-tensors
+    printed one "Could not match" line for each); its expert loader (DecompressExperts) takes the experts' scheme
+    from the first group with a target that is not a regex; compressed-tensors stops at the first target a module
+    matches (a plain name listed after `Linear` would be reported unmatched), and it and vLLM rank a regex above a
+    class, so each named module keeps its own group's scheme."""
     if expert_group is None:  # every target is a module transformers builds: names, nothing ignored
         return groups, []
-    g = dict(groups[expert_group], targets=["Linear"])
-    return {expert_group: g, **{k: v for k, v in groups.items() if k != expert_group}}, kept
+    named = {k: dict(g, targets=[f"re:^{re.escape(t)}$" for t in g["targets"]])
+             for k, g in groups.items() if k != expert_group}
+    return {**named, expert_group: dict(groups[expert_group], targets=["Linear"])}, kept
 
 
 def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

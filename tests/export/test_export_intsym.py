@@ -27,10 +27,12 @@ def test_intsym_exports_to_symmetric_pack_quantized_exactly(tmp_path):
     schemes = sorted((g["weights"]["num_bits"], g["weights"]["strategy"], g["weights"]["symmetric"])
                      for g in cfg["config_groups"].values())
     assert schemes == [(4, "group", True), (8, "channel", True)]
-    # the experts' group first, targeting the class Linear as llm-compressor writes a MoE (transformers fuses
-    # the experts: per-expert names would match nothing there); the kept router and LM head ignored
-    first = next(iter(cfg["config_groups"].values()))
-    assert first["targets"] == ["Linear"] and first["weights"]["num_bits"] == 4
+    # the experts' group targets the class Linear as llm-compressor writes a MoE (transformers fuses the experts:
+    # per-expert names would match nothing there), after the attention group's anchored regexes; the kept
+    # router and LM head ignored
+    attn, experts = cfg["config_groups"].values()
+    assert experts["targets"] == ["Linear"] and experts["weights"]["num_bits"] == 4
+    assert attn["targets"][0] == r"re:^model\.layers\.0\.self_attn\.q_proj$" and len(attn["targets"]) == 8
     assert set(cfg["ignore"]) == {"lm_head", *(f"model.layers.{i}.block_sparse_moe.gate" for i in (0, 1))}
     assert _check_exact(p, tmp_path / "c") == info["quantized_modules"] == 2 * (3 * 4 + 4)
     # and compressed-tensors' own packing of those weights is byte for byte the export's (the layout vLLM reads)
@@ -42,7 +44,8 @@ def test_intsym_exports_to_symmetric_pack_quantized_exactly(tmp_path):
     with safe_open(tmp_path / "c" / "model.safetensors", "pt") as h:
         for scheme in qc.config_groups.values():
             compressor = BaseCompressor.get_value_from_registry(scheme.format)
-            named = scheme.targets if scheme.targets != ["Linear"] else \
+            named = [t.removeprefix("re:^").removesuffix("$").replace("\\", "") for t in scheme.targets] \
+                if scheme.targets != ["Linear"] else \
                 [f"model.layers.{i}.block_sparse_moe.experts.{e}.w{j}" for i in (0, 1) for e in (0, 3) for j in (1, 2)]
             for m in named:
                 sd = {k: h.get_tensor(f"{m}.{k}") for k in ("weight_packed", "weight_scale", "weight_shape")}
