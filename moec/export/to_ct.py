@@ -1,8 +1,10 @@
 """compressed-tensors export: an HF model directory (HF tensor names, one Linear per expert as HF
 checkpoints store them on disk and llm-compressor writes them for vLLM, config.json with a
 `quantization_config`). The library decompresses it exactly (tests/export/test_export_ct.py); vLLM is not run
-here. transformers 5.17 does not load quantized experts from it: it fuses MoE experts into 3-D parameters
-(`experts.gate_up_proj`), which compressed-tensors' per-Linear targets do not match ("Could not match").
+here. transformers 5.17 fuses MoE experts into 3-D parameters (`experts.gate_up_proj`) and dequantizes them at
+load from the scheme of the group that targets the class `Linear` (`_targets`); it loads the export with the
+logits of moec's dequantized weights (tests/export/test_export_hf_load.py; at fp32 after `.to(torch.float32)`:
+it keeps the tensors it renames in their stored dtype).
 
 Mappings (compressed_tensors.compressors; checked with the library in tests/export/test_export_ct.py):
   rtn -> `pack-quantized`, int, asymmetric, strategy group (g = the group size) or channel (one group per
@@ -14,6 +16,7 @@ Mappings (compressed_tensors.compressors; checked with the library in tests/expo
       `weight_packed` int32 [O, ceil(I·b/32)]: code j of a row at bit j·b of the row's bit string, words
       little-endian (32 codes fill b words); `weight_zero_point` the same packing of k along O
       (int32 [ceil(O·b/32), G]); `weight_scale` fp32 [O, G]; `weight_shape` int64 [2].
+  intsym -> `pack-quantized`, int, symmetric (no zero point), group or channel: below (intsym_tensors).
   fp8 -> `float-quantized`, float 8-bit, channel: `weight` e4m3 [O, I] and `weight_scale` fp32 [O, 1];
       the library computes fp8.float() · scale, moec the same product.
   keep -> the tensor as stored, under its HF name.

@@ -1,7 +1,8 @@
 """GGUF export (llama.cpp), written with gguf-py's GGUFWriter under the `llama` architecture, which
 llama.cpp runs for Llama and for Mixtral (experts stacked as `blk.N.ffn_{gate,up,down}_exps`).
 
-The one quantized mapping, rtn 4-bit in groups of 32 (formats/codecs.py: codes + fp16 scale, zero [E, O, G];
+Quantized mappings: intsym 4-/8-bit in groups of 32 -> Q4_0 / Q8_0 (below: intsym_tensor), and rtn 4-bit in
+groups of 32 (formats/codecs.py: codes + fp16 scale, zero [E, O, G];
 w = zero + scale·idx) -> GGML Q4_1, whose 20-byte block of 32 weights is fp16 d, fp16 m, then 16 bytes of
 which byte j holds q[j] in its low nibble and q[j + 16] in its high one; w = d·q + m. With d = scale,
 m = zero, q = idx both sides compute fl32(m + d·q) from the same fp16 values (d·q, an 11-bit mantissa
