@@ -8,6 +8,7 @@ GGUF files are converted once, with transformers' GGUF loader, into an HF-layout
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -129,6 +130,7 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
     return out
 
 
+@functools.lru_cache(maxsize=4)  # gguf-py parses every field (the whole vocabulary): a few seconds per read
 def gguf_tokenizer_meta(gguf: Path) -> tuple[str | None, dict[str, int]]:
     """(tokenizer.ggml.pre, {bos, eos, pad: id}) of a GGUF file: what llama.cpp splits text with, and the
     special tokens the file names (transformers' GGUF tokenizer conversion takes its bos as the eos for
@@ -140,7 +142,7 @@ def gguf_tokenizer_meta(gguf: Path) -> tuple[str | None, dict[str, int]]:
     ids = {kind: int(fields[f"tokenizer.ggml.{key}_token_id"].contents())
            for kind, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))
            if f"tokenizer.ggml.{key}_token_id" in fields}
-    return pre, ids
+    return pre, dict(ids)
 
 
 def _set_specials(tok, ids: dict[str, int]) -> None:

