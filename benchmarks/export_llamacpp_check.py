@@ -1,6 +1,11 @@
 """Run a `moec export --format gguf` model in llama.cpp (llama-cpp-python) and compare its logits with moec's.
 
-    python3 -m benchmarks.export_llamacpp_check [--model demo-moe] [--out benchmarks/results/export_llamacpp_check.json]
+    python3 -m benchmarks.export_llamacpp_check [--model demo-moe] [--recipe w4a16-g32]
+        [--out benchmarks/results/export_llamacpp_check.json]
+
+--recipe: any recipe GGUF carries (rtn4-g32-q4_1 -> Q4_1, the default; w4a16-g32 -> Q4_0; w8a16-g32 -> Q8_0).
+The record also compares token counts of llama.cpp's tokenizer (the exported vocabulary and pre-tokenizer)
+with the model's HF tokenizer on a text with digits, punctuation and chat markup (`token_counts`).
 
 Steps: calibrate + pack MODEL with rtn 4-bit groups of 32 on the experts and attention (the one codec GGUF
 carries: Q4_1), export it, then feed the same token ids to moec's CPU runtime (fp32) and to llama.cpp, and
@@ -28,6 +33,8 @@ import torch
 from benchmarks.benchutil import ROOT, cli
 
 RECIPE = ROOT / "moec" / "recipes" / "rtn4-g32-q4_1.yaml"  # rtn 4-bit g32 on experts and attention: Q4_1 exactly
+TOKEN_TEXT = ("<|im_start|>user\nPrice: $1,234.56 (or 12345 in 2024!) -- isn't it \"odd\"?<|im_end|>\n"
+              "<|im_start|>assistant\n3.14159... e.g. x=42; y = [1, 2, 3]\n\n  indented\ttab<|im_end|>")
 TEXT = ("The quick brown fox jumps over the lazy dog. In the beginning was the word, and the word was "
         "with the model, which compressed its experts and ran them on a small runtime.")
 
@@ -57,6 +64,7 @@ def weights_exact(packed: Path, gguf_file: Path) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo-moe")
+    ap.add_argument("--recipe", type=Path, default=RECIPE, help="a recipe GGUF carries (Q4_1, Q4_0, Q8_0)")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=4)
@@ -71,7 +79,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        cli("calibrate", a.model, "-r", RECIPE, "--samples", a.samples, "--seq-len", a.seq_len,
+        cli("calibrate", a.model, "-r", a.recipe, "--samples", a.samples, "--seq-len", a.seq_len,
             "-o", work / "calib")
         cli("pack", a.model, work / "calib", "-o", work / "packed")
         cli("export", work / "packed", "--format", "gguf", "-o", work / "gguf")
@@ -86,14 +94,17 @@ def main() -> None:
                               verbose=False)
         llm.eval(ids)
         got = np.asarray(llm.scores[: len(ids)], dtype=np.float64)  # [T, V]
+        hf_tok = Tokenizer.from_file(str(packed / "tokenizer.json"))
+        counts = {"hf": len(hf_tok.encode(TOKEN_TEXT, add_special_tokens=False).ids),
+                  "llama_cpp": len(llm.tokenize(TOKEN_TEXT.encode(), add_bos=False, special=True))}
 
     diff = np.abs(got - ref)
     lp_ref = ref - np.logaddexp.reduce(ref, -1, keepdims=True)
     lp_got = got - np.logaddexp.reduce(got, -1, keepdims=True)
     kl = (np.exp(lp_ref) * (lp_ref - lp_got)).sum(-1)
     result = {
-        "bench": "export_llamacpp_check", "model": a.model, "recipe": "rtn 4-bit g32 experts+attention -> Q4_1",
-        "tokens": len(ids), "weights_exact": exact,
+        "bench": "export_llamacpp_check", "model": a.model, "recipe": a.recipe.stem,
+        "tokens": len(ids), "weights_exact": exact, "token_counts": counts,
         "max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean()),
         "logit_std": float(ref.std()), "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean()),
         "kl_moec_llamacpp_mean": float(kl.mean()), "kl_moec_llamacpp_max": float(kl.max()),

@@ -230,7 +230,7 @@ def quantize(W: torch.Tensor, H: torch.Tensor | None, codec: str, bits: int, gro
 def _quantizer(codec: str):
     def quantize_codec(W: torch.Tensor, H: torch.Tensor | None, rule) -> dict:
         """The registry's `quantize` hook (moec/registry.py) for this codec under a recipe rule."""
-        return quantize(W, H, codec, rule.bits, rule.group_size, gptq=rule.gptq)
+        return quantize(W, H, codec, rule.bits, rule.group_size, gptq=rule.gptq, act_order=rule.actorder)
 
     quantize_codec.__name__ = f"quantize_{codec}"
     return quantize_codec

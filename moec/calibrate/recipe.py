@@ -8,10 +8,11 @@
     weights:                  # rules, first match wins; unmatched tensors stay as they are
       - targets: [experts, shared_experts, mlp]   # or attention, router, lm_head, or a regex
                               # (experts: MoE layers', mlp: dense layers' (mlp_only_layers) matrices)
-        codec: keep           # a registered weight codec: keep | hls | rtn | fp8 | fp3
+        codec: keep           # a registered weight codec: keep | hls | rtn | fp8 | fp3 | vq | intsym
         bits: 16
         group_size: 64        # must divide the input dim of every targeted matrix (checked at calibrate)
-        gptq: true            # hls/fp3: GPTQ error feedback (act-order) after the codebook fit
+        gptq: true            # hls/fp3/intsym: GPTQ error feedback after the codebook / scale fit
+        actorder: true        # GPTQ columns by decreasing h_jj (static groups: the stored layout is unchanged)
         incoherence: {block: 0}   # optional: fit in a randomized block-Hadamard basis (0: auto block)
         allocate: {budget: 3.0, bits: [2, 3, 4]}  # optional: per-matrix widths at an average q_bits budget
     calibration:
@@ -118,7 +119,11 @@ class WeightRule:
     codec: str = "keep"  # a registered weight codec (moec/registry.py)
     bits: int = 16
     group_size: int = 0  # 0: one group per output row
-    gptq: bool = True  # hls/fp3: GPTQ error feedback with the full Hessian after fitting the codebooks
+    gptq: bool = True  # hls/fp3/intsym: GPTQ error feedback with the full Hessian after fitting the codebooks
+    # GPTQ visits columns by decreasing h_jj (compressed-tensors' `actorder: weight`, "static"): the fit's order
+    # only; groups and the stored layout stay as they are (the g_idx form, `actorder: group`, is gone from
+    # compressed-tensors 0.20, so no export could carry it)
+    actorder: bool = True
     incoherence: Incoherence | None = None  # fit and run in a randomized block-Hadamard basis (above)
     allocate: Allocate | None = None  # per-matrix widths at a budget (above); `bits` is then the widest
 

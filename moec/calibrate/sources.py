@@ -11,6 +11,7 @@ dequantizes with gguf-py.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -104,6 +105,7 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
         key += f"-{model_type}"
     out = cache_dir() / "models" / key
     if (out / "config.json").is_file():
+        _repair_tokenizer(out, gguf)
         return out
     log.info("converting %s to an HF-layout cache in %s (once)", gguf.name, out)
     import torch
@@ -134,10 +136,58 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
         cfg.pop("quantization_config", None)
         cfg["architectures"] = [type(model).__name__]
         cfg["dtype"] = "float32"
-        cfg["moec_source"] = {"gguf": gguf.name}
+        pre, ids = gguf_tokenizer_meta(gguf)
+        cfg["moec_source"] = {"gguf": gguf.name, "tokenizer_pre": pre}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+        _set_specials(tok, ids)
         tok.save_pretrained(tmp)
     return out
+
+
+@functools.lru_cache(maxsize=4)  # gguf-py parses every field (the whole vocabulary): a few seconds per read
+def gguf_tokenizer_meta(gguf: Path) -> tuple[str | None, dict[str, int]]:
+    """(tokenizer.ggml.pre, {bos, eos, pad: id}) of a GGUF file: what llama.cpp splits text with, and the
+    special tokens the file names (transformers' GGUF tokenizer conversion takes its bos as the eos for
+    SmolLM2: `<|im_start|>`, id 1, where the file and the model's config say 2)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    pre = fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else None
+    ids = {kind: int(fields[f"tokenizer.ggml.{key}_token_id"].contents())
+           for kind, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))
+           if f"tokenizer.ggml.{key}_token_id" in fields}
+    return pre, dict(ids)
+
+
+def _set_specials(tok, ids: dict[str, int]) -> None:
+    """The tokenizer's bos/eos/pad tokens as the GGUF names them (by id)."""
+    for kind, i in ids.items():
+        if 0 <= i < len(tok):
+            setattr(tok, f"{kind}_token", tok.convert_ids_to_tokens(i))
+
+
+def _repair_tokenizer(out: Path, gguf: Path) -> None:
+    """A conversion cached before the GGUF's pre-tokenizer and special tokens were carried over: record the
+    first in config.json (`moec_source.tokenizer_pre`, read by the GGUF export) and set the second in the
+    tokenizer files, each file replaced atomically (the weights are not touched)."""
+    cfg = json.loads((out / "config.json").read_text())
+    src = cfg.get("moec_source")
+    if not isinstance(src, dict) or "tokenizer_pre" in src:
+        return
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    pre, ids = gguf_tokenizer_meta(gguf)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    _set_specials(tok, ids)
+    tmp = out.with_name(out.name + f".tok-{os.getpid()}")
+    tok.save_pretrained(tmp)
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+    new = out / f"config.json.{os.getpid()}"
+    new.write_text(json.dumps({**cfg, "moec_source": {**src, "tokenizer_pre": pre}}, indent=1, default=str))
+    os.replace(new, out / "config.json")
 
 
 def load_tokenizer(model_dir: Path):

@@ -13,8 +13,9 @@ from .common import console, out_console
 def export(
     packed: Path = typer.Argument(..., help="packed checkpoint directory"),
     fmt: str = typer.Option(..., "--format", "-f",
-                            help="gguf (llama.cpp: rtn 4-bit g32 as Q4_1) or ct (compressed-tensors: "
-                                 "integer-zero rtn as pack-quantized, fp8 as float-quantized)"),
+                            help="gguf (llama.cpp: rtn 4-bit g32 as Q4_1, intsym 4/8-bit g32 as Q4_0/Q8_0) or ct "
+                                 "(compressed-tensors: intsym and integer-zero rtn as pack-quantized, fp8 as "
+                                 "float-quantized)"),
     out: Path = typer.Option(..., "-o", "--out", help="output directory"),
 ) -> None:
     """Export a packed checkpoint to GGUF or compressed-tensors (exact mappings only, else an error naming the
@@ -23,6 +24,6 @@ def export(
 
     with console.status(f"exporting {packed} as {fmt}"):
         info = run_export(packed, fmt, out)
-    what = f"{info['q4_1_tensors']} Q4_1 tensors" if fmt == "gguf" else \
-        f"{info['quantized_modules']} {info['quantization_format'] or 'quantized'} modules"
+    what = (", ".join(f"{n} {t} tensors" for t, n in info["quantized_tensors"].items()) or "no quantized tensors") \
+        if fmt == "gguf" else f"{info['quantized_modules']} {info['quantization_format'] or 'quantized'} modules"
     out_console.print(f"exported {packed} → {out} ({fmt}): {info['tensors']} tensors, {what}")

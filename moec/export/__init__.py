@@ -2,12 +2,14 @@
 exact (the other runtime's dequantization gives bit for bit the weights moec's `dequant_ref` gives).
 
     gguf  llama.cpp (export/to_gguf.py): rtn 4-bit, groups of 32, fp16 scale and zero -> Q4_1
-          (w = d·q + m with d = scale, m = zero); kept tensors as F32/F16/BF16. Llama and Mixtral only.
-    ct    compressed-tensors, an HF directory in the layout vLLM reads (export/to_ct.py): rtn whose zero
-          is an integer multiple of its scale -> `pack-quantized` (int, asymmetric, group or channel);
-          fp8 -> `float-quantized` (e4m3, channel); kept tensors as they are.
+          (w = d·q + m with d = scale, m = zero); intsym 4-/8-bit, groups of 32 -> Q4_0 / Q8_0 (w = d·q);
+          kept tensors as F32/F16/BF16; the tokenizer with its pre-tokenizer mapped. Llama and Mixtral only.
+    ct    compressed-tensors, an HF directory in the layout vLLM reads (export/to_ct.py): intsym ->
+          `pack-quantized` (int, symmetric, group or channel: W4A16 / W8A16); rtn whose zero is an integer
+          multiple of its scale -> `pack-quantized` (int, asymmetric); fp8 -> `float-quantized` (e4m3,
+          channel); kept tensors as they are.
 
-Anything else (hls and fp3 codebooks, rtn of other group sizes or bits for GGUF, rtn with a fractional
+Anything else (hls, fp3 and vq codebooks, other group sizes or bits for GGUF, rtn with a fractional
 zero for ct, fp8 for GGUF) is a UserError naming the tensor, its codec and the formats that can carry it.
 The KV codec of a checkpoint is a runtime setting of moec; no format here carries it (a warning says so).
 """

@@ -1,8 +1,10 @@
 """compressed-tensors export: an HF model directory (HF tensor names, one Linear per expert as HF
 checkpoints store them on disk and llm-compressor writes them for vLLM, config.json with a
 `quantization_config`). The library decompresses it exactly (tests/export/test_export_ct.py); vLLM is not run
-here. transformers 5.17 does not load quantized experts from it: it fuses MoE experts into 3-D parameters
-(`experts.gate_up_proj`), which compressed-tensors' per-Linear targets do not match ("Could not match").
+here. transformers 5.17 fuses MoE experts into 3-D parameters (`experts.gate_up_proj`) and dequantizes them at
+load from the scheme of the group that targets the class `Linear` (`_targets`); it loads the export with the
+logits of moec's dequantized weights (tests/export/test_export_hf_load.py; at fp32 after `.to(torch.float32)`:
+it keeps the tensors it renames in their stored dtype).
 
 Mappings (compressed_tensors.compressors; checked with the library in tests/export/test_export_ct.py):
   rtn -> `pack-quantized`, int, asymmetric, strategy group (g = the group size) or channel (one group per
@@ -14,6 +16,7 @@ Mappings (compressed_tensors.compressors; checked with the library in tests/expo
       `weight_packed` int32 [O, ceil(I·b/32)]: code j of a row at bit j·b of the row's bit string, words
       little-endian (32 codes fill b words); `weight_zero_point` the same packing of k along O
       (int32 [ceil(O·b/32), G]); `weight_scale` fp32 [O, G]; `weight_shape` int64 [2].
+  intsym -> `pack-quantized`, int, symmetric (no zero point), group or channel: below (intsym_tensors).
   fp8 -> `float-quantized`, float 8-bit, channel: `weight` e4m3 [O, I] and `weight_scale` fp32 [O, 1];
       the library computes fp8.float() · scale, moec the same product.
   keep -> the tensor as stored, under its HF name.
@@ -22,6 +25,7 @@ Mappings (compressed_tensors.compressors; checked with the library in tests/expo
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -37,6 +41,7 @@ from ..runtime.config import ModelArgs
 from .source import PackedModel, Param, export_tensors, refuse_unless_carried, rtn_zero_points
 from .to_gguf import EXPORT_INFO, is_export
 
+EXPERTS = re.compile(r"layers\.\d+\.moe\.w[123]$")  # stacked experts (or a dense MLP: ffn_kinds tells)
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 _MLP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _NORMS = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -131,26 +136,60 @@ def rtn_tensors(p: Param, names: list[str]) -> tuple[dict[str, torch.Tensor], di
     return out, {"num_bits": p.bits, "type": "int", "symmetric": False, **group, "dynamic": False}
 
 
+# -- intsym (moec/codecs/intsym.py) -> pack-quantized, symmetric ------------------------------------------------
+# What llm-compressor's W4A16 / W8A16 write and vLLM's Marlin (WNA16) kernels take: `weight_packed` int32
+# [O, ceil(I·b/32)] of u = q + 2^(b-1) (compressed-tensors' pack_to_int32: the library packs q + 2^(b-1) too),
+# `weight_scale` [O, G], `weight_shape`, no zero point (symmetric). The library computes w = q·scale in the
+# scale's dtype; the scales go as fp32, so that product is moec's (exact: an fp16 scale times an integer of
+# at most 8 bits). vLLM casts the scale to the model's dtype at load: exact at fp16, rounded at bf16.
+
+def intsym_reason(p: Param) -> None:
+    """The intsym codec's compressed-tensors hook: pack-quantized carries any group and both widths."""
+    return None
+
+
+def intsym_tensors(p: Param, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """intsym as symmetric pack-quantized: int32-packed codes, fp32 scales."""
+    out = {}
+    I, G = p.shape[-1], p.parts["scale"].shape[-1]
+    codes = bitpack.unpack(p.parts["codes"], p.bits, I)  # [E, O, I], q + 2^(b-1)
+    for e, n in enumerate(names):
+        m = n.removesuffix(".weight")
+        out[m + ".weight_packed"] = pack_int32(codes[e], p.bits)
+        out[m + ".weight_scale"] = p.parts["scale"][e].float().contiguous()
+        out[m + ".weight_shape"] = torch.tensor([codes.shape[1], I])
+    group = {"strategy": "channel"} if G == 1 else {"strategy": "group", "group_size": I // G}
+    return out, {"num_bits": p.bits, "type": "int", "symmetric": True, **group, "dynamic": False}
+
+
 def write_ct(model: PackedModel, out: Path) -> dict:
     refuse_unless_carried(model, "ct")
     tensors: dict[str, torch.Tensor] = {}
     groups: dict[str, dict] = {}  # scheme key -> config group
+    kept_linears = ["lm_head"]  # HF modules of kept matrices: `ignore` of a class-name target (_targets)
+    expert_group = None
     for p in model.params.values():
         names = hf_names(p.name, model.args)
         ts, weights = _module_tensors(p, names)
         tensors.update(ts)
         if weights is None:
+            if p.tensor.dim() >= 2 and p.name != "tok_embeddings.weight":
+                kept_linears += [n.removesuffix(".weight") for n in names if n != "lm_head.weight"]
             continue
         fmt = "float-quantized" if weights["type"] == "float" else "pack-quantized"
         key = json.dumps([fmt, weights], sort_keys=True)
         g = groups.setdefault(key, {"targets": [], "weights": weights, "input_activations": None,
                                     "output_activations": None, "format": fmt})
         g["targets"] += [n.removesuffix(".weight") for n in names]
+        if EXPERTS.search(p.name) and model.args.ffn_kinds[int(p.name.split(".")[1])] == "moe":
+            expert_group = expert_group or key
+    quantized_modules = sum(len(g["targets"]) for g in groups.values())
+    groups, ignore = _targets(groups, expert_group, kept_linears)
     formats = {g["format"] for g in groups.values()}
     qcfg = {"quant_method": "compressed-tensors", "quantization_status": "compressed",
             "format": formats.pop() if len(formats) == 1 else "mixed-precision",
             "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
-            "ignore": [], "kv_cache_scheme": None} if groups else None  # nothing quantized: a plain HF directory
+            "ignore": ignore, "kv_cache_scheme": None} if groups else None  # nothing quantized: a plain HF directory
     shards = _shards(tensors)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     with atomic_dir(out, is_output=is_export, what="a moec export", size_hint=size) as tmp:
@@ -170,9 +209,25 @@ def write_ct(model: PackedModel, out: Path) -> dict:
             if f.is_file() and not f.is_symlink() and f.name not in kept:
                 shutil.copy2(f, tmp / f.name)
         info = {"format": "ct", "source": str(model.path), "quantization_format": qcfg["format"] if qcfg else None,
-                "quantized_modules": sum(len(g["targets"]) for g in groups.values()), "tensors": len(tensors)}
+                "quantized_modules": quantized_modules, "tensors": len(tensors)}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
     return info
+
+
+def _targets(groups: dict[str, dict], expert_group: str | None, kept: list[str]) -> tuple[dict[str, dict], list[str]]:
+    """(config groups, ignore) as llm-compressor writes a MoE: the group quantizing the experts targets the class
+    `Linear` (vLLM takes a fused-MoE layer's scheme from it), every kept linear module is in `ignore`, and any
+    other group names its modules by anchored regexes, placed before the `Linear` group. Why: transformers fuses
+    a MoE layer's experts into 3-D parameters, so per-expert module names match nothing there (compressed-tensors
+    printed one "Could not match" line for each); its expert loader (DecompressExperts) takes the experts' scheme
+    from the first group with a target that is not a regex; compressed-tensors stops at the first target a module
+    matches (a plain name listed after `Linear` would be reported unmatched), and it and vLLM rank a regex above a
+    class, so each named module keeps its own group's scheme."""
+    if expert_group is None:  # every target is a module transformers builds: names, nothing ignored
+        return groups, []
+    named = {k: dict(g, targets=[f"re:^{re.escape(t)}$" for t in g["targets"]])
+             for k, g in groups.items() if k != expert_group}
+    return {**named, expert_group: dict(groups[expert_group], targets=["Linear"])}, kept
 
 
 def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -1,7 +1,8 @@
 """GGUF export (llama.cpp), written with gguf-py's GGUFWriter under the `llama` architecture, which
 llama.cpp runs for Llama and for Mixtral (experts stacked as `blk.N.ffn_{gate,up,down}_exps`).
 
-The one quantized mapping, rtn 4-bit in groups of 32 (formats/codecs.py: codes + fp16 scale, zero [E, O, G];
+Quantized mappings: intsym 4-/8-bit in groups of 32 -> Q4_0 / Q8_0 (below: intsym_tensor), and rtn 4-bit in
+groups of 32 (formats/codecs.py: codes + fp16 scale, zero [E, O, G];
 w = zero + scale·idx) -> GGML Q4_1, whose 20-byte block of 32 weights is fp16 d, fp16 m, then 16 bytes of
 which byte j holds q[j] in its low nibble and q[j + 16] in its high one; w = d·q + m. With d = scale,
 m = zero, q = idx both sides compute fl32(m + d·q) from the same fp16 values (d·q, an 11-bit mantissa
@@ -13,8 +14,10 @@ Kept tensors keep their values: 1-D ones and the router as F32 (as llama.cpp's c
 matrices in their stored dtype (F16, BF16 or F32). Attention q/k rows are permuted from the HF
 rotate-half layout to GGML's interleaved RoPE pairs, as llama.cpp's converter does; a row permutation moves
 whole Q4_1 rows, so it stays exact. The tokenizer (a BPE tokenizer.json beside the checkpoint) goes in as
-llama.cpp's `gpt2` model with the `default` pre-tokenizer; without one the file holds no vocabulary and
-llama.cpp can load it only with a vocabulary from elsewhere (a warning says so).
+llama.cpp's `gpt2` model with the pre-tokenizer that splits text as the model's tokenizer does (`tokenizer_pre`:
+a source GGUF's own value, or ByteLevel with the GPT-2 pattern -> `gpt-2`; anything else is refused, since
+llama.cpp would tokenize differently) and bos/eos/pad as the model's config.json says; without a tokenizer.json
+the file holds no vocabulary and llama.cpp can load it only with a vocabulary from elsewhere (a warning says so).
 """
 
 from __future__ import annotations
@@ -88,6 +91,37 @@ def q4_1_blocks(p: Param) -> torch.Tensor:
     return torch.cat([d, m, qs], -1).reshape(E, O, G * 20)
 
 
+# -- intsym (moec/codecs/intsym.py) -> Q4_0 / Q8_0 ---------------------------------------------------------------
+# Q4_0: an 18-byte block of 32 weights: fp16 d, then 16 bytes of which byte j holds u[j] in its low nibble and
+# u[j + 16] in its high one (u in 0..15); w = d·(u - 8). Q8_0: a 34-byte block: fp16 d, 32 int8 q; w = d·q.
+# intsym stores code = q + 2^(b-1) and an fp16 scale per group: with groups of 32, d = scale and u = code
+# (4-bit) or q = code - 128 (8-bit), and both sides compute fl32(d·q), exact (an 11-bit mantissa times an
+# integer of at most 8 bits), so gguf.quants.dequantize gives moec's weights bit for bit.
+
+def intsym_reason(p: Param) -> str | None:
+    """The intsym codec's GGUF hook: Q4_0 / Q8_0 hold 4- / 8-bit symmetric levels in groups of 32."""
+    if p.bits in (4, 8) and p.shape[-1] // p.parts["scale"].shape[-1] == 32:
+        return None
+    return (f"Q4_0 / Q8_0 hold symmetric 4- / 8-bit levels in groups of 32; this is {p.bits}-bit in groups of "
+            f"{p.shape[-1] // p.parts['scale'].shape[-1]}")
+
+
+def intsym_tensor(p: Param):
+    """The intsym codec's GGUF tensor: (Q4_0 [E, O, G·18] or Q8_0 [E, O, G·34] blocks as uint8, the GGML type)."""
+    import gguf
+
+    E, O, G = p.parts["scale"].shape
+    I = p.shape[-1]
+    code = bitpack.unpack(p.parts["codes"], p.bits, I).view(E, O, G, 32)
+    d = p.parts["scale"].contiguous().view(torch.uint8).view(E, O, G, 2)
+    if p.bits == 4:
+        u = code.to(torch.uint8)
+        return torch.cat([d, u[..., :16] | (u[..., 16:] << 4)], -1).reshape(E, O, G * 18), \
+            gguf.GGMLQuantizationType.Q4_0
+    q = (code - 128).to(torch.int8).view(torch.uint8)
+    return torch.cat([d, q], -1).reshape(E, O, G * 34), gguf.GGMLQuantizationType.Q8_0
+
+
 def permute_rope_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
     """Rows [n_head·hd, ...] from HF's rotate-half order to GGML's interleaved pairs (per head: rows
     0, hd/2, 1, hd/2 + 1, ...), what llama.cpp's converter does to q and k."""
@@ -124,13 +158,13 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
     a = model.args
     dense = not a.is_moe
     tensors: dict[str, tuple[np.ndarray, object]] = {}
-    q4 = 0
+    quantized: dict[str, int] = {}  # GGML type name -> tensors of it
     for p in model.params.values():
         if p.kept:  # 1-D tensors and the router in F32, as llama.cpp's converter writes them
             t = p.tensor.float() if p.tensor.dim() == 1 or p.name.endswith("router.weight") else p.tensor
         else:  # the codec's registered GGUF mapping (rtn 4-bit g32: Q4_1 blocks [E, O, G·20])
             t, qtype = export_tensors(p, "gguf")
-            q4 += 1
+            quantized[qtype.name] = quantized.get(qtype.name, 0) + 1
         if t.dim() == 3 and (len(p.shape) == 2 or (dense and ".moe.w" in p.name)):
             t = t[0]  # attention projections and dense MLPs are plain matrices in GGUF
         if p.name.endswith(("attn.wq.weight", "attn.wk.weight")):
@@ -141,7 +175,7 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
     with atomic_dir(out, is_output=is_export, what="a moec export", size_hint=size) as tmp:
         w = gguf.GGUFWriter(str(tmp / GGUF_FILE), "llama")
         w.add_name(str(model.manifest["source"].get("model", "moec export")))
-        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if q4 else gguf.LlamaFileType.MOSTLY_F16)
+        w.add_file_type(_file_type(quantized))
         w.add_vocab_size(a.vocab_size)
         w.add_context_length(a.max_seq_len)
         w.add_embedding_length(a.dim)
@@ -157,7 +191,7 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
         if not dense:
             w.add_expert_count(a.n_experts)
             w.add_expert_used_count(a.top_k)
-        vocab = _add_tokenizer(w, model.path, a.vocab_size)
+        vocab = _add_tokenizer(w, model.path, a.vocab_size, model.config)
         for name, (arr, raw) in tensors.items():
             w.add_tensor(name, arr, raw_dtype=raw)
         w.write_header_to_file()
@@ -165,13 +199,64 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
         w.write_tensors_to_file()
         w.close()
         info = {"format": "gguf", "file": GGUF_FILE, "source": str(model.path), "arch": "llama",
-                "q4_1_tensors": q4, "tensors": len(tensors), "tokenizer": vocab}
+                "q4_1_tensors": quantized.get("Q4_1", 0), "quantized_tensors": quantized, "tensors": len(tensors),
+                "tokenizer": vocab}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
     return info
 
 
-def _add_tokenizer(w, path: Path, vocab_size: int) -> bool:
-    """The BPE vocabulary of `path/tokenizer.json` as llama.cpp's `gpt2` tokenizer; False when there is none."""
+def _file_type(quantized: dict[str, int]):
+    """general.file_type: the GGML type most tensors have (F16 when none is quantized)."""
+    import gguf
+
+    if not quantized:
+        return gguf.LlamaFileType.MOSTLY_F16
+    return gguf.LlamaFileType[f"MOSTLY_{max(quantized, key=quantized.get)}"]
+
+
+# the GPT-2 split pattern (tokenizers' ByteLevel with use_regex, or an explicit Split before a regex-less ByteLevel):
+# llama.cpp's `gpt-2` pre-tokenizer applies the same pattern
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+def tokenizer_pre(tok: dict, config: dict, where: Path) -> str:
+    """llama.cpp's `tokenizer.ggml.pre` for a tokenizer.json: the source GGUF's own value when the model came
+    from one (calibrate/sources.gguf_to_hf records it), else the mapping of its pre_tokenizer (ByteLevel with
+    the GPT-2 pattern: `gpt-2`); UserError for a pre-tokenizer no llama.cpp name is known to reproduce."""
+    pre = (config.get("moec_source") or {}).get("tokenizer_pre")
+    if pre:
+        return pre
+    p = tok.get("pre_tokenizer") or {}
+    steps = p.get("pretokenizers", []) if p.get("type") == "Sequence" else [p]
+    kinds = [s.get("type") for s in steps]
+    byte_level = steps[-1] if kinds and kinds[-1] == "ByteLevel" and not steps[-1].get("add_prefix_space") else None
+    if byte_level is not None and len(steps) == 1 and byte_level.get("use_regex", True):
+        return "gpt-2"
+    if byte_level is not None and kinds == ["Split", "ByteLevel"] and not byte_level.get("use_regex", True) \
+            and (steps[0].get("pattern") or {}).get("Regex") == GPT2_PATTERN \
+            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
+        return "gpt-2"
+    what = "+".join(f"{k}" for k in kinds) or "none"
+    raise UserError(f"{where / 'tokenizer.json'}: pre-tokenizer {what} has no llama.cpp pre-tokenizer known to "
+                    f"split text the same way (moec maps ByteLevel with the GPT-2 pattern to gpt-2, and keeps a "
+                    f"source GGUF's own); llama.cpp would tokenize differently from the model")
+
+
+def special_ids(config: dict) -> dict[str, int]:
+    """{bos, eos, pad: id} from the model's config.json (its generation's stop token is the config's eos; a
+    list of eos ids gives its first)."""
+    out = {}
+    for kind in ("bos", "eos", "pad"):
+        v = config.get(f"{kind}_token_id")
+        v = v[0] if isinstance(v, list) and v else v
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            out[kind] = v
+    return out
+
+
+def _add_tokenizer(w, path: Path, vocab_size: int, config: dict) -> bool:
+    """The BPE vocabulary of `path/tokenizer.json` as llama.cpp's `gpt2` tokenizer (the pre-tokenizer from
+    tokenizer_pre, bos/eos/pad as the model's config.json says); False when there is none."""
     import gguf
 
     f = path / "tokenizer.json"
@@ -180,6 +265,7 @@ def _add_tokenizer(w, path: Path, vocab_size: int) -> bool:
         log.warning("%s: no BPE tokenizer.json, so the GGUF holds no vocabulary (llama.cpp needs one to load it)",
                     path)
         return False
+    pre = tokenizer_pre(tok, config, path)
     ids = {i: t for t, i in tok["model"]["vocab"].items()}
     special = set()
     for t in tok.get("added_tokens", []):
@@ -192,8 +278,10 @@ def _add_tokenizer(w, path: Path, vocab_size: int) -> bool:
         types.append(gguf.TokenType.CONTROL if i in special else
                      gguf.TokenType.NORMAL if i in ids else gguf.TokenType.UNUSED)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
-    gguf.SpecialVocab(path, load_merges=True, n_vocab=vocab_size).add_to_gguf(w)
+    sv = gguf.SpecialVocab(path, load_merges=True, n_vocab=vocab_size)
+    sv.special_token_ids.update({k: v for k, v in special_ids(config).items() if v < vocab_size})
+    sv.add_to_gguf(w)
     return True

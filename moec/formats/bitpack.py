@@ -31,13 +31,14 @@ class Layout(StrEnum):
     """Physical layouts of packed codes (uint8 tensors; bit 0 is the least significant bit of a byte)."""
 
     ROW = "row"
-    """Weight-row indices (`pack`, `unpack`, `packed_row_bytes`), b = 2, 3 or 4 bits, in row order:
+    """Weight-row indices (`pack`, `unpack`, `packed_row_bytes`), b = 2, 3, 4 or 8 bits, in row order:
     b = 2, four per byte: index k in byte k // 4 at bits 2·(k % 4), 2·(k % 4) + 1, i.e.
         byte = i0 | i1 << 2 | i2 << 4 | i3 << 6; ceil(n / 4) bytes.
     b = 3, eight per three bytes: indices k = 8c .. 8c+7 form the 24-bit little-endian integer
         v = Σ_j i_{8c+j} << 3j, stored as bytes 3c, 3c+1, 3c+2 = v & 0xFF, v >> 8 & 0xFF, v >> 16 (index k
         starts at bit 3·(k % 8) of chunk k // 8 and may straddle two bytes); 3 · ceil(n / 8) bytes.
     b = 4, two per byte: byte = i0 | i1 << 4; ceil(n / 2) bytes.
+    b = 8, one per byte: byte k = index k; n bytes (symmetric int8 weights, moec/codecs/intsym.py).
     A row is zero-padded to whole chunks (`unpack(..., n)` drops the padding), so a kernel that owns a
     block of rows and inputs finds its bytes at row · row_bytes + k · b // 8 without reading neighbours."""
 
@@ -62,7 +63,7 @@ class Layout(StrEnum):
 
 # -- ROW: weight-row indices -------------------------------------------------------------------------------
 
-_CHUNK = {2: (4, 1), 3: (8, 3), 4: (2, 1)}  # bits -> (indices per chunk, bytes per chunk)
+_CHUNK = {2: (4, 1), 3: (8, 3), 4: (2, 1), 8: (1, 1)}  # bits -> (indices per chunk, bytes per chunk)
 
 
 def packed_row_bytes(n: int, bits: int) -> int:
@@ -72,7 +73,7 @@ def packed_row_bytes(n: int, bits: int) -> int:
 
 def pack(idx: torch.Tensor, bits: int) -> torch.Tensor:
     """idx: integer tensor [..., n] with values in [0, 2^bits) -> uint8 [..., packed_row_bytes(n, bits)]."""
-    assert bits in _CHUNK, f"bits must be 2, 3 or 4, got {bits}"
+    assert bits in _CHUNK, f"bits must be 2, 3, 4 or 8, got {bits}"
     n = idx.shape[-1]
     per, _ = _CHUNK[bits]
     assert idx.numel() == 0 or (int(idx.min()) >= 0 and int(idx.max()) < (1 << bits)), "index out of range"

@@ -33,6 +33,10 @@ class WeightCodec(StrEnum):
         j of a row at bits w·j .. w·j + w − 1, LSB first), codebook fp16 [E, K, d] (one per expert matrix),
         row_scale fp16 [E, O]; w[e, o, j·d + a] = row_scale[e, o] · codebook[e, code_j, a] (calibrate/vq.py).
         Added within format version 2: a reader that predates it refuses the codec by name.
+    INTSYM: symmetric integers (moec/codecs/intsym.py), bits b = 4 or 8: codes uint8 [E, O, row_bytes] (ROW
+        layout; code = q + 2^(b-1) for the signed level q in [-2^(b-1), 2^(b-1) - 1]), scale fp16 [E, O, G];
+        w = scale · (code - 2^(b-1)) (calibrate/intsym.py). Added within format version 2: a reader that
+        predates it refuses the codec by name.
 
     Any of them may carry one more part, `P.had_signs`, for a matrix fitted with incoherence processing
     (calibrate/recipe.Incoherence): the parts above then store W' = W·R with R = blockdiag(H_b)·diag(s)/√b
@@ -51,6 +55,7 @@ class WeightCodec(StrEnum):
     FP3 = "fp3"
     FP8 = "fp8"
     VQ = "vq"
+    INTSYM = "intsym"
 
 
 # Which canonical tensors count as "weights" for effective bits: every matrix inside the decoder

@@ -7,7 +7,8 @@ A weight row is a run of chunks along the input dim; each mode says what a chunk
               3 bytes; 4-bit U4X2: 2 codes a byte) + a table lut [.., O, G, 2^bits] (fp16 or fp32):
               w[o, k] = lut[o, k // gs, idx]. Selection is a tree of `tl.where` keyed by bit tests of
               the packed word (bits·3/2 tests and 2^bits − 1 selects a code, no shifts).
-  MODE_AFFINE codes as above + scale, zero [.., O, G]: w = zero + scale · idx (RTN: uniform levels).
+  MODE_AFFINE codes as above (or 8-bit, one a byte) + scale, zero [.., O, G]: w = zero + scale · idx (RTN:
+              uniform levels; intsym: zero = -2^(b-1)·scale).
   MODE_FP8    float8_e4m3fn weights, one chunk = one weight; the per-row scale is applied by the caller
               on the accumulated row (it commutes with the sum).
   MODE_DENSE  plain bf16/fp16/fp32 weights (the bf16 peer goes through the same kernels).
@@ -171,7 +172,7 @@ def codes_per_chunk(mode: int, bits: int) -> tuple[int, int]:
     assert mode != MODE_VQ, "vq chunks: vq_static"
     if mode in (MODE_FP8, MODE_DENSE):
         return 1, 1
-    return {2: (4, 1), 3: (8, 3), 4: (2, 1)}[bits]
+    return {2: (4, 1), 3: (8, 3), 4: (2, 1), 8: (1, 1)}[bits]  # 8: MODE_AFFINE int8 (codecs/intsym.py)
 
 
 def use_words(w: QWeight) -> bool:
@@ -801,7 +802,10 @@ def dequant_tile(w_ptr, a_ptr, b_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, 
             _table(lrow, mask_o, MODE, BITS)
         # Interleave slots back: join(x, y) adds a last dim [x, y]; the outermost join splits by the
         # lowest bit of the slot, so the row-major flattening of the trailing dims is the slot index.
-        if C == 2:
+        if C == 1:  # 8-bit codes, one a byte (MODE_AFFINE)
+            w = _decode(v, 0, a_row, b_row, mask_o, MODE, BITS,
+                        c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
+        elif C == 2:
             d0 = _decode(v, 0, a_row, b_row, mask_o, MODE, BITS,
                          c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15).to(OUT)
             d1 = _decode(v, 1, a_row, b_row, mask_o, MODE, BITS,

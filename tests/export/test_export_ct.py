@@ -25,16 +25,20 @@ def _decompressed(out) -> dict[str, torch.Tensor]:
     # xdist worker that runs these tests should pay
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_name
 
     qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
     got = {}
     with safe_open(out / "model.safetensors", "pt") as h:
         keys = list(h.keys())  # noqa: SIM118 (safe_open handles are not mappings)
-        for scheme in qc.config_groups.values():
+        modules = [k.removesuffix(".weight_scale") for k in keys if k.endswith(".weight_scale")]
+        for m in modules:  # its scheme: the group naming it (name or regex), else the `Linear` group, unless ignored
+            assert not any(match_name(m, t) for t in qc.ignore), m
+            scheme = next((g for g in qc.config_groups.values() if any(match_name(m, t) for t in g.targets)), None) \
+                or next(g for g in qc.config_groups.values() if g.targets == ["Linear"])
             compressor = BaseCompressor.get_value_from_registry(scheme.format)
-            for m in scheme.targets:
-                sd = {k.removeprefix(m + "."): h.get_tensor(k) for k in keys if k.startswith(m + ".")}
-                got[m] = compressor.decompress(sd, scheme)["weight"]
+            sd = {k.removeprefix(m + "."): h.get_tensor(k) for k in keys if k.startswith(m + ".")}
+            got[m] = compressor.decompress(sd, scheme)["weight"]
     return got
 
 

@@ -10,7 +10,8 @@ from moec.runtime.experts import lut_poly
 
 # name -> (mode, bits)
 MODES = {"lut2": (MODE_LUT, 2), "lut2p": (MODE_LUT, 2), "lut3": (MODE_LUT, 3), "lut4": (MODE_LUT, 4),
-         "rtn2": (MODE_AFFINE, 2), "rtn4": (MODE_AFFINE, 4), "fp8": (MODE_FP8, 8), "bf16": (MODE_DENSE, 16)}
+         "rtn2": (MODE_AFFINE, 2), "rtn4": (MODE_AFFINE, 4),
+         "int8": (MODE_AFFINE, 8), "fp8": (MODE_FP8, 8), "bf16": (MODE_DENSE, 16)}
 
 
 def qweight(kind: str, E: int, O: int, n_in: int, G: int, gen: torch.Generator, device) -> QWeight:

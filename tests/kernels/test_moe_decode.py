@@ -32,6 +32,7 @@ CASES = [
     ("lut3", 1, 1, 3, 48, 24, 3, 1),  # 3-bit bytes, grouped tables (group 16)
     ("rtn2", 3, 1, 4, 40, 24, 1, 1),  # affine levels
     ("rtn4", 1, 2, 4, 64, 32, 2, 1),
+    ("int8", 1, 2, 3, 48, 16, 3, 1),  # 8-bit affine (intsym), one code a byte, grouped
     ("fp8", 5, 2, 6, 40, 24, 1, 1),
     ("bf16", 3, 2, 4, 40, 24, 1, 1),
 ]

@@ -22,7 +22,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("kind,M,K,O,G,unroll", [("rtn4", 1, 64, 40, 2, 1), ("rtn4", 19, 64, 24, 1, 1),
                                                  ("lut4", 3, 32, 20, 2, 1), ("fp8", 2, 48, 24, 1, 1),
                                                  ("bf16", 18, 32, 24, 1, 1), ("rtn4", 2, 128, 24, 4, 2),
-                                                 ("lut4", 1, 128, 20, 4, 4)])
+                                                 ("lut4", 1, 128, 20, 4, 4), ("int8", 1, 32, 12, 2, 1),
+                                                 ("int8", 18, 32, 12, 1, 1)])
 def test_qlinear_matches_reference(kind, M, K, O, G, unroll):
     """unroll > 1: several group-sized tiles per loop step of the GEMV."""
     g = torch.Generator().manual_seed(M * K + O)
