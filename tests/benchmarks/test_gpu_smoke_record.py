@@ -1,9 +1,10 @@
 """The committed GPU smoke record (benchmarks/gpu_smoke.sh on the H200, issue 13) is whole and green.
 
 CI has no GPU, so it cannot run the smoke; it checks the record the submitter brought back: it parses,
-every check is ok, every shipped recipe is in it with each of its checks, and one source tree made it.
-Whether that tree is the checkout's is the submitter's duty (a day without a GPU must not block landing):
-a mismatch is a warning here, not a failure.
+every check is ok, one source tree made it, and a record made on this checkout's tree names every shipped
+recipe with each of its checks. Whether that tree is the checkout's is the submitter's duty (a day without a
+GPU must not block landing): a mismatch is a warning here, not a failure, and so are the recipes a stale
+record cannot know (added after it was made); every recipe the record does name must have all its checks.
 """
 
 import json
@@ -19,6 +20,11 @@ from moec.calibrate.recipe import shipped_gpu_recipes
 REPO = Path(__file__).resolve().parents[2]
 RECORD = REPO / "benchmarks" / "results" / "gpu_smoke_h200.json"
 SHIPPED = shipped_gpu_recipes(REPO / "moec" / "recipes")  # what benchmarks/gpu_smoke.py checks by default
+
+
+def checkout_tree() -> str:
+    return subprocess.run(["bash", str(REPO / "scripts" / "source_tree.sh")], capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +49,12 @@ def test_names_every_shipped_recipe(records):
         checks.setdefault(r["recipe"], set()).add(r["check"])
     assert SHIPPED, "no recipe with a GPU path found under moec/recipes/"
     missing = [n for n in SHIPPED if n not in checks]
-    assert not missing, f"recipes without a smoke record: {missing}"
-    for name in SHIPPED:
+    if {r["source_tree"] for r in records} == {checkout_tree()}:
+        assert not missing, f"recipes without a smoke record: {missing}"
+    elif missing:
+        warnings.warn(f"recipes added since gpu_smoke_h200.json was made, not yet smoked on the GPU: {missing}",
+                      stacklevel=1)
+    for name in sorted(checks.keys() & set(SHIPPED)):
         want = {"pack", "static", "dynamic", "generate", "latency"}  # every KV codec runs in the static engine
         assert want <= checks[name], (name, checks[name])
 
@@ -52,8 +62,7 @@ def test_names_every_shipped_recipe(records):
 def test_one_source_tree(records):
     trees = {r["source_tree"] for r in records}
     assert len(trees) == 1 and re.fullmatch(r"[0-9a-f]{64}", next(iter(trees))), trees
-    here = subprocess.run(["bash", str(REPO / "scripts" / "source_tree.sh")], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    here = checkout_tree()
     if trees != {here}:
         warnings.warn(f"gpu_smoke_h200.json was made on moec/ tree {next(iter(trees))[:12]}, this checkout is "
                       f"{here[:12]}: rerun benchmarks/gpu_smoke.sh on the GPU", stacklevel=1)
