@@ -1,0 +1,223 @@
+"""`moec pack` on the transformers path: a packed checkpoint of layout "hf" (moec/hf/generic.py) from an HF
+directory and a calibration made by calibrate/generic_capture.py.
+
+Streamed like calibrate/pack.py: shards are planned from the meta model's parameter shapes and dtypes, and a
+source tensor is read when its shard is written, one decoder layer at a time (moec/hf/stream.SourceModel,
+transformers' own checkpoint conversions), the fitted parts from calib.safetensors. Rules are matched by the
+target groups of moec.hf.generic.param_groups (hf/generic.rule_for); quantized expert stacks are stored
+[E, O, I] (transposed where transformers holds them [E, I, O]).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import UserError
+from ..formats import checkpoint
+from ..hf.generic import LAYOUT, experts_modules, param_groups, quantizable, rule_for, tied_names
+from ..hf.stream import SourceModel
+from ..provenance import environment
+from ..registry import default_weight, kv_codec, stored_as_is, weight_codec
+from .recipe import Recipe
+from .sources import TOKENIZER_FILES
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+MATRIX_GROUPS = ("experts", "shared_experts", "mlp", "attention", "router")  # what w_bits counts
+HEAD = "lm_head.weight"
+
+
+def plan_generic(model, recipe: Recipe) -> dict:
+    """{param: rule} for every matrix a non-keep rule selects on transformers model `model` (meta is fine);
+    UserError (one line, naming the rule) for what the transformers path cannot do."""
+    groups, quant = param_groups(model), quantizable(model)
+    targets = {}
+    for ri, rule in enumerate(recipe.weights):
+        if weight_codec(rule.codec).identity:
+            continue
+        if rule.incoherence is not None or rule.allocate is not None:
+            raise UserError(f"weights rule {ri} ({rule.codec}): incoherence and allocate are not done on the "
+                            f"transformers path yet; drop them from the rule")
+        hit = [n for n, shape in quant.items() if rule_for(recipe, n, groups.get(n, "other")) is rule]
+        if not hit:
+            have = sorted({groups.get(n, "other") for n in quant})
+            raise UserError(f"weights rule {ri} (targets {rule.targets}, codec {rule.codec}) selects no matrix of "
+                            f"this model ({type(model).__name__}); targets that exist here: {', '.join(have)}")
+        for n in hit:
+            I = quant[n][-1]
+            if rule.group_size and I % rule.group_size:
+                raise UserError(f"weights rule {ri}: group_size {rule.group_size} does not divide the input dim "
+                                f"{I} of {n}")
+            spec = weight_codec(rule.codec)
+            if (why := spec.kernel_error(rule.bits, I, rule.group_size)) is not None:
+                raise UserError(f"weights rule {ri} (codec {rule.codec}, bits {rule.bits}, group_size "
+                                f"{rule.group_size}) on {n}: {why}")
+            targets[n] = rule
+    if recipe.calibration.tune_steps and targets:
+        raise UserError("calibration.tune_steps: end-to-end tuning is not done on the transformers path; set it to 0")
+    return targets
+
+
+def bind_kv(model, recipe: Recipe) -> None:
+    """A KV recipe on a model whose attention the KV codecs cannot hold: refused in one line (before any work);
+    a KV recipe on the transformers path otherwise is not implemented yet: refused likewise."""
+    if recipe.kv is None or kv_codec(recipe.kv.codec).identity:
+        return
+    try:
+        from ..hf.archspec import arch_spec
+    except ImportError:
+        arch_spec = None
+    if arch_spec is not None and (why := arch_spec(model).kv_refusal()):
+        raise UserError(f"kv codec {recipe.kv.codec}: {why}; expert and linear recipes still apply")
+    raise UserError(f"kv codec {recipe.kv.codec}: KV recipes run through moec's engine; the transformers path "
+                    f"packs weights only for now (drop `kv:` from the recipe)")
+
+
+def stored_state(model, targets: dict) -> dict[str, torch.Tensor]:
+    """{name: meta tensor as stored} of what a pack stores of the model: every parameter and persistent buffer
+    in transformers' names, tied ones once (a quantized LM head of a tied model is its own), quantized expert
+    stacks in their [E, O, I] shape."""
+    tied = tied_names(model) - ({HEAD} if HEAD in targets else set())
+    experts = experts_modules(model)
+    out = {}
+    for n, t in model.state_dict(keep_vars=True).items():
+        if n in tied:
+            continue
+        mod_path = n.rpartition(".")[0]
+        if n in targets and mod_path in experts and experts[mod_path].is_transposed:
+            t = t.transpose(-1, -2)
+        out[n] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return out
+
+
+def encode_generic(state: dict[str, torch.Tensor], targets: dict, fitted: dict[str, torch.Tensor]) -> tuple:
+    """(stored tensors (meta for kept ones), per-tensor info) under the planned targets."""
+    tensors, info = {}, {}
+    for name, t in state.items():
+        rule = targets.get(name)
+        if rule is None:
+            tensors[name] = t
+            info[name] = {"codec": default_weight().name, "bits": 8 * t.element_size(), "param": name}
+            continue
+        parts = {k.removeprefix(f"fit.{name}."): v for k, v in fitted.items() if k.startswith(f"fit.{name}.")}
+        if not parts:
+            raise UserError(f"calibration has no fitted tensors for {name!r} (codec {rule.codec}); re-run "
+                            f"`moec calibrate` with this recipe")
+        for part, v in parts.items():
+            tensors[f"{name}.{part}"] = v
+            info[f"{name}.{part}"] = {"codec": rule.codec, "bits": rule.bits, "param": name,
+                                      "group_size": rule.group_size, "param_shape": list(t.shape)}
+    return tensors, info
+
+
+def effective_bits_generic(state: dict, tensors: dict, info: dict, groups: dict) -> dict:
+    """w_bits over the decoder matrices (groups MATRIX_GROUPS, 2-D and up), q_bits over the quantized ones,
+    model_bits over everything (as calibrate/pack.effective_bits for canonical packs)."""
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    params = {n for n, t in state.items() if groups.get(n) in MATRIX_GROUPS and t.dim() >= 2}
+    qparams = {i["param"] for i in info.values() if not stored_as_is(i["codec"])}
+    stored = sum(nbytes(t) for n, t in tensors.items() if info[n]["param"] in params)
+    numel = sum(state[n].numel() for n in params)
+    q_stored = sum(nbytes(t) for n, t in tensors.items() if info[n]["param"] in qparams)
+    q_numel = sum(state[n].numel() for n in qparams)
+    total = sum(nbytes(t) for t in tensors.values())
+    return {"w_bits": 8.0 * stored / max(numel, 1), "w_params": numel,
+            "q_bits": 8.0 * q_stored / q_numel if q_numel else None, "q_params": q_numel,
+            "model_bits": 8.0 * total / max(sum(t.numel() for t in state.values()), 1), "model_bytes": total}
+
+
+def pack_generic(model_dir: Path, model_spec: str, recipe: Recipe, out_dir: Path, fitted_file: str | None = None,
+                 report: dict | None = None) -> dict:
+    """Write the layout-"hf" packed checkpoint of HF directory `model_dir` under `recipe`, the quantized parts
+    from `fitted_file` (a calib.safetensors; None: an identity recipe that fits nothing)."""
+    src = SourceModel(model_dir)  # the source dtype: kept tensors are stored bit for bit
+    model = src.model
+    targets = plan_generic(model, recipe)
+    bind_kv(model, recipe)
+    fp = src.fingerprint()
+    if report is not None and fp["weights_sha256"] != report.get("weights_sha256"):
+        raise UserError(f"the calibration was made on another model ({report.get('model')!r}, weights sha256 "
+                        f"{str(report.get('weights_sha256'))[:12]}...), not {model_spec!r}")
+    if targets and fitted_file is None:
+        raise UserError(f"recipe {recipe.name} quantizes weights: pack a calibration (`moec calibrate` first)")
+    groups = param_groups(model)
+    state = stored_state(model, targets)
+    fitted = _meta_file(fitted_file) if fitted_file else {}
+    tensors, info = encode_generic(state, targets, fitted)
+    bits = effective_bits_generic(state, tensors, info, groups)
+    bits["kv_bits_nominal"] = 16.0
+    experts = experts_modules(model)
+    transposed = sorted(n for n in targets if n.rpartition(".")[0] in experts and experts[n.rpartition(".")[0]]
+                        .is_transposed)
+    config = dict(src.config_dict)
+    if HEAD in targets and tied_names(model):
+        config["tie_word_embeddings"] = False  # the quantized head is its own tensor; the embedding is kept as is
+    provenance = {"data": None, "seed": recipe.calibration.seed}
+    if report is not None:
+        provenance = {k: report.get(k) for k in ("data", "split", "samples", "seq_len", "seed", "tokens", "created",
+                                                  "device", "expert_policy", "min_expert_tokens", "environment")}
+        provenance["expert_tokens"] = {str(x["layer"]): x["experts"]["tokens"] for x in report["layers"]
+                                       if "experts" in x}
+    manifest = {"layout": LAYOUT, "source": {"model": model_spec, "path": str(model_dir), **fp},
+                "hf": {"model_type": config.get("model_type"), "architectures": config.get("architectures"),
+                       "transposed": transposed, "groups": {n: groups.get(n, "other") for n in state}},
+                "recipe": recipe.to_dict(), "calibration": provenance, "effective_bits": bits, "kv": None,
+                "environment": environment("cpu")}
+    quant = {"quant_method": "moec", "format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION,
+             "layout": LAYOUT,
+             "config_groups": {f"group_{i}": {"targets": r.targets, "weights": {
+                 "codec": r.codec, "num_bits": r.bits, "group_size": r.group_size or None,
+                 "strategy": "group" if r.group_size else "channel"}} for i, r in enumerate(recipe.weights)},
+             "kv_cache_scheme": None, "ignore": [], "w_bits": bits["w_bits"]}
+    extra = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
+    checkpoint.write_packed(out_dir, tensors, info, manifest, config, quant, extra_files=extra,
+                            extra_texts={"recipe.yaml": recipe.to_yaml()},
+                            load=_loader(src, set(state), fitted_file))
+    return manifest
+
+
+def _meta_file(path: str) -> dict[str, torch.Tensor]:
+    from .pack import _meta_file as meta
+
+    return meta(path)
+
+
+def _loader(src: SourceModel, names: set[str], fitted_file: str | None):
+    """load(stored name) for write_packed: a kept source tensor (its decoder layer materialised once and
+    released when the next is asked for; the global modules loaded once) or a fitted part."""
+    held = {"layer": None, "globals": False}
+    params = {n for n, _ in src.model.named_parameters(remove_duplicate=False)}
+
+    def load(name: str) -> torch.Tensor:
+        if name not in names:
+            with safe_open(fitted_file, "pt") as f:
+                return f.get_tensor(f"fit.{name}")
+        m = _LAYER.match(name)
+        if m is None:
+            if not held["globals"]:
+                src.load_globals()
+                held["globals"] = True
+        else:
+            i = int(m.group(1))
+            if held["layer"] != i:
+                if held["layer"] is not None:
+                    src.release(src.layers[held["layer"]])
+                src.load_layer(i)
+                held["layer"] = i
+        return src.model.get_parameter(name) if name in params else src.model.get_buffer(name)
+
+    return load
+
+
+def pack_any(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> dict:
+    """`moec pack` of a calibration made on the transformers path (report.json `path: transformers`)."""
+    from .pack import read_calib
+
+    recipe, report = read_calib(calib_dir)
+    fitted = calib_dir / "calib.safetensors"
+    return pack_generic(model_dir, model_spec, recipe, out_dir, str(fitted), report)
