@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -136,13 +137,17 @@ class SourceModel:
         handles = {f: safe_open(f, "pt") for f in {self._where[k] for k in keys}}
         sd = {k: handles[self._where[k]].get_slice(k) for k in keys}
         cfg = LoadStateDictConfig(device_map={"": self.device}, dtype=self.dtype, weight_mapping=self.mapping)
-        import os
+        from transformers.utils import logging as hf_logging
 
         old = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
         os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"  # no thread pool: one tensor at a time, bounded memory
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # one bar per layer would drown moec's own progress
         try:
             info, _ = convert_and_load_state_dict_in_model(self.model, sd, cfg)
         finally:
+            if bars:
+                hf_logging.enable_progress_bar()
             if old is None:
                 os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
             else:
