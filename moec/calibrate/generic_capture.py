@@ -4,11 +4,12 @@ for MoE types moec's engine does not implement (and, with `--path transformers`,
 Shape legend: B = batch, L = tokens per sequence, N = tokens, E = experts, D = model dim, O = outputs, I = inputs.
 
 Like capture.py, one decoder layer's weights are held at a time (moec/hf/stream.SourceModel: the model built on
-the meta device, a layer materialised from the shards through transformers' checkpoint conversions). The call
-arguments of every decoder layer (position embeddings, the mask of its layer type, position ids, ...) are
-captured once from the model's own forward, with each decoder layer replaced by a catcher that records them
-and passes the hidden states through (GPTQModel / llm-compressor "sequential onloading"); then layer i runs
-on the hidden states layer i - 1 produced, with those arguments, for every calibration batch.
+the meta device, a layer materialised from the shards through transformers' checkpoint conversions). Layer i
+runs inside the model's own forward (run_layer): the layers before it stand in by returning what layer i - 1
+returned (a tensor, or a tuple such as (hidden_states, topk_indices) that some models pass from layer to layer),
+the forward stops once layer i has returned, so layer i gets exactly the arguments the model gives it (position
+embeddings, the mask of its layer type, ...) without a per-architecture table (GPTQModel / llm-compressor
+"sequential onloading", with the embedding and masks recomputed per layer instead of stored).
 
 Statistics, per targeted matrix (what the fitting functions of fit_experts.ExpertFitter take):
   - expert stacks: the experts implementation "moec_capture" (registered here), selected on the experts modules
@@ -112,16 +113,17 @@ _register()
 
 
 class _Stop(Exception):
-    """Raised by the last catcher: the model's forward has given every layer its arguments."""
+    """Raised once the layer being captured has returned: the rest of the model's forward is not needed."""
 
 
-class _Catcher(nn.Module):
-    """Stands in for decoder layer i while the model's forward runs: records the call's arguments (and, at
-    layer 0, the hidden states entering it) and passes the hidden states through."""
+class _Stand(nn.Module):
+    """Stands in for a decoder layer j != i while the model's forward runs for layer i: before i, it returns
+    layer i - 1's recorded output (what the model's loop passes on: a tensor, or a tuple such as
+    (hidden_states, topk_indices)); after i, it stops the forward."""
 
-    def __init__(self, layer: nn.Module, i: int, record: dict, last: bool):
+    def __init__(self, layer: nn.Module, output=None, stop: bool = False):
         super().__init__()
-        self.layer, self.i, self.record, self.last = layer, i, record, last
+        self.layer, self.output, self.stop = layer, output, stop
 
     def __getattr__(self, name):  # the model's loop may read the layer's attributes (attention_type, ...)
         try:
@@ -129,32 +131,54 @@ class _Catcher(nn.Module):
         except AttributeError:
             return getattr(self._modules["layer"], name)
 
-    def forward(self, hidden_states, *args, **kwargs):
-        if self.i == 0:
-            self.record["hidden"] = hidden_states
-        self.record.setdefault("calls", {})[self.i] = (args, kwargs)
-        if self.last:
+    def forward(self, *args, **kwargs):
+        if self.stop:
             raise _Stop
-        return hidden_states
+        return self.output
+
+
+class _Record(nn.Module):
+    """Layer i itself, its output recorded (and the forward stopped after it)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer, self.output = layer, None
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["layer"], name)
+
+    def forward(self, *args, **kwargs):
+        self.output = self._modules["layer"](*args, **kwargs)
+        raise _Stop
 
 
 @torch.no_grad()
-def layer_inputs(src: SourceModel, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[int, tuple]]:
-    """(hidden states entering layer 0 [B, L, D], {layer: (args, kwargs) of its call}) for tokens [B, L], from
-    the model's own forward with catchers in place of the decoder layers (the global modules loaded)."""
+def run_layer(src: SourceModel, i: int, tokens: torch.Tensor, previous):
+    """Decoder layer i's output for tokens [B, L], run inside the model's own forward (so its arguments, the
+    mask of its layer type and anything an earlier layer passes on, are the model's), with layers before it
+    returning `previous` (layer i - 1's recorded output; None for i = 0) and the forward stopped after it."""
     layers = src.layers
-    record: dict = {}
     originals = list(layers)
-    for i, layer in enumerate(originals):
-        layers[i] = _Catcher(layer, i, record, i == len(originals) - 1)
+    rec = _Record(originals[i])
+    for j, layer in enumerate(originals):
+        layers[j] = rec if j == i else _Stand(layer, previous, stop=j > i)
     try:
         src.model.model(input_ids=tokens, use_cache=False)
     except _Stop:
         pass
     finally:
-        for i, layer in enumerate(originals):
-            layers[i] = layer
-    return record["hidden"], record["calls"]
+        for j, layer in enumerate(originals):
+            layers[j] = layer
+    assert rec.output is not None, f"layer {i} was not called by the model's forward"
+    return rec.output
+
+
+def hidden_of(output) -> torch.Tensor:
+    """The hidden states in a decoder layer's output (a tensor, or a tuple led by them)."""
+    return output[0] if isinstance(output, tuple) else output
 
 
 class _LinearStats:
@@ -235,11 +259,7 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
     t0 = time.time()
     src.load_globals()
     batches = [tokens[s : s + batch_size].to(device) for s in range(0, tokens.shape[0], batch_size)]
-    hidden, calls = [], []
-    for b in batches:  # layer 0's input and every layer's call arguments, per batch
-        h, c = layer_inputs(src, b)
-        hidden.append(h)
-        calls.append(c)
+    outputs = [None] * len(batches)  # per batch: the last layer's output, what the next layer gets
     hessians: dict[str, torch.Tensor] = {}
     stats_tensors: dict[str, torch.Tensor] = {}
     report_layers = []
@@ -262,10 +282,8 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
                 continue
             lin[name] = _LinearStats()
             hooks.append(model.get_submodule(mod_path).register_forward_pre_hook(lin[name]))
-        for j in range(len(batches)):
-            args, kwargs = calls[j][i]
-            out = layer(hidden[j], *args, **kwargs)
-            hidden[j] = out[0] if isinstance(out, tuple) else out
+        for j, b in enumerate(batches):
+            outputs[j] = run_layer(src, i, b, outputs[j])
         for hk in hooks:
             hk.remove()
         for p, m in ex.items():
@@ -300,7 +318,8 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
     if head in targets:
         H, n = None, 0
         norm = model.model.norm
-        for h in hidden:
+        for out in outputs:
+            h = hidden_of(out)
             x = norm(h).reshape(-1, h.shape[-1]).float()
             if H is None:
                 H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)

@@ -106,9 +106,14 @@ def quantizable(model: nn.Module) -> dict[str, tuple[int, ...]]:
         if w is None or w.dim() != 2:
             continue
         name = f"{path}.weight"
-        if isinstance(mod, nn.Linear) or groups.get(name) == "router":
+        if _plain_linear(mod) or groups.get(name) == "router":
             out[name] = tuple(w.shape)
     return out
+
+
+def _plain_linear(mod: nn.Module) -> bool:
+    """An nn.Linear computing F.linear (a subclass with its own forward is not replaced by QLinear)."""
+    return isinstance(mod, nn.Linear) and type(mod).forward is nn.Linear.forward
 
 
 def rule_for(recipe, name: str, group: str):
@@ -235,7 +240,7 @@ def attach_generic(model: nn.Module, path, manifest: dict | None = None) -> nn.M
             stacks.add_module(attr, q)
             mod.moec_stacks = stacks
             dispatch_experts(mod, EXPERTS_IMPL)
-        elif isinstance(mod, nn.Linear):
+        elif _plain_linear(mod):
             if (q.shape[1], q.shape[2]) != tuple(want[p].shape):
                 raise FormatError(f"{path}: {p!r} is stored {list(q.shape[1:])}, the model holds "
                                   f"{list(want[p].shape)}")
