@@ -29,9 +29,11 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from .. import __version__
+from ..atomic import atomic_dir
 from ..errors import UserError
 from ..hf.generic import dispatch_experts, experts_modules, param_groups, rows, stack_params
 from ..hf.stream import SourceModel
@@ -43,6 +45,7 @@ from .recipe import Recipe
 
 CAPTURE_IMPL = "moec_capture"
 PATH = "transformers"  # report.json `path` of a calibration made here
+FIT_FILE_PREFIX = "fit-layer-"  # CALIB_DIR/fit-layer-0000i.safetensors: layer i's fitted parts (fit.<param>.<part>)
 
 
 class ExpertStats:
@@ -222,13 +225,14 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
                       seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None,
                       data_config: str | None = None, text_column: str = "text", batch_size: int = 8,
                       keep_hessians: bool = False) -> dict:
-    """The transformers-path `moec calibrate`: writes CALIB_DIR (calib.safetensors with `fit.<param>.<part>`
-    and per-layer expert token counts, report.json with `path: transformers`, recipe.yaml). keep_hessians:
+    """The transformers-path `moec calibrate`: writes CALIB_DIR (fit-layer-0000i.safetensors with layer i's
+    `fit.<param>.<part>`, written as each layer is done; calib.safetensors with the LM head's fit and per-layer
+    expert token counts; report.json with `path: transformers`; recipe.yaml). keep_hessians:
     also store every captured (raw, undamped) Hessian as `hessian.<param>` (tests compare them)."""
     from .data import load_text
     from .dataspec import check_specs, describe, parse_data, sample_mix
     from .resume import refuse_without_resume
-    from .run import _write_dir, load_balance
+    from .run import load_balance
     from .sources import load_tokenizer, tokenize
 
     if samples < 1 or seq_len < 2:
@@ -256,93 +260,102 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
     fitter = GenericFitter(targets, lambda i: {}, cal.expert_policy, cal.min_expert_tokens, seed=seed)
     all_tokens = cal.expert_policy == "all-experts-for-stats" and cal.min_expert_tokens > 0
     groups = param_groups(model)
-    t0 = time.time()
-    src.load_globals()
-    batches = [tokens[s : s + batch_size].to(device) for s in range(0, tokens.shape[0], batch_size)]
-    outputs = [None] * len(batches)  # per batch: the last layer's output, what the next layer gets
-    hessians: dict[str, torch.Tensor] = {}
-    stats_tensors: dict[str, torch.Tensor] = {}
-    report_layers = []
-    for i in range(src.n_layers):
-        layer = src.load_layer(i)
-        prefix = f"model.layers.{i}."
-        entry: dict = {"layer": i}
-        ex = {p: m for p, m in experts_modules(model).items() if p.startswith(prefix)}
-        saved_cfg = {}
-        for p, m in ex.items():
-            up, down = stack_params(m)
-            m.moec_stats = ExpertStats(m.num_experts, rows(m, getattr(m, up)).shape[-1],
-                                       rows(m, getattr(m, down)).shape[-1], all_tokens, device)
-            saved_cfg[p] = m.config
-            dispatch_experts(m, CAPTURE_IMPL)
-        hooks, lin = [], {}
-        for name in targets:
-            mod_path = name.rpartition(".")[0]
-            if not name.startswith(prefix) or mod_path in ex:
-                continue
-            lin[name] = _LinearStats()
-            hooks.append(model.get_submodule(mod_path).register_forward_pre_hook(lin[name]))
-        for j, b in enumerate(batches):
-            outputs[j] = run_layer(src, i, b, outputs[j])
-        for hk in hooks:
-            hk.remove()
-        for p, m in ex.items():
-            s = m.moec_stats
-            del m.moec_stats
-            m.config = saved_cfg[p]
-            counts = s.count
-            entry.setdefault("experts", load_balance(counts, s.top_k))
-            stats_tensors[f"{p}.expert_tokens"] = counts
-            up, down = stack_params(m)
-            for pname, key in ((up, "H_in"), (down, "H_mid")):
-                full = f"{p}.{pname}"
-                if keep_hessians:
-                    hessians[f"hessian.{full}"] = getattr(s, key).clone()
-                if full not in targets:
+    with atomic_dir(out_dir, is_output=lambda p: (p / "report.json").is_file(), what="a calibration directory") \
+            as tmp:
+        t0 = time.time()
+        src.load_globals()
+        batches = [tokens[s : s + batch_size].to(device) for s in range(0, tokens.shape[0], batch_size)]
+        outputs = [None] * len(batches)  # per batch: the last layer's output, what the next layer gets
+        hessians: dict[str, torch.Tensor] = {}
+        stats_tensors: dict[str, torch.Tensor] = {}
+        report_layers = []
+        for i in range(src.n_layers):
+            layer = src.load_layer(i)
+            prefix = f"model.layers.{i}."
+            entry: dict = {"layer": i}
+            ex = {p: m for p, m in experts_modules(model).items() if p.startswith(prefix)}
+            saved_cfg = {}
+            for p, m in ex.items():
+                up, down = stack_params(m)
+                m.moec_stats = ExpertStats(m.num_experts, rows(m, getattr(m, up)).shape[-1],
+                                           rows(m, getattr(m, down)).shape[-1], all_tokens, device)
+                saved_cfg[p] = m.config
+                dispatch_experts(m, CAPTURE_IMPL)
+            hooks, lin = [], {}
+            for name in targets:
+                mod_path = name.rpartition(".")[0]
+                if not name.startswith(prefix) or mod_path in ex:
                     continue
-                st = {"H": getattr(s, key), "count": counts}
-                if all_tokens:
-                    st["H_all"] = s.H_in_all if key == "H_in" else s.H_mid_all
-                W = rows(m, getattr(m, pname)).detach()
-                entry.setdefault("weights", {})[full] = fitter.fit_stack(full, W, st, "H")
-        for name, st in lin.items():
+                lin[name] = _LinearStats()
+                hooks.append(model.get_submodule(mod_path).register_forward_pre_hook(lin[name]))
+            for j, b in enumerate(batches):
+                outputs[j] = run_layer(src, i, b, outputs[j])
+            for hk in hooks:
+                hk.remove()
+            for p, m in ex.items():
+                s = m.moec_stats
+                del m.moec_stats
+                m.config = saved_cfg[p]
+                counts = s.count
+                entry.setdefault("experts", load_balance(counts, s.top_k))
+                stats_tensors[f"{p}.expert_tokens"] = counts
+                up, down = stack_params(m)
+                for pname, key in ((up, "H_in"), (down, "H_mid")):
+                    full = f"{p}.{pname}"
+                    if keep_hessians:
+                        hessians[f"hessian.{full}"] = getattr(s, key).clone()
+                    if full not in targets:
+                        continue
+                    st = {"H": getattr(s, key), "count": counts}
+                    if all_tokens:
+                        st["H_all"] = s.H_in_all if key == "H_in" else s.H_mid_all
+                    W = rows(m, getattr(m, pname)).detach()
+                    entry.setdefault("weights", {})[full] = fitter.fit_stack(full, W, st, "H")
+            for name, st in lin.items():
+                if keep_hessians:
+                    hessians[f"hessian.{name}"] = st.H.clone()
+                W = model.get_parameter(name).detach()
+                entry.setdefault("weights", {})[name] = fitter.fit_linear(name, W, st.H, st.count)
+            report_layers.append(entry)
+            s = st = W = lin = None  # this layer's statistics and weights dropped before the next layer loads
+            src.release(layer)
+            if fitter.tensors:  # the layer's fitted parts to disk: memory holds one layer's, not the model's
+                save_file({k: v.contiguous() for k, v in fitter.tensors.items()},
+                          str(tmp / f"{FIT_FILE_PREFIX}{i:05d}.safetensors"), metadata={"format": "moec-calib"})
+                fitter.tensors.clear()
+            if progress is not None:
+                progress(i + 1, src.n_layers)
+        head = "lm_head.weight"
+        if head in targets:
+            H, n = None, 0
+            norm = model.model.norm
+            for out in outputs:
+                h = hidden_of(out)
+                x = norm(h).reshape(-1, h.shape[-1]).float()
+                if H is None:
+                    H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+                accumulate_hessian(H, x)
+                n += x.shape[0]
             if keep_hessians:
-                hessians[f"hessian.{name}"] = st.H.clone()
-            W = model.get_parameter(name).detach()
-            entry.setdefault("weights", {})[name] = fitter.fit_linear(name, W, st.H, st.count)
-        report_layers.append(entry)
-        src.release(layer)
-        if progress is not None:
-            progress(i + 1, src.n_layers)
-    head = "lm_head.weight"
-    if head in targets:
-        H, n = None, 0
-        norm = model.model.norm
-        for out in outputs:
-            h = hidden_of(out)
-            x = norm(h).reshape(-1, h.shape[-1]).float()
-            if H is None:
-                H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
-            accumulate_hessian(H, x)
-            n += x.shape[0]
-        if keep_hessians:
-            hessians[f"hessian.{head}"] = H.clone()
-        fitter.head_report = fitter.fit_linear(head, model.get_parameter(head).detach(), H, n)
-    seconds = time.time() - t0
-    fp = src.fingerprint()
-    report = {
-        "moec_version": __version__, "created": created_timestamp(), "path": PATH,
-        "model": model_spec, "model_path": str(model_dir), **fp, "model_type": model.config.model_type,
-        "data": data, "split": split, "sources": source_records, "samples": samples, "seq_len": seq_len,
-        "seed": seed, "tokens": int(tokens.numel()), "capture_seconds": round(seconds, 2), "device": device,
-        "environment": environment(device), "recipe": recipe.name, "expert_policy": cal.expert_policy,
-        "min_expert_tokens": cal.min_expert_tokens, "processes": 1, "propagate": "fp",
-        "groups": sorted({groups.get(n, "other") for n in targets}), "layers": report_layers,
-    }
-    if fitter.head_report is not None:
-        report["lm_head"] = fitter.head_report
-    tensors = {k: v.contiguous() for k, v in fitter.tensors.items()} | stats_tensors | hessians
-    _write_dir(out_dir, {"calib.safetensors": tensors, "report.json": report, "recipe.yaml": recipe.to_yaml()})
+                hessians[f"hessian.{head}"] = H.clone()
+            fitter.head_report = fitter.fit_linear(head, model.get_parameter(head).detach(), H, n)
+        seconds = time.time() - t0
+        fp = src.fingerprint()
+        report = {
+            "moec_version": __version__, "created": created_timestamp(), "path": PATH,
+            "model": model_spec, "model_path": str(model_dir), **fp, "model_type": model.config.model_type,
+            "data": data, "split": split, "sources": source_records, "samples": samples, "seq_len": seq_len,
+            "seed": seed, "tokens": int(tokens.numel()), "capture_seconds": round(seconds, 2), "device": device,
+            "environment": environment(device), "recipe": recipe.name, "expert_policy": cal.expert_policy,
+            "min_expert_tokens": cal.min_expert_tokens, "processes": 1, "propagate": "fp",
+            "groups": sorted({groups.get(n, "other") for n in targets}), "layers": report_layers,
+        }
+        if fitter.head_report is not None:
+            report["lm_head"] = fitter.head_report
+        tensors = {k: v.contiguous() for k, v in fitter.tensors.items()} | stats_tensors | hessians
+        save_file(tensors, str(tmp / "calib.safetensors"), metadata={"format": "moec-calib"})
+        (tmp / "report.json").write_text(json.dumps(report, indent=1))
+        (tmp / "recipe.yaml").write_text(recipe.to_yaml())
     return report
 
 

@@ -131,10 +131,10 @@ def effective_bits_generic(state: dict, tensors: dict, info: dict, groups: dict)
             "model_bits": 8.0 * total / max(sum(t.numel() for t in state.values()), 1), "model_bytes": total}
 
 
-def pack_generic(model_dir: Path, model_spec: str, recipe: Recipe, out_dir: Path, fitted_file: str | None = None,
+def pack_generic(model_dir: Path, model_spec: str, recipe: Recipe, out_dir: Path, calib_dir: str | None = None,
                  report: dict | None = None) -> dict:
     """Write the layout-"hf" packed checkpoint of HF directory `model_dir` under `recipe`, the quantized parts
-    from `fitted_file` (a calib.safetensors; None: an identity recipe that fits nothing)."""
+    from `calib_dir` (a transformers-path CALIB_DIR; None: an identity recipe that fits nothing)."""
     src = SourceModel(model_dir)  # the source dtype: kept tensors are stored bit for bit
     model = src.model
     targets = plan_generic(model, recipe)
@@ -143,11 +143,11 @@ def pack_generic(model_dir: Path, model_spec: str, recipe: Recipe, out_dir: Path
     if report is not None and fp["weights_sha256"] != report.get("weights_sha256"):
         raise UserError(f"the calibration was made on another model ({report.get('model')!r}, weights sha256 "
                         f"{str(report.get('weights_sha256'))[:12]}...), not {model_spec!r}")
-    if targets and fitted_file is None:
+    if targets and calib_dir is None:
         raise UserError(f"recipe {recipe.name} quantizes weights: pack a calibration (`moec calibrate` first)")
     groups = param_groups(model)
     state = stored_state(model, targets)
-    fitted = _meta_file(fitted_file) if fitted_file else {}
+    fitted = _fitted(calib_dir) if calib_dir else {}
     tensors, info = encode_generic(state, targets, fitted)
     bits = effective_bits_generic(state, tensors, info, groups)
     bits["kv_bits_nominal"] = 16.0
@@ -177,17 +177,25 @@ def pack_generic(model_dir: Path, model_spec: str, recipe: Recipe, out_dir: Path
     extra = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
     checkpoint.write_packed(out_dir, tensors, info, manifest, config, quant, extra_files=extra,
                             extra_texts={"recipe.yaml": recipe.to_yaml()},
-                            load=_loader(src, set(state), fitted_file))
+                            load=_loader(src, set(state), fitted))
     return manifest
 
 
-def _meta_file(path: str) -> dict[str, torch.Tensor]:
+def _fitted(calib_dir: str) -> dict[str, torch.Tensor]:
+    """{name: meta tensor} of every fitted part of a transformers-path CALIB_DIR (its per-layer fit files and
+    calib.safetensors), each tagged with the file holding it (`_moec_file`)."""
     from .pack import _meta_file as meta
 
-    return meta(path)
+    out = {}
+    for f in sorted(Path(calib_dir).glob("*.safetensors")):
+        for k, v in meta(str(f)).items():
+            if k.startswith("fit."):
+                v._moec_file = str(f)
+                out[k] = v
+    return out
 
 
-def _loader(src: SourceModel, names: set[str], fitted_file: str | None):
+def _loader(src: SourceModel, names: set[str], fitted: dict[str, torch.Tensor]):
     """load(stored name) for write_packed: a kept source tensor (its decoder layer materialised once and
     released when the next is asked for; the global modules loaded once) or a fitted part."""
     held = {"layer": None, "globals": False}
@@ -195,7 +203,7 @@ def _loader(src: SourceModel, names: set[str], fitted_file: str | None):
 
     def load(name: str) -> torch.Tensor:
         if name not in names:
-            with safe_open(fitted_file, "pt") as f:
+            with safe_open(fitted[f"fit.{name}"]._moec_file, "pt") as f:
                 return f.get_tensor(f"fit.{name}")
         m = _LAYER.match(name)
         if m is None:
@@ -219,5 +227,4 @@ def pack_any(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -
     from .pack import read_calib
 
     recipe, report = read_calib(calib_dir)
-    fitted = calib_dir / "calib.safetensors"
-    return pack_generic(model_dir, model_spec, recipe, out_dir, str(fitted), report)
+    return pack_generic(model_dir, model_spec, recipe, out_dir, str(calib_dir), report)

@@ -96,9 +96,12 @@ class SourceModel:
         except (ValueError, KeyError) as e:
             raise UserError(f"{self.path}: transformers cannot read its config.json ({str(e).splitlines()[0]})") \
                 from None
-        self.dtype = dtype or source_dtype(self.config_dict)
+        # tensors are read and converted (experts fused, ...) in the checkpoint's dtype, then cast one parameter at a
+        # time to the compute dtype: the conversion's temporaries are the source's size, not fp32's
+        self.source_dtype = source_dtype(self.config_dict)
+        self.dtype = dtype or self.source_dtype
         self.device = device
-        self.model = build_meta(self.config, self.dtype)
+        self.model = build_meta(self.config, self.source_dtype)
         self.layers = decoder_layers(self.model)
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
@@ -136,7 +139,7 @@ class SourceModel:
 
         handles = {f: safe_open(f, "pt") for f in {self._where[k] for k in keys}}
         sd = {k: handles[self._where[k]].get_slice(k) for k in keys}
-        cfg = LoadStateDictConfig(device_map={"": self.device}, dtype=self.dtype, weight_mapping=self.mapping)
+        cfg = LoadStateDictConfig(device_map={"": self.device}, dtype=self.source_dtype, weight_mapping=self.mapping)
         from transformers.utils import logging as hf_logging
 
         old = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
@@ -155,9 +158,28 @@ class SourceModel:
         if info.conversion_errors:
             raise UserError(f"{self.path}: transformers could not convert {next(iter(info.conversion_errors))!r}")
 
+    def _cast(self, module: nn.Module) -> None:
+        """Every loaded floating parameter of `module` in the compute dtype, one at a time."""
+        if self.dtype == self.source_dtype:
+            return
+        for mod in module.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is not None and not p.is_meta and p.is_floating_point() and p.dtype != self.dtype:
+                    mod._parameters[name] = nn.Parameter(p.detach().to(self.dtype), requires_grad=False)
+                    del p
+            for name, b in list(mod._buffers.items()):
+                if b is not None and b.is_floating_point() and b.dtype == self.source_dtype:
+                    mod._buffers[name] = b.to(self.dtype)
+
     def load_globals(self) -> None:
         """Embeddings, final norm, LM head (every parameter outside the decoder layers); ties the LM head."""
         self._load(self._group.get("global", []))
+        for name, mod in self.model.named_children():
+            if name != "model":
+                self._cast(mod)
+        for name, mod in self.model.model.named_children():
+            if mod is not self.layers:
+                self._cast(mod)
         if getattr(self.model.config.get_text_config(), "tie_word_embeddings", False):
             self.model.tie_weights()
         missing = [n for n, p in self.model.named_parameters() if p.is_meta and not _LAYER.match(n)]
@@ -168,6 +190,7 @@ class SourceModel:
         """Decoder layer i with its weights from the shards (in self.dtype, on self.device)."""
         self._load(self._group.get(str(i), []))
         layer = self.layers[i]
+        self._cast(layer)
         missing = [n for n, p in layer.named_parameters() if p.is_meta]
         if missing:
             raise UserError(f"{self.path}: no checkpoint tensor for 'model.layers.{i}.{missing[0]}'")
