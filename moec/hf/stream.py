@@ -78,8 +78,11 @@ def decoder_layers(model) -> nn.ModuleList:
     """The decoder layers of a transformers causal LM (model.model.layers)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise UserError(f"{type(model).__name__}: no decoder layers at model.model.layers; this architecture's "
-                        f"layout is not one the transformers path reads")
+        from ..runtime.hf_layout import SUPPORTED
+
+        raise UserError(f"unsupported architecture {model.config.model_type!r}: moec's engine implements "
+                        f"{', '.join(SUPPORTED)}, and the transformers path finds no decoder layers at "
+                        f"model.model.layers of {type(model).__name__}")
     return layers
 
 
