@@ -229,6 +229,8 @@ def check_manifest(m: dict, where: str | Path = MANIFEST) -> None:
 def check_model_fields(m: dict, where: str | Path = MANIFEST) -> None:
     """The model-level fields that the runtime and `moec inspect` read have their JSON types (FormatError)."""
     for key, tp in _MODEL_FIELDS.items():
+        if key == "model_args" and m.get("layout") == "hf":  # the transformers path: config.json describes it
+            continue
         if not isinstance(m.get(key), tp):
             raise FormatError(f"{where}: {key!r} must be a JSON object, got {type(m.get(key)).__name__}")
     if not isinstance(m["source"].get("model"), str) or not isinstance(m["recipe"].get("name"), str):

@@ -180,7 +180,7 @@ class SourceModel:
         for name, mod in self.model.named_children():
             if name != "model":
                 self._cast(mod)
-        for name, mod in self.model.model.named_children():
+        for mod in self.model.model.children():
             if mod is not self.layers:
                 self._cast(mod)
         if getattr(self.model.config.get_text_config(), "tie_word_embeddings", False):

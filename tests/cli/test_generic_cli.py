@@ -13,6 +13,7 @@ import torch
 
 from moec.calibrate import data
 from moec.calibrate.sources import load_tokenizer
+from moec.errors import FormatError
 from moec.formats import checkpoint
 from tests.cli.run import moec
 from tests.hf.test_generic import dequantized_reference, save_tiny
@@ -73,9 +74,18 @@ def test_latency_says_transformers_path(chain):
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
 
 
-def test_engine_path_refuses_a_generic_pack(chain):
+def test_engine_side_refuses_a_generic_pack_and_inspect_reads_it(chain):
     _, tmp = chain
     r = moec("eval", tmp / "packed", "--path", "engine")
     assert r.returncode == 2 and "layout hf" in r.stderr
+    r = moec("export", tmp / "packed", "--format", "gguf", "-o", tmp / "x.gguf")
+    assert r.returncode == 2 and "layout hf" in r.stderr and not (tmp / "x.gguf").exists()
+    from moec.runtime.loader import load_model
+
+    with pytest.raises(FormatError, match="layout hf"):
+        load_model(tmp / "packed")
+    r = moec("inspect", tmp / "packed")
+    assert r.returncode == 0, r.stderr
+    assert "model.layers.*.mlp.experts.gate_up_proj.codes" in r.stdout
 
 
