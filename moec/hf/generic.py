@@ -284,3 +284,22 @@ def check_kv(model: nn.Module, manifest: dict, path) -> None:
     why = arch_spec(model).kv_refusal()
     if why:
         raise UserError(f"{path}: KV codec {manifest['kv']['codec']!r}: {why}")
+
+
+def dequantized_reference(source: nn.Module, packed: nn.Module, manifest: dict) -> nn.Module:
+    """A copy of transformers model `source` with every matrix the pack quantized replaced by its dequantized
+    value, run by transformers' own code: what `packed` (attach_generic of that pack) must compute."""
+    ref = type(source)(source.config).eval()
+    ref.load_state_dict(source.state_dict())
+    experts = experts_modules(ref)
+    for name in {e["param"] for e in manifest["tensors"].values() if not stored_as_is(e["codec"])}:
+        mod_path, _, attr = name.rpartition(".")
+        mod = packed.get_submodule(mod_path)
+        if mod_path in experts:
+            w = rows(experts[mod_path], getattr(mod.moec_stacks, attr).dequant_ref())  # back to transformers' layout
+        elif isinstance(mod, QLinear):
+            w = mod.q.dequant_ref(0)
+        else:  # a router held dequantized
+            w = getattr(mod, attr)
+        ref.get_parameter(name).data.copy_(w)
+    return ref

@@ -26,7 +26,7 @@ from moec.calibrate.recipe import load_recipe, parse_recipe
 from moec.calibrate.sources import DEMO_MOE_DIR
 from moec.errors import UserError
 from moec.formats import checkpoint
-from moec.hf.generic import experts_modules, rows
+from moec.hf import generic
 
 COMMON = dict(vocab_size=8192, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=128)
@@ -117,24 +117,10 @@ def test_identity_pack_equals_source(built):
 
 
 def dequantized_reference(model, packed_dir):
-    """The source model with every quantized matrix replaced by its dequantized value (its own forward)."""
-    ref = T.AutoModelForCausalLM.from_config(model.config).eval()
-    ref.load_state_dict(model.state_dict())
+    """(reference, packed model, manifest): hf/generic.dequantized_reference of the pack at `packed_dir`."""
     manifest = checkpoint.verify(packed_dir)
     packed = moec.hf.from_pretrained(packed_dir)
-    experts = experts_modules(ref)
-    for name in {e["param"] for e in manifest["tensors"].values() if e["codec"] != "keep"}:
-        mod_path, _, attr = name.rpartition(".")
-        mod = packed.get_submodule(mod_path)
-        if mod_path in experts:
-            w = getattr(mod.moec_stacks, attr).dequant_ref()  # [E, O, I]
-            w = rows(experts[mod_path], w)
-        elif hasattr(mod, "q"):  # QLinear
-            w = mod.q.dequant_ref(0)
-        else:  # a router held dequantized
-            w = getattr(mod, attr)
-        ref.get_parameter(name).data.copy_(w)
-    return ref, packed, manifest
+    return generic.dequantized_reference(model, packed, manifest), packed, manifest
 
 
 def test_quantized_pack_equals_dequantized_reference(built):
