@@ -35,7 +35,7 @@ from torch import nn
 from .. import __version__
 from ..atomic import atomic_dir
 from ..errors import UserError
-from ..hf.generic import dispatch_experts, experts_modules, param_groups, rows, stack_params
+from ..hf.generic import apply_gate, dispatch_experts, experts_modules, param_groups, rows, stack_params
 from ..hf.stream import SourceModel
 from ..provenance import created_timestamp, environment
 from .fit_experts import ExpertFitter
@@ -74,7 +74,7 @@ def _mid(mod: nn.Module, e: int, x: torch.Tensor) -> torch.Tensor:
     h = x @ _dense(mod, up, e, x.dtype).t()
     if mod.has_bias:
         h = h + getattr(mod, up + "_bias")[e].to(x.dtype)
-    return mod._apply_gate(h) if mod.has_gate else mod.act_fn(h)
+    return apply_gate(mod, h) if mod.has_gate else mod.act_fn(h)
 
 
 def capture_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -278,9 +278,9 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
             for p, m in ex.items():
                 up, down = stack_params(m)
                 m.moec_stats = ExpertStats(m.num_experts, rows(m, getattr(m, up)).shape[-1],
-                                           rows(m, getattr(m, down)).shape[-1], all_tokens, device)
-                saved_cfg[p] = m.config
-                dispatch_experts(m, CAPTURE_IMPL)
+                                           rows(m, getattr(m, down)).shape[-1],
+                                           all_tokens and not getattr(m, "moec_plain", False), device)
+                saved_cfg[p] = dispatch_experts(m, CAPTURE_IMPL)
             hooks, lin = [], {}
             for name in targets:
                 mod_path = name.rpartition(".")[0]
@@ -295,9 +295,11 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
             for p, m in ex.items():
                 s = m.moec_stats
                 del m.moec_stats
-                m.config = saved_cfg[p]
+                saved_cfg[p]()  # the module's own implementation back
                 counts = s.count
-                entry.setdefault("experts", load_balance(counts, s.top_k))
+                top_k = s.top_k if not getattr(m, "moec_plain", False) else \
+                    getattr(model.config.get_text_config(), "num_experts_per_tok", 1)  # rows came one expert each
+                entry.setdefault("experts", load_balance(counts, top_k))
                 stats_tensors[f"{p}.expert_tokens"] = counts
                 up, down = stack_params(m)
                 for pname, key in ((up, "H_in"), (down, "H_mid")):

@@ -43,10 +43,24 @@ GROUPS = ("experts", "shared_experts", "mlp", "attention", "router", "lm_head", 
 # -- what a transformers model holds ------------------------------------------------------------------------
 
 def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """{module path: module} of the experts modules decorated with `use_experts_implementation` (the decorator
-    sets has_gate / is_transposed / has_bias on every instance)."""
-    return {n: m for n, m in model.named_modules()
-            if hasattr(m, "is_transposed") and hasattr(m, "has_gate") and "down_proj" in m._parameters}
+    """{module path: module} of the experts modules: those decorated with `use_experts_implementation` (the
+    decorator sets has_gate / is_transposed / has_bias on every instance), and plain stacked experts without it
+    (llama4's Llama4TextExperts: 3-D `gate_up_proj` and `down_proj`, every token routed to every expert with its
+    router score already applied), which get the same attributes here (`moec_plain` marks them)."""
+    out = {}
+    for n, m in model.named_modules():
+        if "down_proj" not in m._parameters:
+            continue
+        if hasattr(m, "is_transposed") and hasattr(m, "has_gate"):
+            out[n] = m
+        elif getattr(m._parameters.get("gate_up_proj"), "dim", lambda: 0)() == 3 and m.down_proj.dim() == 3:
+            gu, dn = m.gate_up_proj.shape, m.down_proj.shape
+            m.is_transposed = gu[2] == 2 * dn[1]  # [E, D, 2I] and [E, I, D] (llama4) rather than [E, 2I, D], [E, D, I]
+            m.has_gate, m.has_bias, m.is_concatenated, m.moec_plain = True, False, True, True
+            if not hasattr(m, "num_experts"):
+                m.num_experts = gu[0]
+            out[n] = m
+    return out
 
 
 def stack_params(mod: nn.Module) -> tuple[str, str]:
@@ -171,7 +185,7 @@ def moec_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_ind
         h = x @ _weight(self, up, e, dt).t()  # [n, 2I] (or [n, I] without a gate)
         if self.has_bias:
             h = h + getattr(self, up + "_bias")[e].to(dt)
-        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        h = apply_gate(self, h) if self.has_gate else self.act_fn(h)
         y = h @ _weight(self, down, e, dt).t()  # [n, D]
         if self.has_bias:
             y = y + self.down_proj_bias[e].to(dt)
@@ -179,12 +193,50 @@ def moec_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_ind
     return out
 
 
-def dispatch_experts(mod: nn.Module, implementation: str) -> None:
-    """Route this experts module (only it) through `implementation`: the decorator's forward reads
-    `self.config._experts_implementation`, so the module gets its own shallow copy of the config."""
-    cfg = copy.copy(mod.config)
+def apply_gate(mod: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The module's own gate (`_apply_gate`: gpt_oss's clamped SwiGLU), or transformers' default (act(gate) * up)."""
+    if hasattr(mod, "_apply_gate"):
+        return mod._apply_gate(h)
+    from transformers.integrations.moe import _default_apply_gate
+
+    return _default_apply_gate(mod, h)
+
+
+def _plain_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A plain stacked-experts module's forward (x [E·N, D]: every token for every expert, router score applied)
+    through the experts implementation in `self.moec_impl`: row r goes to expert r // N, a zero row (a token the
+    router did not pick for that expert) to no expert."""
+    E = self.num_experts
+    N = hidden_states.shape[0] // E
+    idx = torch.arange(E, device=hidden_states.device).repeat_interleave(N)[:, None]  # [E·N, 1]
+    idx = torch.where(hidden_states.abs().amax(-1, keepdim=True) > 0, idx, E)
+    return self.moec_impl(self, hidden_states, idx, torch.ones(idx.shape, dtype=hidden_states.dtype,
+                                                                device=idx.device))
+
+
+def dispatch_experts(mod: nn.Module, implementation: str):
+    """Route this experts module (only it) through `implementation`; returns a callable that undoes it. A
+    decorated module's forward reads `self.config._experts_implementation`: the module gets its own shallow copy
+    of the config. A plain one (moec_plain) gets an instance forward calling the registered function."""
+    if getattr(mod, "moec_plain", False):
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        mod.moec_impl = ALL_EXPERTS_FUNCTIONS[implementation]
+        mod.forward = _plain_forward.__get__(mod)
+
+        def undo():
+            del mod.forward, mod.moec_impl
+
+        return undo
+    old = mod.config
+    cfg = copy.copy(old)
     cfg._experts_implementation_internal = implementation
     mod.config = cfg
+
+    def undo():
+        mod.config = old
+
+    return undo
 
 
 def _register() -> None:
