@@ -35,9 +35,18 @@ from torch import nn
 from .. import __version__
 from ..atomic import atomic_dir
 from ..errors import UserError
-from ..hf.generic import apply_gate, dispatch_experts, experts_modules, param_groups, rows, stack_params
+from ..hf.generic import (
+    apply_gate,
+    attention_modules,
+    dispatch_experts,
+    experts_modules,
+    param_groups,
+    rows,
+    stack_params,
+)
 from ..hf.stream import SourceModel
 from ..provenance import created_timestamp, environment
+from ..registry import kv_codec
 from .fit_experts import ExpertFitter
 from .generic_pack import bind_kv, plan_generic
 from .hessian import accumulate_hessian, regularize
@@ -106,10 +115,28 @@ def capture_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     return out
 
 
+def capture_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask, **kwargs):
+    """Attention implementation "moec_capture": transformers' SDPA attention, the post-RoPE query [B, H, T, d],
+    keys and values [B, K, T, d] handed to `module.moec_observer(layer, name, tensor)` (a KV codec's sampler,
+    as capture.py's observers see them) on the way."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    observe = getattr(module, "moec_observer", None)
+    if observe is not None:
+        for name, t in (("q", query), ("k", key), ("v", value)):
+            observe(module.layer_idx, name, t)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def _register() -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(CAPTURE_IMPL, capture_experts_forward)
+    ALL_ATTENTION_FUNCTIONS.register(CAPTURE_IMPL, capture_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE_IMPL, sdpa_mask)
 
 
 _register()
@@ -246,7 +273,7 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
     if max_pos and seq_len > max_pos:
         raise UserError(f"--seq-len {seq_len} is longer than the model supports ({max_pos} tokens)")
     targets = plan_generic(model, recipe)
-    bind_kv(model, recipe)
+    kv_model_args = bind_kv(model, recipe)  # None: no KV codec to calibrate
     refuse_without_resume(out_dir)
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(model_dir)
@@ -266,6 +293,15 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
         src.load_globals()
         batches = [tokens[s : s + batch_size].to(device) for s in range(0, tokens.shape[0], batch_size)]
         outputs = [None] * len(batches)  # per batch: the last layer's output, what the next layer gets
+        kv_spec = kv_codec(recipe.kv.codec) if kv_model_args is not None else None
+        sampler = kv_spec.hook("sampler")(recipe.kv, seed) if kv_spec is not None and kv_spec.sampler else None
+        if sampler is not None:  # post-RoPE q/k/v through the attention implementation "moec_capture"
+            for mod in model.modules():
+                cfg = getattr(mod, "config", None)
+                if cfg is not None and hasattr(cfg, "_attn_implementation"):
+                    cfg._attn_implementation = CAPTURE_IMPL
+            for att in attention_modules(model).values():
+                att.moec_observer = sampler
         hessians: dict[str, torch.Tensor] = {}
         stats_tensors: dict[str, torch.Tensor] = {}
         report_layers = []
@@ -341,6 +377,9 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
             if keep_hessians:
                 hessians[f"hessian.{head}"] = H.clone()
             fitter.head_report = fitter.fit_linear(head, model.get_parameter(head).detach(), H, n)
+        kv_tensors, kv_report = {}, None
+        if kv_spec is not None and kv_spec.fit is not None:
+            kv_tensors, kv_report = kv_spec.hook("fit")(kv_model_args, recipe.kv, sampler, device)
         seconds = time.time() - t0
         fp = src.fingerprint()
         report = {
@@ -354,7 +393,9 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
         }
         if fitter.head_report is not None:
             report["lm_head"] = fitter.head_report
-        tensors = {k: v.contiguous() for k, v in fitter.tensors.items()} | stats_tensors | hessians
+        if kv_report is not None:
+            report["kv"] = kv_report
+        tensors = {k: v.contiguous() for k, v in fitter.tensors.items()} | stats_tensors | hessians | kv_tensors
         save_file(tensors, str(tmp / "calib.safetensors"), metadata={"format": "moec-calib"})
         (tmp / "report.json").write_text(json.dumps(report, indent=1))
         (tmp / "recipe.yaml").write_text(recipe.to_yaml())

@@ -18,10 +18,20 @@ from safetensors import safe_open
 
 from ..errors import UserError
 from ..formats import checkpoint
-from ..hf.generic import LAYOUT, experts_modules, param_groups, quantizable, rule_for, tied_names
+from ..hf.generic import (
+    LAYOUT,
+    attention_modules,
+    experts_modules,
+    kv_args,
+    param_groups,
+    quantizable,
+    rule_for,
+    tied_names,
+)
 from ..hf.stream import SourceModel
 from ..provenance import environment
 from ..registry import default_weight, kv_codec, stored_as_is, weight_codec
+from .pack_kv import encode_kv_tensors, kv_manifest
 from .recipe import Recipe
 from .sources import TOKENIZER_FILES
 
@@ -61,19 +71,41 @@ def plan_generic(model, recipe: Recipe) -> dict:
     return targets
 
 
-def bind_kv(model, recipe: Recipe) -> None:
-    """A KV recipe on a model whose attention the KV codecs cannot hold: refused in one line (before any work);
-    a KV recipe on the transformers path otherwise is not implemented yet: refused likewise."""
+def bind_kv(model, recipe: Recipe):
+    """The recipe's KV codec bound to the transformers model (None: an fp16 cache), before any work: UserError
+    (one line) for an attention the KV codecs cannot hold (moec.hf.archspec's kv_refusal: MLA latents, linear
+    attention, sliding windows, sinks; expert and linear rules still apply), a codec that encodes keys before
+    RoPE (transformers' attention interface sees them after it) or one whose cache is not the tiered one
+    MoecCache serves; else the kv_args (hf/generic.kv_args) the codec is fitted and run with."""
     if recipe.kv is None or kv_codec(recipe.kv.codec).identity:
-        return
+        return None
+    spec = kv_codec(recipe.kv.codec)
     try:
         from ..hf.archspec import arch_spec
     except ImportError:
         arch_spec = None
     if arch_spec is not None and (why := arch_spec(model).kv_refusal()):
-        raise UserError(f"kv codec {recipe.kv.codec}: {why}; expert and linear recipes still apply")
-    raise UserError(f"kv codec {recipe.kv.codec}: KV recipes run through moec's engine; the transformers path "
-                    f"packs weights only for now (drop `kv:` from the recipe)")
+        raise UserError(f"kv codec {recipe.kv.codec}: {why}")
+    if arch_spec is None:  # until moec.hf.archspec is there: the same refusals, read off the attention modules
+        atts = attention_modules(model)
+        odd = [i for i in range(model.config.get_text_config().num_hidden_layers) if i not in atts or
+               hasattr(atts[i], "kv_a_proj_with_mqa") or getattr(atts[i], "sliding_window", None) or
+               "sinks" in atts[i]._parameters]
+        if odd:
+            raise UserError(f"kv codec {recipe.kv.codec}: {model.config.model_type} layer {odd[0]} (an MLA latent, "
+                            f"linear attention, sliding window or sinks) cannot be held by moec's KV codecs; use a "
+                            f"recipe without `kv:` (expert and linear rules still apply)")
+    args = kv_args(model)
+    section = kv_manifest(recipe, args)
+    if spec.rope_pre is not None and spec.hook("rope_pre")(section):
+        raise UserError(f"kv codec {recipe.kv.codec}: rope: pre encodes keys before RoPE, and the transformers path "
+                        f"sees them after it; use rope: post")
+    if not spec.tiered:
+        raise UserError(f"kv codec {recipe.kv.codec}: its cache is not one transformers' Cache API can hold "
+                        f"(moec.hf.MoecCache serves the tiered block codecs); use it on moec's engine")
+    if spec.check is not None:
+        spec.hook("check")(args, recipe.kv)
+    return args
 
 
 def stored_state(model, targets: dict) -> dict[str, torch.Tensor]:
@@ -138,7 +170,9 @@ def pack_generic(model_dir: Path, model_spec: str, recipe: Recipe, out_dir: Path
     src = SourceModel(model_dir)  # the source dtype: kept tensors are stored bit for bit
     model = src.model
     targets = plan_generic(model, recipe)
-    bind_kv(model, recipe)
+    args = bind_kv(model, recipe)
+    if args is not None and calib_dir is None:
+        raise UserError(f"recipe {recipe.name} has a KV codec: pack a calibration (`moec calibrate` first)")
     fp = src.fingerprint()
     if report is not None and fp["weights_sha256"] != report.get("weights_sha256"):
         raise UserError(f"the calibration was made on another model ({report.get('model')!r}, weights sha256 "
@@ -150,7 +184,12 @@ def pack_generic(model_dir: Path, model_spec: str, recipe: Recipe, out_dir: Path
     fitted = _fitted(calib_dir) if calib_dir else {}
     tensors, info = encode_generic(state, targets, fitted)
     bits = effective_bits_generic(state, tensors, info, groups)
-    bits["kv_bits_nominal"] = 16.0
+    kv_section = None
+    if args is not None:
+        kv_tensors, kv_info, kv_section = encode_kv_tensors(Path(calib_dir), recipe, args)
+        tensors.update(kv_tensors)
+        info.update(kv_info)
+    bits["kv_bits_nominal"] = float(recipe.kv_or_default().bits)
     experts = experts_modules(model)
     transposed = sorted(n for n in targets if n.rpartition(".")[0] in experts and experts[n.rpartition(".")[0]]
                         .is_transposed)
@@ -165,15 +204,19 @@ def pack_generic(model_dir: Path, model_spec: str, recipe: Recipe, out_dir: Path
                                        if "experts" in x}
     manifest = {"layout": LAYOUT, "source": {"model": model_spec, "path": str(model_dir), **fp},
                 "hf": {"model_type": config.get("model_type"), "architectures": config.get("architectures"),
-                       "transposed": transposed, "groups": {n: groups.get(n, "other") for n in state}},
-                "recipe": recipe.to_dict(), "calibration": provenance, "effective_bits": bits, "kv": None,
+                       "transposed": transposed, "groups": {n: groups.get(n, "other") for n in state},
+                       "kv_args": None if args is None else args.to_dict()},
+                "recipe": recipe.to_dict(), "calibration": provenance, "effective_bits": bits, "kv": kv_section,
                 "environment": environment("cpu")}
     quant = {"quant_method": "moec", "format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION,
              "layout": LAYOUT,
              "config_groups": {f"group_{i}": {"targets": r.targets, "weights": {
                  "codec": r.codec, "num_bits": r.bits, "group_size": r.group_size or None,
                  "strategy": "group" if r.group_size else "channel"}} for i, r in enumerate(recipe.weights)},
-             "kv_cache_scheme": None, "ignore": [], "w_bits": bits["w_bits"]}
+             "kv_cache_scheme": None if kv_section is None else {
+                 "codec": recipe.kv.codec, "num_bits": recipe.kv.bits, "window": recipe.kv.window,
+                 "sinks": recipe.kv.sinks},
+             "ignore": [], "w_bits": bits["w_bits"]}
     extra = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
     checkpoint.write_packed(out_dir, tensors, info, manifest, config, quant, extra_files=extra,
                             extra_texts={"recipe.yaml": recipe.to_yaml()},

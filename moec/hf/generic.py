@@ -355,3 +355,23 @@ def dequantized_reference(source: nn.Module, packed: nn.Module, manifest: dict) 
             w = getattr(mod, attr)
         ref.get_parameter(name).data.copy_(w)
     return ref
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """{layer index: attention module} of the modules that go through transformers' AttentionInterface (they carry
+    `num_key_value_groups` and `layer_idx`)."""
+    return {m.layer_idx: m for m in model.modules()
+            if hasattr(m, "num_key_value_groups") and isinstance(getattr(m, "layer_idx", None), int)}
+
+
+def kv_args(model: nn.Module):
+    """The attention shapes moec's KV codecs and caches read (runtime/config.ModelArgs: n_layers, n_kv_heads,
+    head_dim, max_seq_len; no FFN), from the transformers config: stored as the manifest's `hf.kv_args`."""
+    from ..runtime.config import ModelArgs
+
+    c = model.config.get_text_config()
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return ModelArgs(arch=c.model_type, vocab_size=c.vocab_size, dim=c.hidden_size, n_layers=c.num_hidden_layers,
+                     n_heads=heads, n_kv_heads=getattr(c, "num_key_value_heads", None) or heads, head_dim=head_dim,
+                     max_seq_len=getattr(c, "max_position_embeddings", 4096), n_experts=0, ffn_kinds=[])

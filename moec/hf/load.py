@@ -214,7 +214,8 @@ class MoecHfQuantizer(HfQuantizer):
         self.tied = getattr(model, "all_tied_weights_keys", None)
         if self.tied is not None:
             model.all_tied_weights_keys = {}
-        if not generic.is_generic(checkpoint.read_manifest(self.path)):  # generic packs keep the model's attention
+        manifest = checkpoint.read_manifest(self.path)
+        if not generic.is_generic(manifest) or manifest.get("kv"):  # weight-only generic packs: the model's own
             use_moec_attention(model)
         return model
 
@@ -260,6 +261,8 @@ def from_pretrained(path: str | Path, device: str | torch.device = "cpu", dtype:
 
         with params_on_meta():  # every parameter is replaced from the pack: none is allocated twice
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if manifest.get("kv"):  # a KV codec: MoecCache's history attention (cache.py)
+            use_moec_attention(model)
         return generic.attach_generic(model, path).to(device).eval()
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     use_moec_attention(model)

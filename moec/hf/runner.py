@@ -44,26 +44,31 @@ def on_transformers_path(model_dir: Path, path: str = "auto") -> bool:
 
 
 class _Cache:
-    """transformers' DynamicCache for one evaluation batch, with the bits the eval table reports (16: fp16-held
-    keys and values, as moec's FP16Cache reports)."""
+    """One evaluation batch's cache: transformers' DynamicCache (16 bits: fp16-held keys and values, as moec's
+    FP16Cache reports) or, for a pack with a KV codec, its MoecCache (cache.py), with the bits it stores."""
 
-    codec = "fp16"
-
-    def __init__(self, config):
+    def __init__(self, config, kv: tuple | None = None, max_len: int | None = None):
         from transformers import DynamicCache
 
-        self.dyn = DynamicCache(config=config)
+        if kv is None:
+            self.dyn, self.codec = DynamicCache(config=config), "fp16"
+        else:
+            from .cache import MoecCache
+
+            self.dyn = MoecCache(*kv, max_len)
+            self.codec = self.dyn.codec
+            self.bits_at = lambda tokens: self.dyn.cache.bits_at(tokens)  # the 32k projection eval reports
 
     def bits_per_element(self) -> float:
-        return 16.0
+        return self.dyn.bits_per_element() if self.codec != "fp16" else 16.0
 
 
 class HFRunner(nn.Module):
     """A transformers causal LM called as moec's engine model is (module docstring)."""
 
-    def __init__(self, hf: nn.Module):
+    def __init__(self, hf: nn.Module, kv: tuple | None = None):
         super().__init__()
-        self.hf = hf
+        self.hf, self.kv = hf, kv  # kv: (section, kv tensors, attention shapes) of a pack's KV codec
         text = hf.config.get_text_config()
         self.args = SimpleNamespace(vocab_size=text.vocab_size, n_layers=text.num_hidden_layers,
                                     max_seq_len=getattr(text, "max_position_embeddings", 1 << 20),
@@ -79,7 +84,7 @@ class HFRunner(nn.Module):
         return self.hf(input_ids=tokens, past_key_values=cache.dyn, use_cache=True).logits
 
     def cache_factory(self, model, batch: int, max_len: int) -> _Cache:
-        return _Cache(self.hf.config)
+        return _Cache(self.hf.config, self.kv, max_len)
 
 
 def load_runner(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[HFRunner, dict]:
@@ -90,7 +95,8 @@ def load_runner(model_dir: Path, dtype: torch.dtype = torch.float32, device: str
 
         manifest = checkpoint.verify(model_dir)
         hf = from_pretrained(model_dir, device=device, dtype=dtype)
-        info = {"kind": "packed", "manifest": manifest, "w_bits": manifest["effective_bits"]["w_bits"], "kv": None}
+        info = {"kind": "packed", "manifest": manifest, "w_bits": manifest["effective_bits"]["w_bits"],
+                "kv": manifest.get("kv")}
     else:
         from transformers import AutoModelForCausalLM
 
@@ -106,7 +112,14 @@ def load_runner(model_dir: Path, dtype: torch.dtype = torch.float32, device: str
         w_bits = 8.0 * sum(p.numel() * p.element_size() for p in mats) / max(sum(p.numel() for p in mats), 1)
         info = {"kind": "hf", "w_bits": w_bits}
     info["path"] = "transformers"
-    return HFRunner(hf.eval()), info
+    kv = None
+    if info.get("kv"):  # read once: each evaluation batch gets its own cache over the same tensors
+        from ..runtime.config import ModelArgs
+
+        names = [n for n in info["manifest"]["tensors"] if n.startswith("kv.")]
+        kv = (info["kv"], checkpoint.load_tensors(model_dir, info["manifest"], names),
+              ModelArgs.from_dict(info["manifest"]["hf"]["kv_args"]))
+    return HFRunner(hf.eval(), kv), info
 
 
 @torch.no_grad()

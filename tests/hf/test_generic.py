@@ -149,9 +149,13 @@ def test_transposed_stacks_are_recorded(built):
 def test_generic_refuses_kv_recipe_and_bad_rules(tmp_path, short_ptb):
     mt, tmp = "mixtral", tmp_path
     save_tiny(mt, tmp / "src")
+    save_tiny("gpt_oss", tmp / "oss")
     kv = parse_recipe({"name": "kv", "kv": {"codec": "kivi", "bits": 4}})
-    with pytest.raises(UserError, match="kv codec kivi"):
-        pack_generic(tmp / "src", mt, kv, tmp / "kv")
+    with pytest.raises(UserError, match="kv codec kivi: gpt_oss layer 0 .*cannot"):  # sinks, a sliding window
+        calibrate_generic(tmp / "oss", "gpt_oss", kv, "ptb", "train", 1, 8, 0, tmp / "kv")
+    pre = parse_recipe({"name": "pre", "kv": {"codec": "nuq-outlier", "bits": 2, "rope": "pre"}})
+    with pytest.raises(UserError, match="rope: pre"):
+        pack_generic(tmp / "src", mt, pre, tmp / "kv")
     bad = parse_recipe({"name": "bad", "weights": [{"targets": ["shared_experts"], "codec": "rtn", "bits": 4}]})
     with pytest.raises(UserError, match="selects no matrix"):
         calibrate_generic(tmp / "src", mt, bad, "ptb", "train", 1, 8, 0, tmp / "bad")

@@ -123,3 +123,26 @@ def test_hls_ppl_matches_engine(demo):
     b = evaluate(gen, windows, "tf")["ppl"]
     print(f"ppl engine {a:.4f} transformers {b:.4f} ({100 * (b / a - 1):+.4f}%)")
     assert abs(b / a - 1) <= 1e-3, (a, b)
+
+
+def test_kv_calibration_matches_engine(demo):
+    """kv-nuq2-rot (post-RoPE keys) calibrated through transformers' attention interface (attention function
+    "moec_capture") gives the engine's KV codec tensors, and the pack runs its cache through MoecCache."""
+    src, tmp = demo
+    r = parse_recipe({"name": "t-kv", "kv": yaml.safe_load(open("recipes/kv-nuq2-rot.yaml"))["kv"]
+                      | {"window": 16, "sinks": 2, "block": 16}})
+    calibrate(src, "demo-moe", r, "ptb", "train", 2, SEQ, 0, tmp / "e-kv")
+    calibrate_generic(src, "demo-moe", r, "ptb", "train", 2, SEQ, 0, tmp / "g-kv")
+    from safetensors.torch import load_file
+
+    e, g = (load_file(tmp / d / "calib.safetensors") for d in ("e-kv", "g-kv"))
+    names = sorted(n for n in e if n.startswith("kv."))
+    assert names and names == sorted(n for n in g if n.startswith("kv."))
+    for n in names:
+        rel = ((g[n].float() - e[n].float()).norm() / e[n].float().norm().clamp_min(1e-12)).item()
+        assert rel <= 1e-5, (n, rel)
+    pack_any(src, "demo-moe", tmp / "g-kv", tmp / "g-kv-pack")
+    runner, info = load_runner(tmp / "g-kv-pack")
+    windows = make_windows(tokenize(load_tokenizer(src), data.load_text("ptb", "valid")), 64, 1)
+    res = evaluate(runner, windows, "dec", cache_factory=runner.cache_factory)
+    assert res["kv_codec"] == "nuq-outlier" and res["kv_bits"] < 16 and res["kv_bits_32k"] < 3
