@@ -44,7 +44,7 @@ from ..hf.generic import (
     rows,
     stack_params,
 )
-from ..hf.stream import SourceModel
+from ..hf.stream import SourceModel, trim_heap
 from ..provenance import created_timestamp, environment
 from ..registry import kv_codec
 from .fit_experts import ExpertFitter
@@ -361,6 +361,7 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
                 save_file({k: v.contiguous() for k, v in fitter.tensors.items()},
                           str(tmp / f"{FIT_FILE_PREFIX}{i:05d}.safetensors"), metadata={"format": "moec-calib"})
                 fitter.tensors.clear()
+                trim_heap()
             if progress is not None:
                 progress(i + 1, src.n_layers)
         head = "lm_head.weight"

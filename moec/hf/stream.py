@@ -53,6 +53,18 @@ def params_on_meta():
         nn.Module.register_parameter = register
 
 
+def trim_heap() -> None:
+    """Return freed heap memory to the system (glibc's malloc_trim; nothing elsewhere). A layer's tensors of a few
+    MB each are served from the heap once glibc has raised its mmap threshold, and without a trim the freed
+    layer stays resident, so the next layer's peak would sit on top of it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def read_config(path: Path) -> dict:
     f = Path(path) / "config.json"
     if not f.is_file():
@@ -200,11 +212,13 @@ class SourceModel:
         return layer
 
     def release(self, module: nn.Module) -> None:
-        """Every parameter of `module` back on the meta device (its memory freed)."""
+        """Every parameter of `module` back on the meta device (its memory freed, and handed back to the system:
+        trim_heap)."""
         for mod in module.modules():
             for name, p in list(mod._parameters.items()):
                 if p is not None and not p.is_meta:
                     mod._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=False)
+        trim_heap()
 
     def fingerprint(self) -> dict:
         """sha256 of config.json and of the weight files (as runtime/hf_layout.HFCheckpoint.fingerprint)."""
