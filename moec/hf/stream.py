@@ -72,9 +72,18 @@ def read_config(path: Path) -> dict:
     return json.loads(f.read_text())
 
 
-def source_dtype(cfg: dict) -> torch.dtype:
-    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return getattr(torch, str(name).removeprefix("torch."), torch.float32)
+def source_dtype(cfg: dict, shard: Path | None) -> torch.dtype:
+    """The checkpoint's dtype: config.json's `dtype` (or `torch_dtype`), else its first floating tensor's."""
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if name:
+        return getattr(torch, str(name).removeprefix("torch."), torch.float32)
+    codes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    if shard is not None and shard.is_file():
+        with safe_open(shard, "pt") as h:
+            for k in h.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                if (code := h.get_slice(k).get_dtype()) in codes:
+                    return codes[code]
+    return torch.float32
 
 
 def build_meta(config, dtype: torch.dtype):
@@ -113,16 +122,16 @@ class SourceModel:
                 from None
         # tensors are read and converted (experts fused, ...) in the checkpoint's dtype, then cast one parameter at a
         # time to the compute dtype: the conversion's temporaries are the source's size, not fp32's
-        self.source_dtype = source_dtype(self.config_dict)
-        self.dtype = dtype or self.source_dtype
-        self.device = device
-        self.model = build_meta(self.config, self.source_dtype)
-        self.layers = decoder_layers(self.model)
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             files = sorted({self.path / f for f in json.loads(index.read_text())["weight_map"].values()})
         else:
             files = sorted(self.path.glob("*.safetensors"))
+        self.source_dtype = source_dtype(self.config_dict, files[0] if files else None)
+        self.dtype = dtype or self.source_dtype
+        self.device = device
+        self.model = build_meta(self.config, self.source_dtype)
+        self.layers = decoder_layers(self.model)
         if not files:
             raise UserError(f"{self.path}: no *.safetensors weights (pickled .bin checkpoints are not read)")
         self.files = files

@@ -146,3 +146,25 @@ def test_kv_calibration_matches_engine(demo):
     windows = make_windows(tokenize(load_tokenizer(src), data.load_text("ptb", "valid")), 64, 1)
     res = evaluate(runner, windows, "dec", cache_factory=runner.cache_factory)
     assert res["kv_codec"] == "nuq-outlier" and res["kv_bits"] < 16 and res["kv_bits_32k"] < 3
+
+
+def test_identity_pack_of_demo_moe_is_bit_exact(demo):
+    """demo-moe (bf16, per-expert w1/w2/w3 in its checkpoint) packed with recipes/fp16.yaml on the transformers
+    path: every stored tensor is transformers' in-memory bf16 tensor (experts fused by its conversions), bit for
+    bit, and the pack's logits are the source's."""
+    import transformers as T
+
+    from moec.calibrate.generic_pack import pack_generic
+    from moec.hf import from_pretrained
+
+    src, tmp = demo
+    pack_generic(src, "demo-moe", load_recipe("recipes/fp16.yaml"), tmp / "g-fp16")
+    manifest = checkpoint.verify(tmp / "g-fp16")
+    got = checkpoint.load_tensors(tmp / "g-fp16", manifest)
+    model = T.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    sd = model.state_dict()
+    assert set(got) == set(sd) - {"lm_head.weight"}  # tied to the embedding: stored once
+    assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n], sd[n]) for n in got)
+    x = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(tmp / "g-fp16", dtype=torch.bfloat16)(x).logits, model(x).logits)
