@@ -50,6 +50,7 @@ class _Cache:
     def __init__(self, config, kv: tuple | None = None, max_len: int | None = None):
         from transformers import DynamicCache
 
+        self.moec = kv is not None
         if kv is None:
             self.dyn, self.codec = DynamicCache(config=config), "fp16"
         else:
@@ -60,7 +61,7 @@ class _Cache:
             self.bits_at = lambda tokens: self.dyn.cache.bits_at(tokens)  # the 32k projection eval reports
 
     def bits_per_element(self) -> float:
-        return self.dyn.bits_per_element() if self.codec != "fp16" else 16.0
+        return self.dyn.bits_per_element() if self.moec else 16.0
 
 
 class HFRunner(nn.Module):
