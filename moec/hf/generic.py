@@ -30,7 +30,7 @@ import re
 import torch
 from torch import nn
 
-from ..errors import FormatError, UserError
+from ..errors import FormatError
 from ..formats import checkpoint
 from ..registry import stored_as_is
 from ..runtime.experts import QLinear, QuantMatrix
@@ -323,19 +323,6 @@ def attach_generic(model: nn.Module, path, manifest: dict | None = None) -> nn.M
     if tied:
         model.tie_weights()
     return model
-
-
-def check_kv(model: nn.Module, manifest: dict, path) -> None:
-    """A pack with a KV codec on a model whose attention the KV codecs cannot hold: refused in one line."""
-    if not manifest.get("kv"):
-        return
-    try:
-        from .archspec import arch_spec
-    except ImportError:
-        return
-    why = arch_spec(model).kv_refusal()
-    if why:
-        raise UserError(f"{path}: KV codec {manifest['kv']['codec']!r}: {why}")
 
 
 def dequantized_reference(source: nn.Module, packed: nn.Module, manifest: dict) -> nn.Module:
