@@ -27,6 +27,7 @@ from ..calibrate.run import calibrate as run_calibrate
 from ..calibrate.sources import resolve_model
 from ..errors import UserError
 from ..formats.checkpoint import is_packed
+from ..hf.runner import on_transformers_path
 from ..runtime.hf_layout import HFCheckpoint
 from .common import console, progress_bar, show_table
 
@@ -64,6 +65,8 @@ def calibrate(
                                              "hidden states in host memory, one batch on the device at a time"),
     propagate: str = typer.Option("fp", "--propagate", help="what feeds layer i + 1: fp (layer i's original "
                                   "outputs) or quantized (its outputs with the weights just fitted; one process)"),
+    path: str = typer.Option("auto", "--path", help="engine (moec's own model code), transformers (transformers' "
+                             "modeling code: any MoE type it runs), or auto: the engine for the types it implements"),
 ) -> None:
     """Capture statistics layer by layer and fit what the recipe needs."""
     if device not in ("cpu", "cuda"):
@@ -89,6 +92,10 @@ def calibrate(
         seq_len = r.calibration.seq_len or DEFAULT_SEQ_LEN
     sources = check_data(parse_data(data, split, data_config, text_column), samples)  # before a model is read
     model_dir = resolve_model(model)
+    if not is_packed(model_dir) and on_transformers_path(model_dir, path):
+        _calibrate_transformers(model, model_dir, r, data, split, samples, seq_len, out, device, gpus, resume,
+                                offload_activations, propagate, data_config, text_column)
+        return
     src_args = HFCheckpoint(model_dir).args if not is_packed(model_dir) else None  # validates the config
     n_layers = src_args.n_layers if src_args is not None else 1
     if from_recipe and src_args is not None and seq_len > src_args.max_seq_len:  # the recipe's "as long as served"
@@ -126,6 +133,36 @@ def calibrate(
         ex = e.get("experts")
         t.add_row(str(e["layer"]), e["ffn"], f"{min(ex['tokens'])} / {max(ex['tokens'])}" if ex else "-",
                   f"{ex['min_over_max']:.2f}" if ex else "-", f"{e['k_absmax']:.2f}", f"{e['v_absmax']:.2f}")
+    show_table(t)
+
+
+def _calibrate_transformers(model, model_dir, r, data, split, samples, seq_len, out, device, gpus, resume, offload,
+                            propagate, data_config, text_column) -> None:
+    """The transformers path (calibrate/generic_capture.py): a model type moec's engine does not implement, or
+    --path transformers."""
+    from ..calibrate.generic_capture import calibrate_generic
+    from ..hf.runner import model_type
+
+    if gpus is not None or resume or offload or propagate != "fp":
+        raise UserError("the transformers path calibrates in one process, from the start, with --propagate fp "
+                        "(drop --gpus, --resume, --offload-activations, --propagate quantized)")
+    mt = model_type(model_dir)
+    console.log(f"calibrating {model} ({mt}) through transformers' modeling code with recipe {r.name} on "
+                f"{data}/{split}: {samples} × {seq_len} tokens")
+    import json
+
+    n_layers = json.loads((model_dir / "config.json").read_text()).get("num_hidden_layers", 0)
+    with progress_bar("calibrate layers", n_layers) as advance:
+        report = calibrate_generic(model_dir, model, r, data, split, samples, seq_len, r.calibration.seed, out,
+                                   device=device, data_config=data_config, text_column=text_column,
+                                   progress=lambda i, n: advance())
+    t = Table(title=f"calibration → {out} (transformers path)")
+    for c in ("layer", "expert tokens (min / max)", "min/max", "fitted"):
+        t.add_column(c)
+    for e in report["layers"]:
+        ex = e.get("experts")
+        t.add_row(str(e["layer"]), f"{min(ex['tokens'])} / {max(ex['tokens'])}" if ex else "-",
+                  f"{ex['min_over_max']:.2f}" if ex else "-", str(len(e.get("weights", {}))))
     show_table(t)
 
 

@@ -8,6 +8,7 @@ KL without a second model in memory: `moec eval BASE --save-logits base.logits` 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -83,6 +84,8 @@ def eval_(
                                    rich_help_panel=LATENCY),
     plot: Path | None = typer.Option(None, "--plot", help="PNG of ms/token against context",
                                      rich_help_panel=LATENCY),
+    path: str = typer.Option("auto", "--path", help="engine (moec's own model code), transformers (transformers' "
+                             "modeling code), or auto: the engine for the types it implements"),
 ) -> None:
     """Perplexity, KL to a baseline and effective bits; with --latency, decode speed against the HBM floor.
 
@@ -98,6 +101,9 @@ def eval_(
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         raise UserError(f"--device {device!r} is not available here (cpu, or cuda on a GPU machine)")
+    if latency and model is not None and random is None and _transformers_path(model, path):
+        _latency_transformers(model, batches, contexts, steps, json_out)
+        return
     if latency:
         from .latency_cmd import latency as run_latency
 
@@ -115,8 +121,11 @@ def eval_(
     if window <= CONTEXT + 1:
         raise UserError(f"--seq-len must exceed the {CONTEXT}-token context, got {window}")
     model_dir = resolve_model(model)
+    generic = _transformers_path(model, path)
+    if generic and stream_layers:
+        raise UserError("--stream-layers is moec's engine's; the transformers path evaluates the whole model")
     src = None
-    if stream_layers or device == "cuda":
+    if not generic and (stream_layers or device == "cuda"):
         src = LayerSource(model_dir, DTYPES[dtype], device)
         if not stream_layers and model_bytes(src) > 0.9 * torch.cuda.mem_get_info()[0]:
             stream_layers = True
@@ -131,13 +140,22 @@ def eval_(
         cand = SimpleNamespace(args=src.args)
         info = {"kind": "hf", "w_bits": weight_bits(src.hf.meta_state_dict())} if src.manifest is None else {
             "kind": "packed", "manifest": src.manifest, "w_bits": src.manifest["effective_bits"]["w_bits"]}
+    elif generic:  # transformers' modeling code (moec/hf/runner.py)
+        from ..hf.runner import load_runner
+
+        cand, info = load_runner(model_dir, DTYPES[dtype], device)
     else:
         cand, info = load_model(model_dir, DTYPES[dtype], device)
     if window > cand.args.max_seq_len:
         raise UserError(f"--seq-len {window} is longer than the model supports ({cand.args.max_seq_len} tokens)")
     base = None
     if baseline is not None:
-        base, _ = load_model(resolve_model(baseline), DTYPES[dtype], device)
+        if _transformers_path(baseline, path if not generic else "auto"):
+            from ..hf.runner import load_runner
+
+            base, _ = load_runner(resolve_model(baseline), DTYPES[dtype], device)
+        else:
+            base, _ = load_model(resolve_model(baseline), DTYPES[dtype], device)
         if base.args.vocab_size != cand.args.vocab_size:
             raise UserError(f"baseline {baseline!r} has another vocabulary ({base.args.vocab_size} vs "
                             f"{cand.args.vocab_size}); KL needs the same tokenizer")
@@ -155,7 +173,8 @@ def eval_(
     record = LogitRecorder(len(windows), window - CONTEXT, cand.args.vocab_size) if save_logits else None
 
     recipe = info["manifest"]["recipe"]["name"] if info["kind"] == "packed" else "source"
-    cache_factory = None if stream_layers else kv_cache_factory(info, cand.args) or fp16_cache  # dec mode's
+    cache_factory = None if stream_layers else cand.cache_factory if generic else \
+        kv_cache_factory(info, cand.args) or fp16_cache  # dec mode's
     records = []
     positions = len(windows) * (window - CONTEXT)  # the scored ones: progress inside a window too (perplexity.py)
     for m in modes:
@@ -178,7 +197,7 @@ def eval_(
             "w_bits": info["w_bits"], "scored_tokens": r["scored_tokens"],
             "q_bits": info["manifest"]["effective_bits"].get("q_bits") if info["kind"] == "packed" else None,
             "baseline": baseline if saved is None else f"{saved.manifest['model']} (logits {baseline_logits})",
-            "stream_layers": stream_layers,
+            "stream_layers": stream_layers, "path": "transformers" if generic else "engine",
             "peer": {},
         }
         records.append(rec)
@@ -190,6 +209,46 @@ def eval_(
     if json_out is not None:
         write_json_atomic(json_out, records)
         console.log(f"wrote {json_out}")
+
+
+def _transformers_path(model: str, path: str) -> bool:
+    from ..hf.runner import on_transformers_path
+
+    return on_transformers_path(resolve_model(model), path)
+
+
+def _latency_transformers(model: str, batches: str, contexts: str, steps: int, json_out: Path | None) -> None:
+    """`moec eval --latency` on a model moec's engine does not run: said in one line, then the transformers
+    path's decode steps timed (hf/runner.time_decode) at each batch and context."""
+    from ..hf.runner import load_runner, model_type
+    from .latency_cmd import parse_ints
+
+    model_dir = resolve_model(model)
+    mt = model_type(model_dir) if not (model_dir / "moec.json").is_file() else \
+        json.loads((model_dir / "config.json").read_text()).get("model_type")
+    console.print(f"{model}: moec's engine does not run {mt!r} (or this pack's layout); timing the transformers "
+                  f"path (its own modeling code, DynamicCache), not moec's decode engine", markup=False,
+                  highlight=False, soft_wrap=True)
+    if not torch.cuda.is_available():
+        raise UserError("--latency needs a CUDA GPU (docs/metrics.md: CPU timings are not reported as speed)")
+    runner, info = load_runner(model_dir, torch.bfloat16, "cuda")
+    records = []
+    for b in parse_ints(batches, "--batches"):
+        for ctx in parse_ints(contexts, "--contexts"):
+            from ..hf.runner import time_decode
+
+            rec = base_record("moec-latency", "cuda") | {"shape": model, "method": "transformers", "batch": b,
+                                                           "context": ctx, "dtype": "bf16", "path": "transformers"}
+            try:
+                rec |= time_decode(runner, b, ctx, steps, "cuda")
+            except Exception as e:  # a context that does not fit: recorded, the others still run
+                rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                torch.cuda.empty_cache()
+            records.append(rec)
+            out_console.print(f"batch {b} context {ctx}: " + (f"{rec['ms_median']:.2f} ms/token (transformers path)"
+                                                              if "ms_median" in rec else rec["error"]))
+    if json_out is not None:
+        write_json_atomic(json_out, records)
 
 
 def _model_sha(model_dir: Path, info: dict) -> str:

@@ -9,6 +9,7 @@ import typer
 
 from ..calibrate.sources import load_tokenizer, resolve_model
 from ..errors import UserError
+from ..runtime.generate import generate as run_generate
 from ..runtime.generate import runtime_generate
 from ..runtime.loader import load_model
 from .common import console, out_console
@@ -25,6 +26,8 @@ def generate(
     device: str = typer.Option("cpu", help="cpu or cuda"),
     dtype: str | None = typer.Option(None, help="compute dtype: fp32 (default on cpu) or bf16 (default on cuda)"),
     stop_at_eos: bool = typer.Option(True, "--stop-at-eos/--no-stop-at-eos", help="stop at the tokenizer's EOS"),
+    path: str = typer.Option("auto", "--path", help="engine (moec's own model code), transformers (transformers' "
+                             "modeling code), or auto: the engine for the types it implements"),
 ) -> None:
     """Stream text from a model or packed checkpoint (its KV codec and expert codecs, greedy by default)."""
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
@@ -41,8 +44,16 @@ def generate(
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     if not ids:
         raise UserError("--prompt is empty after tokenization")
+    from ..hf.runner import on_transformers_path
+
+    generic = on_transformers_path(model_dir, path)
     with console.status(f"loading {model}"):
-        m, info = load_model(model_dir, DTYPES[dtype], device)
+        if generic:  # transformers' modeling code (moec/hf/runner.py), DynamicCache
+            from ..hf.runner import load_runner
+
+            m, info = load_runner(model_dir, DTYPES[dtype], device)
+        else:
+            m, info = load_model(model_dir, DTYPES[dtype], device)
     if len(ids) + max_new_tokens > m.args.max_seq_len:
         raise UserError(f"prompt ({len(ids)} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
                         f"maximum of {m.args.max_seq_len} tokens")
@@ -59,9 +70,14 @@ def generate(
             shown = text
 
     t0 = time.perf_counter()
-    runtime_generate(m, info, ids, max_new_tokens, temperature=temperature, seed=seed, on_token=on_token,
-                     eos_id=tok.eos_token_id if stop_at_eos else None)
+    eos = tok.eos_token_id if stop_at_eos else None
+    if generic:
+        run_generate(m, ids, max_new_tokens, temperature=temperature, seed=seed, on_token=on_token, eos_id=eos,
+                 cache_factory=m.cache_factory)
+    else:
+        runtime_generate(m, info, ids, max_new_tokens, temperature=temperature, seed=seed, on_token=on_token,
+                         eos_id=eos)
     dt = time.perf_counter() - t0
     out_console.print()
     console.print(f"[dim]{len(out)} tokens in {dt:.2f} s ({len(out) / dt:.1f} tok/s, {device}, {dtype}, "
-                  f"kv {(info.get('kv') or {}).get('codec', 'fp16')})[/dim]")
+                  f"kv {(info.get('kv') or {}).get('codec', 'fp16')}{', transformers path' * generic})[/dim]")

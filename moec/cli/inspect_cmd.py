@@ -24,7 +24,8 @@ from rich.table import Table
 from ..formats.checkpoint import MANIFEST, check_model_fields, verify
 from .common import out_console, show_table, write_json_atomic
 
-_LAYER = re.compile(r"^((?:kv\.)?layers)\.(\d+)\.(.+)$")  # canonical and KV-calibration per-layer names
+# canonical and KV-calibration per-layer names, and transformers' (`model.layers.3.`: layout "hf" packs)
+_LAYER = re.compile(r"^((?:kv\.)?(?:model\.)?layers)\.(\d+)\.(.+)$")
 
 
 def inspect(

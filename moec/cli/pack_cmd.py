@@ -33,7 +33,14 @@ def pack(
         raise UserError("pack MODEL CALIB_DIR packs with the calibration's recipe: --recipe / --scheme are for "
                         "--random")
     model_dir = resolve_model(model)
-    m = run_pack(model_dir, model, calib, out)  # its long steps show their progress (moec/progress.py)
+    from ..calibrate.generic_capture import is_generic_calibration
+
+    if is_generic_calibration(calib):  # calibrated on the transformers path: a layout-"hf" pack
+        from ..calibrate.generic_pack import pack_any
+
+        m = pack_any(model_dir, model, calib, out)
+    else:
+        m = run_pack(model_dir, model, calib, out)  # its long steps show their progress (moec/progress.py)
     b = m["effective_bits"]
     out_console.print(f"packed {model} → {out}: {len(m['recipe']['weights'])} weight rules, "
                       f"w_bits {b['w_bits']:.3f}, {b['model_bytes'] / 2**20:.1f} MiB")

@@ -54,6 +54,9 @@ class PackedModel:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.manifest = verify(self.path)
+        if self.manifest.get("layout") == "hf":
+            raise UserError(f"{self.path}: packed on the transformers path (layout hf); export maps moec's canonical "
+                            f"tensors only")
         check_model_fields(self.manifest, self.path / MANIFEST)
         check_quant_parts(self.path, self.manifest)  # parts, shapes and dtypes each codec stores (untrusted input)
         self.args = ModelArgs.from_dict(self.manifest["model_args"])

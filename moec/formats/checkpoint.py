@@ -146,7 +146,8 @@ def quantization_config(manifest: dict) -> dict:
             "codec": r.get("codec"), "num_bits": r.get("bits"), "group_size": group,
             "strategy": "group" if group else "channel"}}
     kv = recipe.get("kv") if manifest.get("kv") is not None else None
-    return {"quant_method": "moec", "format": FORMAT, "format_version": FORMAT_VERSION, "config_groups": groups,
+    return {"quant_method": "moec", "format": FORMAT, "format_version": FORMAT_VERSION,
+            "layout": manifest.get("layout", "canonical"), "config_groups": groups,
             "kv_cache_scheme": None if kv is None else {"codec": kv.get("codec"), "num_bits": kv.get("bits"),
                                                         "window": kv.get("window"), "sinks": kv.get("sinks")},
             "ignore": [], "w_bits": (manifest.get("effective_bits") or {}).get("w_bits")}
@@ -282,6 +283,8 @@ def check_manifest(m: dict, where: str | Path = MANIFEST) -> None:
 def check_model_fields(m: dict, where: str | Path = MANIFEST) -> None:
     """The model-level fields that the runtime and `moec inspect` read have their JSON types (FormatError)."""
     for key, tp in _MODEL_FIELDS.items():
+        if key == "model_args" and m.get("layout") == "hf":  # the transformers path: config.json describes it
+            continue
         if not isinstance(m.get(key), tp):
             raise FormatError(f"{where}: {key!r} must be a JSON object, got {type(m.get(key)).__name__}")
     if not isinstance(m["source"].get("model"), str) or not isinstance(m["recipe"].get("name"), str):

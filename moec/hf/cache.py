@@ -118,7 +118,9 @@ class MoecCache(Cache):
                             f"DynamicCache")
         names = [n for n in manifest["tensors"] if n.startswith("kv.")]
         tensors = checkpoint.load_tensors(path, manifest, names)
-        return cls(kv_section(manifest), tensors, ModelArgs.from_dict(manifest["model_args"]), max_len)
+        # a transformers-path pack (layout hf) records the attention shapes as hf.kv_args (hf/generic.kv_args)
+        args = manifest["model_args"] if "model_args" in manifest else (manifest.get("hf") or {}).get("kv_args")
+        return cls(kv_section(manifest), tensors, ModelArgs.from_dict(args), max_len)
 
     def moec_cache(self, key_states: torch.Tensor) -> TieredKVCache:
         B = key_states.shape[0]

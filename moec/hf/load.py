@@ -45,6 +45,7 @@ from ..rotation import rotate
 from ..runtime.experts import HEAD_PARAM, ExpertWeights, QLinear, QuantMatrix, pop_quant_experts
 from ..runtime.loader import check_state_shapes, load_state
 from ..runtime.model import combine_experts
+from . import generic
 
 QUANT_METHOD = "moec"
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
@@ -243,12 +244,17 @@ class MoecHfQuantizer(HfQuantizer):
         self.tied = getattr(model, "all_tied_weights_keys", None)
         if self.tied is not None:
             model.all_tied_weights_keys = {}
-        use_moec_attention(model)
+        manifest = checkpoint.read_manifest(self.path)
+        if not generic.is_generic(manifest) or manifest.get("kv"):  # weight-only generic packs: the model's own
+            use_moec_attention(model)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.tied is not None:
             model.all_tied_weights_keys = self.tied
+        manifest = checkpoint.read_manifest(self.path)
+        if generic.is_generic(manifest):  # layout "hf": transformers' own names (hf/generic.py)
+            return generic.attach_generic(model, self.path)
         return attach_packed(model, self.path)
 
     def is_serializable(self):
@@ -276,9 +282,17 @@ def from_pretrained(path: str | Path, device: str | torch.device = "cpu", dtype:
     written included: built from its config.json (random init, then every tensor replaced) and filled by
     `attach_packed`. `AutoModelForCausalLM.from_pretrained(path)` gives the same model where the index exists."""
     path = Path(path)
-    checkpoint.read_manifest(path)  # a clear FormatError before transformers reads anything
+    manifest = checkpoint.read_manifest(path)  # a clear FormatError before transformers reads anything
     cfg = checkpoint.source_hf_config(json.loads((path / "config.json").read_text()))
     config = AutoConfig.for_model(**cfg)
+    if generic.is_generic(manifest):
+        from .stream import params_on_meta
+
+        with params_on_meta():  # every parameter is replaced from the pack: none is allocated twice
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if manifest.get("kv"):  # a KV codec: MoecCache's history attention (cache.py)
+            use_moec_attention(model)
+        return generic.attach_generic(model, path).to(device).eval()
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     use_moec_attention(model)
     return attach_packed(model, path).to(device).eval()

@@ -46,6 +46,9 @@ def open_packed(path: str | Path) -> tuple[ModelArgs, dict]:
     """(args, manifest) of a packed checkpoint, verified and checked for what this runtime executes; no
     tensor is loaded (checkpoint.load_tensors reads them, all or by name)."""
     manifest = checkpoint.verify(path)
+    if manifest.get("layout") == "hf":  # transformers' names and modeling code, not the engine's canonical model
+        raise FormatError(f"{path}: packed on the transformers path (layout hf): moec's engine does not run it; "
+                          f"`moec eval` / `moec generate` (--path auto) and transformers' from_pretrained do")
     checkpoint.check_model_fields(manifest, Path(path) / checkpoint.MANIFEST)
     stored_layers = len({n.split(".")[1] for n in manifest["tensors"] if n.startswith("layers.")})
     if manifest["model_args"].get("n_layers") != stored_layers:  # before ModelArgs builds per-layer lists

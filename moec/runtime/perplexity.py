@@ -155,7 +155,9 @@ def evaluate(model: Transformer, windows: torch.Tensor, mode: str, baseline: Tra
                 tot.add(logits, x[0, CONTEXT:], base)
         else:
             cache = cache_factory(model, B, W)
-            bcache = fp16_cache(baseline, B, W) if baseline is not None else None  # the baseline: fp16 KV
+            # the baseline: fp16 KV (its own cache_factory where it has one: a transformers-path model)
+            bcache = (getattr(baseline, "cache_factory", None) or fp16_cache)(baseline, B, W) if baseline is not None \
+                else None
             rows = slice(s, s + B)
             sbase = saved(mode, rows, slice(None)).to(dev) if saved is not None else None  # [B, W - CONTEXT, V]
             logits = model(batch[:, :CONTEXT], cache, 0)[:, -1]
