@@ -1,7 +1,7 @@
 """The transformers path on every tiny MoE type of `moec.hf.tiny` (one random config per causal-LM MoE type of
 transformers, with its special layers), in process, per type:
 
-  identity   the fp16 identity pack (recipes/fp16.yaml) through moec.hf.from_pretrained: logits against the
+  identity   the fp16 identity pack (the shipped fp16 recipe) through moec.hf.from_pretrained: logits against the
              source model's (relative L2, fp32; target <= 1e-5)
   quant      a calibrated pack (experts rtn 4-bit, attention / dense / shared MLPs rtn 4-bit; 1 x 16 tokens of PTB
              train) against the source with its quantized matrices dequantized (moec.hf.generic.dequantized_reference;

@@ -31,7 +31,7 @@ from ..hf.generic import (
 from ..hf.stream import SourceModel
 from ..provenance import environment
 from ..registry import default_weight, kv_codec, stored_as_is, weight_codec
-from .pack_kv import encode_kv_tensors, kv_manifest
+from .pack_kv import encode_kv_tensors, kv_manifest, kv_view
 from .recipe import Recipe
 from .sources import TOKENIZER_FILES
 
@@ -96,7 +96,7 @@ def bind_kv(model, recipe: Recipe):
                             f"linear attention, sliding window or sinks) cannot be held by moec's KV codecs; use a "
                             f"recipe without `kv:` (expert and linear rules still apply)")
     args = kv_args(model)
-    section = kv_manifest(recipe, args)
+    section = kv_view(recipe, kv_manifest(recipe, args))
     if spec.rope_pre is not None and spec.hook("rope_pre")(section):
         raise UserError(f"kv codec {recipe.kv.codec}: rope: pre encodes keys before RoPE, and the transformers path "
                         f"sees them after it; use rope: post")

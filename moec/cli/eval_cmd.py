@@ -8,7 +8,6 @@ KL without a second model in memory: `moec eval BASE --save-logits base.logits` 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -224,8 +223,7 @@ def _latency_transformers(model: str, batches: str, contexts: str, steps: int, j
     from .latency_cmd import parse_ints
 
     model_dir = resolve_model(model)
-    mt = model_type(model_dir) if not (model_dir / "moec.json").is_file() else \
-        json.loads((model_dir / "config.json").read_text()).get("model_type")
+    mt = model_type(model_dir)
     console.print(f"{model}: moec's engine does not run {mt!r} (or this pack's layout); timing the transformers "
                   f"path (its own modeling code, DynamicCache), not moec's decode engine", markup=False,
                   highlight=False, soft_wrap=True)

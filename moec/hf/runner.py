@@ -22,10 +22,12 @@ from ..runtime.hf_layout import SUPPORTED as ENGINE_TYPES
 
 
 def model_type(model_dir: Path) -> str | None:
+    """The source architecture's model_type of an HF directory or a packed one (whose config.json carries
+    moec's own model_type: formats/checkpoint.hf_config_json)."""
     import json
 
     f = Path(model_dir) / "config.json"
-    return json.loads(f.read_text()).get("model_type") if f.is_file() else None
+    return checkpoint.source_model_type(json.loads(f.read_text())) if f.is_file() else None
 
 
 def on_transformers_path(model_dir: Path, path: str = "auto") -> bool:

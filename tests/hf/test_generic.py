@@ -3,7 +3,7 @@ models of four MoE types (2 layers, hidden 64, 4 experts, vocab 8192 = the demo-
 qwen3_moe (a dense layer through mlp_only_layers), deepseek_v3 (MLA, shared experts, a leading dense layer,
 group-limited sigmoid routing), gpt_oss (transposed biased experts with a clamped gate, sinks, a sliding layer).
 
-Per type, one module-scoped build: the source saved as transformers saves it, an identity pack (recipes/fp16.yaml)
+Per type, one module-scoped build: the source saved as transformers saves it, an identity pack (the shipped fp16 recipe)
 and a calibrated pack (experts hls 2-bit, attention / dense / shared MLPs rtn 4-bit, router fp8) on 2 x 16 tokens.
 Checks: the identity pack's logits equal the source's (fp32, <= 1e-5 relative); the quantized pack's logits equal
 the source model with its quantized matrices replaced by their dequantized values (<= 1e-4 relative);
@@ -86,7 +86,7 @@ def built(request, tmp_path_factory, short_ptb):
     tmp = tmp_path_factory.mktemp(mt)
     src = tmp / "src"
     model = save_tiny(mt, src)
-    pack_generic(src, mt, load_recipe("recipes/fp16.yaml"), tmp / "fp16")
+    pack_generic(src, mt, load_recipe("fp16"), tmp / "fp16")
     calibrate_generic(src, mt, parse_recipe(RECIPE), "ptb", "train", 2, 16, 0, tmp / "calib", batch_size=2)
     pack_any(src, mt, tmp / "calib", tmp / "q")
     return mt, model, tmp

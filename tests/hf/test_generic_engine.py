@@ -17,6 +17,7 @@ import yaml
 
 from moec.calibrate import data
 from moec.calibrate.capture import run_layers
+from moec.calibrate.catalog import find_recipe
 from moec.calibrate.dataspec import parse_data, sample_mix
 from moec.calibrate.generic_capture import calibrate_generic
 from moec.calibrate.generic_pack import pack_any
@@ -49,7 +50,7 @@ def demo(tmp_path_factory):
 def test_hessians_match_engine(demo):
     src, tmp = demo
     # the identity recipe fits nothing: the capture alone, every Hessian kept (keep_hessians)
-    calibrate_generic(src, "demo-moe", load_recipe("recipes/fp16.yaml"), "ptb", "train",
+    calibrate_generic(src, "demo-moe", load_recipe("fp16"), "ptb", "train",
                       SAMPLES, SEQ, 0, tmp / "g-stats", keep_hessians=True, batch_size=SAMPLES)
     from safetensors.torch import load_file
 
@@ -108,7 +109,7 @@ def test_hls_ppl_matches_engine(demo):
     src, tmp = demo
     # experts-hls2 with GPTQ's error feedback off: the codebooks still fitted with each expert's Hessian (its
     # diagonal), in a third of the time (the full recipe: +0.007% ppl, measured once, see the module docstring)
-    recipe = yaml.safe_load(open("recipes/experts-hls2.yaml"))
+    recipe = yaml.safe_load(open(find_recipe("experts-hls2")))
     recipe["weights"][0]["gptq"] = False
     hls2 = parse_recipe(recipe)
     calibrate(src, "demo-moe", hls2, "ptb", "train", SAMPLES, SEQ, 0, tmp / "e-hls")
@@ -129,7 +130,7 @@ def test_kv_calibration_matches_engine(demo):
     """kv-nuq2-rot (post-RoPE keys) calibrated through transformers' attention interface (attention function
     "moec_capture") gives the engine's KV codec tensors, and the pack runs its cache through MoecCache."""
     src, tmp = demo
-    r = parse_recipe({"name": "t-kv", "kv": yaml.safe_load(open("recipes/kv-nuq2-rot.yaml"))["kv"]
+    r = parse_recipe({"name": "t-kv", "kv": yaml.safe_load(open(find_recipe("kv-nuq2-rot")))["kv"]
                       | {"window": 16, "sinks": 2, "block": 16}})
     calibrate(src, "demo-moe", r, "ptb", "train", 2, SEQ, 0, tmp / "e-kv")
     calibrate_generic(src, "demo-moe", r, "ptb", "train", 2, SEQ, 0, tmp / "g-kv")
@@ -149,7 +150,7 @@ def test_kv_calibration_matches_engine(demo):
 
 
 def test_identity_pack_of_demo_moe_is_bit_exact(demo):
-    """demo-moe (bf16, per-expert w1/w2/w3 in its checkpoint) packed with recipes/fp16.yaml on the transformers
+    """demo-moe (bf16, per-expert w1/w2/w3 in its checkpoint) packed with the fp16 recipe on the transformers
     path: every stored tensor is transformers' in-memory bf16 tensor (experts fused by its conversions), bit for
     bit, and the pack's logits are the source's."""
     import transformers as T
@@ -158,7 +159,7 @@ def test_identity_pack_of_demo_moe_is_bit_exact(demo):
     from moec.hf import from_pretrained
 
     src, tmp = demo
-    pack_generic(src, "demo-moe", load_recipe("recipes/fp16.yaml"), tmp / "g-fp16")
+    pack_generic(src, "demo-moe", load_recipe("fp16"), tmp / "g-fp16")
     manifest = checkpoint.verify(tmp / "g-fp16")
     got = checkpoint.load_tensors(tmp / "g-fp16", manifest)
     model = T.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)

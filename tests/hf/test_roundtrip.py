@@ -119,7 +119,9 @@ def test_generate_through_moec_cache_matches_runtime_decode_pre_rope(packs, mode
     hf, rt, info = models["nuq_pre"]
     got, want, plain, cache = _generate_vs_runtime(packs["nuq_pre"], hf, rt, info)
     assert cache.cache.n_blocks == [2] * rt.args.n_layers and cache.cache.rope_pre
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # fp32 rounding: 40 steps of two different programs; with 2 threads the matmuls' reduction order differs from 1
+    # thread's and 4 of 327,680 logits then differ by 1.5e-4 (1 thread: all within 1e-4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=3e-4)
     assert (plain - want)[-17:].abs().amax(-1).min() > 0.01  # every step over the history sees the codec
 
 
