@@ -9,6 +9,11 @@ times a 4-bit integer, is exact in fp32), so gguf.quants.dequantize and moec's d
 bit (tests/export/test_export_gguf.py). llama.cpp's own matmuls then quantize activations (Q8_1): its
 logits differ from moec's by that, not by the weights (benchmarks/export_llamacpp_check.py).
 
+mxfp4 -> GGML MXFP4, whose 17-byte block of 32 weights is the e8m0 byte e, then 16 bytes of which byte j holds
+code j in its low nibble and code j + 16 in its high one (moec's codes put inputs 2j, 2j + 1 in one byte:
+repacked); llama.cpp computes kvalue · 2^(e − 128) with kvalues the doubled e2m1 values, moec e2m1 · 2^(e − 127):
+the same fp32 products, exactly (tests/export/test_export_fp4.py).
+
 Kept tensors keep their values: 1-D ones and the router as F32 (as llama.cpp's converter writes them),
 matrices in their stored dtype (F16, BF16 or F32). Attention q/k rows are permuted from the HF
 rotate-half layout to GGML's interleaved RoPE pairs, as llama.cpp's converter does; a row permutation moves
@@ -88,6 +93,27 @@ def q4_1_blocks(p: Param) -> torch.Tensor:
     return torch.cat([d, m, qs], -1).reshape(E, O, G * 20)
 
 
+def mxfp4_reason(p: Param) -> None:
+    """The mxfp4 codec's GGUF hook: GGML's MXFP4 block is moec's mxfp4 block (e8m0 scale per 32 e2m1 codes)."""
+    return None
+
+
+def mxfp4_tensor(p: Param):
+    """The mxfp4 codec's GGUF tensor: (MXFP4 blocks [E, O, G·17] uint8, the GGML type)."""
+    import gguf
+
+    E, O, I = p.parts["codes"].shape[0], p.parts["codes"].shape[1], p.shape[-1]
+    G = I // 32
+    c = bitpack.unpack(p.parts["codes"], 4, I).view(E, O, G, 32).to(torch.uint8)
+    qs = c[..., :16] | (c[..., 16:] << 4)
+    return torch.cat([p.parts["scale"].contiguous().view(E, O, G, 1), qs], -1).reshape(E, O, G * 17), \
+        gguf.GGMLQuantizationType.MXFP4
+
+
+# the file type a GGUF declares (general.file_type, informational) by the GGML type of its quantized tensors
+_FILE_TYPE = {"Q4_1": "MOSTLY_Q4_1", "MXFP4": "MOSTLY_MXFP4_MOE"}
+
+
 def permute_rope_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
     """Rows [n_head·hd, ...] from HF's rotate-half order to GGML's interleaved pairs (per head: rows
     0, hd/2, 1, hd/2 + 1, ...), what llama.cpp's converter does to q and k."""
@@ -124,13 +150,13 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
     a = model.args
     dense = not a.is_moe
     tensors: dict[str, tuple[np.ndarray, object]] = {}
-    q4 = 0
+    qtypes: dict[str, int] = {}  # GGML type name -> quantized tensors of it
     for p in model.params.values():
         if p.kept:  # 1-D tensors and the router in F32, as llama.cpp's converter writes them
             t = p.tensor.float() if p.tensor.dim() == 1 or p.name.endswith("router.weight") else p.tensor
         else:  # the codec's registered GGUF mapping (rtn 4-bit g32: Q4_1 blocks [E, O, G·20])
             t, qtype = export_tensors(p, "gguf")
-            q4 += 1
+            qtypes[qtype.name] = qtypes.get(qtype.name, 0) + 1
         if t.dim() == 3 and (len(p.shape) == 2 or (dense and ".moe.w" in p.name)):
             t = t[0]  # attention projections and dense MLPs are plain matrices in GGUF
         if p.name.endswith(("attn.wq.weight", "attn.wk.weight")):
@@ -141,7 +167,8 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
     with atomic_dir(out, is_output=is_export, what="a moec export", size_hint=size) as tmp:
         w = gguf.GGUFWriter(str(tmp / GGUF_FILE), "llama")
         w.add_name(str(model.manifest["source"].get("model", "moec export")))
-        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if q4 else gguf.LlamaFileType.MOSTLY_F16)
+        main = max(qtypes, key=qtypes.get) if qtypes else None
+        w.add_file_type(getattr(gguf.LlamaFileType, _FILE_TYPE.get(main, "MOSTLY_F16")))
         w.add_vocab_size(a.vocab_size)
         w.add_context_length(a.max_seq_len)
         w.add_embedding_length(a.dim)
@@ -165,7 +192,8 @@ def write_gguf(model: PackedModel, out: Path) -> dict:
         w.write_tensors_to_file()
         w.close()
         info = {"format": "gguf", "file": GGUF_FILE, "source": str(model.path), "arch": "llama",
-                "q4_1_tensors": q4, "tensors": len(tensors), "tokenizer": vocab}
+                "q4_1_tensors": qtypes.get("Q4_1", 0),
+                "quantized_tensors": qtypes, "tensors": len(tensors), "tokenizer": vocab}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
     return info
 
