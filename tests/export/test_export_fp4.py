@@ -67,7 +67,8 @@ def test_nvfp4_exports_to_nvfp4_pack_quantized_exactly(tmp_path, monkeypatch):
         for e, name in enumerate(hf_names(param, ARGS)):
             back = got.pop(name.removesuffix(".weight"))
             # the library decodes into bf16; moec's weights are bf16 values (power-of-two global scales)
-            assert back.dtype == torch.bfloat16 and torch.equal(back.float(), w[e]), (name, (back.float() - w[e]).abs().max())
+            assert back.dtype == torch.bfloat16, (name, back.dtype)
+            assert torch.equal(back.float(), w[e]), (name, (back.float() - w[e]).abs().max())
             n += 1
     assert not got and n == info["quantized_modules"] == 2 * (3 * 4 + 4)
 
