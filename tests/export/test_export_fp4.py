@@ -16,6 +16,7 @@ from moec.export import export
 from moec.export.to_ct import hf_names
 from moec.export.to_gguf import gguf_name, permute_rope_rows
 from moec.runtime import fp4
+from moec.runtime.config import ModelArgs
 
 from .packs import ARGS, pack, rule, runtime_weights
 
@@ -100,3 +101,47 @@ def test_fp4_refused_by_the_other_format(tmp_path, codec, group, fmt, other, why
                                         rf"{why}.*--format {other}"):
         export(p, fmt, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_nvfp4_ct_export_loads_in_transformers(tmp_path, monkeypatch):
+    """A dense Llama with nvfp4 MLPs and attention: transformers loads the export (compressed-tensors decompresses
+    it, into bf16 weights) with every quantized weight equal to moec's; in fp32 the logits equal moec's
+    dequantized model's. compressed-tensors 0.20 gives bf16 weights even under dtype=float32 (the forward then
+    fails on the dtype), so the fp32 check upcasts the loaded weights; the Mixtral experts are not loaded by
+    transformers 5.17 from any ct export (per-expert Linears against its fused experts: moec/export/to_ct.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from moec.runtime.loader import load_model
+
+    monkeypatch.setattr(fp4, "random_nvfp4", varied_nvfp4)
+    args = ModelArgs(**{**ARGS.to_dict(), "arch": "llama", "n_experts": 0, "top_k": 0, "expert_dim": 0,
+                        "ffn_kinds": ["dense"] * 2, "dense_dim": 96})
+    p = pack(tmp_path / "p", rule(["mlp", "attention"], "nvfp4", 4, 16), args=args)
+    export(p, "ct", tmp_path / "c")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.bfloat16)
+    tokens = torch.randint(0, args.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(hf(tokens).logits).all()  # the first forward decompresses the modules in place
+    mods = dict(hf.named_modules())
+    for param, w in runtime_weights(p).items():
+        for e, name in enumerate(hf_names(param, args)):
+            got = mods[name.removesuffix(".weight")].weight
+            assert got.dtype == torch.bfloat16 and torch.equal(got.float(), w[e]), name
+    for prm in hf.parameters():
+        prm.data = prm.data.float()
+    model, _ = load_model(p)
+    want = model(tokens).float()
+    assert (hf(tokens).logits - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_nvfp4_with_a_global_scale_that_rounds_is_refused(tmp_path, monkeypatch):
+    """A global scale that is not a power of two makes products the library's bf16 decode would round."""
+    def odd(*a, **k):
+        parts = varied_nvfp4(*a, **k)
+        parts["global_scale"] = parts["global_scale"] * 1.3
+        return parts
+
+    monkeypatch.setattr(fp4, "random_nvfp4", odd)
+    p = pack(tmp_path / "p", rule(["experts"], "nvfp4", 4, 16))
+    with pytest.raises(UserError, match=r"layers\.0\.moe\.w1: codec nvfp4 4-bit cannot be exported as ct: "
+                                        r"compressed-tensors decodes nvfp4 into bf16"):
+        export(p, "ct", tmp_path / "c")
