@@ -6,6 +6,9 @@ exact (the other runtime's dequantization gives bit for bit the weights moec's `
     ct    compressed-tensors, an HF directory in the layout vLLM reads (export/to_ct.py): rtn whose zero
           is an integer multiple of its scale -> `pack-quantized` (int, asymmetric, group or channel);
           fp8 -> `float-quantized` (e4m3, channel); kept tensors as they are.
+    fp4   mxfp4 -> GGUF MXFP4 (e8m0 byte + 16 bytes of codes per 32 weights); nvfp4 -> compressed-tensors
+          `nvfp4-pack-quantized` (packed e2m1, e4m3 block scales, the fp32 global scale; power-of-two global
+          scales, so the library's bf16 decode is exact).
 
 Anything else (hls and fp3 codebooks, rtn of other group sizes or bits for GGUF, rtn with a fractional
 zero for ct, fp8 for GGUF) is a UserError naming the tensor, its codec and the formats that can carry it.
