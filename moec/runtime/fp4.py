@@ -118,8 +118,9 @@ def mxfp4_from_blocks(blocks: torch.Tensor, scales: torch.Tensor, name: str = "t
     moec's mxfp4 parts {codes [..., O, G·16], scale [..., O, G]}, bit for bit: gpt-oss packs input 2j of a
     block in the low nibble of byte j (transformers.integrations.mxfp4: lut[blk & 0x0F] fills the even
     inputs), as the 4-bit ROW layout does, its codes are e2m1 patterns and its scales e8m0 with bias 127
-    (the rows are the output features; gpt-oss's own dequantizer transposes to [in, out] afterwards).
-    FormatError for anything else (shapes, dtypes, the e8m0 NaN byte 255)."""
+    (the rows are the output features; gpt-oss's own dequantizer transposes to [in, out] afterwards). A row
+    permutation of both parts (gpt-oss's gate_up_proj interleaves gate and up rows: w1 = rows 0::2, w3 = 1::2)
+    moves whole blocks and stays exact. FormatError for anything else (shapes, dtypes, the e8m0 NaN byte 255)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise FormatError(f"{name}: MXFP4 blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() < 3 or blocks.shape[-1] != MX_BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
