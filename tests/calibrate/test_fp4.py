@@ -58,3 +58,15 @@ def test_nvfp4_global_scale_is_a_power_of_two_and_scales_fit_e4m3():
     w = dequantize_nvfp4(4, W.shape, st)
     assert torch.equal(w.bfloat16().float(), w)  # what makes the compressed-tensors export exact
     assert np.isclose(float(gs[0] / gs[1]), 128.0)
+
+
+@pytest.mark.parametrize(("codec", "group"), [("mxfp4", 16), ("nvfp4", 32), ("nvfp4", 0)])
+def test_a_block_other_than_the_formats_is_refused(codec, group):
+    from moec.calibrate.recipe import parse_recipe
+    from moec.errors import UserError
+
+    block = 32 if codec == "mxfp4" else 16
+    with pytest.raises(UserError, match=rf"^weights rule: codec {codec} scales blocks of {block} inputs: "
+                                        rf"group_size must be {block}, got {group}$"):
+        parse_recipe({"name": "x", "weights": [{"targets": ["experts"], "codec": codec, "bits": 4,
+                                                "group_size": group}]})
