@@ -7,7 +7,7 @@ nvfp4: blocks of 16 inputs, an fp8 e4m3 scale each and one fp32 global scale per
     compressed-tensors' `nvfp4-pack-quantized` (`moec export --format ct`).
 Both are fitted by calibrate/fp4.py (per-block scale search under the Hessian diagonal, then GPTQ error
 feedback; `gptq: false` the plain round-to-nearest of the consuming libraries), run by runtime/fp4.py and
-the fused kernels' MODE_FP4 (kernels/dequant.py: codes + an fp32 scale per block, decoded in registers);
+the fused kernels' MODE_FP4 (kernels/dequant.py: codes + an fp16/fp32 scale per block, decoded in registers);
 stored parts in formats/codecs.py.
 """
 

@@ -11,9 +11,9 @@ A weight row is a run of chunks along the input dim; each mode says what a chunk
   MODE_FP8    float8_e4m3fn weights, one chunk = one weight; the per-row scale is applied by the caller
               on the accumulated row (it commutes with the sum).
   MODE_DENSE  plain bf16/fp16/fp32 weights (the bf16 peer goes through the same kernels).
-  MODE_FP4    4-bit codes as MODE_LUT's (U4X2) holding e2m1 bit patterns + scale fp32 [.., O, G]:
+  MODE_FP4    4-bit codes as MODE_LUT's (U4X2) holding e2m1 bit patterns + scale fp16/fp32 [.., O, G]:
               w = e2m1(idx) · scale (mxfp4 / nvfp4, runtime/fp4.py): the value is built from the code's bits
-              (no table), so a block costs its codes and one fp32 scale.
+              (no table), so a block costs its codes and one scale.
   MODE_VQ     vector codebooks (runtime/weightcodecs.dequantize_vq): one code of W = bits·d bits per d
               consecutive inputs (BITSTREAM: code j at bits [W·j, W·j + W) of the row), a codebook fp16
               [E, K = 2^W, d] per matrix and a row scale [E, O], applied by the caller on the accumulated
@@ -62,8 +62,8 @@ class QWeight(NamedTuple):
     (FP8), None (DENSE), codebook fp16 [E, 2^(bits·d), d] (VQ). b: zero [E, O, G] (AFFINE), or for 2-bit LUT
     optionally runtime/experts.lut_poly(a) fp32 [E, O, G, 4] (the GEMV decodes through the cubic; the
     tensor-core paths ignore it), row scale fp16/fp32 [E, O] (VQ), else None. VQ data: BITSTREAM codes
-    uint8 [E, O, ceil(n_in / d · bits · d / 8)]. FP4: data 4-bit codes (e2m1 patterns), a fp32 block scales
-    [E, O, G], b None.
+    uint8 [E, O, ceil(n_in / d · bits · d / 8)]. FP4: data 4-bit codes (e2m1 patterns), a fp16/fp32 block
+    scales [E, O, G], b None.
     """
 
     mode: int
@@ -104,8 +104,8 @@ class QWeight(NamedTuple):
                 assert self.b is None or (self.bits == 2 and self.b.shape == self.a.shape and self.b.is_contiguous()
                                           and self.b.dtype == torch.float32), "b: experts.lut_poly(lut) of 2-bit tables"
             elif self.mode == MODE_FP4:
-                assert self.bits == 4 and self.a.dim() == 3 and self.a.dtype == torch.float32 and self.b is None, \
-                    (self.bits, self.a.shape, self.a.dtype)
+                assert self.bits == 4 and self.a.dim() == 3 and self.b is None \
+                    and self.a.dtype in (torch.float16, torch.float32), (self.bits, self.a.shape, self.a.dtype)
             else:
                 assert self.b is not None and self.b.shape == self.a.shape and self.b.is_contiguous()
         elif self.mode == MODE_VQ:
@@ -356,6 +356,7 @@ def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stri
         v = _load_words(w_ptr, offs_o, mask_o, stride_wo, cidx, n_chunks, 1)
         m = mask_o[:, None] & (cidx < n_chunks)[None, :]
         sc = tl.load(a_ptr + offs_o[:, None] * stride_ao + (cidx * C // GS)[None, :], mask=m, other=0.0)
+        sc = sc.to(tl.float32)
         for s in tl.static_range(C):
             k = cidx * C + s
             xs = tl.load(x_ptr + k, mask=k < n_in, other=0.0).to(tl.float32)
@@ -830,7 +831,7 @@ def dequant_tile(w_ptr, a_ptr, b_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, 
         k = k0 + tl.arange(0, BK)
         m = mask_o[:, None] & (k < n_in)[None, :]
         q = tl.load(w_ptr + offs_o[:, None] * stride_wo + (k // 2)[None, :], mask=m, other=0).to(tl.int32)
-        sc = tl.load(a_ptr + offs_o[:, None] * stride_ao + (k // GS)[None, :], mask=m, other=0.0)
+        sc = tl.load(a_ptr + offs_o[:, None] * stride_ao + (k // GS)[None, :], mask=m, other=0.0).to(tl.float32)
         out = (_e2m1(q >> (4 * (k % 2))[None, :]) * sc).to(OUT)
     else:
         cidx = k0 // C + tl.arange(0, BK // C)

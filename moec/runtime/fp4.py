@@ -1,6 +1,6 @@
 """Runtime half of the FP4 weight codecs mxfp4 and nvfp4 (registered in moec/codecs/fp4.py; fitted by
 moec/calibrate/fp4.py; stored parts in moec/formats/codecs.py): the e2m1 table, the fp32 reference
-dequantization, what runtime/experts.QuantMatrix holds (codes + one fp32 scale per block, the operands of
+dequantization, what runtime/experts.QuantMatrix holds (codes + one fp16/fp32 scale per block, the operands of
 kernels/dequant.py MODE_FP4), the random stand-ins of `moec pack --random`, and the exact import of
 gpt-oss-style MXFP4 tensors (`*_blocks` / `*_scales`).
 
@@ -71,18 +71,26 @@ def dequantize_nvfp4(bits, shape, stored):
     return _dequant(stored["codes"], nv_scale(stored), shape)
 
 
-# -- what QuantMatrix holds (kernels/dequant.py MODE_FP4: codes and fp32 block scales) ----------------------
+# -- what QuantMatrix holds (kernels/dequant.py MODE_FP4: codes and block scales) -------------------------
+
+def _held_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The block scales as the kernels read them: fp16 where every one is an fp16 value (the usual case: a
+    power of two, or an e4m3 value over a power-of-two global scale, inside fp16's range), else fp32; the
+    products with the e2m1 values are then the same fp32 numbers either way, at half the bytes."""
+    half = scale.half()
+    return (half if torch.equal(half.float(), scale) else scale).contiguous()
+
 
 def hold_mxfp4(bits: int, stored: dict) -> dict:
-    return {"codes": stored["codes"].contiguous(), "scale": mx_scale(stored).contiguous()}
+    return {"codes": stored["codes"].contiguous(), "scale": _held_scale(mx_scale(stored))}
 
 
 def hold_nvfp4(bits: int, stored: dict) -> dict:
-    return {"codes": stored["codes"].contiguous(), "scale": nv_scale(stored).contiguous()}
+    return {"codes": stored["codes"].contiguous(), "scale": _held_scale(nv_scale(stored))}
 
 
 def held_dequantize(bits: int, shape, held: dict) -> torch.Tensor:
-    return _dequant(held["codes"], held["scale"], shape)
+    return _dequant(held["codes"], held["scale"].float(), shape)
 
 
 def held_group(shape, held: dict) -> int:

@@ -53,10 +53,13 @@ def test_moe_grouped_fp4():
     assert (got.float() - want).abs().max().item() <= 2e-2 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("kind,M", [("nvfp4", 1), ("mxfp4", 1), ("nvfp4", 19)])
-def test_qlinear_fp4(kind, M):
+@pytest.mark.parametrize("kind,M,half", [("nvfp4", 1, True), ("mxfp4", 1, False), ("nvfp4", 19, True)])
+def test_qlinear_fp4(kind, M, half):
+    """half: block scales held in fp16 (runtime/fp4.py does where they are all fp16 values)."""
     g = torch.Generator().manual_seed(M)
     w = qweight(kind, 1, 24, 64, 0, g, DEVICE)
+    if half:
+        w = w._replace(a=w.a.half())
     x = torch.randn(M, 64, generator=g).to(DEVICE)
     cfg = dict(block_m=16, block_n=16, block_k=32, num_warps=4) if M > 1 else {}
     got = qlinear(x, w, None, **cfg)

@@ -1,6 +1,7 @@
 """FP4 codecs at run time (moec/runtime/fp4.py): gpt-oss-style MXFP4 tensors (`*_blocks` / `*_scales`) become
 moec's mxfp4 parts bit for bit, checked against transformers' own gpt-oss dequantizer; malformed ones are
-refused in one line; QuantMatrix holds both codecs for the kernels (MODE_FP4) and dequantizes them exactly."""
+refused in one line; QuantMatrix holds both codecs for the kernels (MODE_FP4: block scales in fp16 where they
+are all fp16 values, else fp32) and dequantizes them exactly."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_gpt_oss_mxfp4_loads_bit_for_bit():
     assert torch.equal(w.signbit(), ref.transpose(1, 2).signbit())  # -0 (code 8) kept
     assert parts["codes"].shape == (E, O, G * 16) and torch.equal(parts["scale"], scales)
     held = QuantMatrix("mxfp4", 4, (E, O, G * 32), parts)
+    assert held.scale.dtype == torch.float32  # 2^-127 .. is no fp16 value: the scales are held in fp32
     assert held.kernel_ok() and held.qweight().mode == MODE_FP4
     assert torch.equal(held.dequant_ref(), w) and torch.equal(dequant_ref(held.qweight()), w)
 
@@ -56,5 +58,5 @@ def test_nvfp4_quant_matrix_holds_the_quotient_scale():
     parts["scale"] = torch.randint(1, 0x7F, (1, 8, 2), dtype=torch.uint8).view(torch.float8_e4m3fn)
     w = fp4.dequantize_nvfp4(4, (1, 8, 32), parts)
     q = QuantMatrix("nvfp4", 4, (8, 32), {k: v[0] for k, v in parts.items()})
-    assert q.scale.dtype == torch.float32 and q.scale.shape == (1, 8, 2)
+    assert q.scale.dtype == torch.float16 and q.scale.shape == (1, 8, 2)  # every e4m3 / 2^13 is an fp16 value
     assert torch.equal(q.dequant_ref(), w) and torch.equal(w.bfloat16().float(), w)
