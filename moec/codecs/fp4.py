@@ -32,8 +32,8 @@ def _check(name: str):
 
 
 def kernel_rule(bits: int, n_in: int, group_size: int) -> str | None:
-    """MODE_FP4 tiles never straddle a block: 16- and 32-input blocks always hold whole tiles (block_k is a
-    power of two dividing the block), so only the row must hold whole blocks (checked with group_size)."""
+    """MODE_FP4 reads each chunk's own block scale, so a kernel tile may span blocks: the kernels need only
+    rows of whole blocks."""
     if group_size and n_in % group_size == 0:
         return None
     return f"the fused kernels read fp4 codes in whole blocks: {n_in} inputs are not blocks of {group_size}"

@@ -24,7 +24,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("kind", ["mxfp4", "nvfp4"])
 def test_kernel_reference_is_the_runtime_dequant(kind):
-    """dequant_ref (MODE_FP4, the kernels' reference) == runtime/fp4.held_dequantize bit for bit, every code."""
+    """dequant_ref (MODE_FP4, the kernels' reference) == runtime/fp4.held_dequantize bit for bit, every code;
+    the codec's registered kernel mode is this one (moec/codecs may not import the kernels)."""
+    from moec.kernels.dequant import MODE_FP4
+    from moec.registry import weight_codec
+
+    assert weight_codec(kind).kernel_mode == MODE_FP4
     w = qweight(kind, 2, 8, 64, 0, torch.Generator().manual_seed(1), "cpu")
     held = {"codes": w.data, "scale": w.a}
     assert torch.equal(dequant_ref(w), fp4.held_dequantize(4, (2, 8, 64), held))
