@@ -8,6 +8,9 @@ exact (the other runtime's dequantization gives bit for bit the weights moec's `
           `pack-quantized` (int, symmetric, group or channel: W4A16 / W8A16); rtn whose zero is an integer
           multiple of its scale -> `pack-quantized` (int, asymmetric); fp8 -> `float-quantized` (e4m3,
           channel); kept tensors as they are.
+    fp4   mxfp4 -> GGUF MXFP4 (e8m0 byte + 16 bytes of codes per 32 weights); nvfp4 -> compressed-tensors
+          `nvfp4-pack-quantized` (packed e2m1, e4m3 block scales, the fp32 global scale; power-of-two global
+          scales, so the library's bf16 decode is exact).
 
 Anything else (hls, fp3 and vq codebooks, other group sizes or bits for GGUF, rtn with a fractional
 zero for ct, fp8 for GGUF) is a UserError naming the tensor, its codec and the formats that can carry it.

@@ -19,6 +19,12 @@ Mappings (compressed_tensors.compressors; checked with the library in tests/expo
   intsym -> `pack-quantized`, int, symmetric (no zero point), group or channel: below (intsym_tensors).
   fp8 -> `float-quantized`, float 8-bit, channel: `weight` e4m3 [O, I] and `weight_scale` fp32 [O, 1];
       the library computes fp8.float() · scale, moec the same product.
+  nvfp4 -> `nvfp4-pack-quantized`, float 4-bit, strategy tensor_group, groups of 16: `weight_packed` uint8
+      [O, I/2] (moec's codes as they are: both put input 2j in the low nibble of byte j, as e2m1 patterns),
+      `weight_scale` e4m3 [O, I/16], `weight_global_scale` fp32 [1] (the divisor, as moec stores it). The
+      library decodes into bf16: e2m1 · (bf16(e4m3) / global_scale) in fp32, rounded to bf16, which equals
+      moec's fp32 weight when the global scale is a power of two (moec's fit writes only such; any other is
+      refused, since its products would round).
   keep -> the tensor as stored, under its HF name.
 """
 
@@ -162,6 +168,31 @@ def intsym_tensors(p: Param, names: list[str]) -> tuple[dict[str, torch.Tensor],
     return out, {"num_bits": p.bits, "type": "int", "symmetric": True, **group, "dynamic": False}
 
 
+def nvfp4_reason(p: Param) -> str | None:
+    """The nvfp4 codec's compressed-tensors hook: nvfp4-pack-quantized carries it exactly where every weight
+    survives the library's bf16 decode (power-of-two global scales)."""
+    from ..runtime.fp4 import dequantize_nvfp4
+
+    w = dequantize_nvfp4(p.bits, (p.parts["codes"].shape[0], p.parts["codes"].shape[1], p.shape[-1]), p.parts)
+    if torch.equal(w.bfloat16().float(), w):
+        return None
+    return ("compressed-tensors decodes nvfp4 into bf16 and this matrix's weights are not all bf16 values (a global "
+            "scale that is not a power of two)")
+
+
+def nvfp4_tensors(p: Param, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """nvfp4 as nvfp4-pack-quantized: packed codes, e4m3 block scales, the fp32 global scale per expert."""
+    out = {}
+    gs = p.parts["global_scale"].float().reshape(-1)  # [E]
+    for e, n in enumerate(names):
+        m = n.removesuffix(".weight")
+        out[m + ".weight_packed"] = p.parts["codes"][e].contiguous()
+        out[m + ".weight_scale"] = p.parts["scale"][e].contiguous()
+        out[m + ".weight_global_scale"] = gs[e : e + 1].contiguous()
+    return out, {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+                 "dynamic": False, "scale_dtype": "torch.float8_e4m3fn", "format": "nvfp4-pack-quantized"}
+
+
 def write_ct(model: PackedModel, out: Path) -> dict:
     refuse_unless_carried(model, "ct")
     tensors: dict[str, torch.Tensor] = {}
@@ -176,7 +207,7 @@ def write_ct(model: PackedModel, out: Path) -> dict:
             if p.tensor.dim() >= 2 and p.name != "tok_embeddings.weight":
                 kept_linears += [n.removesuffix(".weight") for n in names if n != "lm_head.weight"]
             continue
-        fmt = "float-quantized" if weights["type"] == "float" else "pack-quantized"
+        fmt = weights.pop("format", None) or ("float-quantized" if weights["type"] == "float" else "pack-quantized")
         key = json.dumps([fmt, weights], sort_keys=True)
         g = groups.setdefault(key, {"targets": [], "weights": weights, "input_activations": None,
                                     "output_activations": None, "format": fmt})

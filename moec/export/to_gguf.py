@@ -10,6 +10,11 @@ times a 4-bit integer, is exact in fp32), so gguf.quants.dequantize and moec's d
 bit (tests/export/test_export_gguf.py). llama.cpp's own matmuls then quantize activations (Q8_1): its
 logits differ from moec's by that, not by the weights (benchmarks/export_llamacpp_check.py).
 
+mxfp4 -> GGML MXFP4, whose 17-byte block of 32 weights is the e8m0 byte e, then 16 bytes of which byte j holds
+code j in its low nibble and code j + 16 in its high one (moec's codes put inputs 2j, 2j + 1 in one byte:
+repacked); llama.cpp computes kvalue · 2^(e − 128) with kvalues the doubled e2m1 values, moec e2m1 · 2^(e − 127):
+the same fp32 products, exactly (tests/export/test_export_fp4.py).
+
 Kept tensors keep their values: 1-D ones and the router as F32 (as llama.cpp's converter writes them),
 matrices in their stored dtype (F16, BF16 or F32). Attention q/k rows are permuted from the HF
 rotate-half layout to GGML's interleaved RoPE pairs, as llama.cpp's converter does; a row permutation moves
@@ -122,6 +127,27 @@ def intsym_tensor(p: Param):
     return torch.cat([d, q], -1).reshape(E, O, G * 34), gguf.GGMLQuantizationType.Q8_0
 
 
+def mxfp4_reason(p: Param) -> None:
+    """The mxfp4 codec's GGUF hook: GGML's MXFP4 block is moec's mxfp4 block (e8m0 scale per 32 e2m1 codes)."""
+    return None
+
+
+def mxfp4_tensor(p: Param):
+    """The mxfp4 codec's GGUF tensor: (MXFP4 blocks [E, O, G·17] uint8, the GGML type)."""
+    import gguf
+
+    E, O, I = p.parts["codes"].shape[0], p.parts["codes"].shape[1], p.shape[-1]
+    G = I // 32
+    c = bitpack.unpack(p.parts["codes"], 4, I).view(E, O, G, 32).to(torch.uint8)
+    qs = c[..., :16] | (c[..., 16:] << 4)
+    return torch.cat([p.parts["scale"].contiguous().view(E, O, G, 1), qs], -1).reshape(E, O, G * 17), \
+        gguf.GGMLQuantizationType.MXFP4
+
+
+# the file type a GGUF declares (general.file_type, informational) by the GGML type of its quantized tensors
+_FILE_TYPE = {"MXFP4": "MOSTLY_MXFP4_MOE"}  # general.file_type where it is not MOSTLY_<type>
+
+
 def permute_rope_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
     """Rows [n_head·hd, ...] from HF's rotate-half order to GGML's interleaved pairs (per head: rows
     0, hd/2, 1, hd/2 + 1, ...), what llama.cpp's converter does to q and k."""
@@ -211,7 +237,8 @@ def _file_type(quantized: dict[str, int]):
 
     if not quantized:
         return gguf.LlamaFileType.MOSTLY_F16
-    return gguf.LlamaFileType[f"MOSTLY_{max(quantized, key=quantized.get)}"]
+    main = max(quantized, key=quantized.get)
+    return gguf.LlamaFileType[_FILE_TYPE.get(main, f"MOSTLY_{main}")]
 
 
 # the GPT-2 split pattern (tokenizers' ByteLevel with use_regex, or an explicit Split before a regex-less ByteLevel):

@@ -37,6 +37,16 @@ class WeightCodec(StrEnum):
         layout; code = q + 2^(b-1) for the signed level q in [-2^(b-1), 2^(b-1) - 1]), scale fp16 [E, O, G];
         w = scale · (code - 2^(b-1)) (calibrate/intsym.py). Added within format version 2: a reader that
         predates it refuses the codec by name.
+    MXFP4: codes uint8 [E, O, I / 2], scale uint8 [E, O, I / 32] (e8m0, g = 32 fixed); w = E2M1[code] ·
+        2^(scale − 127) with E2M1 the e2m1 values by bit pattern {0, 0.5, 1, 1.5, 2, 3, 4, 6, −0, −0.5, .., −6}
+        (bit 3 the sign); codes in bitpack's 4-bit ROW layout: input 2j in the low nibble of byte j, 2j + 1 in
+        the high one: byte for byte gpt-oss's `*_blocks` [E, O, I / 32, 16] viewed as [E, O, I / 2] and its
+        `*_scales` (runtime/fp4.mxfp4_from_blocks). Scale 255 (the MX NaN) is never written.
+    NVFP4: codes as MXFP4's, scale float8_e4m3fn [E, O, I / 16] (g = 16 fixed), global_scale fp32 [E] (a
+        plain [O, I] weight: a 0-dim tensor); w = E2M1[code] · (fp32(scale) / global_scale[e]), the quotient in
+        fp32 first (compressed-tensors' `nvfp4-pack-quantized` convention: its weight_global_scale is the
+        divisor). moec's fit writes power-of-two global scales, so every weight is exact in bf16.
+        Both added within format version 2: a reader that predates them refuses the codec by name.
 
     Any of them may carry one more part, `P.had_signs`, for a matrix fitted with incoherence processing
     (calibrate/recipe.Incoherence): the parts above then store W' = W·R with R = blockdiag(H_b)·diag(s)/√b
@@ -56,6 +66,8 @@ class WeightCodec(StrEnum):
     FP8 = "fp8"
     VQ = "vq"
     INTSYM = "intsym"
+    MXFP4 = "mxfp4"
+    NVFP4 = "nvfp4"
 
 
 # Which canonical tensors count as "weights" for effective bits: every matrix inside the decoder

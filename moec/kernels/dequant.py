@@ -12,6 +12,9 @@ A weight row is a run of chunks along the input dim; each mode says what a chunk
   MODE_FP8    float8_e4m3fn weights, one chunk = one weight; the per-row scale is applied by the caller
               on the accumulated row (it commutes with the sum).
   MODE_DENSE  plain bf16/fp16/fp32 weights (the bf16 peer goes through the same kernels).
+  MODE_FP4    4-bit codes as MODE_LUT's (U4X2) holding e2m1 bit patterns + scale fp16/fp32 [.., O, G]:
+              w = e2m1(idx) · scale (mxfp4 / nvfp4, runtime/fp4.py): the value is built from the code's bits
+              (no table), so a block costs its codes and one scale.
   MODE_VQ     vector codebooks (runtime/weightcodecs.dequantize_vq): one code of W = bits·d bits per d
               consecutive inputs (BITSTREAM: code j at bits [W·j, W·j + W) of the row), a codebook fp16
               [E, K = 2^W, d] per matrix and a row scale [E, O], applied by the caller on the accumulated
@@ -48,7 +51,8 @@ import triton.language as tl
 
 from ..formats.codecs import VQ_DIMS, VQ_WIDTHS
 
-MODE_LUT, MODE_AFFINE, MODE_FP8, MODE_DENSE, MODE_VQ = 0, 1, 2, 3, 4
+MODE_LUT, MODE_AFFINE, MODE_FP8, MODE_DENSE, MODE_VQ, MODE_FP4 = 0, 1, 2, 3, 4, 5
+_GROUPED = (MODE_LUT, MODE_AFFINE, MODE_FP4)  # codes + per-group operands [E, O, G, ...]
 
 
 class QWeight(NamedTuple):
@@ -59,7 +63,8 @@ class QWeight(NamedTuple):
     (FP8), None (DENSE), codebook fp16 [E, 2^(bits·d), d] (VQ). b: zero [E, O, G] (AFFINE), or for 2-bit LUT
     optionally runtime/experts.lut_poly(a) fp32 [E, O, G, 4] (the GEMV decodes through the cubic; the
     tensor-core paths ignore it), row scale fp16/fp32 [E, O] (VQ), else None. VQ data: BITSTREAM codes
-    uint8 [E, O, ceil(n_in / d · bits · d / 8)].
+    uint8 [E, O, ceil(n_in / d · bits · d / 8)]. FP4: data 4-bit codes (e2m1 patterns), a fp16/fp32 block
+    scales [E, O, G], b None.
     """
 
     mode: int
@@ -71,7 +76,13 @@ class QWeight(NamedTuple):
 
     @property
     def groups(self) -> int:
-        return self.a.shape[2] if self.mode in (MODE_LUT, MODE_AFFINE) else 1
+        return self.a.shape[2] if self.mode in _GROUPED else 1
+
+    @property
+    def tile_group(self) -> int:
+        """The inputs a kernel tile may not straddle (pick_block_k's `group`): a LUT/AFFINE group; a whole row
+        for FP4, whose kernels load each chunk's block scale, and for the ungrouped modes."""
+        return self.n_in // self.groups if self.mode in (MODE_LUT, MODE_AFFINE) else self.n_in
 
     @property
     def vq_dim(self) -> int:
@@ -84,7 +95,7 @@ class QWeight(NamedTuple):
 
         d = self.data
         assert d.is_contiguous() and d.shape[:2] == (E, O), (d.shape, d.stride(), E, O)
-        if self.mode in (MODE_LUT, MODE_AFFINE):
+        if self.mode in _GROUPED:
             assert d.dtype == torch.uint8 and d.shape[2] == bitpack.packed_row_bytes(self.n_in, self.bits), \
                 (d.dtype, d.shape, self.n_in, self.bits)
             assert self.a.is_contiguous() and self.a.shape[:2] == (E, O) and self.n_in % self.a.shape[2] == 0, \
@@ -93,6 +104,9 @@ class QWeight(NamedTuple):
                 assert self.a.dim() == 4 and self.a.shape[3] == 1 << self.bits, self.a.shape
                 assert self.b is None or (self.bits == 2 and self.b.shape == self.a.shape and self.b.is_contiguous()
                                           and self.b.dtype == torch.float32), "b: experts.lut_poly(lut) of 2-bit tables"
+            elif self.mode == MODE_FP4:
+                assert self.bits == 4 and self.a.dim() == 3 and self.b is None \
+                    and self.a.dtype in (torch.float16, torch.float32), (self.bits, self.a.shape, self.a.dtype)
             else:
                 assert self.b is not None and self.b.shape == self.a.shape and self.b.is_contiguous()
         elif self.mode == MODE_VQ:
@@ -116,7 +130,7 @@ class QWeight(NamedTuple):
         return self.data, self.data if self.a is None else self.a, self.data if self.b is None else self.b
 
     def row_stride_a(self) -> int:
-        return self.a.stride(1) if self.a is not None and self.mode in (MODE_LUT, MODE_AFFINE) else 0
+        return self.a.stride(1) if self.a is not None and self.mode in _GROUPED else 0
 
     def vq_words(self) -> bool:
         """MODE_VQ rows of whole word chunks (vq_chunk): the word-chunk GEMV applies."""
@@ -261,6 +275,16 @@ def _table(lrow, mask_o, MODE: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _e2m1(q):
+    """fp32 value of the e2m1 pattern in the low 4 bits of q (int32): magnitudes m = 2..7 are the fp32
+    1.0·2^0 .. 1.5·2^2 whose exponent and mantissa bits are m's own (bits (m + 252) << 22), m = 0, 1 the
+    subnormals 0 and 0.5; bit 3 the sign."""
+    m = q & 7
+    mag = tl.where(m >= 2, ((m + 252) << 22).to(tl.float32, bitcast=True), m.to(tl.float32) * 0.5)
+    return tl.where((q & 8) != 0, -mag, mag)
+
+
+@triton.jit
 def _decode(v, s: tl.constexpr, a_row, b_row, mask_o, MODE: tl.constexpr, BITS: tl.constexpr,
             c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15):
     """Weights [BO, n] of code slot s of the packed words v [BO, n] (int32): table entries c0.. (MODE_LUT,
@@ -323,11 +347,21 @@ def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stri
     if MODE == 4:
         acc = gemv_vq(acc, w_ptr, a_ptr, x_ptr, offs_o, mask_o, stride_wo, k0, n_in, BITS * VD, VD, C, BPC,
                       BKC, VQF)
-    elif MODE >= 2:  # fp8 / dense: one weight per chunk
+    elif MODE == 2 or MODE == 3:  # fp8 / dense: one weight per chunk
         m = mask_o[:, None] & (cidx < n_in)[None, :]
         w = tl.load(w_ptr + offs_o[:, None] * stride_wo + cidx[None, :], mask=m, other=0.0).to(tl.float32)
         xs = tl.load(x_ptr + cidx, mask=cidx < n_in, other=0.0).to(tl.float32)
         acc += w * xs[None, :]
+    elif MODE == 5:  # fp4: a byte of two codes per chunk, each chunk's block scale loaded beside it (a tile
+        # may span blocks, so the tile width is not bound to the 16/32-input block)
+        v = _load_words(w_ptr, offs_o, mask_o, stride_wo, cidx, n_chunks, 1)
+        m = mask_o[:, None] & (cidx < n_chunks)[None, :]
+        sc = tl.load(a_ptr + offs_o[:, None] * stride_ao + (cidx * C // GS)[None, :], mask=m, other=0.0)
+        sc = sc.to(tl.float32)
+        for s in tl.static_range(C):
+            k = cidx * C + s
+            xs = tl.load(x_ptr + k, mask=k < n_in, other=0.0).to(tl.float32)
+            acc += _e2m1(v >> (4 * s)) * sc * xs[None, :]
     else:
         v = _load_words(w_ptr, offs_o, mask_o, stride_wo, cidx, n_chunks, BPC)
         lrow, a_row, b_row = _group_ptrs(a_ptr, b_ptr, offs_o, stride_ao, k0, G, GS, 1 << BITS)
@@ -790,10 +824,16 @@ def dequant_tile(w_ptr, a_ptr, b_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, 
         code = _vq_codes_bytes(w_ptr, offs_o, mask_o, stride_wo, k // VD, n_in // VD, BITS * VD)
         m = mask_o[:, None] & (k < n_in)[None, :]
         out = tl.load(a_ptr + code * VD + (k % VD)[None, :], mask=m, other=0.0).to(OUT)
-    elif MODE >= 2:  # (one return at the end: Triton compiles code after an early return in every mode)
+    elif MODE == 2 or MODE == 3:  # (one return at the end: Triton compiles code after an early return)
         k = k0 + tl.arange(0, BK)
         m = mask_o[:, None] & (k < n_in)[None, :]
         out = tl.load(w_ptr + offs_o[:, None] * stride_wo + k[None, :], mask=m, other=0.0).to(OUT)
+    elif MODE == 5:  # fp4, in natural order: each input reads its byte (cached for its pair) and block scale
+        k = k0 + tl.arange(0, BK)
+        m = mask_o[:, None] & (k < n_in)[None, :]
+        q = tl.load(w_ptr + offs_o[:, None] * stride_wo + (k // 2)[None, :], mask=m, other=0).to(tl.int32)
+        sc = tl.load(a_ptr + offs_o[:, None] * stride_ao + (k // GS)[None, :], mask=m, other=0.0).to(tl.float32)
+        out = (_e2m1(q >> (4 * (k % 2))[None, :]) * sc).to(OUT)
     else:
         cidx = k0 // C + tl.arange(0, BK // C)
         v = _load_words(w_ptr, offs_o, mask_o, stride_wo, cidx, (n_in + C - 1) // C, BPC)
@@ -863,4 +903,8 @@ def dequant_ref(w: QWeight) -> torch.Tensor:
     idx = bitpack.unpack(w.data, w.bits, w.n_in).view(E, O, G, w.n_in // G)
     if w.mode == MODE_LUT:
         return w.a.float().gather(-1, idx).reshape(E, O, w.n_in)
+    if w.mode == MODE_FP4:  # e2m1 of the code's bits (the table of runtime/fp4.E2M1) times the block scale
+        m = idx & 7
+        mag = torch.where(m >= 2, (2.0 + (m & 1)) * torch.exp2((m >> 1).float() - 2), m * 0.5)
+        return (torch.where(idx >= 8, -mag, mag) * w.a.float()[..., None]).reshape(E, O, w.n_in)
     return (w.b.float()[..., None] + w.a.float()[..., None] * idx.float()).reshape(E, O, w.n_in)

@@ -186,7 +186,7 @@ def _static(w: QWeight, block_k: int, words: bool | None, poly: bool | None = No
     poly = words and w.bits == 2 and w.b is not None and poly is not False and not prmt  # tables with cubics
     C, BPC = (16, 4) if prmt else (32, 4 * w.bits) if words else codes_per_chunk(w.mode, w.bits)
     G = w.groups
-    bk = pick_block_k(w.n_in, w.n_in // G, block_k, C)
+    bk = pick_block_k(w.n_in, w.tile_group, block_k, C)
     return dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=w.n_in // G, BKC=bk // C, WORDS=words,
                 POLY=poly, PRMT=prmt, VD=1, VQF=0)
 

@@ -153,7 +153,7 @@ def _static(w: QWeight, block_k: int) -> dict:
     C, BPC = codes_per_chunk(w.mode, w.bits)
     G = w.groups
     return dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=w.n_in // G,
-                BK=pick_block_k(w.n_in, w.n_in // G, block_k, C), VD=1)
+                BK=pick_block_k(w.n_in, w.tile_group, block_k, C), VD=1)
 
 
 # Configs whose compile failed (Triton 3.6's TritonGPUOptimizeDotOperands pass fails on some table-dequant

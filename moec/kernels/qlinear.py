@@ -121,7 +121,7 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
             C, BPC = codes_per_chunk(w.mode, w.bits)
             G = w.groups
             st = dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=K // G)
-            bk = pick_block_k(K, K // G, c["block_k"], C)
+            bk = pick_block_k(K, w.tile_group, c["block_k"], C)
         unroll = c.get("unroll", 1)
         while unroll > 1 and K % (bk * unroll):
             unroll //= 2
@@ -138,7 +138,7 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
             C, BPC = codes_per_chunk(w.mode, w.bits)
             G = w.groups
             st = dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=K // G)
-            bk = pick_block_k(K, K // G, c["block_k"], C)
+            bk = pick_block_k(K, w.tile_group, c["block_k"], C)
         _gemm_kernel[(triton.cdiv(M, c["block_m"]), triton.cdiv(O, c["block_n"]))](
             x2, d, a, b, bias_arg, y, M, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
             HAS_BIAS=bias is not None, BM=c["block_m"], BN=c["block_n"], BK=bk, DOT=dot_dtype(),

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 from moec.formats import bitpack
-from moec.kernels.dequant import MODE_AFFINE, MODE_DENSE, MODE_FP8, MODE_LUT, QWeight
+from moec.kernels.dequant import MODE_AFFINE, MODE_DENSE, MODE_FP4, MODE_FP8, MODE_LUT, QWeight
 from moec.runtime.experts import lut_poly
 
 # name -> (mode, bits)
 MODES = {"lut2": (MODE_LUT, 2), "lut2p": (MODE_LUT, 2), "lut3": (MODE_LUT, 3), "lut4": (MODE_LUT, 4),
-         "rtn2": (MODE_AFFINE, 2), "rtn4": (MODE_AFFINE, 4),
-         "int8": (MODE_AFFINE, 8), "fp8": (MODE_FP8, 8), "bf16": (MODE_DENSE, 16)}
+         "rtn2": (MODE_AFFINE, 2), "rtn4": (MODE_AFFINE, 4), "int8": (MODE_AFFINE, 8), "fp8": (MODE_FP8, 8),
+         "bf16": (MODE_DENSE, 16), "mxfp4": (MODE_FP4, 4), "nvfp4": (MODE_FP4, 4)}
+FP4_BLOCK = {"mxfp4": 32, "nvfp4": 16}  # inputs per block scale (the qweight G of these kinds is n_in / block)
 
 
 def qweight(kind: str, E: int, O: int, n_in: int, G: int, gen: torch.Generator, device) -> QWeight:
@@ -24,6 +25,14 @@ def qweight(kind: str, E: int, O: int, n_in: int, G: int, gen: torch.Generator, 
         return QWeight(mode, bits, n_in, w.to(device), (torch.rand(E, O, generator=gen) * 1e-3).to(device))
     idx = torch.randint(0, 1 << bits, (E, O, n_in), generator=gen)
     codes = bitpack.pack(idx, bits).to(device)
+    if mode == MODE_FP4:  # every e2m1 code; scales: powers of two (mxfp4), e4m3 values / 2^12 (nvfp4)
+        G = n_in // FP4_BLOCK[kind]
+        if kind == "mxfp4":
+            scale = 2.0 ** torch.randint(-8, -3, (E, O, G), generator=gen).float()
+        else:
+            b = torch.randint(0x30, 0x7F, (E, O, G), dtype=torch.uint8, generator=gen)
+            scale = b.view(torch.float8_e4m3fn).float() / 2.0 ** 12
+        return QWeight(mode, bits, n_in, codes, scale.to(device))
     if mode == MODE_LUT:
         lut = (torch.randn(E, O, G, 1 << bits, generator=gen).sort(-1).values * 0.1).half()
         poly = lut_poly(lut.to(device)) if kind == "lut2p" else None  # "lut2p": the cubic GEMV decode
