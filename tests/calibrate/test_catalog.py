@@ -36,7 +36,7 @@ def test_a_shipped_recipe_by_name_and_a_path_still_works(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spec,needles", [
-    ("experts-hls9", ["'experts-hls9'", "did you mean experts-hls3?", "`moec recipes`"]),
+    ("experts-hls5", ["'experts-hls5'", "did you mean experts-hls", "`moec recipes`"]),
     ("zzz", ["'zzz'", "no such file or shipped recipe", "`moec recipes`"]),
     ("experts-hls3.yaml", ["experts-hls3.yaml: no such file", "`moec recipes`"]),  # a path: not a name
     ("some/dir/r.yaml", ["some/dir/r.yaml: no such file"]),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from moec.calibrate.pack import pack_random
 from moec.calibrate.recipe import parse_recipe
@@ -42,3 +44,26 @@ def runtime_weights(path: Path) -> dict[str, torch.Tensor]:
     """{param: W [E, O, I] fp32} of every quantized matrix, as moec's runtime dequantizes it (QuantMatrix)."""
     m = read_manifest(path)
     return {p: q.dequant_ref() for p, q in pop_quant_experts(load_tensors(path, m), m).items()}
+
+
+def ct_decompressed(out: Path) -> dict[str, torch.Tensor]:
+    """{HF module name: weight} of every quantized module, decompressed by compressed-tensors from the files."""
+    # imported here, not at collection: the library pulls ~6 s of transformers internals, which only the
+    # xdist worker that runs these tests should pay
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_name
+
+    qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    got = {}
+    with safe_open(out / "model.safetensors", "pt") as h:
+        keys = list(h.keys())  # noqa: SIM118 (safe_open handles are not mappings)
+        modules = [k.removesuffix(".weight_scale") for k in keys if k.endswith(".weight_scale")]
+        for m in modules:  # its scheme: the group naming it (name or regex), else the `Linear` group, unless ignored
+            assert not any(match_name(m, t) for t in qc.ignore), m
+            scheme = next((g for g in qc.config_groups.values() if any(match_name(m, t) for t in g.targets)), None) \
+                or next(g for g in qc.config_groups.values() if g.targets == ["Linear"])
+            compressor = BaseCompressor.get_value_from_registry(scheme.format)
+            sd = {k.removeprefix(m + "."): h.get_tensor(k) for k in keys if k.startswith(m + ".")}
+            got[m] = compressor.decompress(sd, scheme)["weight"]
+    return got

@@ -16,34 +16,11 @@ from moec.export.to_ct import hf_names
 from moec.runtime import weightcodecs
 from moec.runtime.config import ModelArgs
 
-from .packs import ARGS, integer_zero_rtn, pack, rule, runtime_weights
-
-
-def _decompressed(out) -> dict[str, torch.Tensor]:
-    """{HF module name: weight} of every quantized module, decompressed by compressed-tensors from the files."""
-    # imported here, not at collection: the library pulls ~6 s of transformers internals, which only the
-    # xdist worker that runs these tests should pay
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-    from compressed_tensors.utils.match import match_name
-
-    qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
-    got = {}
-    with safe_open(out / "model.safetensors", "pt") as h:
-        keys = list(h.keys())  # noqa: SIM118 (safe_open handles are not mappings)
-        modules = [k.removesuffix(".weight_scale") for k in keys if k.endswith(".weight_scale")]
-        for m in modules:  # its scheme: the group naming it (name or regex), else the `Linear` group, unless ignored
-            assert not any(match_name(m, t) for t in qc.ignore), m
-            scheme = next((g for g in qc.config_groups.values() if any(match_name(m, t) for t in g.targets)), None) \
-                or next(g for g in qc.config_groups.values() if g.targets == ["Linear"])
-            compressor = BaseCompressor.get_value_from_registry(scheme.format)
-            sd = {k.removeprefix(m + "."): h.get_tensor(k) for k in keys if k.startswith(m + ".")}
-            got[m] = compressor.decompress(sd, scheme)["weight"]
-    return got
+from .packs import ARGS, ct_decompressed, integer_zero_rtn, pack, rule, runtime_weights
 
 
 def _check_exact(packed, out) -> int:
-    got = _decompressed(out)
+    got = ct_decompressed(out)
     n = 0
     for param, w in runtime_weights(packed).items():  # [E, O, I] fp32
         for e, name in enumerate(hf_names(param, ARGS)):
