@@ -1,5 +1,5 @@
 """The transformers path (moec/hf/generic.py, calibrate/generic_capture.py, generic_pack.py) on tiny random
-models of four MoE types (2 layers, hidden 64, 4 experts, vocab 8192 = the demo-moe tokenizer's): mixtral,
+models of four MoE types (moec.hf.tiny's table: hidden 64, 8 experts, vocab 8192 = the demo-moe tokenizer's): mixtral,
 qwen3_moe (a dense layer through mlp_only_layers), deepseek_v3 (MLA, shared experts, a leading dense layer,
 group-limited sigmoid routing), gpt_oss (transposed biased experts with a clamped gate, sinks, a sliding layer).
 
@@ -12,8 +12,6 @@ the source model with its quantized matrices replaced by their dequantized value
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import transformers as T
@@ -23,28 +21,12 @@ from moec.calibrate import data
 from moec.calibrate.generic_capture import calibrate_generic
 from moec.calibrate.generic_pack import pack_any, pack_generic
 from moec.calibrate.recipe import load_recipe, parse_recipe
-from moec.calibrate.sources import DEMO_MOE_DIR
 from moec.errors import UserError
 from moec.formats import checkpoint
-from moec.hf import generic
+from moec.hf import generic, tiny
 
-COMMON = dict(vocab_size=8192, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=128)
-CONFIGS = {
-    "mixtral": lambda: T.MixtralConfig(**COMMON, num_key_value_heads=2, intermediate_size=32, num_local_experts=4,
-                                       num_experts_per_tok=2),
-    "qwen3_moe": lambda: T.Qwen3MoeConfig(**COMMON, num_key_value_heads=2, head_dim=16, intermediate_size=48,
-                                          moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                                          mlp_only_layers=[1], norm_topk_prob=True),
-    "deepseek_v3": lambda: T.DeepseekV3Config(**COMMON, num_key_value_heads=4, intermediate_size=48,
-                                              moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
-                                              num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                                              q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                              v_head_dim=16),
-    "gpt_oss": lambda: T.GptOssConfig(**COMMON, num_key_value_heads=2, head_dim=16, intermediate_size=32,
-                                      num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-                                      layer_types=["sliding_attention", "full_attention"]),
-}
+TYPES = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")  # plain; shared experts + a dense layer; MLA + groups;
+# transposed biased experts with a clamped gate, sinks and a sliding layer (every type: tests/hf/test_types.py)
 RECIPE = {"name": "t-generic", "weights": [
     {"targets": ["experts"], "codec": "hls", "bits": 2, "group_size": 0},
     {"targets": ["attention", "mlp", "shared_experts"], "codec": "rtn", "bits": 4, "group_size": 0},
@@ -53,20 +35,9 @@ RECIPE = {"name": "t-generic", "weights": [
 
 
 def save_tiny(model_type: str, path, seed: int = 0):
-    torch.manual_seed(seed)
-    model = T.AutoModelForCausalLM.from_config(CONFIGS[model_type]()).eval()
-    with torch.no_grad():  # wider than the default init, so routing is decisive
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.1)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.05)
-    model.save_pretrained(path)
-    for f in DEMO_MOE_DIR.glob("tokenizer*"):
-        shutil.copy(f, path)
-    return model
+    """moec.hf.tiny's model of `model_type` saved at `path` (with the demo-moe tokenizer), loaded back in fp32."""
+    tiny.save_tiny(model_type, path, seed)
+    return T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +51,7 @@ def short_ptb():
     mp.undo()
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(scope="module", params=TYPES)
 def built(request, tmp_path_factory, short_ptb):
     mt = request.param
     tmp = tmp_path_factory.mktemp(mt)

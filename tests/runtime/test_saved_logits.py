@@ -26,7 +26,8 @@ from moec.runtime.saved_logits import MATCH, SavedLogits
 
 EVAL = dict(data="ptb", split="test", mode="both", max_windows=2, seq_len=48, old_window=None, batch_size=2,
             device="cpu", dtype="fp32", latency=False, random=None, recipe=None, batches="1", contexts="4k", steps=1,
-            prefill_contexts="4k", bf16_peer=False, breakdown=False, plot=None, stream_layers=False)
+            prefill_contexts="4k", bf16_peer=False, breakdown=False, plot=None, stream_layers=False, scheme=None,
+            path="auto")
 
 
 @pytest.fixture(scope="module")
