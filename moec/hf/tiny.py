@@ -62,6 +62,10 @@ DENSE0 = ["dense", "sparse", "sparse", "sparse"]  # mlp_layer_types: one leading
 SLIDING = ["sliding_attention", "full_attention"] * 2
 SLIDING_2ND = ["full_attention", "sliding_attention"] * 2
 LINEAR = ["linear_attention", "full_attention"] * 2
+# the state-space step's clamp: transformers' default (0, inf) is written to config.json as
+# {"__float__": "Infinity"}, which its own config class then refuses to read back (5.17); a finite bound no
+# step reaches keeps the model's function and lets the saved directory load
+DT_LIMIT = (0.0, 1e30)
 INDEXER = dict(index_n_heads=2, index_head_dim=32, index_topk=8)  # DeepSeek sparse attention's indexer
 
 # model_type -> overrides on top of COMMON / SHRINK: the type's special layers, its own names for shared
@@ -96,14 +100,15 @@ TABLE: dict[str, dict] = {
     "laguna": dict(layer_types=SLIDING_2ND, mlp_layer_types=DENSE0, num_attention_heads_per_layer=[2] * 4),
     "mellum": dict(layer_types=SLIDING_2ND),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention"] * 2),
-    "granitemoehybrid": dict(layer_types=LINEAR, mamba_n_heads=8),  # heads × head dim = 2 × hidden
+    "granitemoehybrid": dict(layer_types=LINEAR, mamba_n_heads=8, time_step_limit=DT_LIMIT),  # heads × dim = 2 × hidden
     "granitemoe_swa": dict(layer_types=SLIDING_2ND),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "kimi_linear": dict(num_key_value_heads=2, layer_types=LINEAR, mlp_layer_types=DENSE0, linear_head_dim=16,
                         linear_num_heads=4),
     "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"],
                        n_routed_experts=8, n_shared_experts=1, moe_shared_expert_intermediate_size=64,
-                       mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=16),
+                       mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=16,
+                       time_step_limit=DT_LIMIT),
     "deepseek_v32": dict(num_key_value_heads=2, n_shared_experts=1, mlp_layer_types=DENSE0, **INDEXER),
     "glm_moe_dsa": dict(num_key_value_heads=2, n_shared_experts=1, mlp_layer_types=DENSE0, **INDEXER),
     "hy_v3": dict(num_shared_experts=1, mlp_layer_types=DENSE0),

@@ -42,8 +42,9 @@ def test_calibrate_and_pack_take_the_transformers_path(chain):
     _, tmp = chain
     report = json.loads((tmp / "calib" / "report.json").read_text())
     assert report["path"] == "transformers" and report["model_type"] == "gpt_oss"
+    n = json.loads((tmp / "src" / "config.json").read_text())["num_hidden_layers"]
     assert sorted(p.name for p in (tmp / "calib").glob("fit-layer-*.safetensors")) == \
-        ["fit-layer-00000.safetensors", "fit-layer-00001.safetensors"]
+        [f"fit-layer-{i:05d}.safetensors" for i in range(n)]
     assert checkpoint.verify(tmp / "packed")["layout"] == "hf"
 
 
