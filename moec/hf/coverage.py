@@ -112,7 +112,7 @@ def check_cli(model_type: str, tmp: Path, moec: Callable) -> dict:
     save_tiny(model_type, tmp / "src")
     steps = {
         "calibrate": ("calibrate", tmp / "src", "--recipe", tmp / "r.yaml", "--samples", "4", "--seq-len", "64",
-                      "-o", tmp / "calib"),
+                      "-o", tmp / "calib", "--path", "transformers"),  # the engine's types too: this path is tested
         "pack": ("pack", tmp / "src", tmp / "calib", "-o", tmp / "packed"),
         "eval": ("eval", tmp / "packed", "--baseline", tmp / "src", "--seq-len", "64", "--max-windows", "2",
                  "--json", tmp / "eval.json"),

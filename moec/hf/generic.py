@@ -331,7 +331,8 @@ def dequantized_reference(source: nn.Module, packed: nn.Module, manifest: dict) 
     ref = type(source)(source.config).eval()
     ref.load_state_dict(source.state_dict())
     experts = experts_modules(ref)
-    for name in {e["param"] for e in manifest["tensors"].values() if not stored_as_is(e["codec"])}:
+    for name in {e["param"] for n, e in manifest["tensors"].items()
+                 if not stored_as_is(e["codec"]) and not n.startswith("kv.")}:  # kv.*: the KV codec's, not weights
         mod_path, _, attr = name.rpartition(".")
         mod = packed.get_submodule(mod_path)
         if mod_path in experts:
