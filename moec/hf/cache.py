@@ -149,7 +149,9 @@ def moec_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     cache, layer, s, h = tag
     d, S, T = query.shape[-1], key.shape[2], query.shape[2]
     if scaling is not None and abs(scaling - d**-0.5) > 1e-6 * d**-0.5:
-        raise ValueError(f"moec_attention: the history score bias assumes scores scaled by 1/sqrt(d), got {scaling}")
+        # the cache attends with scores q·k/sqrt(d) (its history score bias is a function of those scores'
+        # query): a model's own scale (granite's attention_multiplier) is the same scores for q·scaling·sqrt(d)
+        query = query * (scaling * d**0.5)
     out = cache.attend_history(layer, query, key, value, s, h, S - T,
                                None if attention_mask is None else attention_mask[..., :S])
     return out.transpose(1, 2).contiguous(), None

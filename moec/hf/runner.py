@@ -46,15 +46,15 @@ def on_transformers_path(model_dir: Path, path: str = "auto") -> bool:
 
 
 class _Cache:
-    """One evaluation batch's cache: transformers' DynamicCache (16 bits: fp16-held keys and values, as moec's
-    FP16Cache reports) or, for a pack with a KV codec, its MoecCache (cache.py), with the bits it stores."""
+    """One evaluation batch's cache: the one the model makes for itself on its first call (transformers'
+    DynamicCache for most types; hybrid and linear-attention types have their own, e.g. MiniMax's; counted as 16
+    bits: fp16-held keys and values, as moec's FP16Cache reports) or, for a pack with a KV codec, its MoecCache
+    (cache.py), with the bits it stores."""
 
-    def __init__(self, config, kv: tuple | None = None, max_len: int | None = None):
-        from transformers import DynamicCache
-
-        self.moec = kv is not None
+    def __init__(self, kv: tuple | None = None, max_len: int | None = None):
+        self.moec, self.pos = kv is not None, 0  # pos: tokens fed (a hybrid cache may count only some layers)
         if kv is None:
-            self.dyn, self.codec = DynamicCache(config=config), "fp16"
+            self.dyn, self.codec = None, "fp16"  # made by the model's first forward (HFRunner.forward)
         else:
             from .cache import MoecCache
 
@@ -83,11 +83,21 @@ class HFRunner(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: _Cache | None = None, start_pos: int = 0) -> torch.Tensor:
         if cache is None:
             return self.hf(input_ids=tokens, use_cache=False).logits
-        assert cache.dyn.get_seq_length() == start_pos, (cache.dyn.get_seq_length(), start_pos)
-        return self.hf(input_ids=tokens, past_key_values=cache.dyn, use_cache=True).logits
+        assert cache.pos == start_pos, (cache.pos, start_pos)
+        # positions and the 2-D mask given as generate gives them: a hybrid cache's get_seq_length may count
+        # only its attention layers (MiniMax's counts none after its linear layer 0), which the model would
+        # otherwise read them from
+        B, T = tokens.shape
+        pos = torch.arange(start_pos, start_pos + T, device=tokens.device).expand(B, T)
+        mask = torch.ones(B, start_pos + T, dtype=torch.long, device=tokens.device)
+        out = self.hf(input_ids=tokens, past_key_values=cache.dyn, use_cache=True, position_ids=pos,
+                      attention_mask=mask)
+        cache.dyn = out.past_key_values  # the first call's: the cache the model makes for itself
+        cache.pos += tokens.shape[1]
+        return out.logits
 
     def cache_factory(self, model, batch: int, max_len: int) -> _Cache:
-        return _Cache(self.hf.config, self.kv, max_len)
+        return _Cache(self.kv, max_len)
 
 
 def load_runner(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[HFRunner, dict]:
