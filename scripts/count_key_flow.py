@@ -6,7 +6,8 @@ written. Comments and docstrings do not count (the source is read through its AS
 
 A reference is an attribute `.KEY`, a subscript `["KEY"]`, `.get("KEY", ...)`, a keyword `KEY=`, a parameter or
 a name `KEY`, or a dict key / string "KEY". Files where the same word means something else are left out
-(EXCLUDE: `moec eval --window` is the evaluation window, not the cache's).
+(EXCLUDE: `moec eval --window` is the evaluation window, archspec's a model's sliding-attention window, not
+the cache's).
 
 `--packed DIR` also counts the places a packed checkpoint stores the key: every occurrence as a mapping key
 in its JSON and YAML files (the manifest's per-tensor and per-shard entries left out: their `codec` and
@@ -22,7 +23,7 @@ import json
 from pathlib import Path
 
 EXCLUDE = {"window": ("cli/eval_cmd.py", "runtime/perplexity.py", "runtime/saved_logits.py",
-                      "runtime/stream_eval.py")}
+                      "runtime/stream_eval.py", "hf/archspec.py")}  # archspec: a model's sliding-attention window
 
 
 def _refers(node: ast.AST, key: str) -> bool:
