@@ -9,7 +9,9 @@ a run replaces its own row and keeps the others.
 
 Steps: calibrate + pack MODEL with the recipe, export it to GGUF, then feed the same token ids to moec's CPU
 runtime (fp32) and to llama.cpp, and record per position: max |Δlogit|, the logit scale, top-1 agreement and
-KL(moec ‖ llama.cpp). It also re-checks that every quantized tensor of the file dequantizes (gguf.quants) to
+KL(moec ‖ llama.cpp); for an MoE, the positions of largest KL with their smallest router margin
+(`kl_worst_positions`: a top-k near-tie that llama.cpp's activation rounding flips shows as a spike there).
+It also re-checks that every quantized tensor of the file dequantizes (gguf.quants) to
 the runtime's weights exactly (`weights_exact`), generates greedily from a prompt in both (`generate`: the
 texts, how many leading tokens agree, whether llama.cpp stopped at the exported eos), and compares token
 counts of llama.cpp's tokenizer (the exported vocabulary and pre-tokenizer) with the model's HF tokenizer on
@@ -93,6 +95,29 @@ def token_diff(hf: list[bytes], lc: list[bytes]) -> list[dict]:
             for op, i1, i2, j1, j2 in sm.get_opcodes() if op != "equal"]
 
 
+def worst_positions(model, ids: list[int], kl: np.ndarray, n: int = 3) -> dict | None:
+    """The n positions of largest KL, each with its smallest router margin over the MoE layers (the last chosen
+    expert's router logit minus the first unchosen one's, in moec's forward): a margin near zero is a top-k
+    near-tie that llama.cpp's activation rounding can flip, a routing difference rather than a weight one.
+    None for a dense model."""
+    if not model.args.is_moe:
+        return None
+    k, margins = model.args.top_k, {}
+
+    def observe(layer, name, t):
+        if name == "router_logits":
+            s = t.float().sort(-1, descending=True).values
+            margins[layer] = s[:, k - 1] - s[:, k]
+
+    with torch.no_grad():
+        model(torch.tensor([ids]), observer=observe)
+    m = torch.stack([margins[i] for i in sorted(margins)])  # [L, T]
+    low = m.min(0)
+    return {"router_margin_median": float(low.values.median()),
+            "top_kl": [{"pos": int(p), "kl": float(kl[p]), "router_margin": float(low.values[p]),
+                        "layer": int(low.indices[p])} for p in np.argsort(-kl)[:n]]}
+
+
 def upsert(path: Path, rec: dict) -> None:
     """Write rec into the list of records at path, replacing the row of the same (model, recipe)."""
     from moec.atomic import atomic_file
@@ -173,6 +198,7 @@ def main() -> None:
     lp_ref = ref - np.logaddexp.reduce(ref, -1, keepdims=True)
     lp_got = got - np.logaddexp.reduce(got, -1, keepdims=True)
     kl = (np.exp(lp_ref) * (lp_ref - lp_got)).sum(-1)
+    worst = worst_positions(model, ids, kl)
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     result = {
         "bench": "export_llamacpp_check", "git_sha": sha.stdout.strip(), "date": time.strftime("%Y-%m-%d"),
@@ -182,6 +208,7 @@ def main() -> None:
         "max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean()),
         "logit_std": float(ref.std()), "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean()),
         "kl_moec_llamacpp_mean": float(kl.mean()), "kl_moec_llamacpp_max": float(kl.max()),
+        "kl_worst_positions": worst,
         "seconds": round(time.time() - t0, 1),
         "command": f"python3 -m benchmarks.export_llamacpp_check --model {a.model} --recipe {a.recipe} "
                    f"--threads {a.threads}",
