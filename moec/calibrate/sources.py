@@ -35,6 +35,12 @@ BUILTIN_MODELS = {
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
+# llama.cpp pre-tokenizers (a GGUF's tokenizer.ggml.pre) that split digits one by one before the GPT-2 pattern
+# (llama-vocab.cpp: the regexes `\p{N}` then the GPT-2 one), where transformers' GGUF conversion writes a plain
+# ByteLevel: the converted tokenizer.json gets tokenizers' Digits(individual_digits) in front of it, which
+# splits the same way. Without it the two differ on whitespace runs before a digit ("a  1": Ġ Ġ 1 against
+# ĠĠ 1; "\n 1": Ċ Ġ 1 against ĊĠ 1).
+DIGITS_FIRST_PRE = ("smollm",)
 
 
 def cache_dir() -> Path:
@@ -118,6 +124,7 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
             gguf_read.write_moe_hf(gguf, tmp)
             if gguf_read.has_tokenizer(gguf):
                 transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+                _match_pre_tokenizer(tmp, gguf_tokenizer_meta(gguf)[0])
         return out
     with atomic_dir(out) as tmp:
         # fp32 on purpose. transformers dequantizes each block (fp16 scale · code + fp16 min) to fp32, and
@@ -141,6 +148,7 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
         _set_specials(tok, ids)
         tok.save_pretrained(tmp)
+        _match_pre_tokenizer(tmp, pre)
     return out
 
 
@@ -169,10 +177,14 @@ def _set_specials(tok, ids: dict[str, int]) -> None:
 def _repair_tokenizer(out: Path, gguf: Path) -> None:
     """A conversion cached before the GGUF's pre-tokenizer and special tokens were carried over: record the
     first in config.json (`moec_source.tokenizer_pre`, read by the GGUF export) and set the second in the
-    tokenizer files, each file replaced atomically (the weights are not touched)."""
+    tokenizer files, each file replaced atomically (the weights are not touched); a cached tokenizer.json that
+    does not split as the GGUF's pre-tokenizer gets its pre_tokenizer (_match_pre_tokenizer)."""
     cfg = json.loads((out / "config.json").read_text())
     src = cfg.get("moec_source")
-    if not isinstance(src, dict) or "tokenizer_pre" in src:
+    if not isinstance(src, dict):
+        return
+    if "tokenizer_pre" in src:
+        _match_pre_tokenizer(out, src["tokenizer_pre"])
         return
     import transformers
 
@@ -188,6 +200,28 @@ def _repair_tokenizer(out: Path, gguf: Path) -> None:
     new = out / f"config.json.{os.getpid()}"
     new.write_text(json.dumps({**cfg, "moec_source": {**src, "tokenizer_pre": pre}}, indent=1, default=str))
     os.replace(new, out / "config.json")
+    _match_pre_tokenizer(out, pre)
+
+
+def _match_pre_tokenizer(d: Path, pre: str | None) -> None:
+    """Make d/tokenizer.json split text as llama.cpp's pre-tokenizer `pre` does (DIGITS_FIRST_PRE: Digits, one
+    by one, before the ByteLevel transformers wrote); the file is replaced atomically, only when it changes."""
+    f = d / "tokenizer.json"
+    if pre not in DIGITS_FIRST_PRE or not f.is_file():
+        return
+    tok = json.loads(f.read_text(encoding="utf-8"))
+    cur = tok.get("pre_tokenizer") or {}
+    digits = {"type": "Digits", "individual_digits": True}
+    if cur.get("type") == "Sequence" and cur.get("pretokenizers", [None])[0] == digits:
+        return
+    if cur.get("type") != "ByteLevel":
+        log.warning("%s: pre-tokenizer %s left as it is (llama.cpp's %s splits digits first)", f, cur.get("type"),
+                    pre)
+        return
+    tok["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [digits, cur]}
+    new = d / f"tokenizer.json.{os.getpid()}"
+    new.write_text(json.dumps(tok, ensure_ascii=False, indent=2), encoding="utf-8")
+    os.replace(new, f)
 
 
 def load_tokenizer(model_dir: Path):

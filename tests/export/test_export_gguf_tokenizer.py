@@ -91,3 +91,29 @@ def test_cached_gguf_conversion_gets_the_gguf_specials(tmp_path):
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["moec_source"] == {"gguf": SMOLLM2_GGUF, "tokenizer_pre": "smollm"} and cfg["eos_token_id"] == 2
+    assert _pieces(tok, "a  1\n 2") == ["a", "ĠĠ", "1", "ĊĠ", "2"]  # llama.cpp's smollm: digits split first
+
+
+def _pieces(tok, text: str) -> list[str]:
+    return [p for p, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def test_cached_smollm_conversion_splits_digits_first(tmp_path):
+    """A conversion cached with the GGUF's pre-tokenizer recorded but transformers' plain ByteLevel in
+    tokenizer.json (which splits "a  1" as a, Ġ, Ġ1 where llama.cpp's smollm gives a, ĠĠ, 1) gets Digits
+    in front of its ByteLevel at the next resolve; a second repair leaves the file as it is."""
+    from transformers import AutoTokenizer
+
+    from moec.calibrate.sources import _repair_tokenizer
+
+    d = tmp_path / "m"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_MOE_DIR / name, d / name)
+    (d / "config.json").write_text(json.dumps({"moec_source": {"gguf": "x.gguf", "tokenizer_pre": "smollm"}}))
+    assert _pieces(AutoTokenizer.from_pretrained(d), "a  1") == ["a", "Ġ", "Ġ1"]
+    _repair_tokenizer(d, tmp_path / "x.gguf")  # the GGUF is not read: its pre-tokenizer is recorded
+    assert _pieces(AutoTokenizer.from_pretrained(d), "a  1\n 2") == ["a", "ĠĠ", "1", "ĊĠ", "2"]
+    before = (d / "tokenizer.json").stat().st_mtime_ns
+    _repair_tokenizer(d, tmp_path / "x.gguf")
+    assert (d / "tokenizer.json").stat().st_mtime_ns == before
