@@ -40,6 +40,7 @@ from moec.hf import agreement
 from moec.provenance import environment
 from moec.runtime.perplexity import make_windows
 
+CHECKS = {"hls": ("hessians", "hls_ppl"), "bytes": ("rtn_fp8_bytes",), "kv": ("kv",)}
 OUT = Path(__file__).parent / "results" / "generic_vs_engine_cpu.json"
 MODELS = {
     "demo-moe": {"weights": "experts-hls2", "hessian_layers": [0, 1, 2, 3],
@@ -83,6 +84,17 @@ def run_model(model: str, a, tmp: Path, log) -> list[dict]:
     cal = dict(samples=a.samples, seq_len=a.seq_len, seed=a.seed)
 
     # hls: Hessians (the transformers path keeps its captured ones) and ppl
+    if "hls" in a.checks:
+        rows += _hls(model, src, cfg, a, tmp, windows, cal, log)
+    if "bytes" in a.checks:
+        rows += _bytes(model, src, cfg, a, tmp, log)
+    if "kv" in a.checks:
+        rows += _kv(model, src, a, tmp, windows, cal, log)
+    return rows
+
+
+def _hls(model, src, cfg, a, tmp, windows, cal, log) -> list[dict]:
+    rows = []
     w = recipe_of(cfg["weights"])
     r = both(model, src, w, tmp, "w", **cal, keep_hessians=True)
     tokens = agreement.sample_tokens(src, "ptb", "train", a.samples, a.seq_len, a.seed)
@@ -96,7 +108,11 @@ def run_model(model: str, a, tmp: Path, log) -> list[dict]:
                  "rel": g / e - 1, "bound": 1e-3, "ok": abs(g / e - 1) <= 1e-3,
                  "calibrate_pack_seconds": {k: v[2] for k, v in r.items()}})
     log(rows[-1])
+    return rows
 
+
+def _bytes(model, src, cfg, a, tmp, log) -> list[dict]:
+    rows = []
     # rtn / fp8 packed bytes
     rf = parse_recipe(cfg["rtn_fp8"])
     r = both(model, src, rf, tmp, "rf", 1, 32, a.seed)
@@ -105,7 +121,11 @@ def run_model(model: str, a, tmp: Path, log) -> list[dict]:
                  "identical": d["identical"], "different": d["different"][:10], "unmatched": d["unmatched"][:10],
                  "ok": d["compared"] > 0 and d["identical"] == d["compared"] and not d["unmatched"]})
     log(rows[-1])
+    return rows
 
+
+def _kv(model, src, a, tmp, windows, cal, log) -> list[dict]:
+    rows = []
     # KV: kv-nuq2-rot
     kv = recipe_of("kv-nuq2-rot")
     r = both(model, src, kv, tmp, "kv", **cal)
@@ -125,6 +145,7 @@ def run_model(model: str, a, tmp: Path, log) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--checks", nargs="+", default=list(CHECKS), choices=list(CHECKS))
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
@@ -143,9 +164,12 @@ def main(argv=None) -> int:
     result = {"command": "PYTHONPATH=$PWD python3 benchmarks/bench_generic_engine.py " + " ".join(sys.argv[1:]),
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
               "environment": environment("cpu"), "rows": []}
-    if a.out.is_file():  # rows of models not run this time are kept
+    redo = {(m, c) for m in a.models for k in a.checks for c in CHECKS[k]}
+    if a.out.is_file():  # rows of models and checks not run this time are kept
         old = json.loads(a.out.read_text())
-        result["rows"] = [r for r in old.get("rows", []) if r["model"] not in a.models]
+        result["rows"] = [r for r in old.get("rows", []) if (r["model"], r["check"]) not in redo]
+        result["commands"] = old.get("commands", [old["command"]] if "command" in old else [])
+    result.setdefault("commands", []).append(result.pop("command"))
 
     def log(row):
         print(json.dumps(row), flush=True)
@@ -157,7 +181,6 @@ def main(argv=None) -> int:
 
     for m in a.models:
         t0 = time.time()
-        result["rows"] = [r for r in result["rows"] if r["model"] != m]
         with tempfile.TemporaryDirectory() as d:
             run_model(m, a, Path(d), log)
         print(f"{m}: {time.time() - t0:.0f} s", flush=True)

@@ -16,6 +16,7 @@ from moec.calibrate.fit_experts import rotation_signs
 from moec.calibrate.generic_capture import calibrate_generic, engine_name
 from moec.calibrate.generic_pack import pack_any
 from moec.calibrate.recipe import parse_recipe
+from moec.errors import UserError
 from moec.formats import checkpoint
 from moec.formats.codecs import ROTATION_PART
 from moec.hf import generic, tiny
@@ -78,3 +79,9 @@ def test_incoherence_pack_equals_dequantized_reference(tmp_path, short_ptb):
     assert engine_name("model.layers.0.self_attn.o_proj.weight", "attention") == "layers.0.attn.wo.weight"
     assert engine_name("model.layers.0.mlp.up_proj.weight", "mlp") == "layers.0.moe.w1"
     assert engine_name("lm_head.weight", "lm_head") == "output.weight"
+    # a block that does not divide an input dim (hidden 64) is refused before any work, naming the matrix
+    bad = parse_recipe({"name": "bad", "weights": [{"targets": ["experts"], "codec": "rtn", "bits": 4,
+                                                    "incoherence": {"block": 128}}]})
+    with pytest.raises(UserError, match="incoherence block 128 does not divide the input dim 64 of model.layers"):
+        calibrate_generic(tmp_path / "src", mt, bad, "ptb", "train", 1, 8, 0, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
