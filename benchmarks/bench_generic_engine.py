@@ -19,6 +19,7 @@ Both paths calibrate on the same data and seed. PTB train / test are cut to thei
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -41,7 +42,7 @@ from moec.hf import agreement
 from moec.provenance import environment
 from moec.runtime.perplexity import make_windows
 
-CHECKS = {"hls": ("hls_ppl",), "bytes": ("hessians", "rtn_fp8_bytes"), "kv": ("kv",)}
+CHECKS = {"hls": ("hls_ppl", "hls_ppl_nogptq"), "bytes": ("hessians", "rtn_fp8_bytes"), "kv": ("kv",)}
 OUT = Path(__file__).parent / "results" / "generic_vs_engine_cpu.json"
 MODELS = {
     "demo-moe": {"weights": "experts-hls2", "hessian_layers": [0, 1, 2, 3],
@@ -101,12 +102,17 @@ def run_model(model: str, a, tmp: Path, log) -> list[dict]:
 def _hls(model, src, cfg, a, tmp, windows, cal, log) -> list[dict]:
     rows = []
     w = recipe_of(cfg["weights"])
-    r = both(model, src, w, tmp, "w", **cal, sides=a.sides)
+    tag = "w"
+    if a.no_gptq:  # the codebooks still fitted with each matrix's Hessian (its diagonal), without GPTQ's feedback
+        w.weights = [dataclasses.replace(rule, gptq=False) for rule in w.weights]
+        tag = "w-nogptq"
+    r = both(model, src, w, tmp, tag, **cal, sides=a.sides)
     if len(a.sides) < 2:  # one side's pack only (run the other in another process, then both to compare)
         return rows
     e = agreement.ppl(r["engine"][1], windows)["ppl"]
     g = agreement.ppl(r["transformers"][1], windows)["ppl"]
-    rows.append({"model": model, "check": "hls_ppl", "recipe": w.name, "mode": "tf", "engine": e, "transformers": g,
+    rows.append({"model": model, "check": "hls_ppl" + "_nogptq" * a.no_gptq, "recipe": w.name,
+                 "gptq": not a.no_gptq, "mode": "tf", "engine": e, "transformers": g,
                  "rel": g / e - 1, "bound": 1e-3, "ok": abs(g / e - 1) <= 1e-3,
                  "calibrate_pack_seconds": {k: v[2] for k, v in r.items()}})
     log(rows[-1])
@@ -164,6 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--train-chars", type=int, default=300_000)
     p.add_argument("--test-chars", type=int, default=100_000)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--no-gptq", action="store_true", help="the weights recipe with gptq: false (a third of the time)")
     p.add_argument("--workdir", type=Path, help="keep calibrations and packs here (default: a temporary directory)")
     p.add_argument("--sides", nargs="+", default=["engine", "transformers"], choices=["engine", "transformers"],
                    help="calibrate / pack the hls recipe on these paths only (compare when both)")
