@@ -46,9 +46,9 @@ CHECKS = {"hls": ("hessians", "hls_ppl", "hls_ppl_nogptq"), "bytes": ("rtn_fp8_b
 OUT = Path(__file__).parent / "results" / "generic_vs_engine_cpu.json"
 MODELS = {
     "demo-moe": {"weights": "experts-hls2", "hessian_layers": [0, 1, 2, 3],
-                 "rtn_fp8": {"name": "rtn-fp8", "weights": [
-                     {"targets": ["experts"], "codec": "rtn", "bits": 4, "group_size": 32},
-                     {"targets": ["attention"], "codec": "fp8", "bits": 8}]}},
+                 "rtn_fp8": {"name": "rtn-fp8-had", "weights": [
+                     {"targets": ["experts"], "codec": "rtn", "bits": 4, "group_size": 32, "incoherence": {"block": 0}},
+                     {"targets": ["attention"], "codec": "fp8", "bits": 8, "incoherence": {"block": 0}}]}},
     "smollm2-135m": {"weights": "smollm2-mlp-hls2-had", "hessian_layers": [0, 15, 29],
                      "rtn_fp8": {"name": "rtn-fp8-had", "weights": [
                          {"targets": ["mlp"], "codec": "rtn", "bits": 3, "group_size": 64,
