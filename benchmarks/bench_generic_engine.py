@@ -42,7 +42,8 @@ from moec.hf import agreement
 from moec.provenance import environment
 from moec.runtime.perplexity import make_windows
 
-CHECKS = {"hls": ("hessians", "hls_ppl", "hls_ppl_nogptq"), "bytes": ("rtn_fp8_bytes",), "kv": ("kv",)}
+CHECKS = {"hls": ("hessians", "hls_ppl", "hls_ppl_nogptq", "hls_bytes", "hls_bytes_nogptq"),
+          "hls_bytes": ("hls_bytes", "hls_bytes_nogptq"), "bytes": ("rtn_fp8_bytes",), "kv": ("kv",)}
 OUT = Path(__file__).parent / "results" / "generic_vs_engine_cpu.json"
 MODELS = {
     "demo-moe": {"weights": "experts-hls2", "hessian_layers": [0, 1, 2, 3],
@@ -90,7 +91,7 @@ def run_model(model: str, a, tmp: Path, log) -> list[dict]:
     cal = dict(samples=a.samples, seq_len=a.seq_len, seed=a.seed)
 
     # hls: Hessians (the transformers path keeps its captured ones) and ppl
-    if "hls" in a.checks:
+    if "hls" in a.checks or "hls_bytes" in a.checks:
         rows += _hls(model, src, cfg, a, tmp, windows, cal, log)
     if "bytes" in a.checks:
         rows += _bytes(model, src, cfg, a, tmp, log)
@@ -108,6 +109,11 @@ def _hls(model, src, cfg, a, tmp, windows, cal, log) -> list[dict]:
         tag = "w-nogptq"
     r = both(model, src, w, tmp, tag, **cal, sides=a.sides, keep_hessians=True)
     if len(a.sides) < 2:  # one side's pack only (run the other in another process, then both to compare)
+        return rows
+    d = agreement.packed_diff(r["engine"][1], r["transformers"][1])
+    rows.append(_bytes_row(model, "hls_bytes" + "_nogptq" * a.no_gptq, w.to_dict(), d))
+    log(rows[-1])
+    if "hls" not in a.checks:  # hls_bytes alone: the packs' bytes
         return rows
     # the Hessians the transformers path captured (keep_hessians) against the engine's capture of the same tokens
     tokens = agreement.sample_tokens(src, "ptb", "train", a.samples, a.seq_len, a.seed)
@@ -132,11 +138,15 @@ def _bytes(model, src, cfg, a, tmp, log) -> list[dict]:
     rf = parse_recipe(cfg["rtn_fp8"])
     r = both(model, src, rf, tmp, "rf", 1, 32, a.seed)
     d = agreement.packed_diff(r["engine"][1], r["transformers"][1])
-    rows.append({"model": model, "check": "rtn_fp8_bytes", "recipe": cfg["rtn_fp8"], "compared": d["compared"],
-                 "identical": d["identical"], "different": d["different"][:10], "unmatched": d["unmatched"][:10],
-                 "ok": d["compared"] > 0 and d["identical"] == d["compared"] and not d["unmatched"]})
+    rows.append(_bytes_row(model, "rtn_fp8_bytes", cfg["rtn_fp8"], d))
     log(rows[-1])
     return rows
+
+
+def _bytes_row(model: str, check: str, recipe: dict, d: dict) -> dict:
+    return {"model": model, "check": check, "recipe": recipe, "compared": d["compared"], "identical": d["identical"],
+            "different": d["different"][:10], "unmatched": d["unmatched"][:10],
+            "ok": d["compared"] > 0 and d["identical"] == d["compared"] and not d["unmatched"]}
 
 
 def _kv(model, src, a, tmp, windows, cal, log) -> list[dict]:
