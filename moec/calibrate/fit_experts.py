@@ -180,6 +180,10 @@ class ExpertFitter:
         """Layers whose shared w2 is targeted (SharedHessians accumulates its input's H only there)."""
         return {int(m.group(1)) for n in self.targets if (m := SHARED_PARAM.search(n)) and m.group(2) == "w2"}
 
+    def rotation_signs(self, name: str, n: int, rule: WeightRule) -> torch.Tensor | None:
+        """The incoherence rotation of matrix `name` (n inputs) under `rule` (module-level rotation_signs)."""
+        return rotation_signs(name, n, rule, self.seed)
+
     def _fit(self, name: str, W: torch.Tensor, H: torch.Tensor, rule: WeightRule) -> tuple[dict, dict]:
         """Quantize W [E, O, I] (or [O, I] with H [I, I]: an attention projection, one "expert") under
         `rule`; returns the stored parts {part: [E, ...]} (a 2-D parameter's without the E axis) and
@@ -188,7 +192,7 @@ class ExpertFitter:
         the layer: no E axis)."""
         flat = W.dim() == 2
         W3, H3 = (W[None], H[None]) if flat else (W, H)
-        signs = rotation_signs(name, W3.shape[-1], rule, self.seed)
+        signs = self.rotation_signs(name, W3.shape[-1], rule)
         if signs is not None:
             W3, H3 = rotate(W3, signs.to(W3.device)), rotate_hessian(H3, signs.to(H3.device))
         spec = weight_codec(rule.codec)

@@ -25,7 +25,9 @@ The fits run once a layer's batches are done, and the layer's weights and statis
 from __future__ import annotations
 
 import json
+import re
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -47,7 +49,8 @@ from ..hf.generic import (
 from ..hf.stream import SourceModel, trim_heap
 from ..provenance import created_timestamp, environment
 from ..registry import kv_codec
-from .fit_experts import ExpertFitter
+from ..rotation import hadamard_signs
+from .fit_experts import HEAD, ExpertFitter, rotation_signs
 from .generic_pack import bind_kv, plan_generic
 from .hessian import accumulate_hessian, regularize
 from .recipe import Recipe
@@ -227,9 +230,55 @@ class _LinearStats:
         self.count += x.shape[0]
 
 
+_DOWN = re.compile(r"(^|_)(down|fc2|w2|c_proj)(_|$)")  # a MLP's second matrix: reads the intermediate
+_OUT = re.compile(r"^(o_proj|out_proj|dense|wo|o)$")  # an attention's output projection: reads the heads' output
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def engine_name(name: str, group: str) -> str | None:
+    """The engine's canonical name (fit_experts) of the matrix reading the same input as transformers parameter
+    `name` of target group `group`, or None (a matrix the engine has no counterpart of: MLA's latent projections
+    read as attention, linear attention...). It seeds the incoherence rotation (fit_experts.rotation_signs), so
+    both paths draw the same signs for the same (layer, input) and their packed bytes can be compared: experts'
+    gate_up / up and a dense MLP's gate and up read layer i's x (`layers.i.moe.w1`), down its intermediate
+    (`moe.w2`); q/k/v the attention input (`attn.wq`), o the heads' output (`attn.wo`); the router x; shared
+    experts theirs; the LM head `output.weight`."""
+    if name == "lm_head.weight":
+        return HEAD
+    m = _LAYER.search(name)
+    if m is None:
+        return None
+    i = m.group(1)
+    leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]  # the module (linear) or the stack (experts)
+    down = _DOWN.search(leaf) is not None
+    if group in ("experts", "mlp"):
+        return f"layers.{i}.moe.{'w2' if down else 'w1'}"
+    if group == "shared_experts":
+        return f"layers.{i}.moe.shared.{'w2' if down else 'w1'}.weight"
+    if group == "attention":
+        return f"layers.{i}.attn.{'wo' if _OUT.match(leaf) else 'wq'}.weight"
+    if group == "router":
+        return f"layers.{i}.moe.router.weight"
+    return None
+
+
 class GenericFitter(ExpertFitter):
     """ExpertFitter's quantizers and starved-expert policy on transformers' parameter names: `fit.<param>.<part>`
-    tensors, expert stacks [E, O, I] fitted one expert at a time, linear weights [O, I] as one matrix."""
+    tensors, expert stacks [E, O, I] fitted one expert at a time, linear weights [O, I] as one matrix.
+    `engine_names` ({param: engine_name}) seeds the incoherence rotations."""
+
+    engine_names: dict[str, str | None] = {}
+
+    def rotation_signs(self, name: str, n: int, rule) -> torch.Tensor | None:
+        """The engine's rotation of the matrix reading the same input (engine_name); a matrix without a
+        counterpart gets signs seeded by its own name (every matrix stores its signs: any seed is correct)."""
+        if rule.incoherence is None:
+            return None
+        canon = self.engine_names.get(name)
+        if canon is not None:
+            return rotation_signs(canon, n, rule, self.seed)
+        return hadamard_signs(n, rule.incoherence.block_for(n), (1 << 42) + self.seed * 100_003 +
+                              zlib.crc32(name.encode()))
 
     def fit_stack(self, name: str, W: torch.Tensor, stats: dict, key: str) -> dict:
         """W [E, O, I] (rows = outputs) with the damped per-expert Hessians stats[key] (policy applied)."""
@@ -287,6 +336,7 @@ def calibrate_generic(model_dir: Path, model_spec: str, recipe: Recipe, data: st
     fitter = GenericFitter(targets, lambda i: {}, cal.expert_policy, cal.min_expert_tokens, seed=seed)
     all_tokens = cal.expert_policy == "all-experts-for-stats" and cal.min_expert_tokens > 0
     groups = param_groups(model)
+    fitter.engine_names = {n: engine_name(n, groups.get(n, "other")) for n in targets}
     with atomic_dir(out_dir, is_output=lambda p: (p / "report.json").is_file(), what="a calibration directory") \
             as tmp:
         t0 = time.time()

@@ -48,9 +48,9 @@ def plan_generic(model, recipe: Recipe) -> dict:
     for ri, rule in enumerate(recipe.weights):
         if weight_codec(rule.codec).identity:
             continue
-        if rule.incoherence is not None or rule.allocate is not None:
-            raise UserError(f"weights rule {ri} ({rule.codec}): incoherence and allocate are not done on the "
-                            f"transformers path yet; drop them from the rule")
+        if rule.allocate is not None:
+            raise UserError(f"weights rule {ri} ({rule.codec}): allocate is not done on the transformers path yet; "
+                            f"drop it from the rule")
         hit = [n for n, shape in quant.items() if rule_for(recipe, n, groups.get(n, "other")) is rule]
         if not hit:
             have = sorted({groups.get(n, "other") for n in quant})
@@ -65,6 +65,10 @@ def plan_generic(model, recipe: Recipe) -> dict:
             if (why := spec.kernel_error(rule.bits, I, rule.group_size)) is not None:
                 raise UserError(f"weights rule {ri} (codec {rule.codec}, bits {rule.bits}, group_size "
                                 f"{rule.group_size}) on {n}: {why}")
+            if rule.incoherence is not None and not rule.incoherence.block_for(I):
+                raise UserError(f"weights rule {ri}: incoherence block {rule.incoherence.block} does not divide the "
+                                f"input dim {I} of {n} (powers of two that do: "
+                                f"{[1 << k for k in range((I & -I).bit_length())]}; or 0 for auto)")
             targets[n] = rule
     if recipe.calibration.tune_steps and targets:
         raise UserError("calibration.tune_steps: end-to-end tuning is not done on the transformers path; set it to 0")

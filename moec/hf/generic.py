@@ -16,10 +16,12 @@ Execution (`attach_generic`): kept tensors become the model's parameters; a quan
 experts module as a runtime/experts.QuantMatrix (`moec_stacks`), and that module (only it) dispatches through
 the experts implementation "moec" registered here (`ALL_EXPERTS_FUNCTIONS`): per hit expert, its gate_up (or
 up) rows dequantized (QuantMatrix.dequant_ref), bias added where the module has one, the module's own
-`_apply_gate` (gpt_oss's clamped SwiGLU) or `act_fn`, then down. Quantized linear weights (attention
-projections, dense and shared MLPs, the LM head) become runtime/experts.QLinear modules; a quantized router is
-held dequantized (as the engine holds it) and computed by the model's own router code. Attention is the
-model's own unless the checkpoint has a KV codec (cache.MoecCache, moec_attention).
+`_apply_gate` (gpt_oss's clamped SwiGLU) or `act_fn`, then down; a stack fitted with incoherence (stored W·R
+with its `had_signs`) reads its input rotated (QuantMatrix.rotate_input). Quantized linear weights (attention
+projections, dense and shared MLPs, the LM head) become runtime/experts.QLinear modules (which rotate their input
+likewise); a quantized router is held dequantized, its rotation undone (as the engine holds it), and computed by
+the model's own router code. Attention is the model's own unless the checkpoint has a KV codec (cache.MoecCache,
+moec_attention).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from ..errors import FormatError
 from ..formats import checkpoint
 from ..registry import stored_as_is
+from ..rotation import rotate
 from ..runtime.experts import QLinear, QuantMatrix
 
 LAYOUT = "hf"
@@ -170,23 +173,34 @@ def _weight(mod: nn.Module, name: str, e: int, dtype: torch.dtype) -> torch.Tens
     return (w.t() if mod.is_transposed else w).to(dtype)
 
 
+def _input(mod: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """x [n, I] in the basis stack `name` reads: x·R where moec holds it fitted with incoherence (W·R stored,
+    QuantMatrix.rotate_input), else x."""
+    stacks = getattr(mod, "moec_stacks", None)
+    if stacks is not None and name in stacks._modules:
+        return stacks._modules[name].rotate_input(x)
+    return x
+
+
 def moec_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
     """Experts implementation "moec": x [N, D], top_k_index / top_k_weights [N, A] -> [N, D], each hit expert's
-    matrices dequantized once (QuantMatrix.dequant_ref), the module's bias, gate and activation honoured."""
+    matrices dequantized once (QuantMatrix.dequant_ref), the module's bias, gate and activation honoured; a stack
+    fitted with incoherence reads its input rotated (x·R for gate_up, the gate's output h·R for down), the
+    rotation shared by the layer's experts, so x is rotated once per call."""
     up, down = stack_params(self)
     out = torch.zeros_like(hidden_states)
     dt = hidden_states.dtype
+    xr = _input(self, up, hidden_states)  # [N, D]
     for e in top_k_index.unique().tolist():
         if e < 0 or e >= self.num_experts:  # expert-parallel sentinels
             continue
         tok, pos = torch.where(top_k_index == e)
-        x = hidden_states[tok]
-        h = x @ _weight(self, up, e, dt).t()  # [n, 2I] (or [n, I] without a gate)
+        h = xr[tok] @ _weight(self, up, e, dt).t()  # [n, 2I] (or [n, I] without a gate)
         if self.has_bias:
             h = h + getattr(self, up + "_bias")[e].to(dt)
         h = apply_gate(self, h) if self.has_gate else self.act_fn(h)
-        y = h @ _weight(self, down, e, dt).t()  # [n, D]
+        y = _input(self, down, h) @ _weight(self, down, e, dt).t()  # [n, D]
         if self.has_bias:
             y = y + self.down_proj_bias[e].to(dt)
         out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
@@ -300,8 +314,8 @@ def attach_generic(model: nn.Module, path, manifest: dict | None = None) -> nn.M
             parent = model.get_submodule(parent_path) if parent_path else model
             bias = None if mod.bias is None else mod.bias
             setattr(parent, child, QLinear(q, bias))
-        else:  # a router's weight: held dequantized, computed by the model's own router
-            kept[p] = q.dequant_ref(0)
+        else:  # a router's weight: held dequantized (its rotation undone), computed by the model's own router
+            kept[p] = unrotated(q, q.dequant_ref(0))
     want = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()]
             if n in persistent and (n not in quant or n in kept)}
     for name in [*want, *sorted(kept.keys() - want.keys())]:
@@ -325,6 +339,11 @@ def attach_generic(model: nn.Module, path, manifest: dict | None = None) -> nn.M
     return model
 
 
+def unrotated(q: QuantMatrix, w: torch.Tensor) -> torch.Tensor:
+    """W [..., O, I] from q's dequantized W·R (incoherence: W = (W·R)·Rᵀ), or w itself when q is not rotated."""
+    return rotate(w, q.had_signs, q.had_h, inverse=True) if q.rotated else w
+
+
 def dequantized_reference(source: nn.Module, packed: nn.Module, manifest: dict) -> nn.Module:
     """A copy of transformers model `source` with every matrix the pack quantized replaced by its dequantized
     value, run by transformers' own code: what `packed` (attach_generic of that pack) must compute."""
@@ -336,9 +355,10 @@ def dequantized_reference(source: nn.Module, packed: nn.Module, manifest: dict) 
         mod_path, _, attr = name.rpartition(".")
         mod = packed.get_submodule(mod_path)
         if mod_path in experts:
-            w = rows(experts[mod_path], getattr(mod.moec_stacks, attr).dequant_ref())  # back to transformers' layout
+            q = getattr(mod.moec_stacks, attr)
+            w = rows(experts[mod_path], unrotated(q, q.dequant_ref()))  # back to transformers' layout
         elif isinstance(mod, QLinear):
-            w = mod.q.dequant_ref(0)
+            w = unrotated(mod.q, mod.q.dequant_ref(0))
         else:  # a router held dequantized
             w = getattr(mod, attr)
         ref.get_parameter(name).data.copy_(w)
