@@ -39,7 +39,12 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor, n_in: int) -> torch.Tensor:
     """uint8 codes [..., I / 2] -> fp32 e2m1 values [..., I]."""
-    return E2M1.to(codes.device)[bitpack.unpack(codes, 4, n_in)]
+    # from the code's bits on its own device (E2M1 by arithmetic): no table copied to the device per call, which
+    # a CUDA-graph capture refuses
+    c = bitpack.unpack(codes, 4, n_in).to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * torch.exp2((e - 1).float()))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def mx_scale(stored: dict) -> torch.Tensor:
