@@ -17,7 +17,6 @@ tensors asked for are read.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -29,7 +28,6 @@ from safetensors import safe_open
 from torch import nn
 
 from ..errors import UserError
-from ..progress import track
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -230,13 +228,7 @@ class SourceModel:
         trim_heap()
 
     def fingerprint(self) -> dict:
-        """sha256 of config.json and of the weight files (as runtime/hf_layout.HFCheckpoint.fingerprint)."""
-        h = hashlib.sha256()
-        with track(f"hashing {self.path.name} weights", sum(f.stat().st_size for f in self.files), "B") as advance:
-            for f in self.files:
-                with open(f, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(1 << 24), b""):
-                        h.update(chunk)
-                        advance(len(chunk))
-        return {"config_sha256": hashlib.sha256((self.path / "config.json").read_bytes()).hexdigest(),
-                "weights_sha256": h.hexdigest()}
+        """sha256 of config.json and of the weight files (the engine's HFCheckpoint computes the same)."""
+        from ..runtime.hf_layout import fingerprint
+
+        return fingerprint(self.path, self.files)

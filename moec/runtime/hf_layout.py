@@ -225,12 +225,17 @@ class HFCheckpoint:
 
     def fingerprint(self) -> dict:
         """sha256 of config.json and of the weight files, for provenance in every output."""
-        h = hashlib.sha256()
-        with track(f"hashing {self.path.name} weights", sum(f.stat().st_size for f in self.files), "B") as advance:
-            for f in self.files:
-                with open(f, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(1 << 24), b""):
-                        h.update(chunk)
-                        advance(len(chunk))
-        return {"config_sha256": hashlib.sha256((self.path / "config.json").read_bytes()).hexdigest(),
-                "weights_sha256": h.hexdigest()}
+        return fingerprint(self.path, self.files)
+
+
+def fingerprint(path: Path, files: list[Path]) -> dict:
+    """sha256 of `path`/config.json and of the weight `files` (in order): a source model's provenance."""
+    h = hashlib.sha256()
+    with track(f"hashing {path.name} weights", sum(f.stat().st_size for f in files), "B") as advance:
+        for f in files:
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(chunk)
+                    advance(len(chunk))
+    return {"config_sha256": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
+            "weights_sha256": h.hexdigest()}

