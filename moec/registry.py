@@ -111,6 +111,7 @@ class KVCodecSpec:
     cache_factory: Hook = None
     random_tensors: Hook = None
     rope_pre: Hook = None
+    ct_kv_cache: Hook = None  # (model args, kv.* tensors) -> (ct kv_cache_scheme, {HF name: tensor}): ct carries it
     description: str = ""
     family: str = ""  # the stem of its own files (default: the name)
 

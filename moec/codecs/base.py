@@ -6,7 +6,7 @@ runtime's view of the KV codec (runtime/loader.kv_section) is `dataclasses.asdic
 section's shapes and derived keys (formats/kvsection.py).
 
     kv:
-      codec: nuq-outlier      # fp16 | kivi | nuq-outlier | latent-head | latent-layer | rvq-tiered
+      codec: nuq-outlier      # fp16 | fp8 | kivi | nuq-outlier | latent-head | latent-layer | rvq-tiered
       bits: 2
       window: 128             # recent tokens kept in fp16 (every tiered codec)
       sinks: 4                # first tokens kept in fp16

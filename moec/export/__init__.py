@@ -14,24 +14,32 @@ exact (the other runtime's dequantization gives bit for bit the weights moec's `
 
 Anything else (hls, fp3 and vq codebooks, other group sizes or bits for GGUF, rtn with a fractional
 zero for ct, fp8 for GGUF) is a UserError naming the tensor, its codec and the formats that can carry it.
-The KV codec of a checkpoint is a runtime setting of moec; no format here carries it (a warning says so).
+KV codecs: fp8 (static per-layer scales) -> ct `kv_cache_scheme` (float 8-bit, strategy tensor) with
+`self_attn.k_scale` / `v_scale` per layer, what vLLM's fp8 KV cache loads. Every other KV codec is a
+runtime setting of moec that no format here carries: the export holds the weights, and a warning says so.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 FORMATS = ("gguf", "ct")
 
 
 def export(packed: str | Path, fmt: str, out: str | Path) -> dict:
     """Write the export of `packed` in format `fmt` to the directory `out`; returns its summary."""
     from ..errors import UserError
+    from ..registry import kv_codec
     from .source import PackedModel
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     model = PackedModel(packed)
+    if model.kv_codec is not None and not (fmt == "ct" and kv_codec(model.kv_codec).ct_kv_cache):
+        log.warning("the KV codec %s is a runtime setting of moec: --format %s does not carry it (the export "
+                    "holds the weights)", model.kv_codec, fmt)
     if fmt == "gguf":
         from .to_gguf import write_gguf
 

@@ -63,13 +63,13 @@ class PackedModel:
         cfg = self.path / "config.json"
         self.config = json.loads(cfg.read_text()) if cfg.is_file() else {}
         self.config = source_hf_config(self.config)  # the source's model_type, without moec's mirror
-        if self.manifest.get("kv"):
-            log.warning("the KV codec %s is a runtime setting of moec: no export format carries it (the export "
-                        "holds the weights)", self.manifest["recipe"]["kv"]["codec"])
+        # the KV codec and its calibration tensors (export/__init__.py says which format carries which codec)
+        self.kv_codec = self.manifest["recipe"]["kv"]["codec"] if self.manifest.get("kv") else None
         tensors = load_tensors(self.path, self.manifest)
+        self.kv_tensors = {n: t for n, t in tensors.items() if n.startswith("kv.")}
         self.params: dict[str, Param] = {}
         for name, e in self.manifest["tensors"].items():
-            if name.startswith("kv."):  # KV-codec calibration tensors (see the warning above)
+            if name.startswith("kv."):  # KV-codec calibration tensors: kv_tensors
                 continue
             p = e["param"]
             if stored_as_is(e["codec"]):

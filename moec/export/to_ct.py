@@ -26,6 +26,8 @@ Mappings (compressed_tensors.compressors; checked with the library in tests/expo
       moec's fp32 weight when the global scale is a power of two (moec's fit writes only such; any other is
       refused, since its products would round).
   keep -> the tensor as stored, under its HF name.
+  KV fp8 (runtime/fp8kv.py) -> `kv_cache_scheme` {num_bits 8, float, symmetric, strategy tensor, static} and
+      `model.layers.{i}.self_attn.k_scale` / `v_scale` fp32 [1]: both x = fp8 · scale, post-RoPE keys.
 """
 
 from __future__ import annotations
@@ -193,6 +195,14 @@ def nvfp4_tensors(p: Param, names: list[str]) -> tuple[dict[str, torch.Tensor], 
                  "dynamic": False, "scale_dtype": "torch.float8_e4m3fn", "format": "nvfp4-pack-quantized"}
 
 
+def kv_ct_hook(model: PackedModel):
+    """The KV codec's registered `ct_kv_cache` hook, or None (no KV codec, or one ct does not carry)."""
+    from ..registry import kv_codec
+
+    spec = kv_codec(model.kv_codec) if model.kv_codec else None
+    return spec.hook("ct_kv_cache") if spec is not None and spec.ct_kv_cache else None
+
+
 def write_ct(model: PackedModel, out: Path) -> dict:
     refuse_unless_carried(model, "ct")
     tensors: dict[str, torch.Tensor] = {}
@@ -221,6 +231,13 @@ def write_ct(model: PackedModel, out: Path) -> dict:
             "format": formats.pop() if len(formats) == 1 else "mixed-precision",
             "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
             "ignore": ignore, "kv_cache_scheme": None} if groups else None  # nothing quantized: a plain HF directory
+    kv_hook = kv_ct_hook(model)
+    if kv_hook is not None:  # a KV codec ct carries (fp8): its scheme and per-layer scales
+        scheme, kv_scales = kv_hook(model.args, model.kv_tensors)
+        tensors.update(kv_scales)
+        qcfg = qcfg or {"quant_method": "compressed-tensors", "quantization_status": "compressed",
+                        "format": "dense", "config_groups": {}, "ignore": [], "kv_cache_scheme": None}
+        qcfg["kv_cache_scheme"] = scheme
     shards = _shards(tensors)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     with atomic_dir(out, is_output=is_export, what="a moec export", size_hint=size) as tmp:

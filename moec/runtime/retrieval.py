@@ -147,7 +147,10 @@ def load_prefill(cache, rec: PrefillRecorder, n_layers: int, n_heads: int) -> No
         if getattr(cache, "rot", None) is not None:  # head_dim rotations wrap q, k, v of one length: store only
             cache.read_append(layer, k, v, 0, k.dtype)
             continue
-        q = torch.zeros(k.shape[0], n_heads, 1, k.shape[3], dtype=k.dtype, device=k.device)
+        # one query where every query attends over one view in position order; a family whose queries see
+        # per-query views (the latent cache's groups) masks per query: all queries, the quadratic cost included
+        n = 1 if getattr(cache, "position_order_view", True) else k.shape[2]
+        q = torch.zeros(k.shape[0], n_heads, n, k.shape[3], dtype=k.dtype, device=k.device)
         cache.attend(layer, q, k, v, 0)
 
 

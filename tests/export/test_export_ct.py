@@ -103,3 +103,40 @@ def test_ct_names_are_the_hf_names_moec_reads(tmp_path, args):
     back, packed = ck.state_dict(), load_tensors(p, read_manifest(p))
     assert back.keys() == packed.keys()
     assert all(torch.equal(back[k], packed[k]) for k in packed)
+
+
+def test_fp8_kv_exports_as_kv_cache_scheme(tmp_path, caplog):
+    """The fp8 KV codec's per-layer scales become compressed-tensors' kv_cache_scheme and self_attn.k_scale /
+    v_scale: the library parses the scheme, transformers loads every scale into its attention modules exactly
+    (no missing or unexpected keys), and GGUF, which cannot carry it, says so."""
+    import logging
+
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers import AutoModelForCausalLM
+
+    from moec.calibrate.pack import pack_random
+    from moec.calibrate.recipe import parse_recipe
+    from moec.formats.checkpoint import load_tensors, read_manifest
+
+    from .packs import ARGS
+
+    p = tmp_path / "p"
+    pack_random(ARGS, "tiny", parse_recipe({"name": "fp8-kv", "weights": [rule(["experts"], "fp8", 8)],
+                                            "kv": {"codec": "fp8", "bits": 8, "window": 0, "sinks": 0}}), p)
+    export(p, "ct", tmp_path / "c")
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationConfig.model_validate(cfg).kv_cache_scheme
+    assert (scheme.num_bits, scheme.type, scheme.strategy, scheme.dynamic) == (8, "float", "tensor", False)
+    kv = {n: t for n, t in load_tensors(p, read_manifest(p)).items() if n.startswith("kv.")}
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "c", dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    for i, layer in enumerate(hf.model.layers):
+        for kind in ("k", "v"):
+            assert torch.equal(getattr(layer.self_attn, f"{kind}_scale").data.float().reshape(1),
+                               kv[f"kv.layers.{i}.{kind}_scale"].float().reshape(1)), (i, kind)
+    q = tmp_path / "q"  # GGUF: int8 experts export (Q8_0), the fp8 KV codec does not
+    pack_random(ARGS, "tiny", parse_recipe({"name": "kv-only", "weights": [rule(["experts"], "intsym", 8, 32)],
+                                            "kv": {"codec": "fp8", "bits": 8, "window": 0, "sinks": 0}}), q)
+    with caplog.at_level(logging.WARNING):
+        export(q, "gguf", tmp_path / "g")
+    assert "KV codec fp8 is a runtime setting of moec: --format gguf does not carry it" in caplog.text

@@ -121,6 +121,23 @@ def test_tiered_modes_write_identical_history(rope_pre, rotated, prefill):
             assert torch.equal(w, caches["static"].win[kind][layer][:, :, : w.shape[2]]), (kind, layer)
 
 
+def test_fp8_modes_write_identical_history():
+    """The fp8 KV codec with no window and no sinks (recipe kv-fp8): every full block leaves at once, and the three
+    modes store the same bytes."""
+    from moec.runtime.fp8kv import FP8KVCodec
+
+    codecs = [FP8KVCodec(ARGS.head_dim, torch.tensor([0.01 * (i + 1)]), torch.tensor([0.005])) for i in range(2)]
+    tiers = dict(window=0, sinks=0, block=16, prefill=6)
+    nb = S // 16
+    caches = {mode: _run(TieredKVCache(ARGS, B, S, codecs, use_kernel=False, mode=mode, **tiers), 6)
+              for mode in ("dynamic", "static", "simulated")}
+    assert caches["dynamic"].n_blocks == [nb] * ARGS.n_layers and caches["static"].n_blocks == [nb] * B
+    ref = _tiered_fields(caches["dynamic"], nb)
+    assert ref["k0.codes"].any()
+    for mode in ("static", "simulated"):
+        _equal(ref, _tiered_fields(caches[mode], nb), mode)
+
+
 def _latent_codecs(groups):
     K, d = ARGS.n_kv_heads, ARGS.head_dim
     out = []
