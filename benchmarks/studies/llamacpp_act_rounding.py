@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from benchmarks.benchutil import ROOT, cli
 from benchmarks.export_llamacpp_check import TEXT, upsert, weights_exact
@@ -53,6 +54,19 @@ def _rounded_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
     w1, w3, w2 = (self.weight(n, e, x.dtype) for n in ("w1", "w3", "w2"))
     xq = q8_0(x)
     return q8_0(F.silu(xq @ w1.t()) * (xq @ w3.t())) @ w2.t()
+
+
+def _f16_attention(q, k, v, is_causal=False, enable_gqa=False, attn_mask=None, scale=None, **_):
+    """Causal attention with q, k, v and the probabilities rounded to fp16 (llama.cpp's CPU path: an F16 KV
+    cache, F16 operands of both matmuls, fp32 accumulation and softmax)."""
+    H, K = q.shape[1], k.shape[1]
+    k, v = (t.repeat_interleave(H // K, 1) for t in (k, v))
+    f16 = lambda t: t.half().float()  # noqa: E731
+    s = f16(q) @ f16(k).transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if is_causal:
+        T, S = q.shape[2], k.shape[2]
+        s = s.masked_fill(~torch.ones(T, S, dtype=torch.bool).tril(S - T), float("-inf"))
+    return (f16(torch.softmax(s, -1)) @ f16(v)).to(q.dtype)
 
 
 def kl_mean(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
@@ -86,6 +100,9 @@ def main() -> None:
         gguf_file = work / "g" / "model.gguf"
         types = json.loads((work / "g" / "moec-export.json").read_text())["quantized_tensors"]
         exact = weights_exact(work / "p", gguf_file)
+        import gguf
+
+        gguf_types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(gguf_file).tensors}
         ids = Tokenizer.from_file(str(work / "p" / "tokenizer.json")).encode(TEXT).ids
         model, _ = load_model(work / "p")  # moec's CPU runtime, fp32: the export check's reference
         with torch.no_grad():
@@ -94,9 +111,17 @@ def main() -> None:
                       for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in PROJ]
             expert = ExpertWeights.expert
             ExpertWeights.expert = _rounded_expert  # the MLP's gate/up and down inputs, inside the module
+            sdpa = F.scaled_dot_product_attention
             try:
                 rounded = model(torch.tensor([ids]))[0].double().numpy()
+                # and as llama.cpp's CPU attention (no flash): K and V cached in F16, q and the softmax
+                # probabilities converted to F16 for the two matmuls; the LM head's input to F16 for an F16 head
+                F.scaled_dot_product_attention = _f16_attention
+                if gguf_types.get("output.weight", gguf_types.get("token_embd.weight")) == "F16":
+                    hooked.append(model.norm.register_forward_hook(lambda _m, _a, out: out.half().float()))
+                rounded_all = model(torch.tensor([ids]))[0].double().numpy()
             finally:
+                F.scaled_dot_product_attention = sdpa
                 ExpertWeights.expert = expert
                 for h in hooked:
                     h.remove()
@@ -104,15 +129,27 @@ def main() -> None:
                               n_threads=a.threads, verbose=False)
         llm.eval(ids)
         got = np.asarray(llm.scores[: len(ids)], dtype=np.float64)
+        del llm
+        other = {}  # llama.cpp against itself at other thread counts: its own run-to-run floor
+        for n in (2, 4):
+            llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=len(ids) + 8, logits_all=True, n_threads=n,
+                                  verbose=False)
+            llm.eval(ids)
+            other[n] = kl_mean(got, np.asarray(llm.scores[: len(ids)], dtype=np.float64))[0]
+            del llm
     kl_plain, kl_plain_max = kl_mean(plain, got)
     kl_round, kl_round_max = kl_mean(rounded, got)
     kl_self, _ = kl_mean(plain, rounded)
+    kl_all, kl_all_max = kl_mean(rounded_all, got)
     rec = {"bench": "llamacpp_act_rounding", "date": time.strftime("%Y-%m-%d"), "model": a.model,
            "recipe": a.recipe, "ggml_types": types, "weights_exact": exact, "tokens": len(ids),
            "hooked_projections": len(hooked),
            "kl_moec_llamacpp_mean": kl_plain, "kl_moec_llamacpp_max": kl_plain_max,
            "kl_moec_q8act_llamacpp_mean": kl_round, "kl_moec_q8act_llamacpp_max": kl_round_max,
            "kl_moec_moec_q8act_mean": kl_self,
+           "kl_moec_q8act_f16attn_llamacpp_mean": kl_all, "kl_moec_q8act_f16attn_llamacpp_max": kl_all_max,
+           "kl_llamacpp_threads_vs_other_threads": {f"{a.threads}_vs_{n}": v for n, v in other.items()},
+           "lm_head_type": gguf_types.get("output.weight", gguf_types.get("token_embd.weight")),
            "seconds": round(time.time() - t0, 1),
            "command": f"python3 -m benchmarks.studies.llamacpp_act_rounding --model {a.model} --recipe {a.recipe} "
                       f"--threads {a.threads}",
