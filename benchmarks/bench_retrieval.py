@@ -82,7 +82,8 @@ def recipe_factory(name: str, model_name: str, work: Path, samples: int | None, 
 
 
 def _packed(name: str, model_name: str, work: Path, samples: int | None, seq_len: int):
-    calib, packed = work / model_name / f"{name}-calib", work / model_name / name
+    stem = Path(name).stem if name.endswith(".yaml") else name  # a recipe file: its stem names the pack
+    calib, packed = work / model_name / f"{stem}-calib", work / model_name / stem
     if not (packed / "moec.json").is_file():
         sizes = [] if samples is None else ["--samples", samples, "--seq-len", seq_len]  # None: the recipe's own
         cli("calibrate", model_name, "--recipe", find_recipe(name), "--data", "ptb", "--split", "train", *sizes,
@@ -98,7 +99,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="4096", help="comma-separated lengths in tokens (haystack + 32)")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--recipes", nargs="*", default=["kv-nuq2-rot-w512"], help="KV recipes (fp16 always runs)")
+    ap.add_argument("--recipes", nargs="*", default=["kv-nuq2-rot-w512"], help="KV recipes, names or files (fp16 "
+                    "always runs); K_RECIPE+V_RECIPE: the keys of one with the values of the other")
     ap.add_argument("--needle-keys", type=int, default=2, choices=range(2, len(NAMES) + 1),
                     help="keys in a needle trial (SmolLM2-135M's fp16 recall: 2 keys ~85%%, 3-4 keys ~75%% at 1k)")
     ap.add_argument("--batch", type=int, default=4, help="trials per prefill / decode batch")
@@ -173,10 +175,11 @@ def main() -> None:
                 mismatch[name] = _check_prefill(recipes[name], built[: a.check_prefill], answers[name], length)
             base_ok = ok["fp16"]
             for name, hits in ok.items():
+                label = Path(name).stem if name.endswith(".yaml") else name
                 k = sum(hits)
                 lo, hi = wilson(k, len(hits))
                 rec_ = base_record("retrieval", "cpu") | {
-                    "model": a.model, "task": task, "recipe": name, "context": length, "trials": len(hits),
+                    "model": a.model, "task": task, "recipe": label, "context": length, "trials": len(hits),
                     "seed": a.seed, "mode": "dec",
                     "needle_keys": a.needle_keys if task == "needle" else None, "accuracy": 100.0 * k / len(hits),
                     "ci95": [100 * lo, 100 * hi], "hits": [int(h) for h in hits],
@@ -185,15 +188,15 @@ def main() -> None:
                     "counts": 100.0 * sum(base_ok) / len(base_ok) >= 80.0,
                     "cpu_seconds": round(cpu[name] + (cpu["prefill"] if name == "fp16" else 0.0), 1),
                     "protocol": {"haystack": length - RESERVE, "guard": a.guard, "sinks_guard": a.sinks_guard,
-                                 "new_tokens": NEW_TOKENS, "prefill": "exact, shared by every recipe (the fp16 "
-                                 "row's cpu_seconds include it)", "question": "one chunk through the cache"},
+                                 "new_tokens": NEW_TOKENS, "prefill": "attention over fp16-rounded K/V, shared "
+                                 "by every recipe (the fp16 row's cpu_seconds include it)", "question": "one chunk through the cache"},
                 }
                 if name != "fp16":
                     d, dlo, dhi = paired_diff(base_ok, hits)
                     rec_["diff_fp16"] = {"points": 100 * d, "ci95": [100 * dlo, 100 * dhi]}
                 if name in mismatch:
                     rec_["prefill_check"] = mismatch[name]
-                records = [r for r in records if not (r.get("task") == task and r.get("recipe") == name and
+                records = [r for r in records if not (r.get("task") == task and r.get("recipe") == label and
                                                       r.get("context") == length and r.get("trials") == len(hits)
                                                       and r.get("seed") == a.seed)] + [rec_]
                 print(json.dumps({k: rec_.get(k) for k in ("task", "recipe", "context", "trials", "accuracy",
