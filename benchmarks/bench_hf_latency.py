@@ -48,23 +48,23 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--contexts", default="128,384")  # the tiny configs hold 512 positions
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--work", type=Path, help="build the models and packs here, or reuse them from here (the GPU "
+                    "image has no `datasets` for calibration text: build on the CPU with --build-only, then carry)")
+    ap.add_argument("--build-only", action="store_true", help="build under --work and stop (no GPU needed)")
     a = ap.parse_args()
-    from moec.hf.tiny import save_tiny
-
     records = []
+    text = Path(tempfile.mkdtemp(prefix="hf-latency-data-")) / "text.txt"  # calibration text: any will do
+    text.write_text((ROOT / "README.md").read_text() * 4)
     for t in a.types:
-        tmp = Path(tempfile.mkdtemp(prefix=f"hf-latency-{t}-"))
+        tmp = a.work / t if a.work else Path(tempfile.mkdtemp(prefix=f"hf-latency-{t}-"))
         t0 = time.time()
         try:
-            save_tiny(t, tmp / "src")
-            cli("calibrate", tmp / "src", "--recipe", "experts-hls2", "--samples", "4", "--seq-len", "64",
-                "-o", tmp / "calib", "--path", "transformers")
-            cli("pack", tmp / "src", tmp / "calib", "-o", tmp / "packed")
+            if not (tmp / "packed" / "moec.json").is_file():  # else built before (--build-only)
+                _build(t, tmp, text)
+            if a.build_only:
+                continue
             runs = [("source", tmp / "src", "transformers"), ("packed", tmp / "packed", "transformers")]
-            if t in ENGINE_TYPES:  # the engine on the same source, calibrated and packed on its own path
-                cli("calibrate", tmp / "src", "--recipe", "experts-hls2", "--samples", "4", "--seq-len", "64",
-                    "-o", tmp / "calib-engine", "--path", "engine")
-                cli("pack", tmp / "src", tmp / "calib-engine", "-o", tmp / "packed-engine")
+            if t in ENGINE_TYPES:
                 runs += [("packed", tmp / "packed-engine", "engine")]
             for which, model, path in runs:
                 try:
@@ -76,11 +76,25 @@ def main() -> None:
         except Exception as e:
             records.append({"type": t, "error": f"{type(e).__name__}: {str(e)[-400:]}"})
         print(f"{t}: {time.time() - t0:.0f} s", flush=True)
+    if a.build_only:
+        return
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(records, indent=1))
     for r in records:
         print(r.get("type"), r.get("model"), r.get("path"), r.get("batch"), r.get("context"),
               r.get("ms_median", r.get("error")))
+
+
+def _build(t: str, tmp: Path, text: Path) -> None:
+    """The tiny source of type t, its experts-hls2 pack on the transformers path and, for an engine type, on the
+    engine path (calibrated and packed on its own path)."""
+    from moec.hf.tiny import save_tiny
+
+    save_tiny(t, tmp / "src")
+    for path, suffix in (("transformers", ""), *((("engine", "-engine"),) if t in ENGINE_TYPES else ())):
+        cli("calibrate", tmp / "src", "--recipe", "experts-hls2", "--samples", "4", "--seq-len", "64",
+            "--data", text, "-o", tmp / f"calib{suffix}", "--path", path)
+        cli("pack", tmp / "src", tmp / f"calib{suffix}", "-o", tmp / f"packed{suffix}")
 
 
 if __name__ == "__main__":
