@@ -7,7 +7,8 @@ Per model type: a tiny random model (moec/hf/tiny.py, the coverage tests' config
 `experts-hls2` on the transformers path and packed; then `moec eval --latency` runs, as a user would (a
 separate process), on the source and on the pack. For an engine type (qwen3_moe) the source is also calibrated
 and packed on the engine path and timed on moec's engine, so the record shows both paths on one model. The CLI's
-first line (the notice that the transformers path is timed, not moec's engine) is kept in the record.
+notice (that the transformers path is timed, not moec's engine) is kept in the record (`notice`; the
+2026-12-05 record has the first stdout line instead, `stdout_first_line`).
 
 Tiny models time launch overhead, not bandwidth: these rows show that the path runs and what it costs per step
 against the engine, not a % of floor. Writes one JSON list (docs/metrics.md's moec-latency records plus
@@ -39,7 +40,9 @@ def eval_latency(model: Path, out: Path, path: str, batches: str, contexts: str)
                        cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"eval --latency {model} failed: {r.stderr.strip().splitlines()[-1:]}")
-    return json.loads(out.read_text()), (r.stdout.strip().splitlines() or [""])[0]
+    # the notice that the transformers path is timed, not moec's engine: the CLI's message stream (stderr)
+    notice = next((ln for ln in r.stderr.splitlines() if "timing the transformers path" in ln), None)
+    return json.loads(out.read_text()), notice
 
 
 def main() -> None:
