@@ -59,31 +59,34 @@ from moec.runtime.retrieval import (
 )
 
 
+def label(name: str) -> str:
+    """A recipe's name in records and pack directories: a recipe file's stem, else the name itself."""
+    return Path(name).stem if name.endswith(".yaml") else name
+
+
 def recipe_factory(name: str, model_name: str, work: Path, samples: int | None, seq_len: int):
     """(model, cache factory, kv_bits_32k, window) of a KV recipe, calibrated and packed once under `work`;
     NAME_K+NAME_V: the keys of NAME_K's codec with the values of NAME_V's (KeysValuesApart)."""
     if "+" in name:
         from moec.runtime.kvtiered import build_codecs, tiered_cache_factory
 
-        (mk, ik), (mv, iv) = (_packed(n, model_name, work, samples, seq_len) for n in name.split("+"))
+        (mk, ik), (model, info) = (_packed(n, model_name, work, samples, seq_len) for n in name.split("+"))
         same = ("window", "sinks", "block", "rope")
-        if any(ik["kv"].get(k) != iv["kv"].get(k) for k in same):
+        if any(ik["kv"].get(k) != info["kv"].get(k) for k in same):
             raise SystemExit(f"{name}: the two recipes differ in {same}")
         codecs = [KeysValuesApart(a, b) for a, b in zip(build_codecs(ik["kv"], ik["kv_tensors"], mk.args),
-                                                        build_codecs(iv["kv"], iv["kv_tensors"], mv.args),
+                                                        build_codecs(info["kv"], info["kv_tensors"], model.args),
                                                         strict=True)]
-        factory = tiered_cache_factory(iv["kv"], codecs, use_kernel=False)
-        bits = factory(mv, 1, 256).bits_at(32768)  # arithmetic on the stored-byte formula: any max_len
-        return mv, factory, bits, iv["kv"]["window"]
-    model, info = _packed(name, model_name, work, samples, seq_len)
-    factory = kv_cache_factory(info, model.args)
+        factory = tiered_cache_factory(info["kv"], codecs, use_kernel=False)
+    else:
+        model, info = _packed(name, model_name, work, samples, seq_len)
+        factory = kv_cache_factory(info, model.args)
     bits = factory(model, 1, 256).bits_at(32768)  # arithmetic on the stored-byte formula: any max_len
     return model, factory, bits, info["kv"]["window"]
 
 
 def _packed(name: str, model_name: str, work: Path, samples: int | None, seq_len: int):
-    stem = Path(name).stem if name.endswith(".yaml") else name  # a recipe file: its stem names the pack
-    calib, packed = work / model_name / f"{stem}-calib", work / model_name / stem
+    calib, packed = work / model_name / f"{label(name)}-calib", work / model_name / label(name)
     if not (packed / "moec.json").is_file():
         sizes = [] if samples is None else ["--samples", samples, "--seq-len", seq_len]  # None: the recipe's own
         cli("calibrate", model_name, "--recipe", find_recipe(name), "--data", "ptb", "--split", "train", *sizes,
@@ -175,11 +178,10 @@ def main() -> None:
                 mismatch[name] = _check_prefill(recipes[name], built[: a.check_prefill], answers[name], length)
             base_ok = ok["fp16"]
             for name, hits in ok.items():
-                label = Path(name).stem if name.endswith(".yaml") else name
                 k = sum(hits)
                 lo, hi = wilson(k, len(hits))
                 rec_ = base_record("retrieval", "cpu") | {
-                    "model": a.model, "task": task, "recipe": label, "context": length, "trials": len(hits),
+                    "model": a.model, "task": task, "recipe": label(name), "context": length, "trials": len(hits),
                     "seed": a.seed, "mode": "dec",
                     "needle_keys": a.needle_keys if task == "needle" else None, "accuracy": 100.0 * k / len(hits),
                     "ci95": [100 * lo, 100 * hi], "hits": [int(h) for h in hits],
@@ -188,15 +190,16 @@ def main() -> None:
                     "counts": 100.0 * sum(base_ok) / len(base_ok) >= 80.0,
                     "cpu_seconds": round(cpu[name] + (cpu["prefill"] if name == "fp16" else 0.0), 1),
                     "protocol": {"haystack": length - RESERVE, "guard": a.guard, "sinks_guard": a.sinks_guard,
-                                 "new_tokens": NEW_TOKENS, "prefill": "attention over fp16-rounded K/V, shared "
-                                 "by every recipe (the fp16 row's cpu_seconds include it)", "question": "one chunk through the cache"},
+                                 "new_tokens": NEW_TOKENS, "question": "one chunk through the cache",
+                                 "prefill": "attention over fp16-rounded K/V, shared by every recipe (the fp16 "
+                                            "row's cpu_seconds include it)"},
                 }
                 if name != "fp16":
                     d, dlo, dhi = paired_diff(base_ok, hits)
                     rec_["diff_fp16"] = {"points": 100 * d, "ci95": [100 * dlo, 100 * dhi]}
                 if name in mismatch:
                     rec_["prefill_check"] = mismatch[name]
-                records = [r for r in records if not (r.get("task") == task and r.get("recipe") == label and
+                records = [r for r in records if not (r.get("task") == task and r.get("recipe") == label(name) and
                                                       r.get("context") == length and r.get("trials") == len(hits)
                                                       and r.get("seed") == a.seed)] + [rec_]
                 print(json.dumps({k: rec_.get(k) for k in ("task", "recipe", "context", "trials", "accuracy",
@@ -208,7 +211,7 @@ def main() -> None:
 
 def _check_prefill(recipe, built, answers, length: int) -> dict:
     """The shortcut against the cache's own prefill on the first trials: a fresh cache prefilled by the model
-    (exact attention over the whole haystack, then the window's ageing), then the same question and decode.
+    through its own attention (then the window's ageing), then the same question and decode.
     How many answers differ from the shared-prefill path's (expected 0)."""
     m, factory = recipe[0], recipe[1]
     diff = 0
