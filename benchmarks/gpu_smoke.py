@@ -18,6 +18,11 @@ identity and the ablations of one setting, whose description starts "ablation of
   latency   `moec eval PACKED --latency --json` at 1k context: every row timed, none in error (every
             registered KV codec runs in the static engine).
 
+Recipes with the nuq KV codec run the logit checks twice: by default (the Gluon decode-attention kernel where
+it serves the cache, kernels/gluon_kv_attention.py) and with MOEC_KERNELS=tl (the `tl` kernel, its fallback):
+checks `static`/`dynamic` and `static-tl`/`dynamic-tl`, each with `gluon_kv_launches` (how many Gluon launches
+the check made: > 0 on the default path of a cache it serves, 0 under tl).
+
 The logit checks (pathcheck.compare_paths) measure three paths by the relative L2 distance of their
 logits: the default path in bf16 (kernels, graphs), the torch reference in bf16 (MOEC_KERNELS=0) and
 the torch reference in fp32 (`exact`). bf16 alone moves logits by a few percent here: 2-bit codes near
@@ -89,6 +94,8 @@ def _tail(text: str, n: int = 300) -> str:
 
 
 def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda") -> list[dict]:
+    from moec.kernels import gluon_kv_attention as gka
+    from moec.runtime.backend import kernels_forced
     from moec.runtime.loader import load_model
     from moec.runtime.pathcheck import compare_paths
 
@@ -114,19 +121,30 @@ def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda
     ids = torch.randint(0, model.args.vocab_size, (PROMPT_TOKENS + STEPS,), generator=gen)
     t0 = time.time()
     try:
+        n0 = gka.LAUNCHES
         res = compare_paths(model, info.get("kv"), info.get("kv_tensors", {}), ids, PROMPT_TOKENS, exact=exact)
+        gluon_launches = gka.LAUNCHES - n0
         # the model's floor: the larger of the two engines' bf16 references' distances from fp32. Both are
         # correct bf16 paths; a random router's near-ties flip experts between bf16 and fp32 (a discrete
         # change of ~9% of the logits on smoke-moe, where the top probabilities can differ by 3e-6), and
         # which path meets such a flip in the scored steps is chance (2026-12-02: smollm2-mlp-hls2-had, the
         # static fused path and the dynamic reference at 0.089, the static reference at 0.009)
         floor = max(r["rel_l2_floor"] for r in res.values())
-        for engine, r in res.items():
-            bound = SLACK_FACTOR * floor + SLACK_ABS
-            ok = r["rel_l2_exact"] <= bound
-            recs.append({"recipe": name, "check": engine, "ok": ok, "bound": bound, "kv_codec": codec,
-                         "error": None if ok else f"rel_l2_exact {r['rel_l2_exact']:.4g} > bound {bound:.4g}",
-                         "wall_s": round(time.time() - t0, 2)} | r)
+        runs = [("", res, gluon_launches)]
+        if codec == "nuq-outlier":  # the KV kernels' two paths: Gluon where it serves (default), `tl` forced
+            with kernels_forced("tl"):
+                n0 = gka.LAUNCHES
+                res_tl = compare_paths(model, info.get("kv"), info.get("kv_tensors", {}), ids, PROMPT_TOKENS,
+                                       exact=exact)
+            runs.append(("-tl", res_tl, gka.LAUNCHES - n0))
+        for suffix, rs, launches in runs:
+            for engine, r in rs.items():
+                bound = SLACK_FACTOR * floor + SLACK_ABS
+                ok = r["rel_l2_exact"] <= bound
+                recs.append({"recipe": name, "check": engine + suffix, "ok": ok, "bound": bound, "kv_codec": codec,
+                             "gluon_kv_launches": launches,
+                             "error": None if ok else f"rel_l2_exact {r['rel_l2_exact']:.4g} > bound {bound:.4g}",
+                             "wall_s": round(time.time() - t0, 2)} | r)
     except Exception as e:
         record("paths", t0, ok=False, error=f"{type(e).__name__}: {e}"[:300], trace=traceback.format_exc()[-1500:])
     del model, exact

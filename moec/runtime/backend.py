@@ -5,7 +5,9 @@ that choice for every cache and codec at once, so the CPU test suite can drive t
 path (the one a user gets on the GPU) under `TRITON_INTERPRET=1`, and a GPU run can take the torch
 oracle without touching any constructor argument:
 
-    MOEC_KERNELS=auto   (or unset) kernels on CUDA only
+    MOEC_KERNELS=auto   (or unset) kernels on CUDA only; Gluon kernels where one serves the case
+    MOEC_KERNELS=tl     as auto, but the Triton `tl` kernels only: the reference and fallback of every
+                        Gluon kernel (Gluon has no CPU interpreter, so `tl` is what CI runs)
     MOEC_KERNELS=1      kernels wherever a codec has one; on the CPU this needs TRITON_INTERPRET=1
     MOEC_KERNELS=0      the torch reference, CUDA included
 
@@ -21,14 +23,14 @@ import torch
 
 from ..errors import UserError
 
-_CHOICES = ("auto", "1", "0")
+_CHOICES = ("auto", "tl", "1", "0")
 
 
 def kernel_mode() -> str:
     mode = os.environ.get("MOEC_KERNELS", "auto").strip().lower() or "auto"
     mode = {"on": "1", "true": "1", "off": "0", "false": "0"}.get(mode, mode)
     if mode not in _CHOICES:
-        raise UserError(f"MOEC_KERNELS={os.environ['MOEC_KERNELS']!r}: expected auto, 1 or 0")
+        raise UserError(f"MOEC_KERNELS={os.environ['MOEC_KERNELS']!r}: expected auto, tl, 1 or 0")
     return mode
 
 
@@ -42,16 +44,21 @@ def kernels_enabled(device) -> bool:
     if mode == "0":
         return False
     cuda = torch.device(device).type == "cuda"
-    if mode == "auto":
+    if mode in ("auto", "tl"):
         return cuda
     if not cuda and not interpreting():
         raise UserError("MOEC_KERNELS=1 on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
     return True
 
 
+def gluon_enabled(device) -> bool:
+    """Whether a Gluon kernel may serve a launch on `device`: CUDA, not the interpreter, MOEC_KERNELS not tl."""
+    return torch.device(device).type == "cuda" and not interpreting() and kernel_mode() in ("auto", "1")
+
+
 @contextmanager
 def kernels_forced(mode: str):
-    """Run a block with MOEC_KERNELS=mode ("1" or "0"), restoring the caller's setting after."""
+    """Run a block with MOEC_KERNELS=mode (one of auto, tl, 1, 0), restoring the caller's setting after."""
     assert mode in _CHOICES, mode
     old = os.environ.get("MOEC_KERNELS")
     os.environ["MOEC_KERNELS"] = mode

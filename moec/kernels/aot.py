@@ -1,0 +1,86 @@
+"""Compile a kernel for a CUDA target without a GPU, and read its SASS (ptxas and cuobjdump ship with triton).
+
+Gluon has no CPU interpreter, so CI cannot run the Gluon kernels; it compiles them for sm_90 instead, which
+checks what can be checked without a GPU: that the kernel builds, that every layout conversion declared free
+(`convert_layout(..., assert_trivial=True)`) is free, and its registers and spills. The studies use the same
+compile to count SASS instructions per packed code (benchmarks/studies/gluon_sass.py).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+
+def _tool(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def signature_of(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
+    """fn's full signature: `types` for runtime arguments (pointers "*fp16", scalars "i32"), constexprs marked."""
+    return {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
+
+
+def compile_cuda(fn, types: dict[str, str], constexprs: dict, num_warps: int, capability: int = 90):
+    """The compiled kernel (asm dict: ttgir, ptx, cubin) of a @gluon.jit or @triton.jit function. Pointer
+    arguments are assumed 16-byte aligned, as a launch with torch tensors specializes them."""
+    sig = signature_of(fn, types, constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+    else:
+        from triton.compiler import ASTSource as Source
+    src = Source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers per thread, stack (spill) bytes and shared memory of the cubin's kernel (cuobjdump -res-usage)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    return {"registers": int(m[1]), "stack": int(m[2]), "shared": int(m[3]), "local": int(m[4])}
+
+
+def sass(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction text) of every SASS instruction."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            rows.append((int(m[1], 16), m[2]))
+    return rows
+
+
+def opcode(text: str) -> str:
+    """The opcode of an instruction, predicate and modifiers dropped: '@!P0 LDG.E.64 R2, ...' -> 'LDG'."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def loop_histogram(rows: list[tuple[int, str]], marker: str) -> Counter:
+    """Opcode counts of the innermost loop (a backward branch's range) whose body contains `marker`."""
+    best = None
+    for addr, text in rows:
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m[1], 16) < addr:
+            lo = int(m[1], 16)
+            body = [t for a, t in rows if lo <= a <= addr]
+            if any(marker in t for t in body) and (best is None or addr - lo < best[1] - best[0]):
+                best = (lo, addr)
+    if best is None:
+        return Counter()
+    return Counter(opcode(t) for a, t in rows if best[0] <= a <= best[1])

@@ -1,0 +1,373 @@
+"""Decode attention over the 2-bit nuq KV cache in Gluon: packed codes loaded straight into the tensor-core
+operand registers, dequantized there, multiplied by mma.sync — no shared-memory staging.
+
+Why (benchmarks/swapab_attention.py, the `tl` kernel in kv_decode_attention.py): `tl` places a dequantized
+K/V tile in a blocked register layout and reaches the tensor cores through a shared-memory layout conversion
+of every fp16 tile; that round trip, not the bytes, bounded the kernel (13% of copy bandwidth at 32k). Gluon
+lets the kernel name its register layouts, so the uint8 code tile is *loaded* in mma_v2's operand layout and
+the level lookup is an in-register `prmt`: what reaches the tensor cores never leaves the thread that loaded it.
+
+The same cache as the `tl` kernel reads (moec/formats/bitpack.py's Layout.PLANAR, 2-bit: byte i of a token's
+row holds channels i, i + d/4, i + d/2, i + 3d/4 in bit fields j = 0..3), the same partial-output format
+([B·H, splits, d + 2]: acc, running max in log2 units, sum) and so the same split combine
+(kv_decode_attention.combine_splits, which also undoes a head_dim rotation).
+
+Layouts (one warp per program, mma.sync m16n8k16, fp16 operands, fp32 accumulation):
+  - scores S[16, T] = Q[16, d] · Kᵀ[d, T]: the G query heads of a KV head are the M rows (padded to 16);
+    Kᵀ for channel block j is the byte tile [d/4 bytes, T tokens] loaded in the B-operand layout, whose
+    registers hold, per thread, bytes (k, k+1, k+8, k+9) of one token: one 32-bit word, its field j four
+    keys whose two fp16 pairs are exactly two B registers. Q's channel block j (channels j·d/4 + i) matches.
+  - P[16, T] leaves the mma as an accumulator whose register layout *is* the A-operand layout (FA2's trick:
+    no conversion), scaled per token by the value scale.
+  - values: the byte tile [T tokens, d/4 bytes] in the B-operand layout: per thread bytes of tokens
+    (k, k+1, k+8, k+9) of one byte column, again one word whose field j gives two B registers of channel
+    block j; O_j[16, d/4] += P · V_j.
+  - the level lookup (`_unpack`): shift, mask, one IMAD builds the byte selectors, two `prmt` pick fp16 levels
+    out of two registers holding the layer's four levels (the `tl` kernel's DEQ=1 path, here on operand
+    registers): 7 instructions per four codes, no memory access.
+  - lazy rescaling as in the `tl` kernel: the running max moves only when a tile's max exceeds it by > 8.
+
+Not here (the `tl` kernel serves them): 3-bit codes, sparse fp16 outliers, pre-RoPE keys. Gluon has no CPU
+interpreter, so tests/kernels/test_gluon_kv_attention.py compiles this kernel for sm_90 on the CPU (ptxas
+ships with triton) and the GPU smoke checks it against the torch reference (benchmarks/gpu_smoke.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from . import launch_config
+from .kv_decode_attention import LOG2E, combine_splits
+
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+OP_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+OP_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+LN2_INV = gl.constexpr(1.4426950408889634)  # log2 e
+ROWS = gl.constexpr(16)  # the mma's M: the G query heads of a KV head, padded
+HEAD_DIM = 128  # the word maps below are written for 8 words (32 bytes) of codes per token and K or V
+# key words [8, T] int32: lane (c = lane % 4, n = lane / 4) holds words 2c, 2c + 1 of tokens n + 8i
+KEY_WORDS = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
+# value words [T, 8] int32: lane (c, n) holds word n of tokens 2c, 2c + 1 (+ 8i)
+VALUE_WORDS = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
+
+
+@gluon.jit
+def _unpack4(w, j: gl.constexpr, tab_lo, tab_hi):
+    """Bit field j of the four bytes of each int32 word -> four fp16 levels (byte order). Per word: shift (as a
+    multiply-high, on the FMA pipe), mask, selector byte = code·0x22 + 0x10 (nibbles 2c, 2c + 1: level c's
+    two bytes in {tab_hi, tab_lo}), two `prmt`; the selector's high half by a multiply-high too."""
+    return gl.inline_asm_elementwise(
+        asm=f"""{{
+        .reg .b32 r, s, t, u, v;
+        {"mul.hi" if j else "mul.lo"}.u32 r, $4, {2 ** (32 - 2 * j) if j else 1};
+        and.b32 r, r, 0x03030303;
+        mad.lo.u32 s, r, 34, 0x10101010;
+        prmt.b32 u, $5, $6, s;
+        mul.hi.u32 t, s, 65536;
+        prmt.b32 v, $5, $6, t;
+        mov.b32 {{$0, $1}}, u;
+        mov.b32 {{$2, $3}}, v;
+        }}""",
+        constraints="=h,=h,=h,=h,r,r,r",
+        args=[w, tab_lo, tab_hi], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _lev_words(lev_ptr):
+    """The four fp16 levels as two 32-bit words: lev0 | lev1 << 16, lev2 | lev3 << 16."""
+    w0 = gl.load(lev_ptr).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    w1 = gl.load(lev_ptr + 1).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    w2 = gl.load(lev_ptr + 2).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    w3 = gl.load(lev_ptr + 3).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return w0 | (w1 << 16), w2 | (w3 << 16)
+
+
+@gluon.jit
+def _interleave(a, b):
+    """Two words of tokens t, t + 1 -> bytes (a0, b0, a1, b1) and (a2, b2, a3, b3): a byte pair per channel."""
+    return gl.inline_asm_elementwise(
+        asm="prmt.b32 $0, $2, $3, 0x5140; prmt.b32 $1, $2, $3, 0x7362;",
+        constraints="=r,=r,r,r", args=[a, b], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _key_block(kw, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
+    """Channel block j of a key tile as the B operand Kᵀ [32, T] fp16, from words [8, T]. Thread (c, n) holds
+    words r = 2c + ks of token n, bytes m = 2·mh + ml; the operand wants, in that thread, rows
+    k = 16·ks + 8·mh + 2c + ml: so logical row k is physical byte 4·(2c + ks) + 2·mh + ml (_key_channel)."""
+    e0, e1, e2, e3 = _unpack4(kw, j, tab_lo, tab_hi)
+    x = gl.join(gl.join(e0, e1), gl.join(e2, e3))  # [r, T, ml, mh] (join appends the new axis last)
+    x = gl.reshape(x, [4, 2, T, 2, 2])  # [c, ks, T, ml, mh]
+    x = gl.reshape(gl.permute(x, [1, 4, 0, 3, 2]), [32, T])  # [ks, mh, c, ml, T]
+    return gl.convert_layout(x, OP_B, assert_trivial=True)
+
+
+@gluon.jit
+def _value_block(p0, p1, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
+    """Channel block j of a value tile as the B operand V [T, 32] fp16 from the interleaved words [T/2, 8] of
+    token pairs: thread (c, n) gets tokens (2c, 2c + 1) of byte m of word n in one register; logical column
+    L = 8m + n is physical channel 4n + m (_value_channel)."""
+    h00, h01, h10, h11 = _unpack4(p0, j, tab_lo, tab_hi)  # (m = 0, tokens 0/1), (m = 1, ...)
+    h20, h21, h30, h31 = _unpack4(p1, j, tab_lo, tab_hi)
+    y = gl.join(gl.join(gl.join(h00, h01), gl.join(h10, h11)), gl.join(gl.join(h20, h21), gl.join(h30, h31)))
+    y = gl.reshape(gl.permute(y, [0, 2, 4, 3, 1]), [T, 32])  # [tp, n, pair, m_lo, m_hi] -> [tp, pair, m_hi, m_lo, n]
+    return gl.convert_layout(y, OP_B, assert_trivial=True)
+
+
+@gluon.jit
+def _key_channel(k):
+    """Physical byte (channel within a block) of logical key row k in [0, 32) (see _key_block)."""
+    return 4 * (2 * ((k % 8) // 2) + k // 16) + 2 * ((k // 8) % 2) + k % 2
+
+
+@gluon.jit
+def _value_channel(n):
+    """Physical channel (within a block) of logical value column n in [0, 32) (see _value_block)."""
+    return 4 * (n % 8) + n // 8
+
+
+@gluon.jit
+def _load_q(q_ptr, qrow, gmask, ks_ptr, scale_k, qscale, j: gl.constexpr):
+    """Channel block j of the query heads as the A operand [16, 32] fp16, rows in _key_channel's order:
+    q·qscale (·k_scale in history programs)."""
+    offs_c = j * 32 + _key_channel(gl.arange(0, 32, layout=gl.SliceLayout(0, OP_A)))
+    q = gl.load(q_ptr + qrow[:, None] + offs_c[None, :], mask=gmask[:, None], other=0.0).to(gl.float32)
+    ks = gl.load(ks_ptr + offs_c)
+    ks = gl.where(scale_k, ks, 1.0)
+    return (q * (ks * qscale)[None, :]).to(gl.float16)
+
+
+@gluon.jit
+def _q_dot(q_ptr, qrow, gmask, c_ptr, D: gl.constexpr, SQUARE: gl.constexpr):
+    """Σ_c q_c·c_c (SQUARE: q_c²·c_c) per query row [16] fp32, in the score rows' layout."""
+    L2: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0])
+    offs_c = gl.arange(0, D, layout=gl.SliceLayout(0, L2))
+    rows = gl.convert_layout(qrow, gl.SliceLayout(1, L2))
+    m = gl.convert_layout(gmask, gl.SliceLayout(1, L2))
+    q = gl.load(q_ptr + rows[:, None] + offs_c[None, :], mask=m[:, None], other=0.0).to(gl.float32)
+    if SQUARE:
+        q = q * q
+    r = gl.sum(q * gl.load(c_ptr + offs_c)[None, :], axis=1)
+    return gl.convert_layout(r, gl.SliceLayout(1, MMA))
+
+
+@gluon.jit
+def _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs, tmask_s, qc,
+               kt_lo, kt_hi, vt_lo, vt_hi, T: gl.constexpr, ADDQ: gl.constexpr):
+    """One history tile (its words already in registers): online-softmax update with lazy rescaling."""
+    ktl = gl.full(kw.shape, 0, gl.int32, kw.type.layout) + kt_lo  # the level words as operands of the asm
+    kth = gl.full(kw.shape, 0, gl.int32, kw.type.layout) + kt_hi
+    s = gl.zeros([ROWS, T], gl.float32, MMA)
+    s = mma_v2(q0, _key_block(kw, 0, ktl, kth, T), s)
+    s = mma_v2(q1, _key_block(kw, 1, ktl, kth, T), s)
+    s = mma_v2(q2, _key_block(kw, 2, ktl, kth, T), s)
+    s = mma_v2(q3, _key_block(kw, 3, ktl, kth, T), s)
+    if ADDQ:
+        s = s + qc[:, None]
+    s = gl.where(tmask_s[None, :], s, float("-inf"))
+    m_t = gl.max(s, axis=1)
+    if gl.max(m_t - m_i, axis=0) > 8.0:
+        m_new = gl.maximum(m_i, m_t)
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        a0 = a0 * alpha[:, None]
+        a1 = a1 * alpha[:, None]
+        a2 = a2 * alpha[:, None]
+        a3 = a3 * alpha[:, None]
+        m_i = m_new
+    p = gl.exp2(s - m_i[:, None])
+    l_i = l_i + gl.sum(p, axis=1)
+    pa = gl.convert_layout((p * vs[None, :]).to(gl.float16), OP_A)
+    va, vb = gl.split(gl.permute(gl.reshape(vw, [T // 2, 2, 8]), [0, 2, 1]))  # tokens 2i, 2i + 1
+    p0, p1 = _interleave(va, vb)
+    vtl = gl.full(p0.shape, 0, gl.int32, p0.type.layout) + vt_lo
+    vth = gl.full(p0.shape, 0, gl.int32, p0.type.layout) + vt_hi
+    a0 = mma_v2(pa, _value_block(p0, p1, 0, vtl, vth, T), a0)
+    a1 = mma_v2(pa, _value_block(p0, p1, 1, vtl, vth, T), a1)
+    a2 = mma_v2(pa, _value_block(p0, p1, 2, vtl, vth, T), a2)
+    a3 = mma_v2(pa, _value_block(p0, p1, 3, vtl, vth, T), a3)
+    return m_i, l_i, a0, a1, a2, a3
+
+
+@gluon.jit
+def _win_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk, t0, wend, WC,
+              D: gl.constexpr, T: gl.constexpr):
+    """One tile of the fp16 window, loaded straight into the B layout with the history's channel orders:
+    key rows k of block j are channel 32j + _key_channel(k), value columns n channel 32j + _value_channel(n)."""
+    tok_n = t0 + gl.arange(0, T, layout=gl.SliceLayout(0, OP_B))
+    ch_k = _key_channel(gl.arange(0, 32, layout=gl.SliceLayout(1, OP_B)))
+    kptr = wk_ptr + ((bk * WC + tok_n) * D)[None, :] + ch_k[:, None]
+    km = (tok_n < wend)[None, :]
+    s = gl.zeros([ROWS, T], gl.float32, MMA)
+    s = mma_v2(q0, gl.load(kptr, mask=km, other=0.0), s)
+    s = mma_v2(q1, gl.load(kptr + 32, mask=km, other=0.0), s)
+    s = mma_v2(q2, gl.load(kptr + 64, mask=km, other=0.0), s)
+    s = mma_v2(q3, gl.load(kptr + 96, mask=km, other=0.0), s)
+    tok_s = t0 + gl.arange(0, T, layout=gl.SliceLayout(0, MMA))
+    s = gl.where((tok_s < wend)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    pa = gl.convert_layout(p.to(gl.float16), OP_A)
+    tok_k = t0 + gl.arange(0, T, layout=gl.SliceLayout(1, OP_B))
+    ch_n = _value_channel(gl.arange(0, 32, layout=gl.SliceLayout(0, OP_B)))
+    vptr = wv_ptr + ((bk * WC + tok_k) * D)[:, None] + ch_n[None, :]
+    vm = (tok_k < wend)[:, None]
+    a0 = mma_v2(pa, gl.load(vptr, mask=vm, other=0.0), a0 * alpha[:, None])
+    a1 = mma_v2(pa, gl.load(vptr + 32, mask=vm, other=0.0), a1 * alpha[:, None])
+    a2 = mma_v2(pa, gl.load(vptr + 64, mask=vm, other=0.0), a2 * alpha[:, None])
+    a3 = mma_v2(pa, gl.load(vptr + 96, mask=vm, other=0.0), a3 * alpha[:, None])
+    return m_new, l_i, a0, a1, a2, a3
+
+
+@gluon.jit
+def _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, kword, ktok, vtok, vword, stok):
+    """A history tile's key words [8, T], value words [T, 8] (int32) and value scales [T] fp32."""
+    kw = gl.load(kc_ptr + ((row0 + t0 + ktok) * 8)[None, :] + kword[:, None], mask=(t0 + ktok < t_hi)[None, :],
+                 other=0)
+    vw = gl.load(vc_ptr + ((row0 + t0 + vtok) * 8)[:, None] + vword[None, :], mask=(t0 + vtok < t_hi)[:, None],
+                 other=0)
+    vs = gl.load(vs_ptr + row0 + t0 + stok, mask=t0 + stok < t_hi, other=0.0).to(gl.float32)
+    return kw, vw, vs
+
+
+@gluon.jit
+def _gluon_kv_attention_kernel(
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, klev_ptr, vlev_ptr, hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr,
+    kcen_ptr, kerr_ptr,
+    H, K, S, WC, n_splits, tiles_per_split, qscale, win_splits,
+    D: gl.constexpr, G: gl.constexpr, T: gl.constexpr, CENTER: gl.constexpr, BIAS: gl.constexpr,
+    WCHUNK: gl.constexpr, PREFETCH: gl.constexpr,
+):
+    """Grid (B·K, splits): the first n_splits - win_splits splits stream tiles_per_split history tiles of T
+    tokens each, the rest a WCHUNK-token chunk of the window each. kc_ptr/vc_ptr: the codes as int32 words."""
+    ADDQ: gl.constexpr = CENTER or BIAS
+    bk = gl.program_id(0)  # b·K + KV head
+    split = gl.program_id(1)
+    b = bk // K
+    kh = bk % K
+    is_hist = split < n_splits - win_splits
+
+    offs_g = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OP_A))
+    gmask = offs_g < G
+    qrow = (b * H + kh * G + offs_g) * D
+    q0 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 0)
+    q1 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 1)
+    q2 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 2)
+    q3 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 3)
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, MMA))
+    a0 = gl.zeros([ROWS, 32], gl.float32, MMA)
+    a1 = gl.zeros([ROWS, 32], gl.float32, MMA)
+    a2 = gl.zeros([ROWS, 32], gl.float32, MMA)
+    a3 = gl.zeros([ROWS, 32], gl.float32, MMA)
+
+    if is_hist:
+        hlen = gl.load(hlen_ptr + b)
+        t_lo = split * tiles_per_split * T
+        t_hi = gl.minimum(t_lo + tiles_per_split * T, hlen)
+        n_it = gl.maximum(gl.cdiv(t_hi - t_lo, T), 0)
+        qc = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, MMA))
+        if CENTER:  # post-RoPE key centers: q·center per query head, on every history score
+            qc = qc + _q_dot(q_ptr, qrow, gmask, kcen_ptr + kh * D, D, False) * qscale
+        if BIAS:  # the score bias Σ q²·k_err2·sm_scale²/2, in log2 units (qscale = sm_scale·log2 e)
+            qc = qc + _q_dot(q_ptr, qrow, gmask, kerr_ptr + kh * D, D, True) * (0.5 * qscale * qscale / LN2_INV)
+        kt_lo, kt_hi = _lev_words(klev_ptr)
+        vt_lo, vt_hi = _lev_words(vlev_ptr)
+        kword = gl.arange(0, 8, layout=gl.SliceLayout(1, KEY_WORDS))
+        ktok = gl.arange(0, T, layout=gl.SliceLayout(0, KEY_WORDS))
+        vtok = gl.arange(0, T, layout=gl.SliceLayout(1, VALUE_WORDS))
+        vword = gl.arange(0, 8, layout=gl.SliceLayout(0, VALUE_WORDS))
+        stok = gl.arange(0, T, layout=gl.SliceLayout(0, MMA))
+        row0 = bk * S
+        t0 = t_lo
+        if PREFETCH:  # the next tile's loads go out before this tile's math
+            kw, vw, vs = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, kword, ktok, vtok, vword, stok)
+            for _ in range(n_it):
+                kw_n, vw_n, vs_n = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0 + T, t_hi, kword, ktok, vtok, vword,
+                                               stok)
+                m_i, l_i, a0, a1, a2, a3 = _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
+                                                      t0 + stok < t_hi, qc, kt_lo, kt_hi, vt_lo, vt_hi, T, ADDQ)
+                kw = kw_n
+                vw = vw_n
+                vs = vs_n
+                t0 += T
+        else:
+            for _ in range(n_it):
+                kw, vw, vs = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, kword, ktok, vtok, vword, stok)
+                m_i, l_i, a0, a1, a2, a3 = _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
+                                                      t0 + stok < t_hi, qc, kt_lo, kt_hi, vt_lo, vt_hi, T, ADDQ)
+                t0 += T
+    else:
+        t0 = (split - (n_splits - win_splits)) * WCHUNK
+        wend = gl.minimum(gl.load(wlen_ptr + b), t0 + WCHUNK)
+        while t0 < wend:
+            m_i, l_i, a0, a1, a2, a3 = _win_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk,
+                                                 t0, wend, WC, D, 32)
+            t0 += 32
+
+    # partials [B·H, n_splits, D + 2]: acc (column n of block j is channel 32j + _value_channel(n)), m, l
+    orow = gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
+    ocol = _value_channel(gl.arange(0, 32, layout=gl.SliceLayout(0, MMA)))
+    out = part_ptr + ((b * H + kh * G + orow) * n_splits + split) * (D + 2)
+    om = (orow < G)[:, None]
+    gl.store(out[:, None] + ocol[None, :], a0, mask=om)
+    gl.store(out[:, None] + 32 + ocol[None, :], a1, mask=om)
+    gl.store(out[:, None] + 64 + ocol[None, :], a2, mask=om)
+    gl.store(out[:, None] + 96 + ocol[None, :], a3, mask=om)
+    gl.store(out + D, m_i, mask=orow < G)
+    gl.store(out + D + 1, l_i, mask=orow < G)
+
+
+LAUNCHES = 0  # host-side count of launches (captures under CUDA graphs): the GPU smoke records which path ran
+
+
+def supports(bits: int, nout: int, rope, d: int, G: int) -> bool:
+    """Whether this kernel serves a cache: 2-bit codes, no sparse outliers, post-RoPE keys, head_dim a
+    128 (the word maps are written for it), at most 16 query heads per KV head."""
+    return bits == 2 and nout == 0 and rope is None and d == HEAD_DIM and G <= ROWS.value
+
+
+def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist_len, win_k, win_v, win_len,
+                       sm_scale: float | None = None, k_center=None, k_err2=None, out_rotation=None,
+                       out_dtype: torch.dtype = torch.float32, n_splits: int | None = None,
+                       block_t: int | None = None, waves: float | None = None, prefetch: bool | None = None,
+                       win_chunk: int | None = None) -> torch.Tensor:
+    """kv_decode_attention's contract for the caches `supports` accepts (CUDA only; the caller checked shapes):
+    [B, H, d] in out_dtype. Launch knobs default to configs/<device>.json's kv_decode_attention.gluon."""
+    global LAUNCHES
+    LAUNCHES += 1
+    B, H, d = q.shape
+    K, S = k_codes.shape[1], k_codes.shape[2]
+    G = H // K
+    cfg = launch_config.config("kv_decode_attention", q.device)["gluon"]
+    T = block_t or cfg["block_t"]
+    prefetch = cfg["prefetch"] if prefetch is None else prefetch
+    win_chunk = win_chunk or cfg["win_chunk"]
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    n_tiles = triton.cdiv(S, T)
+    if n_splits is None:
+        programs = int((waves or cfg["waves"]) * launch_config.num_sms(q.device))
+        n_splits = max(1, min(n_tiles, triton.cdiv(programs, B * K)))
+    tps = triton.cdiv(n_tiles, max(1, min(n_splits, n_tiles)))
+    hist_splits = triton.cdiv(n_tiles, tps)
+    win_splits = max(1, triton.cdiv(win_k.shape[2], win_chunk))
+    P = hist_splits + win_splits
+    part = torch.empty(B * H * P * (d + 2), device=q.device, dtype=torch.float32)
+    _gluon_kv_attention_kernel[(B * K, P)](
+        q, k_codes.view(torch.int32), v_codes.view(torch.int32), k_scale, v_scale, k_lev, v_lev, hist_len, win_k,
+        win_v, win_len, part,
+        k_scale if k_center is None else k_center, k_scale if k_err2 is None else k_err2,
+        H, K, S, win_k.shape[2], P, tps, sm_scale * LOG2E, win_splits,
+        D=d, G=G, T=T, CENTER=k_center is not None, BIAS=k_err2 is not None, WCHUNK=win_chunk,
+        PREFETCH=bool(prefetch), num_warps=1,
+    )
+    return combine_splits(part, B * H, P, d, out_rotation, out_dtype).view(B, H, d)

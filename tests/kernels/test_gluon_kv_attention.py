@@ -1,0 +1,58 @@
+"""The Gluon decode-attention kernel on a machine without a GPU: Gluon has no interpreter, so these tests compile
+it for sm_90 (ptxas ships with triton). What that checks: the kernel builds for the configurations the dispatch
+launches, every layout conversion it declares free is free (assert_trivial fails the compile otherwise: that is
+the codes-in-operand-registers claim), it fits in registers without spilling, and its history loop does the
+work it should (tensor-core MMAs, the prmt level lookups) and no shared-memory traffic. Its numbers against the
+torch reference come from the GPU: benchmarks/gpu_smoke.py and benchmarks/bench_gluon_kv_attention.py."""
+
+import pytest
+import torch
+
+from moec.kernels import aot
+from moec.kernels import gluon_kv_attention as gka
+from moec.kernels import kv_decode_attention as kda
+from moec.runtime import backend
+
+TYPES = {n: "*fp32" for n in ("ks_ptr", "klev_ptr", "vlev_ptr", "part_ptr", "kcen_ptr", "kerr_ptr")} | {
+    "q_ptr": "*fp16", "kc_ptr": "*i32", "vc_ptr": "*i32", "vs_ptr": "*fp16", "hlen_ptr": "*i32", "wk_ptr": "*fp16",
+    "wv_ptr": "*fp16", "wlen_ptr": "*i32", "qscale": "fp32"} | {
+    n: "i32" for n in ("H", "K", "S", "WC", "n_splits", "tiles_per_split", "win_splits")}
+
+
+def compiled(G: int, center: bool):
+    cfg = kda.launch_config.defaults()["kv_decode_attention"]["gluon"]
+    cx = {"D": 128, "G": G, "T": cfg["block_t"], "CENTER": center, "BIAS": center, "WCHUNK": cfg["win_chunk"],
+          "PREFETCH": cfg["prefetch"]}
+    return aot.compile_cuda(gka._gluon_kv_attention_kernel, TYPES, cx, num_warps=1)
+
+
+@pytest.mark.parametrize("G,center", [(4, True), (8, False)])  # Mixtral's and Qwen3's query heads per KV head
+def test_compiles_for_sm90_without_spills_or_shared_staging(G, center):
+    k = compiled(G, center)
+    res = aot.resources(k.asm["cubin"])
+    assert res["stack"] == 0 and res["local"] == 0, res  # no spills
+    assert res["registers"] <= 192, res  # >= 10 one-warp programs per SM
+    loop = aot.loop_histogram(aot.sass(k.asm["cubin"]), "0x3030303")  # the history loop (the code mask)
+    T = kda.launch_config.defaults()["kv_decode_attention"]["gluon"]["block_t"]
+    # per tile: QK and PV on tensor cores, 4 channel blocks x (T/8 token tiles or 4 column tiles) x K/16 steps
+    assert loop["HMMA"] == 2 * 4 * (T // 8) * 2, loop
+    # every code is looked up by prmt: two per word and bit field, K and V (T tokens x 8 words each)
+    assert loop["PRMT"] >= 2 * 4 * 2 * T * 8 // 32, loop
+    assert loop["LDS"] == 0 and loop["STS"] == 0, loop  # nothing staged through shared memory
+    assert loop["LDG"] <= 3 * T // 8 + 8, loop  # wide loads: words, not bytes
+
+
+def test_dispatch_switch():
+    """MOEC_KERNELS=tl keeps the `tl` kernel; the Gluon kernel only serves what it supports, only on CUDA."""
+    assert gka.supports(2, 0, None, 128, 4) and gka.supports(2, 0, None, 128, 16)
+    assert not gka.supports(3, 0, None, 128, 4)  # 3-bit codes
+    assert not gka.supports(2, 8, None, 128, 4)  # sparse outliers
+    assert not gka.supports(2, 0, (torch.ones(64), 0), 128, 4)  # pre-RoPE keys
+    assert not gka.supports(2, 0, None, 64, 4) and not gka.supports(2, 0, None, 128, 32)
+    with backend.kernels_forced("tl"):
+        assert backend.kernels_enabled("cuda") and not backend.gluon_enabled("cuda")
+    with backend.kernels_forced("auto"):
+        assert not backend.gluon_enabled("cpu")
+    with backend.kernels_forced("0"):
+        assert not backend.gluon_enabled("cuda")
+
