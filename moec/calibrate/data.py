@@ -93,6 +93,11 @@ def load_text(data: str, split: str | None, config: str | None = None, column: s
         check_builtin(data, split, config)
         require_package(data)
         text = _ptb(split) if data == "ptb" else _kjv(split)
+    elif _plain_text_file(data, split, config, column):
+        # a text file's lines as datasets' "text" loader reads them (universal newlines, then split on "\n" only),
+        # without importing datasets: the GPU image has no datasets, and a runtime evaluation must not need it
+        with open(data, encoding="utf-8") as f:
+            text = "\n".join(line for line in f.read().split("\n") if line)
     else:
         ds = open_data(data, split, config)
         column = pick_column(ds, data, column)
@@ -104,6 +109,14 @@ def load_text(data: str, split: str | None, config: str | None = None, column: s
     if not text.strip():
         raise UserError(f"data {data!r} (split {split!r}) is empty")
     return text
+
+
+def _plain_text_file(data: str, split: str | None, config: str | None, column: str | None) -> bool:
+    """Whether `data` is a readable, non-empty local text file asked for whole (its one split, its text column):
+    read directly. Anything else (and every error message) goes through open_data."""
+    p = Path(data)
+    return (is_local(data) and p.is_file() and p.stat().st_size > 0 and LOCAL_KINDS.get(p.suffix, "text") == "text"
+            and split in (None, FILE_SPLIT) and config is None and column in (None, "text"))
 
 
 def column_kind(ds, data: str, column: str) -> str:

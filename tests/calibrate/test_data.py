@@ -39,6 +39,19 @@ def test_local_text_and_jsonl(tmp_path):
         load_text(str(tmp_path / "c.jsonl"), "train")
 
 
+RAW_TEXTS = ["first line\r\nsecond\n\n  third  \n\nno newline\u2028x\rold mac\n", "a\n", "x\x0cy\n\n\nz"]
+
+
+@pytest.mark.parametrize("raw", RAW_TEXTS)
+def test_text_file_read_without_datasets_as_datasets_reads_it(tmp_path, raw):
+    """A plain text file is read directly (the GPU image has no datasets), with datasets' own line splitting:
+    the same text, so calibrations and perplexities do not move."""
+    f = tmp_path / "t.txt"
+    f.write_bytes(raw.encode())
+    via_datasets = "\n".join(r for r in data.open_data(str(f), None)["text"] if r)
+    assert load_text(str(f), None) == via_datasets
+
+
 def test_sampling_is_deterministic_and_in_range():
     ids = torch.arange(10_000)
     a, b = sample_windows(ids, 5, 100, seed=3), sample_windows(ids, 5, 100, seed=3)
