@@ -106,15 +106,18 @@ def check(records):
         ref = ref_call(c, center, bias, R)
         rec = {"B": B, "H": H, "K": K, "S": S, "hist_len": hl or [S] * B, "win_len": wl or [W] * B,
                "center": center, "bias": bias, "rotation": rot, "ref_max_abs": ref.abs().max().item()}
-        try:
-            out = gluon_call(c, center, bias, R)
-            torch.cuda.synchronize()
-            rec["gluon_max_err"] = (out - ref).abs().max().item()
-        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-            rec["gluon_error"] = f"{type(e).__name__}: {str(e)[:400]}"
-            traceback.print_exc()
+        for swap in (True, False):
+            key = "gluon" if swap else "gluon_unswapped"
+            try:
+                out = gluon_call(c, center, bias, R, swap=swap)
+                torch.cuda.synchronize()
+                rec[f"{key}_max_err"] = (out - ref).abs().max().item()
+            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                rec[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                traceback.print_exc()
         rec["tl_max_err"] = (tl_call(c, center, bias, R) - ref).abs().max().item()
-        rec["ok"] = rec.get("gluon_max_err", 1.0) <= 2e-2 * max(1.0, rec["ref_max_abs"])
+        tol = 2e-2 * max(1.0, rec["ref_max_abs"])
+        rec["ok"] = rec.get("gluon_max_err", 1.0) <= tol and rec.get("gluon_unswapped_max_err", 1.0) <= tol
         print("check", rec, flush=True)
         records.append(rec)
 
@@ -148,12 +151,11 @@ def time_shape(name, ctx, B, reps, bw, records, sweep=False):
     g = timed("gluon", lambda: [gluon_call(c) for c in layers])
     t = timed("tl", lambda: [tl_call(c) for c in layers])
     if sweep:
-        for T in (16, 32):
-            for pf in (False, True):
-                for waves in (2, 4, 8, 16, 32):
-                    timed("gluon-sweep", lambda T=T, pf=pf, waves=waves: [gluon_call(c, block_t=T, prefetch=pf,
-                                                                                         waves=waves) for c in layers],
-                          {"block_t": T, "prefetch": pf, "waves": waves})
+        for swap, T, pf, nreg in ((True, 32, False, 128), (True, 32, False, 0), (True, 64, False, 0),
+                                  (True, 16, False, 128), (False, 32, False, 0), (False, 32, True, 0)):
+            for waves in (2, 4, 8, 16, 32):
+                knobs = {"swap": swap, "block_t": T, "prefetch": pf, "maxnreg": nreg, "waves": waves}
+                timed("gluon-sweep", lambda k=knobs: [gluon_call(c, **k) for c in layers], knobs)
     layers.clear()  # free the compressed caches before the fp16 ones
     torch.cuda.empty_cache()
     # the fp16 cache's attention at the same length (its kernel writes the new token at pos)

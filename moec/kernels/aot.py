@@ -27,7 +27,8 @@ def signature_of(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
     return {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
 
 
-def compile_cuda(fn, types: dict[str, str], constexprs: dict, num_warps: int, capability: int = 90):
+def compile_cuda(fn, types: dict[str, str], constexprs: dict, num_warps: int, capability: int = 90,
+                 maxnreg: int | None = None):
     """The compiled kernel (asm dict: ttgir, ptx, cubin) of a @gluon.jit or @triton.jit function. Pointer
     arguments are assumed 16-byte aligned, as a launch with torch tensors specializes them."""
     sig = signature_of(fn, types, constexprs)
@@ -37,7 +38,8 @@ def compile_cuda(fn, types: dict[str, str], constexprs: dict, num_warps: int, ca
     else:
         from triton.compiler import ASTSource as Source
     src = Source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def resources(cubin: bytes) -> dict[str, int]:

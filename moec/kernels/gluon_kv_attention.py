@@ -89,6 +89,26 @@ def _lev_words(lev_ptr):
 
 
 @gluon.jit
+def _vector_reg(x):
+    """x (a uniform value broadcast to a tensor) through a warp shuffle: ptxas then holds it in one vector
+    register instead of re-copying it from a uniform register before every `prmt` that reads it."""
+    return gl.inline_asm_elementwise(asm="{ .reg .b32 l; mov.u32 l, %laneid; shr.b32 l, l, 6; add.u32 $0, $1, l; }",
+                                     constraints="=r,r", args=[x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _tables(kt_lo, kt_hi, vt_lo, vt_hi, T: gl.constexpr, KEY_LAYOUT: gl.constexpr):
+    """The level words as tensors in the layouts of the key words [8, T] or [T, 8] (KEY_LAYOUT) and of the
+    interleaved value words [T/2, 8], in vector registers (_vector_reg), built once per program."""
+    if KEY_LAYOUT == KEY_WORDS:
+        kz = gl.full([8, T], 0, gl.int32, KEY_LAYOUT)
+    else:
+        kz = gl.full([T, 8], 0, gl.int32, KEY_LAYOUT)
+    vz, _ = gl.split(gl.permute(gl.reshape(gl.full([T, 8], 0, gl.int32, VALUE_WORDS), [T // 2, 2, 8]), [0, 2, 1]))
+    return (_vector_reg(kz + kt_lo), _vector_reg(kz + kt_hi), _vector_reg(vz + vt_lo), _vector_reg(vz + vt_hi))
+
+
+@gluon.jit
 def _interleave(a, b):
     """Two words of tokens t, t + 1 -> bytes (a0, b0, a1, b1) and (a2, b2, a3, b3): a byte pair per channel."""
     return gl.inline_asm_elementwise(
@@ -159,10 +179,8 @@ def _q_dot(q_ptr, qrow, gmask, c_ptr, D: gl.constexpr, SQUARE: gl.constexpr):
 
 @gluon.jit
 def _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs, tmask_s, qc,
-               kt_lo, kt_hi, vt_lo, vt_hi, T: gl.constexpr, ADDQ: gl.constexpr):
+               ktl, kth, vtl, vth, T: gl.constexpr, ADDQ: gl.constexpr):
     """One history tile (its words already in registers): online-softmax update with lazy rescaling."""
-    ktl = gl.full(kw.shape, 0, gl.int32, kw.type.layout) + kt_lo  # the level words as operands of the asm
-    kth = gl.full(kw.shape, 0, gl.int32, kw.type.layout) + kt_hi
     s = gl.zeros([ROWS, T], gl.float32, MMA)
     s = mma_v2(q0, _key_block(kw, 0, ktl, kth, T), s)
     s = mma_v2(q1, _key_block(kw, 1, ktl, kth, T), s)
@@ -186,8 +204,6 @@ def _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs, tmask_s, qc
     pa = gl.convert_layout((p * vs[None, :]).to(gl.float16), OP_A)
     va, vb = gl.split(gl.permute(gl.reshape(vw, [T // 2, 2, 8]), [0, 2, 1]))  # tokens 2i, 2i + 1
     p0, p1 = _interleave(va, vb)
-    vtl = gl.full(p0.shape, 0, gl.int32, p0.type.layout) + vt_lo
-    vth = gl.full(p0.shape, 0, gl.int32, p0.type.layout) + vt_hi
     a0 = mma_v2(pa, _value_block(p0, p1, 0, vtl, vth, T), a0)
     a1 = mma_v2(pa, _value_block(p0, p1, 1, vtl, vth, T), a1)
     a2 = mma_v2(pa, _value_block(p0, p1, 2, vtl, vth, T), a2)
@@ -282,6 +298,7 @@ def _gluon_kv_attention_kernel(
             qc = qc + _q_dot(q_ptr, qrow, gmask, kerr_ptr + kh * D, D, True) * (0.5 * qscale * qscale / LN2_INV)
         kt_lo, kt_hi = _lev_words(klev_ptr)
         vt_lo, vt_hi = _lev_words(vlev_ptr)
+        ktl, kth, vtl, vth = _tables(kt_lo, kt_hi, vt_lo, vt_hi, T, KEY_WORDS)
         kword = gl.arange(0, 8, layout=gl.SliceLayout(1, KEY_WORDS))
         ktok = gl.arange(0, T, layout=gl.SliceLayout(0, KEY_WORDS))
         vtok = gl.arange(0, T, layout=gl.SliceLayout(1, VALUE_WORDS))
@@ -295,7 +312,7 @@ def _gluon_kv_attention_kernel(
                 kw_n, vw_n, vs_n = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0 + T, t_hi, kword, ktok, vtok, vword,
                                                stok)
                 m_i, l_i, a0, a1, a2, a3 = _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
-                                                      t0 + stok < t_hi, qc, kt_lo, kt_hi, vt_lo, vt_hi, T, ADDQ)
+                                                      t0 + stok < t_hi, qc, ktl, kth, vtl, vth, T, ADDQ)
                 kw = kw_n
                 vw = vw_n
                 vs = vs_n
@@ -304,7 +321,7 @@ def _gluon_kv_attention_kernel(
             for _ in range(n_it):
                 kw, vw, vs = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, kword, ktok, vtok, vword, stok)
                 m_i, l_i, a0, a1, a2, a3 = _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
-                                                      t0 + stok < t_hi, qc, kt_lo, kt_hi, vt_lo, vt_hi, T, ADDQ)
+                                                      t0 + stok < t_hi, qc, ktl, kth, vtl, vth, T, ADDQ)
                 t0 += T
     else:
         t0 = (split - (n_splits - win_splits)) * WCHUNK
@@ -327,6 +344,206 @@ def _gluon_kv_attention_kernel(
     gl.store(out + D + 1, l_i, mask=orow < G)
 
 
+# -- swapped operands: tokens as the mma's M, query heads as N (8 or 16) -------------------------------------
+# Sᵀ[T, N] = K[T, 32]·Qᵀ[32, N] per channel block, Oᵀ[32, N] += Vᵀ[32, T]·Pᵀ[T, N]: no query-row padding to 16
+# (G = 4 pads to N = 8), half the mma instructions, softmax on T·N scores instead of 16·T, half the
+# accumulator registers. The price: Pᵀ changes layout between the two products (a transpose within the warp).
+# key words [T, 8]: lane (c, n) holds words 2c, 2c + 1 of tokens n + 8i (the A operand's rows)
+KEY_WORDS_T = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
+
+
+@gluon.jit
+def _key_block_t(kw, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
+    """Channel block j of a key tile as the A operand K [T, 32] fp16 (rows in _key_channel's order)."""
+    e0, e1, e2, e3 = _unpack4(kw, j, tab_lo, tab_hi)
+    x = gl.join(gl.join(e0, e1), gl.join(e2, e3))  # [t, r, ml, mh]
+    x = gl.reshape(x, [T, 4, 2, 2, 2])  # [t, c, ks, ml, mh]
+    x = gl.reshape(gl.permute(x, [0, 2, 4, 1, 3]), [T, 32])  # [t, ks, mh, c, ml]
+    return gl.convert_layout(x, OP_A, assert_trivial=True)
+
+
+@gluon.jit
+def _value_block_t(p0, p1, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
+    """Channel block j of a value tile as the A operand Vᵀ [32, T] fp16 (rows in _value_channel's order)."""
+    h00, h01, h10, h11 = _unpack4(p0, j, tab_lo, tab_hi)
+    h20, h21, h30, h31 = _unpack4(p1, j, tab_lo, tab_hi)
+    y = gl.join(gl.join(gl.join(h00, h01), gl.join(h10, h11)), gl.join(gl.join(h20, h21), gl.join(h30, h31)))
+    y = gl.reshape(gl.permute(y, [4, 3, 1, 0, 2]), [32, T])  # [tp, n, pair, m_lo, m_hi] -> [m_hi, m_lo, n, tp, pair]
+    return gl.convert_layout(y, OP_A, assert_trivial=True)
+
+
+@gluon.jit
+def _load_qt(q_ptr, qbase, gmask, ks_ptr, scale_k, qscale, j: gl.constexpr, N: gl.constexpr):
+    """Channel block j of the query heads as the B operand Qᵀ [32, N] fp16, rows in _key_channel's order."""
+    offs_c = j * 32 + _key_channel(gl.arange(0, 32, layout=gl.SliceLayout(1, OP_B)))
+    offs_g = gl.arange(0, N, layout=gl.SliceLayout(0, OP_B))
+    m = gl.convert_layout(gmask, gl.SliceLayout(0, OP_B))
+    q = gl.load(q_ptr + qbase + offs_g[None, :] * 128 + offs_c[:, None], mask=m[None, :], other=0.0).to(gl.float32)
+    ks = gl.where(scale_k, gl.load(ks_ptr + offs_c), 1.0)
+    return (q * (ks * qscale)[:, None]).to(gl.float16)
+
+
+@gluon.jit
+def _q_cols(q_ptr, qbase, gmask, c_ptr, D: gl.constexpr, N: gl.constexpr, SQUARE: gl.constexpr):
+    """Σ_c q_c·c_c (SQUARE: q_c²·c_c) per query head [N] fp32, in the score columns' layout."""
+    L2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
+    offs_g = gl.arange(0, N, layout=gl.SliceLayout(1, L2))
+    offs_c = gl.arange(0, D, layout=gl.SliceLayout(0, L2))
+    m = gl.convert_layout(gmask, gl.SliceLayout(1, L2))
+    q = gl.load(q_ptr + qbase + offs_g[:, None] * D + offs_c[None, :], mask=m[:, None], other=0.0).to(gl.float32)
+    if SQUARE:
+        q = q * q
+    r = gl.sum(q * gl.load(c_ptr + offs_c)[None, :], axis=1)
+    return gl.convert_layout(r, gl.SliceLayout(0, MMA))
+
+
+@gluon.jit
+def _hist_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs, tmask_s, qc,
+                 ktl, kth, vtl, vth, T: gl.constexpr, N: gl.constexpr, ADDQ: gl.constexpr):
+    """One history tile, swapped operands: scores Sᵀ [T, N], the accumulators Oᵀ_j [32, N]."""
+    s = gl.zeros([T, N], gl.float32, MMA)
+    s = mma_v2(_key_block_t(kw, 0, ktl, kth, T), q0, s)
+    s = mma_v2(_key_block_t(kw, 1, ktl, kth, T), q1, s)
+    s = mma_v2(_key_block_t(kw, 2, ktl, kth, T), q2, s)
+    s = mma_v2(_key_block_t(kw, 3, ktl, kth, T), q3, s)
+    if ADDQ:
+        s = s + qc[None, :]
+    s = gl.where(tmask_s[:, None], s, float("-inf"))
+    m_t = gl.max(s, axis=0)
+    if gl.max(m_t - m_i, axis=0) > 8.0:
+        m_new = gl.maximum(m_i, m_t)
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        a0 = a0 * alpha[None, :]
+        a1 = a1 * alpha[None, :]
+        a2 = a2 * alpha[None, :]
+        a3 = a3 * alpha[None, :]
+        m_i = m_new
+    p = gl.exp2(s - m_i[None, :])
+    l_i = l_i + gl.sum(p, axis=0)
+    pb = gl.convert_layout((p * vs[:, None]).to(gl.float16), OP_B)  # Pᵀ [T, N]: a transpose within the warp
+    va, vb = gl.split(gl.permute(gl.reshape(vw, [T // 2, 2, 8]), [0, 2, 1]))
+    p0, p1 = _interleave(va, vb)
+    a0 = mma_v2(_value_block_t(p0, p1, 0, vtl, vth, T), pb, a0)
+    a1 = mma_v2(_value_block_t(p0, p1, 1, vtl, vth, T), pb, a1)
+    a2 = mma_v2(_value_block_t(p0, p1, 2, vtl, vth, T), pb, a2)
+    a3 = mma_v2(_value_block_t(p0, p1, 3, vtl, vth, T), pb, a3)
+    return m_i, l_i, a0, a1, a2, a3
+
+
+@gluon.jit
+def _win_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk, t0, wend, WC,
+                D: gl.constexpr, T: gl.constexpr, N: gl.constexpr):
+    """One tile of the fp16 window, swapped operands (keys as A [T, 32], values as Aᵀ [32, T])."""
+    tok_m = t0 + gl.arange(0, T, layout=gl.SliceLayout(1, OP_A))
+    ch_k = _key_channel(gl.arange(0, 32, layout=gl.SliceLayout(0, OP_A)))
+    kptr = wk_ptr + ((bk * WC + tok_m) * D)[:, None] + ch_k[None, :]
+    km = (tok_m < wend)[:, None]
+    s = gl.zeros([T, N], gl.float32, MMA)
+    s = mma_v2(gl.load(kptr, mask=km, other=0.0), q0, s)
+    s = mma_v2(gl.load(kptr + 32, mask=km, other=0.0), q1, s)
+    s = mma_v2(gl.load(kptr + 64, mask=km, other=0.0), q2, s)
+    s = mma_v2(gl.load(kptr + 96, mask=km, other=0.0), q3, s)
+    tok_s = t0 + gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
+    s = gl.where((tok_s < wend)[:, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    pb = gl.convert_layout(p.to(gl.float16), OP_B)
+    tok_k = t0 + gl.arange(0, T, layout=gl.SliceLayout(0, OP_A))
+    ch_m = _value_channel(gl.arange(0, 32, layout=gl.SliceLayout(1, OP_A)))
+    vptr = wv_ptr + ((bk * WC + tok_k) * D)[None, :] + ch_m[:, None]
+    vm = (tok_k < wend)[None, :]
+    a0 = mma_v2(gl.load(vptr, mask=vm, other=0.0), pb, a0 * alpha[None, :])
+    a1 = mma_v2(gl.load(vptr + 32, mask=vm, other=0.0), pb, a1 * alpha[None, :])
+    a2 = mma_v2(gl.load(vptr + 64, mask=vm, other=0.0), pb, a2 * alpha[None, :])
+    a3 = mma_v2(gl.load(vptr + 96, mask=vm, other=0.0), pb, a3 * alpha[None, :])
+    return m_new, l_i, a0, a1, a2, a3
+
+
+@gluon.jit
+def _gluon_kv_attention_swap_kernel(
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, klev_ptr, vlev_ptr, hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr,
+    kcen_ptr, kerr_ptr,
+    H, K, S, WC, n_splits, tiles_per_split, qscale, win_splits,
+    D: gl.constexpr, G: gl.constexpr, T: gl.constexpr, CENTER: gl.constexpr, BIAS: gl.constexpr,
+    WCHUNK: gl.constexpr, PREFETCH: gl.constexpr,
+):
+    """_gluon_kv_attention_kernel with swapped operands (the same grid, arguments and partial outputs)."""
+    N: gl.constexpr = 8 if G <= 8 else 16
+    ADDQ: gl.constexpr = CENTER or BIAS
+    bk = gl.program_id(0)
+    split = gl.program_id(1)
+    b = bk // K
+    kh = bk % K
+    is_hist = split < n_splits - win_splits
+
+    offs_g = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+    gmask = offs_g < G
+    qbase = (b * H + kh * G) * D
+    q0 = _load_qt(q_ptr, qbase, gmask, ks_ptr + kh * D, is_hist, qscale, 0, N)
+    q1 = _load_qt(q_ptr, qbase, gmask, ks_ptr + kh * D, is_hist, qscale, 1, N)
+    q2 = _load_qt(q_ptr, qbase, gmask, ks_ptr + kh * D, is_hist, qscale, 2, N)
+    q3 = _load_qt(q_ptr, qbase, gmask, ks_ptr + kh * D, is_hist, qscale, 3, N)
+
+    m_i = gl.full([N], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([N], gl.float32, gl.SliceLayout(0, MMA))
+    a0 = gl.zeros([32, N], gl.float32, MMA)
+    a1 = gl.zeros([32, N], gl.float32, MMA)
+    a2 = gl.zeros([32, N], gl.float32, MMA)
+    a3 = gl.zeros([32, N], gl.float32, MMA)
+
+    if is_hist:
+        hlen = gl.load(hlen_ptr + b)
+        t_lo = split * tiles_per_split * T
+        t_hi = gl.minimum(t_lo + tiles_per_split * T, hlen)
+        n_it = gl.maximum(gl.cdiv(t_hi - t_lo, T), 0)
+        qc = gl.zeros([N], gl.float32, gl.SliceLayout(0, MMA))
+        if CENTER:  # post-RoPE key centers: q·center per query head, on every history score
+            qc = qc + _q_cols(q_ptr, qbase, gmask, kcen_ptr + kh * D, D, N, False) * qscale
+        if BIAS:
+            qc = qc + _q_cols(q_ptr, qbase, gmask, kerr_ptr + kh * D, D, N, True) * (0.5 * qscale * qscale / LN2_INV)
+        kt_lo, kt_hi = _lev_words(klev_ptr)
+        vt_lo, vt_hi = _lev_words(vlev_ptr)
+        ktl, kth, vtl, vth = _tables(kt_lo, kt_hi, vt_lo, vt_hi, T, KEY_WORDS_T)
+        kword = gl.arange(0, 8, layout=gl.SliceLayout(0, KEY_WORDS_T))
+        ktok = gl.arange(0, T, layout=gl.SliceLayout(1, KEY_WORDS_T))
+        vtok = gl.arange(0, T, layout=gl.SliceLayout(1, VALUE_WORDS))
+        vword = gl.arange(0, 8, layout=gl.SliceLayout(0, VALUE_WORDS))
+        stok = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
+        row0 = bk * S
+        t0 = t_lo
+        for _ in range(n_it):
+            kw = gl.load(kc_ptr + ((row0 + t0 + ktok) * 8)[:, None] + kword[None, :],
+                         mask=(t0 + ktok < t_hi)[:, None], other=0)
+            vw = gl.load(vc_ptr + ((row0 + t0 + vtok) * 8)[:, None] + vword[None, :],
+                         mask=(t0 + vtok < t_hi)[:, None], other=0)
+            vs = gl.load(vs_ptr + row0 + t0 + stok, mask=t0 + stok < t_hi, other=0.0).to(gl.float32)
+            m_i, l_i, a0, a1, a2, a3 = _hist_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
+                                                    t0 + stok < t_hi, qc, ktl, kth, vtl, vth, T, N, ADDQ)
+            t0 += T
+    else:
+        t0 = (split - (n_splits - win_splits)) * WCHUNK
+        wend = gl.minimum(gl.load(wlen_ptr + b), t0 + WCHUNK)
+        while t0 < wend:
+            m_i, l_i, a0, a1, a2, a3 = _win_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk,
+                                                   t0, wend, WC, D, 32, N)
+            t0 += 32
+
+    # partials: row ρ of Oᵀ_j is channel 32j + _value_channel(ρ), column g query head kh·G + g
+    orow = _value_channel(gl.arange(0, 32, layout=gl.SliceLayout(1, MMA)))
+    ocol = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+    out = part_ptr + ((b * H + kh * G + ocol) * n_splits + split) * (D + 2)
+    om = (ocol < G)[None, :]
+    gl.store(out[None, :] + orow[:, None], a0, mask=om)
+    gl.store(out[None, :] + 32 + orow[:, None], a1, mask=om)
+    gl.store(out[None, :] + 64 + orow[:, None], a2, mask=om)
+    gl.store(out[None, :] + 96 + orow[:, None], a3, mask=om)
+    gl.store(out + D, m_i, mask=ocol < G)
+    gl.store(out + D + 1, l_i, mask=ocol < G)
+
+
 LAUNCHES = 0  # host-side count of launches (captures under CUDA graphs): the GPU smoke records which path ran
 
 
@@ -340,7 +557,8 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
                        sm_scale: float | None = None, k_center=None, k_err2=None, out_rotation=None,
                        out_dtype: torch.dtype = torch.float32, n_splits: int | None = None,
                        block_t: int | None = None, waves: float | None = None, prefetch: bool | None = None,
-                       win_chunk: int | None = None) -> torch.Tensor:
+                       win_chunk: int | None = None, swap: bool | None = None, maxnreg: int | None = None
+                       ) -> torch.Tensor:
     """kv_decode_attention's contract for the caches `supports` accepts (CUDA only; the caller checked shapes):
     [B, H, d] in out_dtype. Launch knobs default to configs/<device>.json's kv_decode_attention.gluon."""
     global LAUNCHES
@@ -351,6 +569,8 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
     cfg = launch_config.config("kv_decode_attention", q.device)["gluon"]
     T = block_t or cfg["block_t"]
     prefetch = cfg["prefetch"] if prefetch is None else prefetch
+    swap = cfg["swap"] if swap is None else swap
+    maxnreg = (cfg["maxnreg"] if G <= 8 else None) if maxnreg is None else (maxnreg or None)
     win_chunk = win_chunk or cfg["win_chunk"]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     n_tiles = triton.cdiv(S, T)
@@ -362,12 +582,13 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
     win_splits = max(1, triton.cdiv(win_k.shape[2], win_chunk))
     P = hist_splits + win_splits
     part = torch.empty(B * H * P * (d + 2), device=q.device, dtype=torch.float32)
-    _gluon_kv_attention_kernel[(B * K, P)](
+    kernel = _gluon_kv_attention_swap_kernel if swap else _gluon_kv_attention_kernel
+    kernel[(B * K, P)](
         q, k_codes.view(torch.int32), v_codes.view(torch.int32), k_scale, v_scale, k_lev, v_lev, hist_len, win_k,
         win_v, win_len, part,
         k_scale if k_center is None else k_center, k_scale if k_err2 is None else k_err2,
         H, K, S, win_k.shape[2], P, tps, sm_scale * LOG2E, win_splits,
         D=d, G=G, T=T, CENTER=k_center is not None, BIAS=k_err2 is not None, WCHUNK=win_chunk,
-        PREFETCH=bool(prefetch), num_warps=1,
+        PREFETCH=bool(prefetch), num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return combine_splits(part, B * H, P, d, out_rotation, out_dtype).view(B, H, d)
