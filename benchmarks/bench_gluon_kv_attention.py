@@ -135,9 +135,9 @@ def time_shape(name, ctx, B, reps, bw, records, sweep=False):
     step_bytes = sum(kernel_bytes(c) for c in layers)
     base = {"shape": name, "context": ctx, "batch": B, "layers": L, "bytes_per_step": step_bytes}
 
-    def timed(label, fn, extra=None):
+    def timed(label, fn, extra=None, n=None):
         try:
-            ts = graph_times(fn, reps)
+            ts = graph_times(fn, n or reps)
             ms = statistics.median(ts)
             rec = base | {"path": label, "ms_median": ms, "ms_min": min(ts),
                           "GBps": step_bytes / (ms / 1e3) / 1e9,
@@ -155,7 +155,7 @@ def time_shape(name, ctx, B, reps, bw, records, sweep=False):
                                   (True, 16, False, 128), (False, 32, False, 0), (False, 32, True, 0)):
             for waves in (2, 4, 8, 16, 32):
                 knobs = {"swap": swap, "block_t": T, "prefetch": pf, "maxnreg": nreg, "waves": waves}
-                timed("gluon-sweep", lambda k=knobs: [gluon_call(c, **k) for c in layers], knobs)
+                timed("gluon-sweep", lambda k=knobs: [gluon_call(c, **k) for c in layers], knobs, n=20)
     layers.clear()  # free the compressed caches before the fp16 ones
     torch.cuda.empty_cache()
     # the fp16 cache's attention at the same length (its kernel writes the new token at pos)

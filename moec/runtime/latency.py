@@ -340,7 +340,8 @@ def measure_prefill(model: Transformer, cache_fn, context: int, seed: int = 0, w
 # Bytes a kernel reads per step, as shares of the decode record's byte groups (the kernels whose traffic is
 # known from their role; the rest is named with time only): the attention kernel reads the whole KV history,
 # gate/up two thirds of the active experts' bytes and down one third.
-KERNEL_BYTES = {"_kv_decode_attention_kernel": ("bytes_kv", 1.0), "flash": ("bytes_kv", 1.0),
+KERNEL_BYTES = {"_kv_decode_attention_kernel": ("bytes_kv", 1.0), "_gluon_kv_attention": ("bytes_kv", 1.0),
+                "flash": ("bytes_kv", 1.0),
                 "_fp16_decode_kernel": ("bytes_kv", 1.0),
                 "_gate_up_kernel": ("bytes_experts", 2 / 3), "_down_kernel": ("bytes_experts", 1 / 3)}
 
