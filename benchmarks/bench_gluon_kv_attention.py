@@ -32,6 +32,7 @@ from moec.atomic import write_json  # noqa: E402
 from moec.kernels import gluon_kv_attention as gka  # noqa: E402
 from moec.kernels.fp16_decode_attention import fp16_decode_attention  # noqa: E402
 from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref  # noqa: E402
+from moec.runtime.backend import kernels_forced  # noqa: E402
 
 D, BLOCK = 128, 32
 SHAPES = {"mixtral": (32, 8, 32), "qwen3": (32, 4, 48)}  # query heads, KV heads, layers
@@ -68,6 +69,12 @@ def gluon_call(c, center=True, bias=True, rotation=None, **kw):
 
 
 def tl_call(c, center=True, bias=True, rotation=None, **kw):
+    """The `tl` kernel (MOEC_KERNELS=tl: kv_decode_attention would otherwise dispatch to the Gluon kernel)."""
+    with kernels_forced("tl"):
+        return _tl_call(c, center, bias, rotation, **kw)
+
+
+def _tl_call(c, center, bias, rotation, **kw):
     B, K = c["k_codes"].shape[:2]
     NB = c["k_codes"].shape[2] // BLOCK
     e16 = torch.empty(B, K, NB, 0, dtype=torch.int16, device=c["q"].device)
@@ -149,11 +156,11 @@ def time_shape(name, ctx, B, reps, bw, records, sweep=False):
         return rec
 
     g = timed("gluon", lambda: [gluon_call(c) for c in layers])
+    timed("gluon-kernel-only", lambda: [gluon_call(c, combine=False) for c in layers])
     t = timed("tl", lambda: [tl_call(c) for c in layers])
     if sweep:
-        for swap, T, pf, nreg in ((True, 32, False, 128), (True, 32, False, 0), (True, 64, False, 0),
-                                  (True, 16, False, 128), (False, 32, False, 0), (False, 32, True, 0)):
-            for waves in (2, 4, 8, 16, 32):
+        for swap, T, pf, nreg in ((True, 32, True, 128), (True, 32, False, 128), (True, 64, True, 0)):
+            for waves in (4, 8, 16, 32):
                 knobs = {"swap": swap, "block_t": T, "prefetch": pf, "maxnreg": nreg, "waves": waves}
                 timed("gluon-sweep", lambda k=knobs: [gluon_call(c, **k) for c in layers], knobs, n=20)
     layers.clear()  # free the compressed caches before the fp16 ones

@@ -398,16 +398,25 @@ def _q_cols(q_ptr, qbase, gmask, c_ptr, D: gl.constexpr, N: gl.constexpr, SQUARE
 
 
 @gluon.jit
-def _hist_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs, tmask_s, qc,
-                 ktl, kth, vtl, vth, T: gl.constexpr, N: gl.constexpr, ADDQ: gl.constexpr):
+def _load_words_t(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword, stok):
+    """A history tile's key words [T, 8], value words [T, 8] (int32) and value scales [T] fp32."""
+    kw = gl.load(kc_ptr + ((row0 + t0 + ktok) * 8)[:, None] + kword[None, :], mask=(t0 + ktok < t_hi)[:, None],
+                 other=0)
+    vw = gl.load(vc_ptr + ((row0 + t0 + vtok) * 8)[:, None] + vword[None, :], mask=(t0 + vtok < t_hi)[:, None],
+                 other=0)
+    vs = gl.load(vs_ptr + row0 + t0 + stok, mask=t0 + stok < t_hi, other=0.0).to(gl.float32)
+    return kw, vw, vs
+
+
+@gluon.jit
+def _hist_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs, tmask_s,
+                 ktl, kth, vtl, vth, T: gl.constexpr, N: gl.constexpr):
     """One history tile, swapped operands: scores Sᵀ [T, N], the accumulators Oᵀ_j [32, N]."""
     s = gl.zeros([T, N], gl.float32, MMA)
     s = mma_v2(_key_block_t(kw, 0, ktl, kth, T), q0, s)
     s = mma_v2(_key_block_t(kw, 1, ktl, kth, T), q1, s)
     s = mma_v2(_key_block_t(kw, 2, ktl, kth, T), q2, s)
     s = mma_v2(_key_block_t(kw, 3, ktl, kth, T), q3, s)
-    if ADDQ:
-        s = s + qc[None, :]
     s = gl.where(tmask_s[:, None], s, float("-inf"))
     m_t = gl.max(s, axis=0)
     if gl.max(m_t - m_i, axis=0) > 8.0:
@@ -472,7 +481,6 @@ def _gluon_kv_attention_swap_kernel(
 ):
     """_gluon_kv_attention_kernel with swapped operands (the same grid, arguments and partial outputs)."""
     N: gl.constexpr = 8 if G <= 8 else 16
-    ADDQ: gl.constexpr = CENTER or BIAS
     bk = gl.program_id(0)
     split = gl.program_id(1)
     b = bk // K
@@ -514,15 +522,26 @@ def _gluon_kv_attention_swap_kernel(
         stok = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
         row0 = bk * S
         t0 = t_lo
-        for _ in range(n_it):
-            kw = gl.load(kc_ptr + ((row0 + t0 + ktok) * 8)[:, None] + kword[None, :],
-                         mask=(t0 + ktok < t_hi)[:, None], other=0)
-            vw = gl.load(vc_ptr + ((row0 + t0 + vtok) * 8)[:, None] + vword[None, :],
-                         mask=(t0 + vtok < t_hi)[:, None], other=0)
-            vs = gl.load(vs_ptr + row0 + t0 + stok, mask=t0 + stok < t_hi, other=0.0).to(gl.float32)
-            m_i, l_i, a0, a1, a2, a3 = _hist_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
-                                                    t0 + stok < t_hi, qc, ktl, kth, vtl, vth, T, N, ADDQ)
-            t0 += T
+        if PREFETCH:  # the next tile's loads go out before this tile's math
+            kw, vw, vs = _load_words_t(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword, stok)
+            for _ in range(n_it):
+                kw_n, vw_n, vs_n = _load_words_t(kc_ptr, vc_ptr, vs_ptr, row0, t0 + T, t_hi, ktok, kword, vtok,
+                                                 vword, stok)
+                m_i, l_i, a0, a1, a2, a3 = _hist_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
+                                                        t0 + stok < t_hi, ktl, kth, vtl, vth, T, N)
+                kw = kw_n
+                vw = vw_n
+                vs = vs_n
+                t0 += T
+        else:
+            for _ in range(n_it):
+                kw, vw, vs = _load_words_t(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword, stok)
+                m_i, l_i, a0, a1, a2, a3 = _hist_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
+                                                        t0 + stok < t_hi, ktl, kth, vtl, vth, T, N)
+                t0 += T
+        # a term per query head on every history score (q·center, the score bias) shifts only the running max:
+        # exp2(s + qc - (m + qc)) = exp2(s - m), so it is added once here, not to every score
+        m_i = m_i + qc
     else:
         t0 = (split - (n_splits - win_splits)) * WCHUNK
         wend = gl.minimum(gl.load(wlen_ptr + b), t0 + WCHUNK)
@@ -557,8 +576,8 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
                        sm_scale: float | None = None, k_center=None, k_err2=None, out_rotation=None,
                        out_dtype: torch.dtype = torch.float32, n_splits: int | None = None,
                        block_t: int | None = None, waves: float | None = None, prefetch: bool | None = None,
-                       win_chunk: int | None = None, swap: bool | None = None, maxnreg: int | None = None
-                       ) -> torch.Tensor:
+                       win_chunk: int | None = None, swap: bool | None = None, maxnreg: int | None = None,
+                       combine: bool = True) -> torch.Tensor:
     """kv_decode_attention's contract for the caches `supports` accepts (CUDA only; the caller checked shapes):
     [B, H, d] in out_dtype. Launch knobs default to configs/<device>.json's kv_decode_attention.gluon."""
     global LAUNCHES
@@ -591,4 +610,6 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
         D=d, G=G, T=T, CENTER=k_center is not None, BIAS=k_err2 is not None, WCHUNK=win_chunk,
         PREFETCH=bool(prefetch), num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
+    if not combine:  # the partials alone (benchmarks time the kernel apart from the split combine)
+        return part
     return combine_splits(part, B * H, P, d, out_rotation, out_dtype).view(B, H, d)
