@@ -155,14 +155,16 @@ def time_shape(name, ctx, B, reps, bw, records, sweep=False):
         records.append(rec)
         return rec
 
+    cfg = gka.launch_config.config("kv_decode_attention", torch.device("cuda"))["gluon"]
+    splits = gka.default_splits(B, ctx, cfg["block_t"], cfg, gka.launch_config.num_sms(torch.device("cuda")))
+    base["default_splits"] = splits
     g = timed("gluon", lambda: [gluon_call(c) for c in layers])
     timed("gluon-kernel-only", lambda: [gluon_call(c, combine=False) for c in layers])
     t = timed("tl", lambda: [tl_call(c) for c in layers])
     if sweep:
-        for swap, T, pf, nreg in ((True, 32, True, 128), (True, 32, False, 128), (True, 64, True, 0)):
-            for waves in (4, 8, 16, 32):
-                knobs = {"swap": swap, "block_t": T, "prefetch": pf, "maxnreg": nreg, "waves": waves}
-                timed("gluon-sweep", lambda k=knobs: [gluon_call(c, **k) for c in layers], knobs, n=20)
+        for knobs in ({"outc": 128}, {"n_splits": max(1, splits // 2)}, {"n_splits": splits * 2},
+                      {"n_splits": max(1, splits // 2), "outc": 128}):
+            timed("gluon-sweep", lambda k=knobs: [gluon_call(c, **k) for c in layers], knobs, n=20)
     layers.clear()  # free the compressed caches before the fp16 ones
     torch.cuda.empty_cache()
     # the fp16 cache's attention at the same length (its kernel writes the new token at pos)
@@ -203,7 +205,7 @@ def main():
     for name in SHAPES:
         for ctx in map(int, args.contexts.split(",")):
             for B in map(int, args.batches.split(",")):
-                time_shape(name, ctx, B, args.reps, bw, out["timings"], sweep=args.sweep and ctx == 32768)
+                time_shape(name, ctx, B, args.reps, bw, out["timings"], sweep=args.sweep)
                 write_json(args.out, out)
     out["seconds"] = time.time() - t0
     out["all_checks_ok"] = all(r.get("ok") for r in out["checks"])

@@ -566,6 +566,14 @@ def _gluon_kv_attention_swap_kernel(
 LAUNCHES = 0  # host-side count of launches (captures under CUDA graphs): the GPU smoke records which path ran
 
 
+def default_splits(B: int, S: int, T: int, cfg: dict, sms: int) -> int:
+    """History splits per (sequence, KV head), from the measured optima (gluon_kv_attention_h200.json): about one
+    per SM at batch 1 (fewer programs starve the memory system; more make the combine read more partials than the
+    kernel saves), `splits_min` at large batches, none shorter than `tokens_min` tokens."""
+    per_head = max(cfg["splits_min"], triton.cdiv(int(cfg["splits_sm"] * sms), B))
+    return max(1, min(triton.cdiv(S, T), per_head, triton.cdiv(S, cfg["tokens_min"])))
+
+
 def supports(bits: int, nout: int, rope, d: int, G: int) -> bool:
     """Whether this kernel serves a cache: 2-bit codes, no sparse outliers, post-RoPE keys, head_dim a
     128 (the word maps are written for it), at most 16 query heads per KV head."""
@@ -577,7 +585,7 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
                        out_dtype: torch.dtype = torch.float32, n_splits: int | None = None,
                        block_t: int | None = None, waves: float | None = None, prefetch: bool | None = None,
                        win_chunk: int | None = None, swap: bool | None = None, maxnreg: int | None = None,
-                       combine: bool = True) -> torch.Tensor:
+                       combine: bool = True, outc: int | None = None) -> torch.Tensor:
     """kv_decode_attention's contract for the caches `supports` accepts (CUDA only; the caller checked shapes):
     [B, H, d] in out_dtype. Launch knobs default to configs/<device>.json's kv_decode_attention.gluon."""
     global LAUNCHES
@@ -593,9 +601,10 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
     win_chunk = win_chunk or cfg["win_chunk"]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     n_tiles = triton.cdiv(S, T)
-    if n_splits is None:
-        programs = int((waves or cfg["waves"]) * launch_config.num_sms(q.device))
-        n_splits = max(1, min(n_tiles, triton.cdiv(programs, B * K)))
+    if n_splits is None and waves is not None:  # a sweep's knob: `waves` waves of one-warp programs
+        n_splits = max(1, min(n_tiles, triton.cdiv(int(waves * launch_config.num_sms(q.device)), B * K)))
+    elif n_splits is None:
+        n_splits = default_splits(B, S, T, cfg, launch_config.num_sms(q.device))
     tps = triton.cdiv(n_tiles, max(1, min(n_splits, n_tiles)))
     hist_splits = triton.cdiv(n_tiles, tps)
     win_splits = max(1, triton.cdiv(win_k.shape[2], win_chunk))
@@ -612,4 +621,5 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
     )
     if not combine:  # the partials alone (benchmarks time the kernel apart from the split combine)
         return part
-    return combine_splits(part, B * H, P, d, out_rotation, out_dtype).view(B, H, d)
+    return combine_splits(part, B * H, P, d, out_rotation, out_dtype, cfg["combine_outc"] if outc is None else outc
+                          ).view(B, H, d)

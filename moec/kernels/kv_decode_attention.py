@@ -661,14 +661,15 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
 
 
 def combine_splits(part: torch.Tensor, BH: int, P: int, d: int, rotation: torch.Tensor | None = None,
-                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.float32, outc: int = 32) -> torch.Tensor:
     """The split-K combine: part [BH, P, d + 2] (acc, m in log2 units, l per split) -> out [BH, d] in
-    out_dtype; rotation R [d, d] fp32: out·Rᵀ (one program per row then, all d channels)."""
+    out_dtype; rotation R [d, d] fp32: out·Rᵀ, d / outc programs per row, each reducing all d channels and
+    writing outc of the rotated ones."""
     out = torch.empty(BH, d, device=part.device, dtype=out_dtype)
     p2 = triton.next_power_of_2(P)
     if rotation is not None:
         assert rotation.shape == (d, d) and rotation.dtype == torch.float32 and rotation.is_contiguous()
-        outc = min(d, 32)
+        outc = min(d, outc)
         _reduce_kernel[(BH, d // outc)](part, out, rotation, P, D=d, P_P2=p2, DC=d, CHUNK=min(32, p2), ROT=True,
                                         OUTC=outc, num_warps=4)
         return out
