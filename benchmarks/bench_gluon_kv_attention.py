@@ -12,7 +12,7 @@ sequence over LAYERS separate caches (no layer is served from L2 by the previous
 (fp16_decode_attention) on an fp16 cache of the same length. pct_of_copy = bytes the kernel must read (codes,
 value scales, window, q) / time / the copy bandwidth measured in the same run. --sweep adds the launch knobs.
 
-    python3 benchmarks/bench_gluon_kv_attention.py --out benchmarks/results/gluon_kv_attention_h200.json
+    python3 -m benchmarks.bench_gluon_kv_attention --out benchmarks/results/gluon_kv_attention_h200.json --sweep
 """
 
 from __future__ import annotations
@@ -26,13 +26,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.benchutil import copy_bandwidth, graph_times  # noqa: E402
-from moec.atomic import write_json  # noqa: E402
-from moec.kernels import gluon_kv_attention as gka  # noqa: E402
-from moec.kernels.fp16_decode_attention import fp16_decode_attention  # noqa: E402
-from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref  # noqa: E402
-from moec.runtime.backend import kernels_forced  # noqa: E402
+from benchmarks.benchutil import copy_bandwidth, graph_times
+from moec.atomic import write_json
+from moec.kernels import gluon_kv_attention as gka
+from moec.kernels.fp16_decode_attention import fp16_decode_attention
+from moec.kernels.kv_decode_attention import kv_decode_attention, kv_decode_attention_ref
 
 D, BLOCK = 128, 32
 SHAPES = {"mixtral": (32, 8, 32), "qwen3": (32, 4, 48)}  # query heads, KV heads, layers
@@ -69,12 +67,7 @@ def gluon_call(c, center=True, bias=True, rotation=None, **kw):
 
 
 def tl_call(c, center=True, bias=True, rotation=None, **kw):
-    """The `tl` kernel (MOEC_KERNELS=tl: kv_decode_attention would otherwise dispatch to the Gluon kernel)."""
-    with kernels_forced("tl"):
-        return _tl_call(c, center, bias, rotation, **kw)
-
-
-def _tl_call(c, center, bias, rotation, **kw):
+    """The `tl` kernel (what MOEC_KERNELS=tl runs)."""
     B, K = c["k_codes"].shape[:2]
     NB = c["k_codes"].shape[2] // BLOCK
     e16 = torch.empty(B, K, NB, 0, dtype=torch.int16, device=c["q"].device)
@@ -195,7 +188,8 @@ def main():
     args = ap.parse_args()
     t0 = time.time()
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "command": "python3 " + " ".join(sys.argv), "checks": [], "timings": []}
+           "command": "python3 -m benchmarks.bench_gluon_kv_attention " + " ".join(sys.argv[1:]),
+           "checks": [], "timings": []}
     import triton
     out["triton"] = triton.__version__
     check(out["checks"])

@@ -1,6 +1,8 @@
 """A random-weight Mixtral-8x7B- or Qwen3-30B-A3B-shaped GGUF for llama.cpp's llama-bench (the GPU peer).
 
-    python3 benchmarks/peers/llamacpp_moe.py OUT.gguf [TYPE] [GGUF_PY_DIR] [SHAPE]
+    PYTHONPATH=GGUF_PY_DIR python3 benchmarks/peers/llamacpp_moe.py OUT.gguf [TYPE] [SHAPE]
+
+GGUF_PY_DIR: llama.cpp's gguf-py (the writer of the same llama.cpp version as the llama-bench that reads it).
 
 TYPE: Q2_K (default) or Q4_0 for the expert and attention matrices (norms and router F32, embeddings and
 output F16); SHAPE: mixtral (default) or qwen3. Weights are random bytes with finite block scales, so every
@@ -11,13 +13,12 @@ check of the writer on a CPU).
 import os
 import sys
 
+import gguf
 import numpy as np
 
 OUT = sys.argv[1]
 QTYPE = sys.argv[2] if len(sys.argv) > 2 else "Q2_K"
-sys.path.insert(0, sys.argv[3] if len(sys.argv) > 3 else "gguf-py")
-SHAPE = sys.argv[4] if len(sys.argv) > 4 else "mixtral"
-import gguf  # noqa: E402
+SHAPE = sys.argv[3] if len(sys.argv) > 3 else "mixtral"
 
 if SHAPE == "mixtral":
     D, F, L, E, K, H, HKV, V, HD, ARCH = 4096, 14336, 32, 8, 2, 32, 8, 32000, 128, "llama"

@@ -21,7 +21,7 @@ if [ ! -x /tmp/lc/build/bin/llama-bench ]; then
 fi
 echo "built in $((SECONDS - t0)) s"
 for S in $SHAPES; do
-  python3 "$HERE/llamacpp_moe.py" /tmp/$S.gguf Q2_K /tmp/lc/gguf-py $S > "$OUT/gguf_$S.log" 2>&1 || { tail -20 "$OUT/gguf_$S.log"; continue; }
+  PYTHONPATH=/tmp/lc/gguf-py python3 "$HERE/llamacpp_moe.py" /tmp/$S.gguf Q2_K $S > "$OUT/gguf_$S.log" 2>&1 || { tail -20 "$OUT/gguf_$S.log"; continue; }
   timeout 200 /tmp/lc/build/bin/llama-bench -m /tmp/$S.gguf -ngl 99 -fa 1 -p 0 -n 64 -d 4096,32768 -ctk f16 -ctv f16 \
     -r 2 -o json > "$OUT/llama_bench_$S.json" 2> "$OUT/bench_$S.err"
   echo "bench $S rc=$? at $((SECONDS - t0)) s"; rm -f /tmp/$S.gguf

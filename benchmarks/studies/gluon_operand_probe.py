@@ -10,8 +10,8 @@
 Each prints its max error against torch; `--compile-only` compiles both for sm_90 on a machine without a GPU
 (ptxas ships with triton) and prints registers per thread.
 
-    python3 benchmarks/studies/gluon_operand_probe.py            (on the GPU)
-    python3 benchmarks/studies/gluon_operand_probe.py --compile-only
+    python3 -m benchmarks.studies.gluon_operand_probe            (on the GPU)
+    python3 -m benchmarks.studies.gluon_operand_probe --compile-only
 """
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from moec.kernels.gluon_kv_attention import (  # noqa: E402
+from moec.kernels.gluon_kv_attention import (
     KEY_WORDS,
     MMA,
     OP_A,

@@ -68,7 +68,6 @@ import triton
 import triton.language as tl
 
 from ..formats.bitpack import unpack_planar
-from ..runtime.backend import gluon_enabled
 from . import launch_config
 
 LOG2E = 1.4426950408889634
@@ -558,16 +557,6 @@ def _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, 
     return B, H, d, K, S, NB, nout
 
 
-def _gluon_kernel(q, bits, nout, rope, d, G, precision, knobs):
-    """gluon_kv_attention when it serves this launch (CUDA, MOEC_KERNELS not tl, no launch knobs given, a cache
-    it supports), else None."""
-    if any(x is not None for x in knobs) or precision not in (None, "half") or not gluon_enabled(q.device):
-        return None
-    from . import gluon_kv_attention as gka  # it imports this module (combine_splits): not at the top
-
-    return gka if gka.supports(bits, nout, rope, d, G) else None
-
-
 def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval,
                         hist_len, win_k, win_v, win_len, bits: int, block: int, sm_scale: float | None = None,
                         n_splits: int | None = None, precision: str | None = None, block_t: int | None = None,
@@ -594,16 +583,11 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
     (+ residuals), before the rotation when `rope` is given.
     k_err2 [K, d] fp32 (nuq `score_bias`): every history score gets Σ_c q_c²·k_err2_c·sm_scale²/2, the
     log-normal correction for the keys' rounding error (kvtiered.history_bias).
-    On CUDA, without launch knobs, the caches gluon_kv_attention.supports accepts (2-bit, no outliers, post-RoPE,
-    d = 128) go to the Gluon kernel; MOEC_KERNELS=tl keeps them here.
+    The runtime sends the caches gluon_kv_attention.supports accepts to the Gluon kernel instead on CUDA
+    (kvtiered.decode_attention; MOEC_KERNELS=tl keeps them here).
     Works under CUDA-graph capture: no host syncs; hist_len/win_len are only read on the device."""
     B, H, d, K, S, NB, nout = _check(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval,
                                      v_oidx, v_oval, hist_len, win_k, win_v, win_len, bits, block)
-    gka = _gluon_kernel(q, bits, nout, rope, d, H // K, precision,
-                        (n_splits, block_t, num_warps, num_stages, deq, lazy, waves, out_mode))
-    if gka is not None:
-        return gka.gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist_len, win_k, win_v,
-                                      win_len, sm_scale, k_center, k_err2, out_rotation, out_dtype)
     cuda = q.is_cuda and not _interpreting()
     configs = launch_config.config("kv_decode_attention", q.device)
     config = configs["residual"]

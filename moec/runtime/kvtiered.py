@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .backend import kernels_enabled
+from .backend import gluon_enabled, kernels_enabled
 from .config import ModelArgs
 from .kvcache import MODES, FP16Cache, causal_attention
 from .model import apply_rope, rope_cos_sin, rope_inv_freq
@@ -79,6 +79,26 @@ def rotate(args: ModelArgs, x: torch.Tensor, pos0: int, inverse: bool) -> torch.
     pos = torch.arange(pos0, pos0 + x.shape[2], device=x.device)
     cos, sin = rope_cos_sin(args, pos, torch.float32)
     return apply_rope(x, cos, -sin if inverse else sin)
+
+
+def decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval, hist_len,
+                     win_k, win_v, win_len, bits: int, block: int, rope=None, k_center=None, k_err2=None,
+                     out_rotation=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode attention over the tiered cache's packed history and window: the Gluon kernel
+    (kernels/gluon_kv_attention.py) where it serves the cache on CUDA (2-bit, no sparse outliers, post-RoPE,
+    head_dim 128; MOEC_KERNELS=tl turns it off), else the `tl` kernel (kernels/kv_decode_attention.py).
+    Same arguments and result as kv_decode_attention."""
+    from ..kernels import gluon_kv_attention as gka
+    from ..kernels.kv_decode_attention import kv_decode_attention
+
+    B, H, d = q.shape
+    if gluon_enabled(q.device) and gka.supports(bits, k_oidx.shape[-1], rope, d, H // k_codes.shape[1]):
+        return gka.gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist_len, win_k, win_v,
+                                      win_len, k_center=k_center, k_err2=k_err2, out_rotation=out_rotation,
+                                      out_dtype=out_dtype)
+    return kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval,
+                               hist_len, win_k, win_v, win_len, bits, block, rope=rope, k_center=k_center,
+                               k_err2=k_err2, out_rotation=out_rotation, out_dtype=out_dtype)
 
 
 class LayerRotations:
@@ -477,11 +497,9 @@ class TieredKVCache:
 
     def _attend_kernel(self, layer: int, q, wk, wv) -> torch.Tensor:
         """One decode step of a codec with `fused_decode_attention` through the fused kernel
-        (moec/kernels/kv_decode_attention.py; families with other kernels override this). Pre-RoPE history
+        (decode_attention; families with other kernels override this). Pre-RoPE history
         keys are rotated in the kernel, history token t at position sinks + t. q [B, H, 1, d]; wk, wv
         [B, K, n, d] fp16 window (sinks first) -> [B, H, 1, d] in q.dtype."""
-        from ..kernels.kv_decode_attention import kv_decode_attention
-
         codec = self.codecs[layer]
         view = codec.kernel_view(q.device)
         hk, hv = self.hist["k"][layer], self.hist["v"][layer]
@@ -495,11 +513,11 @@ class TieredKVCache:
             kov = vov = z.half()
         hist_len = torch.full((B,), self.n_blocks[layer] * self.block, dtype=torch.int32, device=dev)
         win_len = torch.full((B,), wk.shape[2], dtype=torch.int32, device=dev)
-        out = kv_decode_attention(q[:, :, 0].contiguous(), hk["codes"], hv["codes"], view.k_scale, hv["scale"],
-                                  view.k_levels, view.v_levels, koi, kov, voi, vov, hist_len, wk.contiguous(),
-                                  wv.contiguous(), win_len, view.bits, self.block,
-                                  rope=self.rope_table if self.rope_pre else None, k_center=view.k_center,
-                                  k_err2=view.k_err2)
+        out = decode_attention(q[:, :, 0].contiguous(), hk["codes"], hv["codes"], view.k_scale, hv["scale"],
+                               view.k_levels, view.v_levels, koi, kov, voi, vov, hist_len, wk.contiguous(),
+                               wv.contiguous(), win_len, view.bits, self.block,
+                               rope=self.rope_table if self.rope_pre else None, k_center=view.k_center,
+                               k_err2=view.k_err2)
         return out[:, :, None].to(q.dtype)
 
     # -- simulated mode -----------------------------------------------------------------------------------
@@ -575,7 +593,6 @@ class TieredKVCache:
     def _step_kernel(self, layer: int, q, k, v) -> torch.Tensor:
         """The fused path: one kernel rotates q, k, v and writes the window (kernels/kv_window_write.py), the
         decode-attention kernel reads the packed history and the window, and the output is rotated back."""
-        from ..kernels.kv_decode_attention import kv_decode_attention
         from ..kernels.kv_window_write import rotate_write_window
 
         b = q.shape[0]
@@ -590,12 +607,12 @@ class TieredKVCache:
             koi = voi = self.no_out[0][:b]
             kov = vov = self.no_out[1][:b]
         view = self.views[layer]
-        out = kv_decode_attention(qr, hk["codes"][:b], hv["codes"][:b], view.k_scale,
-                                  hv["scale"][:b], view.k_levels, view.v_levels, koi, kov, voi, vov,
-                                  self.hist_len[:b], wk[:b], wv[:b], win_len,
-                                  self.codecs[layer].bits, self.block, rope=self.rope_table,
-                                  k_center=view.k_center, k_err2=view.k_err2, out_rotation=R,
-                                  out_dtype=q.dtype)  # [b, H, d], rotated back
+        out = decode_attention(qr, hk["codes"][:b], hv["codes"][:b], view.k_scale,
+                               hv["scale"][:b], view.k_levels, view.v_levels, koi, kov, voi, vov,
+                               self.hist_len[:b], wk[:b], wv[:b], win_len,
+                               self.codecs[layer].bits, self.block, rope=self.rope_table,
+                               k_center=view.k_center, k_err2=view.k_err2, out_rotation=R,
+                               out_dtype=q.dtype)  # [b, H, d], rotated back
         return out[:, :, None]
 
     def _step_torch(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
