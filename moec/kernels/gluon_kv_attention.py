@@ -574,6 +574,13 @@ def default_splits(B: int, S: int, T: int, cfg: dict, sms: int) -> int:
     return max(1, min(triton.cdiv(S, T), per_head, triton.cdiv(S, cfg["tokens_min"])))
 
 
+def faster(B: int, S: int, device) -> bool:
+    """Whether this kernel beat the `tl` kernel where measured (gluon_kv_attention_sweep2_h200.json): from a batch
+    times history capacity of `min_batch_tokens` up (at 4k batch 1 its fixed per-program cost and the longer split
+    combine lost: 0.71 ms against 0.54 per Mixtral-shape step; at 4k batch 16 and at 32k it won)."""
+    return B * S >= launch_config.config("kv_decode_attention", device)["gluon"]["min_batch_tokens"]
+
+
 def supports(bits: int, nout: int, rope, d: int, G: int) -> bool:
     """Whether this kernel serves a cache: 2-bit codes, no sparse outliers, post-RoPE keys, head_dim a
     128 (the word maps are written for it), at most 16 query heads per KV head."""

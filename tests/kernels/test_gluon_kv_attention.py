@@ -61,3 +61,50 @@ def test_dispatch_switch():
     with backend.kernels_forced("0"):
         assert not backend.gluon_enabled("cuda")
 
+
+
+def test_default_splits_follow_the_measured_optima():
+    """Splits per (sequence, KV head) on the H200 (132 SMs): about one per SM at batch 1, 32 at batch 16 (the
+    optima of gluon_kv_attention_sweep2_h200.json), no split under 128 tokens."""
+    T = CONFIG["block_t"]
+    assert gka.default_splits(1, 32768, T, CONFIG, 132) == 132
+    assert gka.default_splits(16, 32768, T, CONFIG, 132) == 32
+    assert gka.default_splits(1, 4096, T, CONFIG, 132) == 32
+    assert gka.default_splits(1, 100, T, CONFIG, 132) == 1
+
+
+def test_runtime_dispatch_passes_the_cache_through(monkeypatch):
+    """kvtiered.decode_attention sends a cache the Gluon kernel serves (and is faster on) to it with the very
+    tensors and options the `tl` kernel would get, and everything else to the `tl` kernel. The launches are
+    stubbed: this checks the wiring on a CPU, the GPU smoke checks the numbers."""
+    from moec.runtime import kvtiered
+
+    calls = []
+    monkeypatch.setattr(kvtiered, "gluon_enabled", lambda device: True)
+    monkeypatch.setattr(gka, "gluon_kv_attention", lambda *a, **k: calls.append(("gluon", a, k)) or a[0].float())
+    monkeypatch.setattr(kda, "kv_decode_attention", lambda *a, **k: calls.append(("tl", a, k)) or a[0].float())
+
+    def cache(B, S, nout=0, G=4):
+        K = 2
+        z = torch.zeros(B, K, S // 32, nout)
+        return dict(q=torch.randn(B, K * G, 128), k_codes=torch.zeros(B, K, S, 32, dtype=torch.uint8),
+                    v_codes=torch.zeros(B, K, S, 32, dtype=torch.uint8), k_scale=torch.ones(K, 128),
+                    v_scale=torch.ones(B, K, S).half(), k_lev=torch.zeros(4), v_lev=torch.zeros(4),
+                    k_oidx=z.short(), k_oval=z.half(), v_oidx=z.short(), v_oval=z.half(),
+                    hist_len=torch.zeros(B, dtype=torch.int32), win_k=torch.zeros(B, K, 8, 128).half(),
+                    win_v=torch.zeros(B, K, 8, 128).half(), win_len=torch.zeros(B, dtype=torch.int32))
+
+    extra = dict(k_center=torch.ones(2, 128), k_err2=torch.ones(2, 128), out_rotation=torch.eye(128),
+                 out_dtype=torch.bfloat16)
+    c = cache(1, 32768)
+    kvtiered.decode_attention(*c.values(), bits=2, block=32, **extra)
+    kind, args, kw = calls[-1]
+    assert kind == "gluon" and all(a is b for a, b in zip(args, [c[n] for n in (
+        "q", "k_codes", "v_codes", "k_scale", "v_scale", "k_lev", "v_lev", "hist_len", "win_k", "win_v", "win_len")],
+        strict=True))
+    assert all(kw[n] is extra[n] for n in extra)
+    # a short history at batch 1, sparse outliers, 3-bit codes, more than 16 query heads per KV head
+    for c, bits in ((cache(1, 4096), 2), (cache(1, 32768, nout=8), 2), (cache(1, 32768), 3),
+                    (cache(2, 32768, G=32), 2)):
+        kvtiered.decode_attention(*c.values(), bits=bits, block=32, **extra)
+        assert calls[-1][0] == "tl"
