@@ -12,24 +12,36 @@ row holds channels i, i + d/4, i + d/2, i + 3d/4 in bit fields j = 0..3), the sa
 ([B·H, splits, d + 2]: acc, running max in log2 units, sum) and so the same split combine
 (kv_decode_attention.combine_splits, which also undoes a head_dim rotation).
 
-Layouts (one warp per program, mma.sync m16n8k16, fp16 operands, fp32 accumulation):
-  - scores S[16, T] = Q[16, d] · Kᵀ[d, T]: the G query heads of a KV head are the M rows (padded to 16);
-    Kᵀ for channel block j is the byte tile [d/4 bytes, T tokens] loaded in the B-operand layout, whose
-    registers hold, per thread, bytes (k, k+1, k+8, k+9) of one token: one 32-bit word, its field j four
-    keys whose two fp16 pairs are exactly two B registers. Q's channel block j (channels j·d/4 + i) matches.
-  - P[16, T] leaves the mma as an accumulator whose register layout *is* the A-operand layout (FA2's trick:
-    no conversion), scaled per token by the value scale.
-  - values: the byte tile [T tokens, d/4 bytes] in the B-operand layout: per thread bytes of tokens
-    (k, k+1, k+8, k+9) of one byte column, again one word whose field j gives two B registers of channel
-    block j; O_j[16, d/4] += P · V_j.
-  - the level lookup (`_unpack`): shift, mask, one IMAD builds the byte selectors, two `prmt` pick fp16 levels
-    out of two registers holding the layer's four levels (the `tl` kernel's DEQ=1 path, here on operand
-    registers): 7 instructions per four codes, no memory access.
-  - lazy rescaling as in the `tl` kernel: the running max moves only when a tile's max exceeds it by > 8.
+How codes reach the tensor cores (one warp per program, mma.sync m16n8k16, fp16 operands, fp32 accumulation):
+  - codes are loaded as int32 words (4 bytes = 16 codes) in a register layout that, after a join/reshape/
+    permute of the unpacked values, *is* the mma operand layout: convert_layout(..., assert_trivial=True) holds
+    at compile time, so no value moves between threads. The channel order inside a block is the one that makes
+    this true (_key_channel, _value_channel); q is loaded and the output stored in that order.
+  - the level lookup (_unpack4): per word and bit field a shift (a multiply-high, on the FMA pipe), a mask, one
+    IMAD building the byte selectors and two `prmt` picking fp16 levels out of two registers holding the
+    layer's four levels (_vector_reg keeps them in vector registers): 23 instructions per 16 codes.
+  - values need a token pair per register: two tokens' words are byte-interleaved by two `prmt` (_interleave).
+  - the default kernel swaps operands (_gluon_kv_attention_swap_kernel): Sᵀ[T, N] = K·Qᵀ with tokens as M and
+    the query heads of a KV head as N = 8 (G = 4 wastes half, not three quarters as M = 16 rows would), then
+    Oᵀ_j[32, N] += Vᵀ_j·Pᵀ, Pᵀ moved between the two products by an intra-warp conversion. Half the mma and
+    softmax work and 136 registers with the next tile's loads in flight (PREFETCH). The unswapped kernel
+    (_gluon_kv_attention_kernel: S[16, T] = Q·Kᵀ, P feeding the PV product without conversion, FA2's trick)
+    is kept for comparison (swap=False).
+  - lazy rescaling as in the `tl` kernel (the running max moves only when a tile's max exceeds it by > 8); the
+    per-head score terms (q·center, the score bias) are added to the running max once, not to every score.
 
-Not here (the `tl` kernel serves them): 3-bit codes, sparse fp16 outliers, pre-RoPE keys. Gluon has no CPU
-interpreter, so tests/kernels/test_gluon_kv_attention.py compiles this kernel for sm_90 on the CPU (ptxas
-ships with triton) and the GPU smoke checks it against the torch reference (benchmarks/gpu_smoke.py).
+Measured on the H200 (benchmarks/results/gluon_kv_attention_sweep2_h200.json, 32 Mixtral-shape layers, one
+query token, kernel + split combine): 32k batch 1 0.79 ms against the `tl` kernel's 1.15 and the fp16 cache's
+1.22 (the kernel alone 0.60 ms, 22% of copy bandwidth on its bytes; the combine 0.19); 32k batch 16 6.2 ms
+against 13.7 and 15.5 (35%). It is issue- and latency-bound, not bandwidth-bound: ~2.8 SASS instructions per
+code in the loop (benchmarks/studies/gluon_sass.py), one warp per program, 15 warps per SM. At 4k batch 1 the fixed cost per program and the
+combine lost to the `tl` kernel, so the runtime sends it only batch · history capacity >= min_batch_tokens
+(faster(); kvtiered.decode_attention).
+
+Not here (the `tl` kernel serves them): 3-bit codes, sparse fp16 outliers, pre-RoPE keys, head_dim other than
+128. Gluon has no CPU interpreter, so tests/kernels/test_gluon_kv_attention.py compiles this kernel for sm_90
+on the CPU (ptxas ships with triton) and the GPU smoke checks it against the torch reference
+(benchmarks/gpu_smoke.py, both paths).
 """
 
 from __future__ import annotations
