@@ -33,10 +33,10 @@ How codes reach the tensor cores (one warp per program, mma.sync m16n8k16, fp16 
 Measured on the H200 (benchmarks/results/gluon_kv_attention_sweep2_h200.json, 32 Mixtral-shape layers, one
 query token, kernel + split combine): 32k batch 1 0.79 ms against the `tl` kernel's 1.15 and the fp16 cache's
 1.22 (the kernel alone 0.60 ms, 22% of copy bandwidth on its bytes; the combine 0.19); 32k batch 16 6.2 ms
-against 13.7 and 15.5 (35%). It is issue- and latency-bound, not bandwidth-bound: ~2.8 SASS instructions per
-code in the loop (benchmarks/studies/gluon_sass.py), one warp per program, 15 warps per SM. At 4k batch 1 the fixed cost per program and the
-combine lost to the `tl` kernel, so the runtime sends it only batch · history capacity >= min_batch_tokens
-(faster(); kvtiered.decode_attention).
+against 13.7 and 15.5 (35%). It is issue- and latency-bound, not bandwidth-bound: ~2.9 SASS instructions per
+code in the loop (benchmarks/studies/gluon_sass.py), one warp per program, 15 warps per SM. At 4k batch 1 the
+fixed cost per program and the combine lost to the `tl` kernel, so the runtime sends it only batch · history
+capacity >= min_batch_tokens (faster(); kvtiered.decode_attention).
 
 Not here (the `tl` kernel serves them): 3-bit codes, sparse fp16 outliers, pre-RoPE keys, head_dim other than
 128. Gluon has no CPU interpreter, so tests/kernels/test_gluon_kv_attention.py compiles this kernel for sm_90
