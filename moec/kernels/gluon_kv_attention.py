@@ -604,7 +604,7 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
                        out_dtype: torch.dtype = torch.float32, n_splits: int | None = None,
                        block_t: int | None = None, waves: float | None = None, prefetch: bool | None = None,
                        win_chunk: int | None = None, swap: bool | None = None, maxnreg: int | None = None,
-                       combine: bool = True, outc: int | None = None) -> torch.Tensor:
+                       combine: bool = True, outc: int | None = None, warps: int | None = None) -> torch.Tensor:
     """kv_decode_attention's contract for the caches `supports` accepts (CUDA only; the caller checked shapes):
     [B, H, d] in out_dtype. Launch knobs default to configs/<device>.json's kv_decode_attention.gluon."""
     global LAUNCHES
@@ -624,19 +624,31 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
         n_splits = max(1, min(n_tiles, triton.cdiv(int(waves * launch_config.num_sms(q.device)), B * K)))
     elif n_splits is None:
         n_splits = default_splits(B, S, T, cfg, launch_config.num_sms(q.device))
+    warps = warps or cfg["warps"]
     tps = triton.cdiv(n_tiles, max(1, min(n_splits, n_tiles)))
+    if warps > 1:  # gluon_kv_attention_wg: `warps` one-warp splits per program, combined in the program
+        from .gluon_kv_attention_wg import W, _gluon_kv_attention_wg_kernel
+
+        assert warps == W.value and swap, f"the warp-group kernel is written for {W.value} warps, swapped operands"
+        tps = triton.cdiv(n_tiles, max(1, min(n_splits, n_tiles) // W.value))
+        tps = triton.cdiv(tps, W.value) * W.value
+        win_chunk = triton.cdiv(win_chunk, 32 * W.value) * 32 * W.value
+        maxnreg = cfg["maxnreg_wg"] if G <= 8 else None
     hist_splits = triton.cdiv(n_tiles, tps)
     win_splits = max(1, triton.cdiv(win_k.shape[2], win_chunk))
     P = hist_splits + win_splits
     part = torch.empty(B * H * P * (d + 2), device=q.device, dtype=torch.float32)
-    kernel = _gluon_kv_attention_swap_kernel if swap else _gluon_kv_attention_kernel
+    if warps > 1:
+        kernel = _gluon_kv_attention_wg_kernel
+    else:
+        kernel = _gluon_kv_attention_swap_kernel if swap else _gluon_kv_attention_kernel
     kernel[(B * K, P)](
         q, k_codes.view(torch.int32), v_codes.view(torch.int32), k_scale, v_scale, k_lev, v_lev, hist_len, win_k,
         win_v, win_len, part,
         k_scale if k_center is None else k_center, k_scale if k_err2 is None else k_err2,
         H, K, S, win_k.shape[2], P, tps, sm_scale * LOG2E, win_splits,
         D=d, G=G, T=T, CENTER=k_center is not None, BIAS=k_err2 is not None, WCHUNK=win_chunk,
-        PREFETCH=bool(prefetch), num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
+        PREFETCH=bool(prefetch), num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     if not combine:  # the partials alone (benchmarks time the kernel apart from the split combine)
         return part

@@ -47,6 +47,22 @@ def test_compiles_for_sm90_without_spills_or_shared_staging(G, center, swap):
     assert loop["LDG"] <= 3 * T // 8 + 8, loop  # wide loads: words, not bytes
 
 
+def test_warp_group_kernel_compiles_without_spills_or_shared_staging_in_its_loop():
+    """The W-warp variant (gluon_kv_attention_wg.py, not the default until a GPU has timed it): the same loop per
+    warp; shared memory only for the warps' final combine."""
+    from moec.kernels import gluon_kv_attention_wg as wg
+
+    cx = {"D": 128, "G": 4, "T": CONFIG["block_t"], "CENTER": True, "BIAS": True, "WCHUNK": 128,
+          "PREFETCH": CONFIG["prefetch"]}
+    k = aot.compile_cuda(wg._gluon_kv_attention_wg_kernel, TYPES, cx, num_warps=wg.W.value,
+                         maxnreg=CONFIG["maxnreg_wg"])
+    res = aot.resources(k.asm["cubin"])
+    assert res["registers"] <= CONFIG["maxnreg_wg"] and res["local"] == 0, res
+    loop = aot.loop_histogram(aot.sass(k.asm["cubin"]), "0x3030303")
+    assert loop["HMMA"] == 2 * 4 * (CONFIG["block_t"] // 16) * 2, loop
+    assert loop["LDS"] == loop["STS"] == loop["LDL"] == loop["STL"] == 0, loop
+
+
 def test_dispatch_switch():
     """MOEC_KERNELS=tl keeps the `tl` kernel; the Gluon kernel only serves what it supports, only on CUDA."""
     assert gka.supports(2, 0, None, 128, 4) and gka.supports(2, 0, None, 128, 16)
