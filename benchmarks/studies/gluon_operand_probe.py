@@ -24,17 +24,23 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from moec.kernels.gluon_kv_attention import (
-    KEY_WORDS,
-    MMA,
-    OP_A,
-    _key_block,
-    _key_channel,
-    _lev_words,
-    _unpack4,
-)
+from moec.kernels.gluon_kv_attention import MMA, OP_A, OP_B, _key_channel, _lev_words, _unpack4
 
 T = gl.constexpr(32)
+# key words [8, T] int32 for the B operand Kᵀ (the probe's orientation; the kernel now uses K as the A operand):
+# lane (c = lane % 4, n = lane / 4) holds words 2c, 2c + 1 of tokens n + 8i
+KEY_WORDS = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
+
+
+@gluon.jit
+def _key_block(kw, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
+    """Bit field j of key words [8, T] as the B operand Kᵀ [32, T] fp16: thread (c, n) holds words r = 2c + ks of
+    token n, bytes m = 2·mh + ml, which the operand wants at rows k = 16·ks + 8·mh + 2c + ml (_key_channel)."""
+    e0, e1, e2, e3 = _unpack4(kw, j, tab_lo, tab_hi)
+    x = gl.join(gl.join(e0, e1), gl.join(e2, e3))  # [r, T, ml, mh] (join appends the new axis last)
+    x = gl.reshape(x, [4, 2, T, 2, 2])  # [c, ks, T, ml, mh]
+    x = gl.reshape(gl.permute(x, [1, 4, 0, 3, 2]), [32, T])  # [ks, mh, c, ml, T]
+    return gl.convert_layout(x, OP_B, assert_trivial=True)
 WG = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16]))
 WG_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=WG, k_width=2))
 # words [64 tokens, 8 words]: lane (c, n) holds words 2c, 2c + 1 of tokens n, n + 8, warp w tokens + 16w

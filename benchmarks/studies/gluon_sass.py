@@ -18,11 +18,10 @@ TYPES = {n: "*fp32" for n in ("ks_ptr", "klev_ptr", "vlev_ptr", "part_ptr", "kce
 
 def main():
     cfg = launch_config.defaults()["kv_decode_attention"]["gluon"]
-    for swap, T, prefetch, maxnreg, G in ((True, cfg["block_t"], cfg["prefetch"], cfg["maxnreg"], 4),
-                                          (True, cfg["block_t"], cfg["prefetch"], cfg["maxnreg"], 8),
-                                          (True, cfg["block_t"], False, cfg["maxnreg"], 4),
-                                          (True, 64, True, None, 4), (False, 32, False, None, 4)):
-        kernel = gka._gluon_kv_attention_swap_kernel if swap else gka._gluon_kv_attention_kernel
+    for T, prefetch, maxnreg, G in ((cfg["block_t"], cfg["prefetch"], cfg["maxnreg"], 4),
+                                    (cfg["block_t"], cfg["prefetch"], cfg["maxnreg"], 8),
+                                    (cfg["block_t"], False, cfg["maxnreg"], 4), (64, True, None, 4)):
+        kernel = gka._gluon_kv_attention_kernel
         cx = {"D": 128, "G": G, "T": T, "CENTER": True, "BIAS": True, "WCHUNK": cfg["win_chunk"],
               "PREFETCH": prefetch}
         k = aot.compile_cuda(kernel, TYPES, cx, num_warps=1, maxnreg=maxnreg)
@@ -31,8 +30,18 @@ def main():
         codes = 2 * 128 * T / 32
         n = sum(loop.values())
         top = ", ".join(f"{op} {c}" for op, c in loop.most_common(8))
-        print(f"swap={swap} T={T} prefetch={prefetch} maxnreg={maxnreg} G={G}: {res['registers']} registers, "
+        print(f"T={T} prefetch={prefetch} maxnreg={maxnreg} G={G}: {res['registers']} registers, "
               f"stack {res['stack']} B; loop {n} instructions = {n / codes:.2f} per code ({top})")
+    from moec.kernels import gluon_kv_attention_wg as wg
+
+    cx = {"D": 128, "G": 4, "T": cfg["block_t"], "CENTER": True, "BIAS": True, "WCHUNK": 128,
+          "PREFETCH": cfg["prefetch"]}
+    k = aot.compile_cuda(wg._gluon_kv_attention_wg_kernel, TYPES, cx, num_warps=wg.W.value, maxnreg=cfg["maxnreg_wg"])
+    res = aot.resources(k.asm["cubin"])
+    loop = aot.loop_histogram(aot.sass(k.asm["cubin"]), "0x3030303")
+    n = sum(loop.values())
+    print(f"warp-group ({wg.W.value} warps) G=4: {res['registers']} registers, stack {res['stack']} B; loop {n} "
+          f"instructions = {n / (2 * 128 * cfg['block_t'] / 32):.2f} per code per warp")
 
 
 if __name__ == "__main__":

@@ -21,12 +21,9 @@ How codes reach the tensor cores (one warp per program, mma.sync m16n8k16, fp16 
     IMAD building the byte selectors and two `prmt` picking fp16 levels out of two registers holding the
     layer's four levels (_vector_reg keeps them in vector registers): 23 instructions per 16 codes.
   - values need a token pair per register: two tokens' words are byte-interleaved by two `prmt` (_interleave).
-  - the default kernel swaps operands (_gluon_kv_attention_swap_kernel): Sᵀ[T, N] = K·Qᵀ with tokens as M and
-    the query heads of a KV head as N = 8 (G = 4 wastes half, not three quarters as M = 16 rows would), then
-    Oᵀ_j[32, N] += Vᵀ_j·Pᵀ, Pᵀ moved between the two products by an intra-warp conversion. Half the mma and
-    softmax work and 136 registers with the next tile's loads in flight (PREFETCH). The unswapped kernel
-    (_gluon_kv_attention_kernel: S[16, T] = Q·Kᵀ, P feeding the PV product without conversion, FA2's trick)
-    is kept for comparison (swap=False).
+  - operands swapped: Sᵀ[T, N] = K·Qᵀ with tokens as M and the query heads of a KV head as N = 8 (G = 4 wastes
+    half, not three quarters as M = 16 rows would), then Oᵀ_j[32, N] += Vᵀ_j·Pᵀ, Pᵀ moved between the two
+    products by an intra-warp conversion: 136 registers with the next tile's loads in flight (PREFETCH).
   - lazy rescaling as in the `tl` kernel (the running max moves only when a tile's max exceeds it by > 8); the
     per-head score terms (q·center, the score bias) are added to the running max once, not to every score.
 
@@ -61,10 +58,10 @@ MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1
 OP_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 OP_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 LN2_INV = gl.constexpr(1.4426950408889634)  # log2 e
-ROWS = gl.constexpr(16)  # the mma's M: the G query heads of a KV head, padded
+MAX_G = 16  # query heads per KV head: the mma's N is 8 or 16
 HEAD_DIM = 128  # the word maps below are written for 8 words (32 bytes) of codes per token and K or V
-# key words [8, T] int32: lane (c = lane % 4, n = lane / 4) holds words 2c, 2c + 1 of tokens n + 8i
-KEY_WORDS = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
+# key words [T, 8] int32: lane (c = lane % 4, n = lane / 4) holds words 2c, 2c + 1 of tokens n + 8i (A's rows)
+KEY_WORDS = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
 # value words [T, 8] int32: lane (c, n) holds word n of tokens 2c, 2c + 1 (+ 8i)
 VALUE_WORDS = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
 
@@ -109,13 +106,10 @@ def _vector_reg(x):
 
 
 @gluon.jit
-def _tables(kt_lo, kt_hi, vt_lo, vt_hi, T: gl.constexpr, KEY_LAYOUT: gl.constexpr):
-    """The level words as tensors in the layouts of the key words [8, T] or [T, 8] (KEY_LAYOUT) and of the
-    interleaved value words [T/2, 8], in vector registers (_vector_reg), built once per program."""
-    if KEY_LAYOUT == KEY_WORDS:
-        kz = gl.full([8, T], 0, gl.int32, KEY_LAYOUT)
-    else:
-        kz = gl.full([T, 8], 0, gl.int32, KEY_LAYOUT)
+def _tables(kt_lo, kt_hi, vt_lo, vt_hi, T: gl.constexpr):
+    """The level words as tensors in the layouts of the key words [T, 8] and of the interleaved value words
+    [T/2, 8], in vector registers (_vector_reg), built once per program."""
+    kz = gl.full([T, 8], 0, gl.int32, KEY_WORDS)
     vz, _ = gl.split(gl.permute(gl.reshape(gl.full([T, 8], 0, gl.int32, VALUE_WORDS), [T // 2, 2, 8]), [0, 2, 1]))
     return (_vector_reg(kz + kt_lo), _vector_reg(kz + kt_hi), _vector_reg(vz + vt_lo), _vector_reg(vz + vt_hi))
 
@@ -126,30 +120,6 @@ def _interleave(a, b):
     return gl.inline_asm_elementwise(
         asm="prmt.b32 $0, $2, $3, 0x5140; prmt.b32 $1, $2, $3, 0x7362;",
         constraints="=r,=r,r,r", args=[a, b], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-
-
-@gluon.jit
-def _key_block(kw, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
-    """Channel block j of a key tile as the B operand Kᵀ [32, T] fp16, from words [8, T]. Thread (c, n) holds
-    words r = 2c + ks of token n, bytes m = 2·mh + ml; the operand wants, in that thread, rows
-    k = 16·ks + 8·mh + 2c + ml: so logical row k is physical byte 4·(2c + ks) + 2·mh + ml (_key_channel)."""
-    e0, e1, e2, e3 = _unpack4(kw, j, tab_lo, tab_hi)
-    x = gl.join(gl.join(e0, e1), gl.join(e2, e3))  # [r, T, ml, mh] (join appends the new axis last)
-    x = gl.reshape(x, [4, 2, T, 2, 2])  # [c, ks, T, ml, mh]
-    x = gl.reshape(gl.permute(x, [1, 4, 0, 3, 2]), [32, T])  # [ks, mh, c, ml, T]
-    return gl.convert_layout(x, OP_B, assert_trivial=True)
-
-
-@gluon.jit
-def _value_block(p0, p1, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
-    """Channel block j of a value tile as the B operand V [T, 32] fp16 from the interleaved words [T/2, 8] of
-    token pairs: thread (c, n) gets tokens (2c, 2c + 1) of byte m of word n in one register; logical column
-    L = 8m + n is physical channel 4n + m (_value_channel)."""
-    h00, h01, h10, h11 = _unpack4(p0, j, tab_lo, tab_hi)  # (m = 0, tokens 0/1), (m = 1, ...)
-    h20, h21, h30, h31 = _unpack4(p1, j, tab_lo, tab_hi)
-    y = gl.join(gl.join(gl.join(h00, h01), gl.join(h10, h11)), gl.join(gl.join(h20, h21), gl.join(h30, h31)))
-    y = gl.reshape(gl.permute(y, [0, 2, 4, 3, 1]), [T, 32])  # [tp, n, pair, m_lo, m_hi] -> [tp, pair, m_hi, m_lo, n]
-    return gl.convert_layout(y, OP_B, assert_trivial=True)
 
 
 @gluon.jit
@@ -164,208 +134,16 @@ def _value_channel(n):
     return 4 * (n % 8) + n // 8
 
 
-@gluon.jit
-def _load_q(q_ptr, qrow, gmask, ks_ptr, scale_k, qscale, j: gl.constexpr):
-    """Channel block j of the query heads as the A operand [16, 32] fp16, rows in _key_channel's order:
-    q·qscale (·k_scale in history programs)."""
-    offs_c = j * 32 + _key_channel(gl.arange(0, 32, layout=gl.SliceLayout(0, OP_A)))
-    q = gl.load(q_ptr + qrow[:, None] + offs_c[None, :], mask=gmask[:, None], other=0.0).to(gl.float32)
-    ks = gl.load(ks_ptr + offs_c)
-    ks = gl.where(scale_k, ks, 1.0)
-    return (q * (ks * qscale)[None, :]).to(gl.float16)
+# Sᵀ[T, N] = K[T, 32]·Qᵀ[32, N] per channel block, Oᵀ[32, N] += Vᵀ[32, T]·Pᵀ[T, N]: tokens as the mma's M,
+# query heads as N (8 or 16). The first version had the query heads as M (padded to 16 rows) and P feeding the
+# PV product without a conversion (FA2's trick); swapped it ran 1.1-1.5x faster at 32k
+# (gluon_kv_attention_sweep1_h200.json): G = 4 pads to 8, not 16, half the mmas, the softmax on T·N scores,
+# half the accumulator registers; the price, Pᵀ changing layout between the two products, is a transpose
+# within the warp.
 
 
 @gluon.jit
-def _q_dot(q_ptr, qrow, gmask, c_ptr, D: gl.constexpr, SQUARE: gl.constexpr):
-    """Σ_c q_c·c_c (SQUARE: q_c²·c_c) per query row [16] fp32, in the score rows' layout."""
-    L2: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0])
-    offs_c = gl.arange(0, D, layout=gl.SliceLayout(0, L2))
-    rows = gl.convert_layout(qrow, gl.SliceLayout(1, L2))
-    m = gl.convert_layout(gmask, gl.SliceLayout(1, L2))
-    q = gl.load(q_ptr + rows[:, None] + offs_c[None, :], mask=m[:, None], other=0.0).to(gl.float32)
-    if SQUARE:
-        q = q * q
-    r = gl.sum(q * gl.load(c_ptr + offs_c)[None, :], axis=1)
-    return gl.convert_layout(r, gl.SliceLayout(1, MMA))
-
-
-@gluon.jit
-def _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs, tmask_s, qc,
-               ktl, kth, vtl, vth, T: gl.constexpr, ADDQ: gl.constexpr):
-    """One history tile (its words already in registers): online-softmax update with lazy rescaling."""
-    s = gl.zeros([ROWS, T], gl.float32, MMA)
-    s = mma_v2(q0, _key_block(kw, 0, ktl, kth, T), s)
-    s = mma_v2(q1, _key_block(kw, 1, ktl, kth, T), s)
-    s = mma_v2(q2, _key_block(kw, 2, ktl, kth, T), s)
-    s = mma_v2(q3, _key_block(kw, 3, ktl, kth, T), s)
-    if ADDQ:
-        s = s + qc[:, None]
-    s = gl.where(tmask_s[None, :], s, float("-inf"))
-    m_t = gl.max(s, axis=1)
-    if gl.max(m_t - m_i, axis=0) > 8.0:
-        m_new = gl.maximum(m_i, m_t)
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha
-        a0 = a0 * alpha[:, None]
-        a1 = a1 * alpha[:, None]
-        a2 = a2 * alpha[:, None]
-        a3 = a3 * alpha[:, None]
-        m_i = m_new
-    p = gl.exp2(s - m_i[:, None])
-    l_i = l_i + gl.sum(p, axis=1)
-    pa = gl.convert_layout((p * vs[None, :]).to(gl.float16), OP_A)
-    va, vb = gl.split(gl.permute(gl.reshape(vw, [T // 2, 2, 8]), [0, 2, 1]))  # tokens 2i, 2i + 1
-    p0, p1 = _interleave(va, vb)
-    a0 = mma_v2(pa, _value_block(p0, p1, 0, vtl, vth, T), a0)
-    a1 = mma_v2(pa, _value_block(p0, p1, 1, vtl, vth, T), a1)
-    a2 = mma_v2(pa, _value_block(p0, p1, 2, vtl, vth, T), a2)
-    a3 = mma_v2(pa, _value_block(p0, p1, 3, vtl, vth, T), a3)
-    return m_i, l_i, a0, a1, a2, a3
-
-
-@gluon.jit
-def _win_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk, t0, wend, WC,
-              D: gl.constexpr, T: gl.constexpr):
-    """One tile of the fp16 window, loaded straight into the B layout with the history's channel orders:
-    key rows k of block j are channel 32j + _key_channel(k), value columns n channel 32j + _value_channel(n)."""
-    tok_n = t0 + gl.arange(0, T, layout=gl.SliceLayout(0, OP_B))
-    ch_k = _key_channel(gl.arange(0, 32, layout=gl.SliceLayout(1, OP_B)))
-    kptr = wk_ptr + ((bk * WC + tok_n) * D)[None, :] + ch_k[:, None]
-    km = (tok_n < wend)[None, :]
-    s = gl.zeros([ROWS, T], gl.float32, MMA)
-    s = mma_v2(q0, gl.load(kptr, mask=km, other=0.0), s)
-    s = mma_v2(q1, gl.load(kptr + 32, mask=km, other=0.0), s)
-    s = mma_v2(q2, gl.load(kptr + 64, mask=km, other=0.0), s)
-    s = mma_v2(q3, gl.load(kptr + 96, mask=km, other=0.0), s)
-    tok_s = t0 + gl.arange(0, T, layout=gl.SliceLayout(0, MMA))
-    s = gl.where((tok_s < wend)[None, :], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    pa = gl.convert_layout(p.to(gl.float16), OP_A)
-    tok_k = t0 + gl.arange(0, T, layout=gl.SliceLayout(1, OP_B))
-    ch_n = _value_channel(gl.arange(0, 32, layout=gl.SliceLayout(0, OP_B)))
-    vptr = wv_ptr + ((bk * WC + tok_k) * D)[:, None] + ch_n[None, :]
-    vm = (tok_k < wend)[:, None]
-    a0 = mma_v2(pa, gl.load(vptr, mask=vm, other=0.0), a0 * alpha[:, None])
-    a1 = mma_v2(pa, gl.load(vptr + 32, mask=vm, other=0.0), a1 * alpha[:, None])
-    a2 = mma_v2(pa, gl.load(vptr + 64, mask=vm, other=0.0), a2 * alpha[:, None])
-    a3 = mma_v2(pa, gl.load(vptr + 96, mask=vm, other=0.0), a3 * alpha[:, None])
-    return m_new, l_i, a0, a1, a2, a3
-
-
-@gluon.jit
-def _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, kword, ktok, vtok, vword, stok):
-    """A history tile's key words [8, T], value words [T, 8] (int32) and value scales [T] fp32."""
-    kw = gl.load(kc_ptr + ((row0 + t0 + ktok) * 8)[None, :] + kword[:, None], mask=(t0 + ktok < t_hi)[None, :],
-                 other=0)
-    vw = gl.load(vc_ptr + ((row0 + t0 + vtok) * 8)[:, None] + vword[None, :], mask=(t0 + vtok < t_hi)[:, None],
-                 other=0)
-    vs = gl.load(vs_ptr + row0 + t0 + stok, mask=t0 + stok < t_hi, other=0.0).to(gl.float32)
-    return kw, vw, vs
-
-
-@gluon.jit
-def _gluon_kv_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, klev_ptr, vlev_ptr, hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr,
-    kcen_ptr, kerr_ptr,
-    H, K, S, WC, n_splits, tiles_per_split, qscale, win_splits,
-    D: gl.constexpr, G: gl.constexpr, T: gl.constexpr, CENTER: gl.constexpr, BIAS: gl.constexpr,
-    WCHUNK: gl.constexpr, PREFETCH: gl.constexpr,
-):
-    """Grid (B·K, splits): the first n_splits - win_splits splits stream tiles_per_split history tiles of T
-    tokens each, the rest a WCHUNK-token chunk of the window each. kc_ptr/vc_ptr: the codes as int32 words."""
-    ADDQ: gl.constexpr = CENTER or BIAS
-    bk = gl.program_id(0)  # b·K + KV head
-    split = gl.program_id(1)
-    b = bk // K
-    kh = bk % K
-    is_hist = split < n_splits - win_splits
-
-    offs_g = gl.arange(0, ROWS, layout=gl.SliceLayout(1, OP_A))
-    gmask = offs_g < G
-    qrow = (b * H + kh * G + offs_g) * D
-    q0 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 0)
-    q1 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 1)
-    q2 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 2)
-    q3 = _load_q(q_ptr, qrow, gmask, ks_ptr + kh * D, is_hist, qscale, 3)
-
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, MMA))
-    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, MMA))
-    a0 = gl.zeros([ROWS, 32], gl.float32, MMA)
-    a1 = gl.zeros([ROWS, 32], gl.float32, MMA)
-    a2 = gl.zeros([ROWS, 32], gl.float32, MMA)
-    a3 = gl.zeros([ROWS, 32], gl.float32, MMA)
-
-    if is_hist:
-        hlen = gl.load(hlen_ptr + b)
-        t_lo = split * tiles_per_split * T
-        t_hi = gl.minimum(t_lo + tiles_per_split * T, hlen)
-        n_it = gl.maximum(gl.cdiv(t_hi - t_lo, T), 0)
-        qc = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, MMA))
-        if CENTER:  # post-RoPE key centers: q·center per query head, on every history score
-            qc = qc + _q_dot(q_ptr, qrow, gmask, kcen_ptr + kh * D, D, False) * qscale
-        if BIAS:  # the score bias Σ q²·k_err2·sm_scale²/2, in log2 units (qscale = sm_scale·log2 e)
-            qc = qc + _q_dot(q_ptr, qrow, gmask, kerr_ptr + kh * D, D, True) * (0.5 * qscale * qscale / LN2_INV)
-        kt_lo, kt_hi = _lev_words(klev_ptr)
-        vt_lo, vt_hi = _lev_words(vlev_ptr)
-        ktl, kth, vtl, vth = _tables(kt_lo, kt_hi, vt_lo, vt_hi, T, KEY_WORDS)
-        kword = gl.arange(0, 8, layout=gl.SliceLayout(1, KEY_WORDS))
-        ktok = gl.arange(0, T, layout=gl.SliceLayout(0, KEY_WORDS))
-        vtok = gl.arange(0, T, layout=gl.SliceLayout(1, VALUE_WORDS))
-        vword = gl.arange(0, 8, layout=gl.SliceLayout(0, VALUE_WORDS))
-        stok = gl.arange(0, T, layout=gl.SliceLayout(0, MMA))
-        row0 = bk * S
-        t0 = t_lo
-        if PREFETCH:  # the next tile's loads go out before this tile's math
-            kw, vw, vs = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, kword, ktok, vtok, vword, stok)
-            for _ in range(n_it):
-                kw_n, vw_n, vs_n = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0 + T, t_hi, kword, ktok, vtok, vword,
-                                               stok)
-                m_i, l_i, a0, a1, a2, a3 = _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
-                                                      t0 + stok < t_hi, qc, ktl, kth, vtl, vth, T, ADDQ)
-                kw = kw_n
-                vw = vw_n
-                vs = vs_n
-                t0 += T
-        else:
-            for _ in range(n_it):
-                kw, vw, vs = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, kword, ktok, vtok, vword, stok)
-                m_i, l_i, a0, a1, a2, a3 = _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
-                                                      t0 + stok < t_hi, qc, ktl, kth, vtl, vth, T, ADDQ)
-                t0 += T
-    else:
-        t0 = (split - (n_splits - win_splits)) * WCHUNK
-        wend = gl.minimum(gl.load(wlen_ptr + b), t0 + WCHUNK)
-        while t0 < wend:
-            m_i, l_i, a0, a1, a2, a3 = _win_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk,
-                                                 t0, wend, WC, D, 32)
-            t0 += 32
-
-    # partials [B·H, n_splits, D + 2]: acc (column n of block j is channel 32j + _value_channel(n)), m, l
-    orow = gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
-    ocol = _value_channel(gl.arange(0, 32, layout=gl.SliceLayout(0, MMA)))
-    out = part_ptr + ((b * H + kh * G + orow) * n_splits + split) * (D + 2)
-    om = (orow < G)[:, None]
-    gl.store(out[:, None] + ocol[None, :], a0, mask=om)
-    gl.store(out[:, None] + 32 + ocol[None, :], a1, mask=om)
-    gl.store(out[:, None] + 64 + ocol[None, :], a2, mask=om)
-    gl.store(out[:, None] + 96 + ocol[None, :], a3, mask=om)
-    gl.store(out + D, m_i, mask=orow < G)
-    gl.store(out + D + 1, l_i, mask=orow < G)
-
-
-# -- swapped operands: tokens as the mma's M, query heads as N (8 or 16) -------------------------------------
-# Sᵀ[T, N] = K[T, 32]·Qᵀ[32, N] per channel block, Oᵀ[32, N] += Vᵀ[32, T]·Pᵀ[T, N]: no query-row padding to 16
-# (G = 4 pads to N = 8), half the mma instructions, softmax on T·N scores instead of 16·T, half the
-# accumulator registers. The price: Pᵀ changes layout between the two products (a transpose within the warp).
-# key words [T, 8]: lane (c, n) holds words 2c, 2c + 1 of tokens n + 8i (the A operand's rows)
-KEY_WORDS_T = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
-
-
-@gluon.jit
-def _key_block_t(kw, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
+def _key_block(kw, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
     """Channel block j of a key tile as the A operand K [T, 32] fp16 (rows in _key_channel's order)."""
     e0, e1, e2, e3 = _unpack4(kw, j, tab_lo, tab_hi)
     x = gl.join(gl.join(e0, e1), gl.join(e2, e3))  # [t, r, ml, mh]
@@ -375,7 +153,7 @@ def _key_block_t(kw, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
 
 
 @gluon.jit
-def _value_block_t(p0, p1, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
+def _value_block(p0, p1, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
     """Channel block j of a value tile as the A operand Vᵀ [32, T] fp16 (rows in _value_channel's order)."""
     h00, h01, h10, h11 = _unpack4(p0, j, tab_lo, tab_hi)
     h20, h21, h30, h31 = _unpack4(p1, j, tab_lo, tab_hi)
@@ -410,7 +188,7 @@ def _q_cols(q_ptr, qbase, gmask, c_ptr, D: gl.constexpr, N: gl.constexpr, SQUARE
 
 
 @gluon.jit
-def _load_words_t(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword, stok):
+def _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword, stok):
     """A history tile's key words [T, 8], value words [T, 8] (int32) and value scales [T] fp32."""
     kw = gl.load(kc_ptr + ((row0 + t0 + ktok) * 8)[:, None] + kword[None, :], mask=(t0 + ktok < t_hi)[:, None],
                  other=0)
@@ -421,14 +199,14 @@ def _load_words_t(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vwo
 
 
 @gluon.jit
-def _hist_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs, tmask_s,
+def _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs, tmask_s,
                  ktl, kth, vtl, vth, T: gl.constexpr, N: gl.constexpr):
-    """One history tile, swapped operands: scores Sᵀ [T, N], the accumulators Oᵀ_j [32, N]."""
+    """One history tile: scores Sᵀ [T, N], the accumulators Oᵀ_j [32, N]."""
     s = gl.zeros([T, N], gl.float32, MMA)
-    s = mma_v2(_key_block_t(kw, 0, ktl, kth, T), q0, s)
-    s = mma_v2(_key_block_t(kw, 1, ktl, kth, T), q1, s)
-    s = mma_v2(_key_block_t(kw, 2, ktl, kth, T), q2, s)
-    s = mma_v2(_key_block_t(kw, 3, ktl, kth, T), q3, s)
+    s = mma_v2(_key_block(kw, 0, ktl, kth, T), q0, s)
+    s = mma_v2(_key_block(kw, 1, ktl, kth, T), q1, s)
+    s = mma_v2(_key_block(kw, 2, ktl, kth, T), q2, s)
+    s = mma_v2(_key_block(kw, 3, ktl, kth, T), q3, s)
     s = gl.where(tmask_s[:, None], s, float("-inf"))
     m_t = gl.max(s, axis=0)
     if gl.max(m_t - m_i, axis=0) > 8.0:
@@ -445,17 +223,18 @@ def _hist_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs, tmask_s,
     pb = gl.convert_layout((p * vs[:, None]).to(gl.float16), OP_B)  # Pᵀ [T, N]: a transpose within the warp
     va, vb = gl.split(gl.permute(gl.reshape(vw, [T // 2, 2, 8]), [0, 2, 1]))
     p0, p1 = _interleave(va, vb)
-    a0 = mma_v2(_value_block_t(p0, p1, 0, vtl, vth, T), pb, a0)
-    a1 = mma_v2(_value_block_t(p0, p1, 1, vtl, vth, T), pb, a1)
-    a2 = mma_v2(_value_block_t(p0, p1, 2, vtl, vth, T), pb, a2)
-    a3 = mma_v2(_value_block_t(p0, p1, 3, vtl, vth, T), pb, a3)
+    a0 = mma_v2(_value_block(p0, p1, 0, vtl, vth, T), pb, a0)
+    a1 = mma_v2(_value_block(p0, p1, 1, vtl, vth, T), pb, a1)
+    a2 = mma_v2(_value_block(p0, p1, 2, vtl, vth, T), pb, a2)
+    a3 = mma_v2(_value_block(p0, p1, 3, vtl, vth, T), pb, a3)
     return m_i, l_i, a0, a1, a2, a3
 
 
 @gluon.jit
-def _win_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk, t0, wend, WC,
+def _win_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk, t0, wend, WC,
                 D: gl.constexpr, T: gl.constexpr, N: gl.constexpr):
-    """One tile of the fp16 window, swapped operands (keys as A [T, 32], values as Aᵀ [32, T])."""
+    """One tile of the fp16 window (keys as A [T, 32], values as Aᵀ [32, T]), loaded straight into the A layout
+    in the history's channel orders."""
     tok_m = t0 + gl.arange(0, T, layout=gl.SliceLayout(1, OP_A))
     ch_k = _key_channel(gl.arange(0, 32, layout=gl.SliceLayout(0, OP_A)))
     kptr = wk_ptr + ((bk * WC + tok_m) * D)[:, None] + ch_k[None, :]
@@ -484,14 +263,16 @@ def _win_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk, t0
 
 
 @gluon.jit
-def _gluon_kv_attention_swap_kernel(
+def _gluon_kv_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, klev_ptr, vlev_ptr, hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr,
     kcen_ptr, kerr_ptr,
     H, K, S, WC, n_splits, tiles_per_split, qscale, win_splits,
     D: gl.constexpr, G: gl.constexpr, T: gl.constexpr, CENTER: gl.constexpr, BIAS: gl.constexpr,
     WCHUNK: gl.constexpr, PREFETCH: gl.constexpr,
 ):
-    """_gluon_kv_attention_kernel with swapped operands (the same grid, arguments and partial outputs)."""
+    """Grid (B·K, splits): the first n_splits - win_splits splits stream tiles_per_split history tiles of T tokens
+    each, the rest a WCHUNK-token chunk of the window each; one partial per (query head, split), the `tl`
+    kernel's format. kc_ptr/vc_ptr: the codes as int32 words."""
     N: gl.constexpr = 8 if G <= 8 else 16
     bk = gl.program_id(0)
     split = gl.program_id(1)
@@ -526,20 +307,20 @@ def _gluon_kv_attention_swap_kernel(
             qc = qc + _q_cols(q_ptr, qbase, gmask, kerr_ptr + kh * D, D, N, True) * (0.5 * qscale * qscale / LN2_INV)
         kt_lo, kt_hi = _lev_words(klev_ptr)
         vt_lo, vt_hi = _lev_words(vlev_ptr)
-        ktl, kth, vtl, vth = _tables(kt_lo, kt_hi, vt_lo, vt_hi, T, KEY_WORDS_T)
-        kword = gl.arange(0, 8, layout=gl.SliceLayout(0, KEY_WORDS_T))
-        ktok = gl.arange(0, T, layout=gl.SliceLayout(1, KEY_WORDS_T))
+        ktl, kth, vtl, vth = _tables(kt_lo, kt_hi, vt_lo, vt_hi, T)
+        kword = gl.arange(0, 8, layout=gl.SliceLayout(0, KEY_WORDS))
+        ktok = gl.arange(0, T, layout=gl.SliceLayout(1, KEY_WORDS))
         vtok = gl.arange(0, T, layout=gl.SliceLayout(1, VALUE_WORDS))
         vword = gl.arange(0, 8, layout=gl.SliceLayout(0, VALUE_WORDS))
         stok = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
         row0 = bk * S
         t0 = t_lo
         if PREFETCH:  # the next tile's loads go out before this tile's math
-            kw, vw, vs = _load_words_t(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword, stok)
+            kw, vw, vs = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword, stok)
             for _ in range(n_it):
-                kw_n, vw_n, vs_n = _load_words_t(kc_ptr, vc_ptr, vs_ptr, row0, t0 + T, t_hi, ktok, kword, vtok,
+                kw_n, vw_n, vs_n = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0 + T, t_hi, ktok, kword, vtok,
                                                  vword, stok)
-                m_i, l_i, a0, a1, a2, a3 = _hist_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
+                m_i, l_i, a0, a1, a2, a3 = _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
                                                         t0 + stok < t_hi, ktl, kth, vtl, vth, T, N)
                 kw = kw_n
                 vw = vw_n
@@ -547,8 +328,8 @@ def _gluon_kv_attention_swap_kernel(
                 t0 += T
         else:
             for _ in range(n_it):
-                kw, vw, vs = _load_words_t(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword, stok)
-                m_i, l_i, a0, a1, a2, a3 = _hist_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
+                kw, vw, vs = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword, stok)
+                m_i, l_i, a0, a1, a2, a3 = _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
                                                         t0 + stok < t_hi, ktl, kth, vtl, vth, T, N)
                 t0 += T
         # a term per query head on every history score (q·center, the score bias) shifts only the running max:
@@ -558,7 +339,7 @@ def _gluon_kv_attention_swap_kernel(
         t0 = (split - (n_splits - win_splits)) * WCHUNK
         wend = gl.minimum(gl.load(wlen_ptr + b), t0 + WCHUNK)
         while t0 < wend:
-            m_i, l_i, a0, a1, a2, a3 = _win_tile_t(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk,
+            m_i, l_i, a0, a1, a2, a3 = _win_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk,
                                                    t0, wend, WC, D, 32, N)
             t0 += 32
 
@@ -596,14 +377,14 @@ def faster(B: int, S: int, device) -> bool:
 def supports(bits: int, nout: int, rope, d: int, G: int) -> bool:
     """Whether this kernel serves a cache: 2-bit codes, no sparse outliers, post-RoPE keys, head_dim a
     128 (the word maps are written for it), at most 16 query heads per KV head."""
-    return bits == 2 and nout == 0 and rope is None and d == HEAD_DIM and G <= ROWS.value
+    return bits == 2 and nout == 0 and rope is None and d == HEAD_DIM and G <= MAX_G
 
 
 def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist_len, win_k, win_v, win_len,
                        sm_scale: float | None = None, k_center=None, k_err2=None, out_rotation=None,
                        out_dtype: torch.dtype = torch.float32, n_splits: int | None = None,
                        block_t: int | None = None, waves: float | None = None, prefetch: bool | None = None,
-                       win_chunk: int | None = None, swap: bool | None = None, maxnreg: int | None = None,
+                       win_chunk: int | None = None, maxnreg: int | None = None,
                        combine: bool = True, outc: int | None = None, warps: int | None = None) -> torch.Tensor:
     """kv_decode_attention's contract for the caches `supports` accepts (CUDA only; the caller checked shapes):
     [B, H, d] in out_dtype. Launch knobs default to configs/<device>.json's kv_decode_attention.gluon."""
@@ -615,7 +396,6 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
     cfg = launch_config.config("kv_decode_attention", q.device)["gluon"]
     T = block_t or cfg["block_t"]
     prefetch = cfg["prefetch"] if prefetch is None else prefetch
-    swap = cfg["swap"] if swap is None else swap
     maxnreg = (cfg["maxnreg"] if G <= 8 else None) if maxnreg is None else (maxnreg or None)
     win_chunk = win_chunk or cfg["win_chunk"]
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -629,7 +409,7 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
     if warps > 1:  # gluon_kv_attention_wg: `warps` one-warp splits per program, combined in the program
         from .gluon_kv_attention_wg import W, _gluon_kv_attention_wg_kernel
 
-        assert warps == W.value and swap, f"the warp-group kernel is written for {W.value} warps, swapped operands"
+        assert warps == W.value, f"the warp-group kernel is written for {W.value} warps"
         tps = triton.cdiv(n_tiles, max(1, min(n_splits, n_tiles) // W.value))
         tps = triton.cdiv(tps, W.value) * W.value
         win_chunk = triton.cdiv(win_chunk, 32 * W.value) * 32 * W.value
@@ -638,10 +418,7 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
     win_splits = max(1, triton.cdiv(win_k.shape[2], win_chunk))
     P = hist_splits + win_splits
     part = torch.empty(B * H * P * (d + 2), device=q.device, dtype=torch.float32)
-    if warps > 1:
-        kernel = _gluon_kv_attention_wg_kernel
-    else:
-        kernel = _gluon_kv_attention_swap_kernel if swap else _gluon_kv_attention_kernel
+    kernel = _gluon_kv_attention_wg_kernel if warps > 1 else _gluon_kv_attention_kernel
     kernel[(B * K, P)](
         q, k_codes.view(torch.int32), v_codes.view(torch.int32), k_scale, v_scale, k_lev, v_lev, hist_len, win_k,
         win_v, win_len, part,
