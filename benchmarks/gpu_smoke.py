@@ -18,10 +18,11 @@ identity and the ablations of one setting, whose description starts "ablation of
   latency   `moec eval PACKED --latency --json` at 1k context: every row timed, none in error (every
             registered KV codec runs in the static engine).
 
-Recipes with the nuq KV codec run the logit checks twice: by default (the Gluon decode-attention kernel where
-it serves the cache, kernels/gluon_kv_attention.py) and with MOEC_KERNELS=tl (the `tl` kernel, its fallback):
-checks `static`/`dynamic` and `static-tl`/`dynamic-tl`, each with `gluon_kv_launches` (how many Gluon launches
-the check made: > 0 on the default path of a cache it serves, 0 under tl).
+Recipes with the nuq KV codec run the logit checks three times: by default, with MOEC_KERNELS=tl (the `tl`
+decode-attention kernel) and with MOEC_KERNELS=gluon (the Gluon kernel, kernels/gluon_kv_attention.py, wherever
+it supports the cache: the default sends these short caches to `tl`, measured faster there): checks
+`static`/`dynamic`, `static-tl`/`dynamic-tl` and `static-gluon`/`dynamic-gluon`, each with `gluon_kv_launches`
+(how many Gluon launches the check made: > 0 under gluon for a cache it serves, 0 under tl).
 
 The logit checks (pathcheck.compare_paths) measure three paths by the relative L2 distance of their
 logits: the default path in bf16 (kernels, graphs), the torch reference in bf16 (MOEC_KERNELS=0) and
@@ -131,12 +132,13 @@ def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda
         # static fused path and the dynamic reference at 0.089, the static reference at 0.009)
         floor = max(r["rel_l2_floor"] for r in res.values())
         runs = [("", res, gluon_launches)]
-        if codec == "nuq-outlier":  # the KV kernels' two paths: Gluon where it serves (default), `tl` forced
-            with kernels_forced("tl"):
-                n0 = gka.LAUNCHES
-                res_tl = compare_paths(model, info.get("kv"), info.get("kv_tensors", {}), ids, PROMPT_TOKENS,
-                                       exact=exact)
-            runs.append(("-tl", res_tl, gka.LAUNCHES - n0))
+        if codec == "nuq-outlier":  # the KV kernels' paths forced: `tl`, and Gluon wherever it supports the cache
+            for mode in ("tl", "gluon"):  # (the default sends this short cache to tl: gluon_kv_attention.faster)
+                with kernels_forced(mode):
+                    n0 = gka.LAUNCHES
+                    res_mode = compare_paths(model, info.get("kv"), info.get("kv_tensors", {}), ids, PROMPT_TOKENS,
+                                             exact=exact)
+                runs.append((f"-{mode}", res_mode, gka.LAUNCHES - n0))
         for suffix, rs, launches in runs:
             for engine, r in rs.items():
                 bound = SLACK_FACTOR * floor + SLACK_ABS

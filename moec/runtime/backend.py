@@ -8,6 +8,8 @@ oracle without touching any constructor argument:
     MOEC_KERNELS=auto   (or unset) kernels on CUDA only; Gluon kernels where one serves the case
     MOEC_KERNELS=tl     as auto, but the Triton `tl` kernels only: the reference and fallback of every
                         Gluon kernel (Gluon has no CPU interpreter, so `tl` is what CI runs)
+    MOEC_KERNELS=gluon  as auto, but a Gluon kernel wherever one supports the case, also where the `tl`
+                        kernel was measured faster (the GPU smoke checks the Gluon path with it)
     MOEC_KERNELS=1      kernels wherever a codec has one; on the CPU this needs TRITON_INTERPRET=1
     MOEC_KERNELS=0      the torch reference, CUDA included
 
@@ -23,14 +25,14 @@ import torch
 
 from ..errors import UserError
 
-_CHOICES = ("auto", "tl", "1", "0")
+_CHOICES = ("auto", "tl", "gluon", "1", "0")
 
 
 def kernel_mode() -> str:
     mode = os.environ.get("MOEC_KERNELS", "auto").strip().lower() or "auto"
     mode = {"on": "1", "true": "1", "off": "0", "false": "0"}.get(mode, mode)
     if mode not in _CHOICES:
-        raise UserError(f"MOEC_KERNELS={os.environ['MOEC_KERNELS']!r}: expected auto, tl, 1 or 0")
+        raise UserError(f"MOEC_KERNELS={os.environ['MOEC_KERNELS']!r}: expected auto, tl, gluon, 1 or 0")
     return mode
 
 
@@ -44,7 +46,7 @@ def kernels_enabled(device) -> bool:
     if mode == "0":
         return False
     cuda = torch.device(device).type == "cuda"
-    if mode in ("auto", "tl"):
+    if mode in ("auto", "tl", "gluon"):
         return cuda
     if not cuda and not interpreting():
         raise UserError("MOEC_KERNELS=1 on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
@@ -53,7 +55,12 @@ def kernels_enabled(device) -> bool:
 
 def gluon_enabled(device) -> bool:
     """Whether a Gluon kernel may serve a launch on `device`: CUDA, not the interpreter, MOEC_KERNELS not tl."""
-    return torch.device(device).type == "cuda" and not interpreting() and kernel_mode() in ("auto", "1")
+    return torch.device(device).type == "cuda" and not interpreting() and kernel_mode() in ("auto", "gluon", "1")
+
+
+def gluon_forced() -> bool:
+    """MOEC_KERNELS=gluon: a Gluon kernel wherever it supports the case, whichever was measured faster."""
+    return kernel_mode() == "gluon"
 
 
 @contextmanager

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .backend import gluon_enabled, kernels_enabled
+from .backend import gluon_enabled, gluon_forced, kernels_enabled
 from .config import ModelArgs
 from .kvcache import MODES, FP16Cache, causal_attention
 from .model import apply_rope, rope_cos_sin, rope_inv_freq
@@ -86,8 +86,8 @@ def decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx
                      out_rotation=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode attention over the tiered cache's packed history and window: the Gluon kernel
     (kernels/gluon_kv_attention.py) where it serves the cache on CUDA (2-bit, no sparse outliers, post-RoPE,
-    head_dim 128) and was measured faster (batch · history capacity >= the config's min_batch_tokens);
-    MOEC_KERNELS=tl turns it off. Else the `tl` kernel (kernels/kv_decode_attention.py).
+    head_dim 128) and was measured faster (batch · history capacity >= the config's min_batch_tokens, or
+    MOEC_KERNELS=gluon); MOEC_KERNELS=tl turns it off. Else the `tl` kernel (kernels/kv_decode_attention.py).
     Same arguments and result as kv_decode_attention."""
     from ..kernels import gluon_kv_attention as gka
     from ..kernels.kv_decode_attention import kv_decode_attention
@@ -95,7 +95,7 @@ def decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx
     B, H, d = q.shape
     K, S = k_codes.shape[1], k_codes.shape[2]
     if (gluon_enabled(q.device) and gka.supports(bits, k_oidx.shape[-1], rope, d, H // K)
-            and gka.faster(B, S, q.device)):
+            and (gluon_forced() or gka.faster(B, S, q.device))):
         return gka.gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist_len, win_k, win_v,
                                       win_len, k_center=k_center, k_err2=k_err2, out_rotation=out_rotation,
                                       out_dtype=out_dtype)

@@ -61,7 +61,7 @@ def test_warp_group_kernel_compiles_without_spills_or_shared_staging_in_its_loop
     assert loop["LDS"] == loop["STS"] == loop["LDL"] == loop["STL"] == 0, loop
 
 
-def test_dispatch_switch():
+def test_dispatch_switch(monkeypatch):
     """MOEC_KERNELS=tl keeps the `tl` kernel; the Gluon kernel only serves what it supports, only on CUDA."""
     assert gka.supports(2, 0, None, 128, 4) and gka.supports(2, 0, None, 128, 16)
     assert not gka.supports(3, 0, None, 128, 4)  # 3-bit codes
@@ -70,6 +70,12 @@ def test_dispatch_switch():
     assert not gka.supports(2, 0, None, 64, 4) and not gka.supports(2, 0, None, 128, 32)
     with backend.kernels_forced("tl"):
         assert backend.kernels_enabled("cuda") and not backend.gluon_enabled("cuda")
+    with backend.kernels_forced("gluon"):
+        assert backend.kernels_enabled("cuda") and backend.gluon_forced() and not backend.kernels_enabled("cpu")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert backend.gluon_enabled("cuda")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert not backend.gluon_enabled("cuda")  # Gluon has no interpreter
     with backend.kernels_forced("auto"):
         assert not backend.gluon_enabled("cpu")
     with backend.kernels_forced("0"):
@@ -122,3 +128,8 @@ def test_runtime_dispatch_passes_the_cache_through(monkeypatch):
                     (cache(2, 32768, G=32), 2)):
         kvtiered.decode_attention(*c.values(), bits=bits, block=32, **extra)
         assert calls[-1][0] == "tl"
+    with backend.kernels_forced("gluon"):  # the smoke's check of the Gluon path: also where tl is faster
+        kvtiered.decode_attention(*cache(1, 4096).values(), bits=2, block=32, **extra)
+        assert calls[-1][0] == "gluon"
+        kvtiered.decode_attention(*cache(1, 4096, nout=8).values(), bits=2, block=32, **extra)
+        assert calls[-1][0] == "tl"  # but never a cache it does not support

@@ -104,7 +104,7 @@ def test_switch():
 def test_switch_bad_values(monkeypatch):
     """A bad value is a usage error (the CLI's one line and exit 2), not an internal one."""
     monkeypatch.setenv("MOEC_KERNELS", "fast")
-    with pytest.raises(UserError, match="expected auto, tl, 1 or 0"):
+    with pytest.raises(UserError, match="expected auto, tl, gluon, 1 or 0"):
         kernels_enabled("cpu")
     monkeypatch.setenv("MOEC_KERNELS", "1")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
