@@ -27,13 +27,12 @@ How codes reach the tensor cores (one warp per program, mma.sync m16n8k16, fp16 
   - lazy rescaling as in the `tl` kernel (the running max moves only when a tile's max exceeds it by > 8); the
     per-head score terms (q·center, the score bias) are added to the running max once, not to every score.
 
-Measured on the H200 (benchmarks/results/gluon_kv_attention_sweep2_h200.json, 32 Mixtral-shape layers, one
-query token, kernel + split combine): 32k batch 1 0.79 ms against the `tl` kernel's 1.15 and the fp16 cache's
-1.22 (the kernel alone 0.60 ms, 22% of copy bandwidth on its bytes; the combine 0.19); 32k batch 16 6.2 ms
-against 13.7 and 15.5 (35%). It is issue- and latency-bound, not bandwidth-bound: ~2.9 SASS instructions per
-code in the loop (benchmarks/studies/gluon_sass.py), one warp per program, 15 warps per SM. At 4k batch 1 the
-fixed cost per program and the combine lost to the `tl` kernel, so the runtime sends it only batch · history
-capacity >= min_batch_tokens (faster(); kvtiered.decode_attention).
+Measured on the H200 (benchmarks/results/gluon_kv_attention_sweep2_h200.json: kernel alone and with the split
+combine, against the `tl` kernel and the fp16 cache's kernel, Mixtral and Qwen3 shapes, 4k and 32k, batch 1 and
+16): faster than both at 32k and at batch 16, but issue- and latency-bound, not bandwidth-bound (SASS per code:
+benchmarks/studies/gluon_sass.py; one warp per program), and at batch 1 the split combine is a large share of
+the time. At 4k batch 1 the fixed cost per program and the combine lost to the `tl` kernel, so the runtime
+sends it only batch · history capacity >= min_batch_tokens (faster(); kvtiered.decode_attention).
 
 Not here (the `tl` kernel serves them): 3-bit codes, sparse fp16 outliers, pre-RoPE keys, head_dim other than
 128. Gluon has no CPU interpreter, so tests/kernels/test_gluon_kv_attention.py compiles this kernel for sm_90
@@ -136,8 +135,8 @@ def _value_channel(n):
 
 # Sᵀ[T, N] = K[T, 32]·Qᵀ[32, N] per channel block, Oᵀ[32, N] += Vᵀ[32, T]·Pᵀ[T, N]: tokens as the mma's M,
 # query heads as N (8 or 16). The first version had the query heads as M (padded to 16 rows) and P feeding the
-# PV product without a conversion (FA2's trick); swapped it ran 1.1-1.5x faster at 32k
-# (gluon_kv_attention_sweep1_h200.json): G = 4 pads to 8, not 16, half the mmas, the softmax on T·N scores,
+# PV product without a conversion (FA2's trick); swapped it ran faster in every case of
+# gluon_kv_attention_sweep1_h200.json: G = 4 pads to 8, not 16, half the mmas, the softmax on T·N scores,
 # half the accumulator registers; the price, Pᵀ changing layout between the two products, is a transpose
 # within the warp.
 
@@ -370,7 +369,7 @@ def default_splits(B: int, S: int, T: int, cfg: dict, sms: int) -> int:
 def faster(B: int, S: int, device) -> bool:
     """Whether this kernel beat the `tl` kernel where measured (gluon_kv_attention_sweep2_h200.json): from a batch
     times history capacity of `min_batch_tokens` up (at 4k batch 1 its fixed per-program cost and the longer split
-    combine lost: 0.71 ms against 0.54 per Mixtral-shape step; at 4k batch 16 and at 32k it won)."""
+    combine lost; at 4k batch 16 and at 32k it won)."""
     return B * S >= launch_config.config("kv_decode_attention", device)["gluon"]["min_batch_tokens"]
 
 

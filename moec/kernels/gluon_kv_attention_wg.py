@@ -4,8 +4,8 @@ warps' partials are combined in the program (a reduction over the leading warp a
 before one partial per program is written.
 
 Why: at batch 1 the one-warp kernel needs ~one split per SM per KV head to keep the memory system busy, and the
-split combine then reads that many partials per query head (0.19 of 0.79 ms per Mixtral-shape step at 32k,
-0.53 ms in Qwen3's breakdown). W warps per program write W times fewer partials for the same warps in flight,
+split combine then reads that many partials per query head (a quarter of the attention time on the Mixtral shape
+at 32k, more on Qwen3's: gluon_kv_attention_sweep2_h200.json, latency_gluon_h200.json). W warps per program write W times fewer partials for the same warps in flight,
 and share the program's prologue cost. Every tensor of the one-warp kernel gains a leading axis of W, the warp
 (mma_v2's batch dimension: warps_per_cta [W, 1, 1]); the maps from codes to operand registers are the same.
 The running max moves every tile (no lazy rescaling: its branch would need the warps to agree).
