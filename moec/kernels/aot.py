@@ -1,5 +1,9 @@
 """Compile a kernel for a CUDA target without a GPU, and read its SASS (ptxas and cuobjdump ship with triton).
 
+report_in_subprocess compiles in a fresh interpreter: after triton's CPU interpreter has run a kernel in a
+process (TRITON_INTERPRET=1, as the test suite runs), compiling a Gluon kernel in that process fails inside
+triton's code generator (an ir.block_argument without a dtype), so the suite's compile checks run apart.
+
 Gluon has no CPU interpreter, so CI cannot run the Gluon kernels; it compiles them for sm_90 instead, which
 checks what can be checked without a GPU: that the kernel builds, that every layout conversion declared free
 (`convert_layout(..., assert_trivial=True)`) is free, and its registers and spills. The studies use the same
@@ -8,8 +12,12 @@ compile to count SASS instructions per packed code (benchmarks/studies/gluon_sas
 
 from __future__ import annotations
 
+import importlib
+import json
+import os
 import re
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -86,3 +94,26 @@ def loop_histogram(rows: list[tuple[int, str]], marker: str) -> Counter:
     if best is None:
         return Counter()
     return Counter(opcode(t) for a, t in rows if best[0] <= a <= best[1])
+
+
+def report(module: str, kernel: str, types: dict[str, str], constexprs: dict, num_warps: int,
+           maxnreg: int | None = None, loop_marker: str | None = None) -> dict:
+    """Compile module.kernel for sm_90: {"resources": resources(), "loop": loop_histogram(marker) or {}}."""
+    fn = getattr(importlib.import_module(module), kernel)
+    k = compile_cuda(fn, types, constexprs, num_warps, maxnreg=maxnreg)
+    loop = loop_histogram(sass(k.asm["cubin"]), loop_marker) if loop_marker else Counter()
+    return {"resources": resources(k.asm["cubin"]), "loop": dict(loop)}
+
+
+def report_in_subprocess(jobs: list[dict]) -> list[dict]:
+    """report(**job) for each job, in one fresh `python -m moec.kernels.aot` process (TRITON_INTERPRET unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "moec.kernels.aot"], input=json.dumps(jobs), capture_output=True,
+                         text=True, env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"moec.kernels.aot failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps([report(**job) for job in json.loads(sys.stdin.read())]))

@@ -4,10 +4,11 @@ warps' partials are combined in the program (a reduction over the leading warp a
 before one partial per program is written.
 
 Why: at batch 1 the one-warp kernel needs ~one split per SM per KV head to keep the memory system busy, and the
-split combine then reads that many partials per query head (a quarter of the attention time on the Mixtral shape
-at 32k, more on Qwen3's: gluon_kv_attention_sweep2_h200.json, latency_gluon_h200.json). W warps per program write W times fewer partials for the same warps in flight,
-and share the program's prologue cost. Every tensor of the one-warp kernel gains a leading axis of W, the warp
-(mma_v2's batch dimension: warps_per_cta [W, 1, 1]); the maps from codes to operand registers are the same.
+split combine then reads that many partials per query head (a quarter of the attention time on the Mixtral
+shape at 32k, more on Qwen3's: gluon_kv_attention_sweep2_h200.json, latency_gluon_h200.json). W warps per
+program write W times fewer partials for the same warps in flight, and share the program's prologue cost. Every
+tensor of the one-warp kernel gains a leading axis of W, the warp (mma_v2's batch dimension: warps_per_cta
+[W, 1, 1]); the maps from codes to operand registers are the same.
 The running max moves every tile (no lazy rescaling: its branch would need the warps to agree).
 
 Status: compiled for sm_90 on the CPU (tests/kernels/test_gluon_kv_attention.py); not yet run on a GPU (the

@@ -5,6 +5,8 @@ the codes-in-operand-registers claim), it fits in registers without spilling, an
 work it should (tensor-core MMAs, the prmt level lookups) and no shared-memory traffic. Its numbers against the
 torch reference come from the GPU: benchmarks/gpu_smoke.py and benchmarks/bench_gluon_kv_attention.py."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -22,19 +24,29 @@ TYPES = {n: "*fp32" for n in ("ks_ptr", "klev_ptr", "vlev_ptr", "part_ptr", "kce
 CONFIG = kda.launch_config.defaults()["kv_decode_attention"]["gluon"]
 
 
-def compiled(G: int, center: bool):
-    cx = {"D": 128, "G": G, "T": CONFIG["block_t"], "CENTER": center, "BIAS": center, "WCHUNK": CONFIG["win_chunk"],
-          "PREFETCH": CONFIG["prefetch"]}
-    return aot.compile_cuda(gka._gluon_kv_attention_kernel, TYPES, cx, num_warps=1,
-                            maxnreg=CONFIG["maxnreg"] if G <= 8 else None)
+LOOP = "0x3030303"  # the history loop: the innermost loop holding the code mask
+CASES = [(4, True), (8, False), (8, True)]  # Mixtral's and Qwen3's query heads per KV head
 
 
-@pytest.mark.parametrize("G,center", [(4, True), (8, False), (8, True)])  # Mixtral's and Qwen3's G
-def test_compiles_for_sm90_without_spills_or_shared_staging(G, center):
-    k = compiled(G, center)
-    res = aot.resources(k.asm["cubin"])
+@pytest.fixture(scope="module")
+def reports():
+    """Every compile of this file in one fresh process (aot.report_in_subprocess says why)."""
+    jobs = [{"module": "moec.kernels.gluon_kv_attention", "kernel": "_gluon_kv_attention_kernel", "types": TYPES,
+             "constexprs": {"D": 128, "G": G, "T": CONFIG["block_t"], "CENTER": center, "BIAS": center,
+                            "WCHUNK": CONFIG["win_chunk"], "PREFETCH": CONFIG["prefetch"]},
+             "num_warps": 1, "maxnreg": CONFIG["maxnreg"] if G <= 8 else None, "loop_marker": LOOP}
+            for G, center in CASES]
+    jobs.append({"module": "moec.kernels.gluon_kv_attention_wg", "kernel": "_gluon_kv_attention_wg_kernel",
+                 "types": TYPES, "constexprs": {"D": 128, "G": 4, "T": CONFIG["block_t"], "CENTER": True,
+                                                "BIAS": True, "WCHUNK": 128, "PREFETCH": CONFIG["prefetch"]},
+                 "num_warps": 4, "maxnreg": CONFIG["maxnreg_wg"], "loop_marker": LOOP})
+    return aot.report_in_subprocess(jobs)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_compiles_for_sm90_without_spills_or_shared_staging(reports, case):
+    res, loop = reports[case]["resources"], Counter(reports[case]["loop"])
     assert res["registers"] <= CONFIG["maxnreg"], res  # >= 15 one-warp programs per SM
-    loop = aot.loop_histogram(aot.sass(k.asm["cubin"]), "0x3030303")  # the history loop (the code mask)
     T, N = CONFIG["block_t"], 8  # tokens per tile; the query heads' mma dimension
     # QK and PV on tensor cores: 4 channel blocks x 2 products x T/16 token tiles x N/8 x 2 K steps
     assert loop["HMMA"] == 2 * 4 * (T // 16) * (N // 8) * 2, loop
@@ -45,18 +57,11 @@ def test_compiles_for_sm90_without_spills_or_shared_staging(G, center):
     assert loop["LDG"] <= 3 * T // 8 + 8, loop  # wide loads: words, not bytes
 
 
-def test_warp_group_kernel_compiles_without_spills_or_shared_staging_in_its_loop():
+def test_warp_group_kernel_compiles_without_spills_or_shared_staging_in_its_loop(reports):
     """The W-warp variant (gluon_kv_attention_wg.py, not the default until a GPU has timed it): the same loop per
     warp; shared memory only for the warps' final combine."""
-    from moec.kernels import gluon_kv_attention_wg as wg
-
-    cx = {"D": 128, "G": 4, "T": CONFIG["block_t"], "CENTER": True, "BIAS": True, "WCHUNK": 128,
-          "PREFETCH": CONFIG["prefetch"]}
-    k = aot.compile_cuda(wg._gluon_kv_attention_wg_kernel, TYPES, cx, num_warps=wg.W.value,
-                         maxnreg=CONFIG["maxnreg_wg"])
-    res = aot.resources(k.asm["cubin"])
+    res, loop = reports[-1]["resources"], Counter(reports[-1]["loop"])
     assert res["registers"] <= CONFIG["maxnreg_wg"] and res["local"] == 0, res
-    loop = aot.loop_histogram(aot.sass(k.asm["cubin"]), "0x3030303")
     assert loop["HMMA"] == 2 * 4 * (CONFIG["block_t"] // 16) * 2, loop
     assert loop["LDS"] == loop["STS"] == loop["LDL"] == loop["STL"] == 0, loop
 
