@@ -74,9 +74,12 @@ def recipe_factory(name: str, model_name: str, work: Path, samples: int | None, 
         same = ("window", "sinks", "block", "rope")
         if any(ik["kv"].get(k) != info["kv"].get(k) for k in same):
             raise SystemExit(f"{name}: the two recipes differ in {same}")
-        codecs = [KeysValuesApart(a, b) for a, b in zip(build_codecs(ik["kv"], ik["kv_tensors"], mk.args),
-                                                        build_codecs(info["kv"], info["kv_tensors"], model.args),
-                                                        strict=True)]
+        try:
+            codecs = [KeysValuesApart(a, b) for a, b in zip(build_codecs(ik["kv"], ik["kv_tensors"], mk.args),
+                                                            build_codecs(info["kv"], info["kv_tensors"], model.args),
+                                                            strict=True)]
+        except ValueError as e:  # the two recipes' head_dim rotations differ
+            raise SystemExit(f"{name}: {e}") from None
         factory = tiered_cache_factory(info["kv"], codecs, use_kernel=False)
     else:
         model, info = _packed(name, model_name, work, samples, seq_len)

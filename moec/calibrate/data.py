@@ -96,8 +96,11 @@ def load_text(data: str, split: str | None, config: str | None = None, column: s
     elif _plain_text_file(data, split, config, column):
         # a text file's lines as datasets' "text" loader reads them (universal newlines, then split on "\n" only),
         # without importing datasets: the GPU image has no datasets, and a runtime evaluation must not need it
-        with open(data, encoding="utf-8") as f:
-            text = "\n".join(line for line in f.read().split("\n") if line)
+        try:
+            with open(data, encoding="utf-8") as f:
+                text = "\n".join(line for line in f.read().split("\n") if line)
+        except UnicodeDecodeError as e:
+            raise UserError(f"could not load data {data!r}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     else:
         ds = open_data(data, split, config)
         column = pick_column(ds, data, column)

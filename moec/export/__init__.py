@@ -31,13 +31,13 @@ FORMATS = ("gguf", "ct")
 def export(packed: str | Path, fmt: str, out: str | Path) -> dict:
     """Write the export of `packed` in format `fmt` to the directory `out`; returns its summary."""
     from ..errors import UserError
-    from ..registry import kv_codec
     from .source import PackedModel
+    from .to_ct import kv_ct_hook
 
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     model = PackedModel(packed)
-    if model.kv_codec is not None and not (fmt == "ct" and kv_codec(model.kv_codec).ct_kv_cache):
+    if model.kv_codec is not None and not (fmt == "ct" and kv_ct_hook(model) is not None):
         log.warning("the KV codec %s is a runtime setting of moec: --format %s does not carry it (the export "
                     "holds the weights)", model.kv_codec, fmt)
     if fmt == "gguf":

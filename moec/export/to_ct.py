@@ -227,17 +227,15 @@ def write_ct(model: PackedModel, out: Path) -> dict:
     quantized_modules = sum(len(g["targets"]) for g in groups.values())
     groups, ignore = _targets(groups, expert_group, kept_linears)
     formats = {g["format"] for g in groups.values()}
-    qcfg = {"quant_method": "compressed-tensors", "quantization_status": "compressed",
-            "format": formats.pop() if len(formats) == 1 else "mixed-precision",
-            "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
-            "ignore": ignore, "kv_cache_scheme": None} if groups else None  # nothing quantized: a plain HF directory
-    kv_hook = kv_ct_hook(model)
+    kv_scheme, kv_hook = None, kv_ct_hook(model)
     if kv_hook is not None:  # a KV codec ct carries (fp8): its scheme and per-layer scales
-        scheme, kv_scales = kv_hook(model.args, model.kv_tensors)
+        kv_scheme, kv_scales = kv_hook(model.args, model.kv_tensors)
         tensors.update(kv_scales)
-        qcfg = qcfg or {"quant_method": "compressed-tensors", "quantization_status": "compressed",
-                        "format": "dense", "config_groups": {}, "ignore": [], "kv_cache_scheme": None}
-        qcfg["kv_cache_scheme"] = scheme
+    qcfg = {"quant_method": "compressed-tensors", "quantization_status": "compressed",
+            "format": (formats.pop() if len(formats) == 1 else "mixed-precision") if groups else "dense",
+            "config_groups": {f"group_{i}": g for i, g in enumerate(groups.values())},
+            "ignore": ignore if groups else [], "kv_cache_scheme": kv_scheme,
+            } if groups or kv_scheme else None  # nothing quantized: a plain HF directory
     shards = _shards(tensors)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     with atomic_dir(out, is_output=is_export, what="a moec export", size_hint=size) as tmp:

@@ -124,7 +124,7 @@ class PrefillRecorder:
     model hands them to `attend`). It attends over the keys and values rounded to fp16, as the fp16 cache
     and the tiered caches' own prefills do (their window is fp16), so the recorded prefill equals theirs; a
     cache with head_dim rotations rounds in the rotated basis instead (logits within ~1e-3:
-    tests/benchmarks/test_retrieval.py, and `--check-prefill` counts answers that differ)."""
+    tests/runtime/test_retrieval.py, and `--check-prefill` counts answers that differ)."""
 
     def __init__(self):
         self.k: dict[int, torch.Tensor] = {}
@@ -177,7 +177,7 @@ class KeysValuesApart:
     def __init__(self, keys, values):
         rk, rv = getattr(keys, "rotation", None), getattr(values, "rotation", None)
         if (rk is None) != (rv is None) or (rk is not None and not torch.equal(rk, rv)):
-            raise SystemExit("mixed K/V recipes must share their head_dim rotation (same rotate and seed)")
+            raise ValueError("mixed K/V recipes must share their head_dim rotation (same rotate and seed)")
         self.keys, self.values = keys, values
         self.name, self.bits, self.n_out = f"{keys.name}+{values.name}", keys.bits, 0
         self.rotation, self.k_err2 = rk, getattr(keys, "k_err2", None)  # the score bias is the keys' error

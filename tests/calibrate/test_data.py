@@ -52,6 +52,13 @@ def test_text_file_read_without_datasets_as_datasets_reads_it(tmp_path, raw):
     assert load_text(str(f), None) == via_datasets
 
 
+def test_text_file_not_utf8_is_a_user_error(tmp_path):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(UserError, match="not UTF-8 text"):
+        load_text(str(f), None)
+
+
 def test_sampling_is_deterministic_and_in_range():
     ids = torch.arange(10_000)
     a, b = sample_windows(ids, 5, 100, seed=3), sample_windows(ids, 5, 100, seed=3)
