@@ -60,7 +60,10 @@ from moec.runtime.retrieval import (
 
 
 def label(name: str) -> str:
-    """A recipe's name in records and pack directories: a recipe file's stem, else the name itself."""
+    """A recipe's name in records and pack directories: a recipe file's stem, else the name itself; a
+    keys+values pair labelled part by part."""
+    if "+" in name:
+        return "+".join(label(n) for n in name.split("+"))
     return Path(name).stem if name.endswith(".yaml") else name
 
 

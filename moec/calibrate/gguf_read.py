@@ -13,7 +13,9 @@ tensor it does not map exactly. Then:
   llama.cpp's Python package ships), q/k rows of a llama GGUF un-permuted from GGML's interleaved RoPE
   pairs back to HF's rotate-half order (the inverse of llama.cpp's converter, and of
   export/to_gguf.permute_rope_rows), written as an HF directory in the on-disk layout (per-expert
-  tensors), whose every tensor shape moec's runtime then checks against the config.
+  tensors), whose every tensor shape moec's runtime then checks against the config;
+- `deepseek2` (→ deepseek_v2 / deepseek_v3) and `gpt-oss` (→ gpt_oss), types of moec's transformers path:
+  gguf_generic.py, checked by transformers' own loading report.
 
 Name map (GGUF per-layer `blk.{i}.NAME` → HF `model.layers.{i}.NAME`): `_LAYER` below.
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FormatError, UserError
+from . import gguf_generic
 
 # general.architecture -> (HF model_type, dense HF model_type or None if the file must have experts)
 ARCHS = {"llama": ("mixtral", "llama"), "qwen2moe": ("qwen2_moe", None), "qwen3moe": ("qwen3_moe", None)}
@@ -77,9 +80,12 @@ def inspect(path: Path) -> str:
     tensor it does not map exactly)."""
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
+    if arch in gguf_generic.ARCHS:
+        gguf_generic.check_tensors(path, reader, arch)
+        return gguf_generic.config(path, reader, arch)["model_type"]
     if arch not in ARCHS:
         raise UserError(f"{path.name}: GGUF architecture {arch!r} is not one moec reads exactly "
-                        f"(supported: {', '.join(ARCHS)})")
+                        f"(supported: {', '.join((*ARCHS, *gguf_generic.ARCHS))})")
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling != "none":  # transformers' GGUF config mapping does not carry it: the RoPE would silently change
         raise UserError(f"{path.name}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not one moec reads "
@@ -158,6 +164,9 @@ def write_moe_hf(path: Path, out: Path) -> dict:
 
     reader = _reader(path)
     model_type = inspect(path)
+    arch = _field(reader, "general.architecture")
+    if arch in gguf_generic.ARCHS:  # types of moec's transformers path: transformers' on-disk layout
+        return gguf_generic.write_hf(path, reader, arch, out)
     cfg = _config(path, reader, model_type)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     prefix, (g, u, d) = _EXPERT_HF[model_type]

@@ -5,7 +5,8 @@ a GGUF file, or a hub id (resolved with huggingface_hub; needs network or a warm
 GGUF files are converted once into an HF-layout cache directory (`$MOEC_CACHE`, default ~/.cache/moec)
 that the runtime then reads like any other: a GGUF whose architecture or tensors moec does not map
 exactly is refused in one line first (calibrate/gguf_read.py); dense Llama files go through
-transformers' GGUF loader, MoE files (llama with experts, qwen2moe, qwen3moe) through gguf_read, which
+transformers' GGUF loader, MoE files (llama with experts, qwen2moe, qwen3moe,
+deepseek2, gpt-oss) through gguf_read, which
 dequantizes with gguf-py.
 """
 
@@ -123,7 +124,10 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
         with atomic_dir(out) as tmp:
             gguf_read.write_moe_hf(gguf, tmp)
             if gguf_read.has_tokenizer(gguf):
-                transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+                tok = (_byte_bpe_tokenizer(gguf) if model_type in GGUF_GENERIC_TYPES else
+                       transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name))
+                if tok is not None:
+                    tok.save_pretrained(tmp)
                 _match_pre_tokenizer(tmp, gguf_tokenizer_meta(gguf)[0])
         return out
     with atomic_dir(out) as tmp:
@@ -150,6 +154,45 @@ def gguf_to_hf(gguf: Path, name: str | None = None) -> Path:
         tok.save_pretrained(tmp)
         _match_pre_tokenizer(tmp, pre)
     return out
+
+
+# model types read by gguf_generic: transformers' GGUF tokenizer conversion does not take their architectures
+GGUF_GENERIC_TYPES = ("deepseek_v2", "deepseek_v3", "gpt_oss")
+# llama.cpp pre-tokenizers a byte-level BPE tokenizer.json reproduces: GPT-2's pattern (transformers' GPT-2
+# conversion), or digits split one by one before it (_match_pre_tokenizer)
+BYTE_BPE_PRE = ("gpt-2", *DIGITS_FIRST_PRE)
+
+
+def _byte_bpe_tokenizer(gguf: Path):
+    """The file's byte-level BPE tokenizer as transformers' GPT-2 conversion builds it, for a pre-tokenizer
+    that conversion reproduces (BYTE_BPE_PRE); None, with a one-line warning, otherwise (DeepSeek-V3's
+    `deepseek-v3` and gpt-oss's `gpt-4o` split text by patterns of their own: the model is read without a
+    tokenizer rather than with one that splits text unlike llama.cpp; commands that need text then say so)."""
+    import transformers
+    from gguf import GGUFReader
+    from transformers.integrations.ggml import convert_gguf_tokenizer
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    fields = GGUFReader(gguf).fields
+    model = fields["tokenizer.ggml.model"].contents()
+    pre = fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else None
+    if model != "gpt2" or pre not in BYTE_BPE_PRE:
+        log.warning("%s: its tokenizer (model %r, pre-tokenizer %r) is not one moec converts exactly; read without "
+                    "a tokenizer (put the model's own tokenizer.json beside the converted weights)", gguf.name,
+                    model, pre)
+        return None
+    arch = fields["general.architecture"].contents()
+    saved = dict(mapping.GGUF_TOKENIZER_ARCHS)
+    mapping.GGUF_TOKENIZER_ARCHS[arch] = "gpt2"  # read its vocabulary as a GPT-2 BPE one
+    try:
+        _, tok_dict, tok_config = mapping.get_gguf_tokenizer(str(gguf))
+    finally:
+        mapping.GGUF_TOKENIZER_ARCHS.clear()
+        mapping.GGUF_TOKENIZER_ARCHS.update(saved)
+    backend, extra = convert_gguf_tokenizer("gpt2", tok_dict)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **(tok_config | extra))
+    _set_specials(tok, gguf_tokenizer_meta(gguf)[1])
+    return tok
 
 
 @functools.lru_cache(maxsize=4)  # gguf-py parses every field (the whole vocabulary): a few seconds per read
