@@ -9,7 +9,9 @@ a run replaces its own row and keeps the others.
 
 Steps: calibrate + pack MODEL with the recipe, export it to GGUF, then feed the same token ids to moec's CPU
 runtime (fp32) and to llama.cpp, and record per position: max |Δlogit|, the logit scale, top-1 agreement and
-KL(moec ‖ llama.cpp); for an MoE, the positions of largest KL with their smallest router margin
+KL(moec ‖ llama.cpp) — over the first --kl-tokens (512) tokens of PTB test, and over TEXT (37-44 tokens,
+the sample of the rows before 2026-12-05: too few for a mean of a KL whose per-token values span
+1e-5..0.08); for an MoE, the positions of largest KL with their smallest router margin
 (`kl_worst_positions`: a top-k near-tie that llama.cpp's activation rounding flips shows as a spike there).
 It also re-checks that every quantized tensor of the file dequantizes (gguf.quants) to
 the runtime's weights exactly (`weights_exact`), generates greedily from a prompt in both (`generate`: the
@@ -48,6 +50,20 @@ CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_
 PLAIN_PROMPT = "The quick brown fox jumps over the lazy dog. In the beginning"
 TEXT = ("The quick brown fox jumps over the lazy dog. In the beginning was the word, and the word was "
         "with the model, which compressed its experts and ran them on a small runtime.")
+
+
+def kl_rows(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """KL(softmax(ref) ‖ softmax(got)) per row."""
+    lp_ref = ref - np.logaddexp.reduce(ref, -1, keepdims=True)
+    lp_got = got - np.logaddexp.reduce(got, -1, keepdims=True)
+    return (np.exp(lp_ref) * (lp_ref - lp_got)).sum(-1)
+
+
+def bootstrap_ci(x: np.ndarray, n: int = 2000, seed: int = 0) -> list[float]:
+    """95% percentile interval of x's mean over n resamples of its entries."""
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), (n, len(x)))].mean(1)
+    return [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))]
 
 
 def weights_exact(packed: Path, gguf_file: Path) -> bool:
@@ -139,6 +155,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--kl-tokens", type=int, default=512,
+                    help="KL over the first N tokens of PTB test (0: over TEXT, the 37-token sentence only)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/export_llamacpp_check.json")
     a = ap.parse_args()
 
@@ -161,13 +179,20 @@ def main() -> None:
         hf_tok = Tokenizer.from_file(str(packed / "tokenizer.json"))
         eos = json.loads((packed / "config.json").read_text()).get("eos_token_id")
         eos = eos[0] if isinstance(eos, list) else eos
-        ids = hf_tok.encode(TEXT).ids
+        short = hf_tok.encode(TEXT).ids
+        if a.kl_tokens:  # the KL sample: held-out natural text, long enough for a mean of a heavy-tailed KL
+            from moec.calibrate.data import _ptb
+
+            ids = hf_tok.encode(_ptb("test")).ids[: a.kl_tokens]
+        else:
+            ids = short
         chat = hf_tok.token_to_id("<|im_start|>") is not None
         prompt = hf_tok.encode(CHAT_PROMPT if chat else PLAIN_PROMPT, add_special_tokens=False).ids
 
         model, _ = load_model(packed)
         with torch.no_grad():
             ref = model(torch.tensor([ids]))[0].double().numpy()  # [T, V]
+            ref_short = model(torch.tensor([short]))[0].double().numpy()
             gen_moec = generate(model, prompt, a.gen_tokens, eos_id=eos, kv_dtype=torch.float32)
         try:
             llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=max(len(ids), len(prompt) + a.gen_tokens) + 8,
@@ -175,6 +200,9 @@ def main() -> None:
         except Exception as e:  # a type or architecture this llama.cpp does not run: record why
             raise SystemExit(f"llama.cpp {llama_cpp.__version__} cannot load the {ggml_types} export: "
                              f"{type(e).__name__}: {e}") from None
+        llm.eval(short)
+        got_short = np.asarray(llm.scores[: len(short)], dtype=np.float64)
+        llm.reset()
         llm.eval(ids)
         got = np.asarray(llm.scores[: len(ids)], dtype=np.float64)  # [T, V]
         gen_lc = llama_greedy(llm, prompt, a.gen_tokens, llm.token_eos())
@@ -195,9 +223,7 @@ def main() -> None:
         }
 
     diff = np.abs(got - ref)
-    lp_ref = ref - np.logaddexp.reduce(ref, -1, keepdims=True)
-    lp_got = got - np.logaddexp.reduce(got, -1, keepdims=True)
-    kl = (np.exp(lp_ref) * (lp_ref - lp_got)).sum(-1)
+    kl, kl_short = kl_rows(ref, got), kl_rows(ref_short, got_short)
     worst = worst_positions(model, ids, kl)
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     result = {
@@ -209,9 +235,14 @@ def main() -> None:
         "logit_std": float(ref.std()), "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean()),
         "kl_moec_llamacpp_mean": float(kl.mean()), "kl_moec_llamacpp_max": float(kl.max()),
         "kl_worst_positions": worst,
+        "kl_text": f"PTB test, first {len(ids)} tokens" if a.kl_tokens else "TEXT",
+        # a 95% interval of the mean from 2,000 bootstrap resamples of the positions (tokens are not independent:
+        # an indication of the sample's spread, not an exact interval)
+        "kl_mean_ci95": bootstrap_ci(kl),
+        "kl_short_text_mean": float(kl_short.mean()), "kl_short_text_tokens": len(short),
         "seconds": round(time.time() - t0, 1),
         "command": f"python3 -m benchmarks.export_llamacpp_check --model {a.model} --recipe {a.recipe} "
-                   f"--threads {a.threads}",
+                   f"--threads {a.threads} --kl-tokens {a.kl_tokens}",
         "env": {"llama_cpp_python": llama_cpp.__version__, "torch": torch.__version__,
                 "machine": platform.machine(), "threads": a.threads},
     }

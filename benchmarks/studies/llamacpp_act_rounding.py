@@ -83,6 +83,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ptb-tokens", type=int, default=0, help="evaluate the first N tokens of PTB test instead of "
+                    "the export check's text")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/llamacpp_act_rounding.json")
     a = ap.parse_args()
     import llama_cpp
@@ -103,7 +105,13 @@ def main() -> None:
         import gguf
 
         gguf_types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(gguf_file).tensors}
-        ids = Tokenizer.from_file(str(work / "p" / "tokenizer.json")).encode(TEXT).ids
+        tok = Tokenizer.from_file(str(work / "p" / "tokenizer.json"))
+        if a.ptb_tokens:  # the first N tokens of PTB test: more tokens than the check's text, same protocol
+            from moec.calibrate.data import _ptb
+
+            ids = tok.encode(_ptb("test")).ids[: a.ptb_tokens]
+        else:
+            ids = tok.encode(TEXT).ids
         model, _ = load_model(work / "p")  # moec's CPU runtime, fp32: the export check's reference
         with torch.no_grad():
             plain = model(torch.tensor([ids]))[0].double().numpy()
@@ -151,8 +159,9 @@ def main() -> None:
            "kl_llamacpp_threads_vs_other_threads": {f"{a.threads}_vs_{n}": v for n, v in other.items()},
            "lm_head_type": gguf_types.get("output.weight", gguf_types.get("token_embd.weight")),
            "seconds": round(time.time() - t0, 1),
+           "text": f"PTB test, first {a.ptb_tokens} tokens" if a.ptb_tokens else "export_llamacpp_check.TEXT",
            "command": f"python3 -m benchmarks.studies.llamacpp_act_rounding --model {a.model} --recipe {a.recipe} "
-                      f"--threads {a.threads}",
+                      f"--threads {a.threads}" + (f" --ptb-tokens {a.ptb_tokens}" if a.ptb_tokens else ""),
            "env": {"llama_cpp_python": llama_cpp.__version__, "torch": torch.__version__}}
     upsert(a.out, rec)
     print(json.dumps(rec, indent=1))
