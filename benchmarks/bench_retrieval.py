@@ -50,6 +50,7 @@ from moec.runtime.retrieval import (
     TASKS,
     KeysValuesApart,
     PrefillRecorder,
+    WorstTokensExact,
     answer,
     build,
     load_prefill,
@@ -62,6 +63,13 @@ from moec.runtime.retrieval import (
 def label(name: str) -> str:
     """A recipe's name in records and pack directories: a recipe file's stem, else the name itself; a
     keys+values pair labelled part by part."""
+    if "!" in name:
+        spec, n = name.rsplit("!", 1)
+        return f"{label(spec)}!{n}"
+    if "~" in name:
+        base, rest = name.split("~")
+        high, layers = rest.rsplit(":", 1)
+        return f"{label(base)}~{label(high)}:{layers}"
     if "+" in name:
         return "+".join(label(n) for n in name.split("+"))
     return Path(name).stem if name.endswith(".yaml") else name
@@ -69,26 +77,85 @@ def label(name: str) -> str:
 
 def recipe_factory(name: str, model_name: str, work: Path, samples: int | None, seq_len: int):
     """(model, cache factory, kv_bits_32k, window) of a KV recipe, calibrated and packed once under `work`;
-    NAME_K+NAME_V: the keys of NAME_K's codec with the values of NAME_V's (KeysValuesApart)."""
-    if "+" in name:
-        from moec.runtime.kvtiered import build_codecs, tiered_cache_factory
+    NAME_K+NAME_V: the keys of NAME_K's codec with the values of NAME_V's (KeysValuesApart); BASE~HIGH:L1,L2:
+    HIGH's codec on layers L1, L2, BASE's on the others (a per-layer bit allocation; BASE and HIGH may be K+V
+    pairs); SPEC!N: SPEC with the N
+    worst-reconstructed tokens of every block kept in fp16 (WorstTokensExact)."""
+    from moec.runtime.kvtiered import tiered_cache_factory
 
-        (mk, ik), (model, info) = (_packed(n, model_name, work, samples, seq_len) for n in name.split("+"))
-        same = ("window", "sinks", "block", "rope")
-        if any(ik["kv"].get(k) != info["kv"].get(k) for k in same):
-            raise SystemExit(f"{name}: the two recipes differ in {same}")
-        try:
-            codecs = [KeysValuesApart(a, b) for a, b in zip(build_codecs(ik["kv"], ik["kv_tensors"], mk.args),
-                                                            build_codecs(info["kv"], info["kv_tensors"], model.args),
-                                                            strict=True)]
-        except ValueError as e:  # the two recipes' head_dim rotations differ
-            raise SystemExit(f"{name}: {e}") from None
-        factory = tiered_cache_factory(info["kv"], codecs, use_kernel=False)
-    else:
-        model, info = _packed(name, model_name, work, samples, seq_len)
+    spec, exact = (name.rsplit("!", 1)[0], int(name.rsplit("!", 1)[1])) if "!" in name else (name, 0)
+    if "~" not in spec and "+" not in spec and not exact:  # a plain recipe: the cache its checkpoint builds
+        model, info = _packed(spec, model_name, work, samples, seq_len)
         factory = kv_cache_factory(info, model.args)
+    else:
+        model, info, codecs = _codecs(spec, model_name, work, samples, seq_len)
+        if exact:
+            codecs = [WorstTokensExact(c, exact, model.args.head_dim) for c in codecs]
+        factory = tiered_cache_factory(info["kv"], codecs, use_kernel=False)
     bits = factory(model, 1, 256).bits_at(32768)  # arithmetic on the stored-byte formula: any max_len
     return model, factory, bits, info["kv"]["window"]
+
+
+def _codecs(spec: str, model_name: str, work: Path, samples: int | None, seq_len: int):
+    """(model, info, per-layer codecs) of a plain, K+V or per-layer-mixed recipe spec."""
+    from moec.runtime.kvtiered import build_codecs
+
+    def built(n):
+        m, i = _packed(n, model_name, work, samples, seq_len)
+        return m, i, build_codecs(i["kv"], i["kv_tensors"], m.args)
+
+    if "~" in spec:  # BASE~HIGH:L1,L2,...: the layers listed take HIGH's codec, the others BASE's
+        base_name, rest = spec.split("~")
+        high_name, layers = rest.rsplit(":", 1)
+        (model, info, base), (_, ih, high) = (_codecs(n, model_name, work, samples, seq_len)
+                                              for n in (base_name, high_name))
+        _same_tiers(spec, info["kv"], ih["kv"])
+        chosen = {int(x) for x in layers.split(",")}
+        return model, info, [h if i in chosen else b for i, (b, h) in enumerate(zip(base, high, strict=True))]
+    if "+" in spec:
+        (_, ik, keys), (model, info, values) = (built(n) for n in spec.split("+"))
+        _same_tiers(spec, ik["kv"], info["kv"])
+        try:
+            return model, info, [KeysValuesApart(a, b) for a, b in zip(keys, values, strict=True)]
+        except ValueError as e:  # the two recipes' head_dim rotations differ
+            raise SystemExit(f"{spec}: {e}") from None
+    return built(spec)
+
+
+def _prefill(base, hay: torch.Tensor, a, task: str, length: int, first: int) -> PrefillRecorder:
+    """The fp16 prefill of one batch of trials, computed or, with --prefill-cache, read back from the file an
+    earlier run with the same model, task, length, seed, trials, batch and needle placement wrote (the keys
+    and values exactly as recorded, fp32): a screen of recipes then pays only their own question and decode.
+    The file name holds every setting the haystack depends on; the haystack's ids are stored and checked."""
+    if a.prefill_cache is None:
+        rec = PrefillRecorder()
+        base(hay, rec, 0)
+        return rec
+    key = (f"{a.model}-{task}-{length}-seed{a.seed}-of{a.trials}-b{a.batch}-g{a.guard}-s{a.sinks_guard}"
+           f"-k{a.needle_keys if task == 'needle' else 0}-{first}.pt")
+    f = a.prefill_cache / key
+    if f.is_file():
+        saved = torch.load(f)
+        if torch.equal(saved["hay"], hay):
+            rec = PrefillRecorder()
+            rec.k, rec.v = saved["k"], saved["v"]
+            a.prefills_read += 1
+            return rec
+    rec = PrefillRecorder()
+    base(hay, rec, 0)
+    a.prefill_cache.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".tmp")
+    torch.save({"hay": hay, "k": rec.k, "v": rec.v}, tmp)
+    tmp.replace(f)
+    return rec
+
+
+def _same_tiers(name: str, a: dict, b: dict) -> None:
+    """Two recipes combined in one cache must share window, sinks, block and where keys are encoded."""
+    same = ("window", "sinks", "block", "rope")
+    get = lambda kv, k: kv.get(k, "post" if k == "rope" else None)  # noqa: E731  a codec without `rope`: post
+    if any(get(a, k) != get(b, k) for k in same):
+        raise SystemExit(f"{name}: the two recipes differ in {same}")
 
 
 def _packed(name: str, model_name: str, work: Path, samples: int | None, seq_len: int):
@@ -113,6 +180,8 @@ def main() -> None:
     ap.add_argument("--needle-keys", type=int, default=2, choices=range(2, len(NAMES) + 1),
                     help="keys in a needle trial (SmolLM2-135M's fp16 recall: 2 keys ~85%%, 3-4 keys ~75%% at 1k)")
     ap.add_argument("--batch", type=int, default=4, help="trials per prefill / decode batch")
+    ap.add_argument("--prefill-cache", type=Path, help="keep each batch's fp16 prefill here and reuse it in later "
+                    "runs (~190 MB per trial at 4096 tokens for SmolLM2-135M)")
     ap.add_argument("--guard", type=int, default=640, help="needles end at least this many tokens before the "
                     "question (every recipe's fp16 window must be shorter)")
     ap.add_argument("--sinks-guard", type=int, default=64, help="needles start at or after this token")
@@ -124,6 +193,7 @@ def main() -> None:
                     "first recipe's own cache and count the answers that differ from the shared prefill's (0)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    a.prefills_read = 0  # batches whose prefill came from --prefill-cache (recorded: their CPU is not counted)
     torch.set_grad_enabled(False)
     out = a.out or ROOT / "benchmarks" / "results" / f"retrieval_{a.model}.json"
     model_dir = resolve_model(a.model)
@@ -156,8 +226,7 @@ def main() -> None:
                 hay = torch.tensor([c[0] for c in chunk])
                 n = hay.shape[1]
                 c0 = time.process_time()
-                rec = PrefillRecorder()
-                base(hay, rec, 0)
+                rec = _prefill(base, hay, a, task, length, i)
                 cpu["prefill"] += time.process_time() - c0
                 for name in ok:
                     c0 = time.process_time()
@@ -198,7 +267,8 @@ def main() -> None:
                     "protocol": {"haystack": length - RESERVE, "guard": a.guard, "sinks_guard": a.sinks_guard,
                                  "new_tokens": NEW_TOKENS, "question": "one chunk through the cache",
                                  "prefill": "attention over fp16-rounded K/V, shared by every recipe (the fp16 "
-                                            "row's cpu_seconds include it)"},
+                                            "row's cpu_seconds include it)",
+                                 "prefill_batches_read_from_cache": a.prefills_read},
                 }
                 if name != "fp16":
                     d, dlo, dhi = paired_diff(base_ok, hits)

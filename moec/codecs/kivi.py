@@ -23,6 +23,6 @@ class KIVIConfig(TieredConfig):
 
 
 register_kv(KVCodecSpec(
-    "kivi", config=KIVIConfig, bits=(2, 4), check="moec.calibrate.kivi:check_kivi",
+    "kivi", config=KIVIConfig, bits=(2, 3, 4), check="moec.calibrate.kivi:check_kivi",
     layer_codecs="moec.runtime.kivi:kivi_layer_codecs",
     description="KIVI: per-channel keys over a block, per-token values, uniform levels"))

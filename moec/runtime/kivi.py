@@ -19,7 +19,7 @@ class KIVICodec:
     name = "kivi"
 
     def __init__(self, bits: int, head_dim: int, group_size: int = 32):
-        assert bits in (2, 4), bits
+        assert bits in (2, 3, 4), bits
         assert head_dim % group_size == 0, (head_dim, group_size)
         self.bits, self.d, self.g = bits, head_dim, group_size
 

@@ -197,3 +197,41 @@ class KeysValuesApart:
     def static_tensors(self) -> dict:
         return {f"k.{n}": t for n, t in self.keys.static_tensors().items()} | {
             f"v.{n}": t for n, t in self.values.static_tensors().items()}
+
+
+class WorstTokensExact:
+    """A tiered block codec that keeps, in every block, the `n` tokens its inner codec reconstructs worst
+    (largest squared error over the head's channels) in fp16 beside the codes: a query-agnostic guess at
+    the tokens a later query must read exactly (a needle's digits are unlike the text around them). The
+    fp16 rows and their in-block positions are block fields, so the stored bits count them. The torch path
+    only; measured by benchmarks/bench_retrieval.py (`RECIPE!N`)."""
+
+    fused_decode_attention = False
+
+    def __init__(self, inner, n: int, head_dim: int):
+        self.inner, self.n, self.d = inner, n, head_dim
+        self.name, self.bits, self.n_out = f"{inner.name}!{n}", inner.bits, 0
+        self.rotation, self.k_err2 = getattr(inner, "rotation", None), getattr(inner, "k_err2", None)
+
+    def fields(self, kind: str):
+        return self.inner.fields(kind) | {"exact": ("block", (self.n, self.d), torch.float16),
+                                          "exact_idx": ("block", (self.n,), torch.int16)}
+
+    def encode(self, x, kind: str):
+        f = self.inner.encode(x, kind)
+        err = (self.inner.decode(f, kind) - x.float()).square().sum(-1)  # [M, K, N]
+        idx = err.topk(self.n, dim=-1).indices  # [M, K, n]
+        rows = x.gather(2, idx[..., None].expand(*idx.shape, x.shape[-1]))  # [M, K, n, d]
+        return f | {"exact": rows.half()[:, :, None], "exact_idx": idx.short()[:, :, None]}
+
+    def decode(self, f, kind: str):
+        inner = {k: v for k, v in f.items() if k not in ("exact", "exact_idx")}
+        y = self.inner.decode(inner, kind)  # [B, K, nb·N, d]
+        B, K, nb, n = f["exact_idx"].shape
+        N = y.shape[2] // max(nb, 1)
+        pos = (f["exact_idx"].long() + N * torch.arange(nb, device=y.device)[:, None]).reshape(B, K, nb * n)
+        return y.scatter(2, pos[..., None].expand(B, K, nb * n, y.shape[-1]),
+                         f["exact"].float().reshape(B, K, nb * n, -1))
+
+    def static_tensors(self) -> dict:
+        return self.inner.static_tensors()

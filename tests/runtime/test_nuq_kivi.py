@@ -36,7 +36,7 @@ def test_pack_layout():
     assert pack_planar(codes, 3).tolist() == low + [0b11001100, 0b11001100]  # byte i: channels i + 2m
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_kivi_error_bound(bits):
     x = torch.randn(2, 3, 32, 64) * torch.linspace(0.1, 5, 64)
     codec = KIVICodec(bits, 64, 32)

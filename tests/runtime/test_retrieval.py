@@ -18,6 +18,7 @@ from moec.runtime.retrieval import (
     TASKS,
     KeysValuesApart,
     PrefillRecorder,
+    WorstTokensExact,
     answer,
     build,
     load_prefill,
@@ -93,6 +94,35 @@ def test_mixed_codec_stores_keys_and_values_at_their_own_bits():
     assert mix.encode(x, "k")["codes"].shape[-1] == k3.encode(x, "k")["codes"].shape[-1] == 12  # 32·3/8
     assert mix.encode(x, "v")["codes"].shape[-1] == v2.encode(x, "v")["codes"].shape[-1] == 8
     torch.testing.assert_close(mix.decode(mix.encode(x, "k"), "k"), k3.decode(k3.encode(x, "k"), "k"))
+
+
+def test_worst_tokens_kept_exact_through_the_cache_fields():
+    """WorstTokensExact restores, per block, the n tokens the inner codec reconstructs worst, bit for bit in
+    fp16, and leaves every other token as the inner codec decodes it; decoding several blocks at once (as
+    the cache does) scatters each block's rows into its own block."""
+    from moec.runtime.kivi import KIVICodec
+    from moec.runtime.kvtiered import alloc_fields
+
+    torch.manual_seed(0)
+    inner, blk = KIVICodec(2, 32, 32), 16
+    codec = WorstTokensExact(inner, 2, 32)
+    x = torch.randn(3, 2, blk, 32)  # 3 blocks of one row
+    x[1, 0, 5] *= 30  # a token the 2-bit codec cannot follow
+    f = codec.encode(x, "v")
+    assert 5 in f["exact_idx"][1, 0, 0].tolist()
+    buf = alloc_fields(codec.fields("v"), 1, 2, 3, blk, "cpu")  # the cache's buffers: blocks side by side
+    for name, t in f.items():
+        per = blk if codec.fields("v")[name][0] == "token" else 1
+        buf[name][0] = t.transpose(0, 1).reshape(2, 3 * per, *t.shape[3:])
+    y = codec.decode(buf, "v")[0].reshape(2, 3, blk, 32).transpose(0, 1)  # [block, K, N, d]
+    base = inner.decode(inner.encode(x, "v"), "v")
+    for b in range(3):
+        for k in range(2):
+            kept = set(f["exact_idx"][b, k, 0].tolist())
+            for t in range(blk):
+                want = x[b, k, t].half().float() if t in kept else base[b, k, t]
+                torch.testing.assert_close(y[b, k, t], want)
+    assert (y - x).abs()[1, 0, 5].max() < 1e-1 < (base - x).abs()[1, 0, 5].max()
 
 
 @pytest.mark.parametrize("task", ["passkey", "needle"])
