@@ -39,8 +39,8 @@ import numpy as np
 
 from ..errors import UserError
 
-_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _NORMS = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
 _DENSE = {"ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
@@ -75,12 +75,25 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+def dequantized(reader):
+    """(layer, name, fp32 numpy array in HF dimension order) for every tensor of the file, each dequantized
+    by gguf-py's own `dequantize` (the reference llama.cpp's Python package ships): layer None and the HF
+    name for the global tensors, else the block index and the GGUF per-layer name."""
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape(tuple(int(s) for s in reversed(t.shape.tolist())))  # GGUF dims are innermost first
+        m = BLK.match(t.name)
+        yield (None, GLOBAL[t.name], w) if m is None else (int(m.group(1)), m.group(2), w)
+
+
 def check_tensors(path: Path, reader, arch: str) -> None:
     """UserError (one line) for the first tensor this module does not map."""
     known = LAYER[arch].keys() | SPECIAL[arch]
     for t in reader.tensors:
-        m = _BLK.match(t.name)
-        if t.name not in _GLOBAL and not (m and m.group(2) in known):
+        m = BLK.match(t.name)
+        if t.name not in GLOBAL and not (m and m.group(2) in known):
             raise UserError(f"{path.name}: tensor {t.name!r} of GGUF architecture {arch!r} is not one moec maps "
                             f"exactly; refusing rather than dropping it")
 
@@ -184,20 +197,14 @@ def config(path: Path, reader, arch: str) -> dict:
 def state_dict(path: Path, reader, arch: str, cfg: dict) -> dict:
     """HF tensors (fp32 torch) in transformers' on-disk layout, each GGUF tensor dequantized by gguf-py."""
     import torch
-    from gguf.quants import dequantize
 
     out: dict[str, torch.Tensor] = {}
     parts: dict[tuple[int, str], np.ndarray] = {}  # tensors joined across GGUF names: k_b/v_b, gpt-oss experts
-    for t in reader.tensors:
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape(tuple(int(s) for s in reversed(t.shape.tolist())))
-        m = _BLK.match(t.name)
-        if m is None:
-            out[_GLOBAL[t.name]] = torch.from_numpy(w.copy())
-            continue
-        i, name = int(m.group(1)), m.group(2)
+    for i, name, w in dequantized(reader):
         p = f"model.layers.{i}."
-        if name in LAYER[arch]:
+        if i is None:
+            out[name] = torch.from_numpy(w.copy())
+        elif name in LAYER[arch]:
             out[p + LAYER[arch][name]] = torch.from_numpy(w.copy())
         elif arch == "deepseek2" and name in _EXPERT_STACKS:  # [E, I, D] gate / up, [E, D, I] down
             h = name.split("_")[1]

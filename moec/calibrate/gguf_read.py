@@ -23,7 +23,6 @@ Name map (GGUF per-layer `blk.{i}.NAME` → HF `model.layers.{i}.NAME`): `_LAYER
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +32,7 @@ from . import gguf_generic
 
 # general.architecture -> (HF model_type, dense HF model_type or None if the file must have experts)
 ARCHS = {"llama": ("mixtral", "llama"), "qwen2moe": ("qwen2_moe", None), "qwen3moe": ("qwen3_moe", None)}
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_GLOBAL, _BLK = gguf_generic.GLOBAL, gguf_generic.BLK  # global tensor names; a per-layer name's block and rest
 _ATTN = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
          "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
          "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight"}
@@ -156,7 +153,6 @@ def write_moe_hf(path: Path, out: Path) -> dict:
     (config.json + model.safetensors, fp32); returns the config. UserError where the file and its
     metadata disagree (the first tensor named)."""
     import torch
-    from gguf.quants import dequantize
     from safetensors.torch import save_file
 
     from ..runtime.hf_layout import HFCheckpoint
@@ -171,14 +167,10 @@ def write_moe_hf(path: Path, out: Path) -> dict:
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     prefix, (g, u, d) = _EXPERT_HF[model_type]
     state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape(tuple(int(s) for s in reversed(t.shape.tolist())))  # GGUF dims are innermost first
-        m = _BLK.match(t.name)
-        if m is None:
-            state[_GLOBAL[t.name]] = torch.from_numpy(w.copy())
+    for i, name, w in gguf_generic.dequantized(reader):
+        if i is None:  # a global tensor, under its HF name
+            state[name] = torch.from_numpy(w.copy())
             continue
-        i, name = int(m.group(1)), m.group(2)
         p = f"model.layers.{i}."
         if model_type == "mixtral" and name in ("attn_q.weight", "attn_k.weight"):
             w = unpermute_rope_rows(w, heads if name == "attn_q.weight" else kv_heads)
