@@ -131,21 +131,25 @@ def _prefill(base, hay: torch.Tensor, a, task: str, length: int, first: int) -> 
         rec = PrefillRecorder()
         base(hay, rec, 0)
         return rec
+    from safetensors.torch import load_file, save_file
+
     key = (f"{a.model}-{task}-{length}-seed{a.seed}-of{a.trials}-b{a.batch}-g{a.guard}-s{a.sinks_guard}"
-           f"-k{a.needle_keys if task == 'needle' else 0}-{first}.pt")
+           f"-k{a.needle_keys if task == 'needle' else 0}-{first}.safetensors")
     f = a.prefill_cache / key
     if f.is_file():
-        saved = torch.load(f)
+        saved = load_file(f)
         if torch.equal(saved["hay"], hay):
             rec = PrefillRecorder()
-            rec.k, rec.v = saved["k"], saved["v"]
+            n = sum(1 for name in saved if name.startswith("k."))
+            rec.k, rec.v = ({i: saved[f"{kind}.{i}"] for i in range(n)} for kind in "kv")
             a.prefills_read += 1
             return rec
     rec = PrefillRecorder()
     base(hay, rec, 0)
     a.prefill_cache.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(".tmp")
-    torch.save({"hay": hay, "k": rec.k, "v": rec.v}, tmp)
+    save_file({"hay": hay.contiguous()} | {f"k.{i}": t.contiguous() for i, t in rec.k.items()}
+              | {f"v.{i}": t.contiguous() for i, t in rec.v.items()}, str(tmp))
     tmp.replace(f)
     return rec
 

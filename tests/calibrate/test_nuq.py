@@ -30,7 +30,7 @@ def test_channel_scale_is_the_quantile():
 
 
 @pytest.mark.parametrize("kv,field", [
-    ({"codec": "kivi", "bits": 3}, "kv.bits"),
+    ({"codec": "kivi", "bits": 5}, "kv.bits"),
     ({"codec": "nuq-outlier", "bits": 4}, "kv.bits"),
     ({"codec": "nuq-outlier", "bits": 2, "outlier_frac": 0.2}, "kv.outlier_frac"),
     ({"codec": "kivi", "bits": 2, "window": -1}, "kv.window"),
