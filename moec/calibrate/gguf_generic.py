@@ -201,10 +201,11 @@ def state_dict(path: Path, reader, arch: str, cfg: dict) -> dict:
     out: dict[str, torch.Tensor] = {}
     parts: dict[tuple[int, str], np.ndarray] = {}  # tensors joined across GGUF names: k_b/v_b, gpt-oss experts
     for i, name, w in dequantized(reader):
-        p = f"model.layers.{i}."
-        if i is None:
+        if i is None:  # a global tensor, under its HF name
             out[name] = torch.from_numpy(w.copy())
-        elif name in LAYER[arch]:
+            continue
+        p = f"model.layers.{i}."
+        if name in LAYER[arch]:
             out[p + LAYER[arch][name]] = torch.from_numpy(w.copy())
         elif arch == "deepseek2" and name in _EXPERT_STACKS:  # [E, I, D] gate / up, [E, D, I] down
             h = name.split("_")[1]
