@@ -10,6 +10,11 @@ fp32), at half the cost.
     python3 -m benchmarks.bench_kv_quality --model smollm2-135m --max-windows 2 \\
         --recipes moec/recipes/kv-kivi2.yaml moec/recipes/ablations/kv-nuq2-outlier.yaml ...
 
+A recipe may also be a composite of recipe files as benchmarks/bench_retrieval.py reads them (`A+B`: A's keys
+with B's values; `A~B:L1,L2`: B on the listed layers, A elsewhere; each part calibrated and packed once under
+--work, shared with the retrieval bench): so a per-layer mix screened on retrieval gets its perplexity rows
+from the same codecs.
+
 Writes benchmarks/results/kv_quality_<model>.json (a list of records, docs/benchmarks.md fields).
 HF transformers' QuantizedCache peers (quanto / HQQ) run in benchmarks/bench_kv_peers.py on the
 same windows and scored positions (needs the `bench` extra; results kv_peers_<model>.json).
@@ -35,6 +40,34 @@ from moec.runtime.kvcache import FP16Cache
 from moec.runtime.kvtiered import build_codecs, tiered_cache_factory
 from moec.runtime.loader import load_model
 from moec.runtime.perplexity import CONTEXT, Totals, fp16_cache, layer_progress, make_windows
+
+
+def _score(model, windows, factory, batch, sim, name, base):
+    """(Totals result, mean bits per element over the windows, the last cache)."""
+    tot, bits, cache = Totals(), [], None
+    for (lg, tg, cache), (blg, _) in zip(decode(model, windows, factory, batch, sim, name), base, strict=True):
+        tot.add(lg, tg, blg)
+        bits.append(cache.bits_per_element())
+    return tot.result(True), sum(bits) / len(bits), cache
+
+
+def composite(spec: str, a, windows, base, sim: bool, common: dict) -> dict:
+    """The record of a composite spec (bench_retrieval's `A+B`, `A~B:layers`): its parts' codecs per layer in
+    one tiered cache; the calibration of each part as its own recipe records it."""
+    from benchmarks.bench_retrieval import _codecs, label
+
+    t0 = time.time()
+    model, info, codecs = _codecs(spec, a.model, a.work, a.samples, a.seq_len or 512)
+    factory = tiered_cache_factory(info["kv"], codecs, "simulated" if sim else "dynamic")
+    r, bits, cache = _score(model, windows, factory, a.batch, sim, label(spec), base)
+    rec = base_record("kv_quality", "cpu") | common | {
+        "method": "composite", "recipe": label(spec), "kv_codec": "composite", "spec": spec,
+        "ppl": r["ppl"], "delta_pct": 100.0 * (r["ppl"] / common["ppl_base"] - 1.0), "kld": r["kld"],
+        "top1": r["top1"], "kv_bits": bits, "kv_bits_32k": cache.bits_at(32768), "seconds": round(time.time() - t0),
+        "calibration": "each part's own recipe calibration (PTB train), packed under --work as bench_retrieval does"}
+    print(json.dumps({k: rec[k] for k in ("recipe", "ppl", "delta_pct", "kld", "top1", "kv_bits", "kv_bits_32k",
+                                            "seconds")}), flush=True)
+    return rec
 
 
 @torch.no_grad()
@@ -110,6 +143,10 @@ def main() -> None:
         "top1": 1.0, "kv_bits": 16.0, "kv_bits_32k": 16.0}]
 
     for recipe in a.recipes:
+        if "~" in recipe or "+" in recipe:
+            records.append(composite(recipe, a, windows, base, sim, common))
+            write_json_atomic(out, records)
+            continue
         name = Path(recipe).stem
         calib, packed = a.work / a.model / f"{name}-calib", a.work / a.model / name
         t0 = time.time()
@@ -123,18 +160,13 @@ def main() -> None:
         model, pinfo = load_model(packed)
         factory = tiered_cache_factory(pinfo["kv"], build_codecs(pinfo["kv"], pinfo["kv_tensors"], model.args),
                                        "simulated" if sim else "dynamic")
-        tot, bits, cache = Totals(), [], None
-        cand = decode(model, windows, factory, a.batch, sim, name)
-        for (lg, tg, cache), (blg, _) in zip(cand, base, strict=True):
-            tot.add(lg, tg, blg)
-            bits.append(cache.bits_per_element())
-        r = tot.result(True)
+        r, mean_bits, cache = _score(model, windows, factory, a.batch, sim, name, base)
         kv = pinfo["kv"]
         rec = base_record("kv_quality", "cpu") | common | {
             "method": f"{kv['codec']}-{kv['bits']}", "recipe": name, "kv_codec": kv["codec"],
             "kv": {k: v for k, v in kv.items() if k != "tensors"},
             "ppl": r["ppl"], "delta_pct": 100.0 * (r["ppl"] / ppl_base - 1.0), "kld": r["kld"], "top1": r["top1"],
-            "kv_bits": sum(bits) / len(bits), "kv_bits_32k": cache.bits_at(32768), "seconds": round(time.time() - t0),
+            "kv_bits": mean_bits, "kv_bits_32k": cache.bits_at(32768), "seconds": round(time.time() - t0),
             "calibration": {k: cal[k] for k in ("data", "split", "samples", "seq_len", "seed", "tokens")}}
         assert abs(r["ppl_base"] - ppl_base) < 1e-9 * ppl_base
         records.append(rec)
