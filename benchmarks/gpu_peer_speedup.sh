@@ -4,7 +4,8 @@
 # kernel at 4 warps per program (a device file in MOEC_KERNEL_CONFIG_DIR: the candidate default, compared row by
 # row), then llama.cpp's llama-bench on both shapes (peers/llamacpp_peer.sh; carry gpu/lcpp/src.tgz), and
 # speedup_vs_llamacpp attached to the batch-1 rows of both latency files (peers/speedup_vs_llamacpp.py).
-# Usage, from the repo root on the GPU machine:  bash benchmarks/gpu_peer_speedup.sh OUT_DIR   (~9 min)
+# Usage, from the repo root on the GPU machine:  bash benchmarks/gpu_peer_speedup.sh OUT_DIR   (~9 min; W4=0 in
+# the environment leaves the 4-warp run out, ~8 min)
 # Brings back at most 8 files: the two latency files with the peer attached, llama-bench's JSONs, one log.
 set -u
 cd "$(dirname "$0")/.."
@@ -17,14 +18,17 @@ LAT=(--steps 50 --contexts 4096,32768 --prefill none --budget 120 --no-breakdown
 python3 -m benchmarks.bench_latency --out /tmp/peer/latency_default.json "${LAT[@]}" > /tmp/peer/lat1.log 2>&1
 echo "latency (shipped configs) rc=$? at $((SECONDS - T0)) s" | tee -a "$LOG"
 KEY=$(python3 -c "import torch; from moec.kernels.launch_config import device_key; print(device_key(torch.cuda.get_device_name()))")
+if [ "${W4:-1}" = 1 ]; then
 mkdir -p /tmp/w4 && echo '{"kv_decode_attention": {"gluon": {"warps": 4}}}' > "/tmp/w4/$KEY.json"
 MOEC_KERNEL_CONFIG_DIR=/tmp/w4 python3 -m benchmarks.bench_latency --out /tmp/peer/latency_w4.json "${LAT[@]}" \
   > /tmp/peer/lat2.log 2>&1
 echo "latency (gluon warps 4) rc=$? at $((SECONDS - T0)) s" | tee -a "$LOG"
 { echo "shipped -> gluon warps 4:"; python3 -m benchmarks.compare_latency /tmp/peer/latency_default.json /tmp/peer/latency_w4.json --tol 0.02; } 2>&1 | tee -a "$LOG"
+fi
 LEFT=$((585 - SECONDS + T0))
 timeout "$LEFT" bash benchmarks/peers/llamacpp_peer.sh /tmp/peer mixtral qwen3 2>&1 | tee -a "$LOG"
 for f in latency_default latency_w4; do
+  [ -f "/tmp/peer/$f.json" ] || continue
   python3 -m benchmarks.peers.speedup_vs_llamacpp "/tmp/peer/$f.json" /tmp/peer "$OUT/$f.json" 2>&1 | tee -a "$LOG"
   [ -f "$OUT/$f.json" ] || cp "/tmp/peer/$f.json" "$OUT/$f.json"
 done
