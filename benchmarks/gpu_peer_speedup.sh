@@ -5,7 +5,8 @@
 # row), then llama.cpp's llama-bench on both shapes (peers/llamacpp_peer.sh; carry gpu/lcpp/src.tgz), and
 # speedup_vs_llamacpp attached to the batch-1 rows of both latency files (peers/speedup_vs_llamacpp.py).
 # Usage, from the repo root on the GPU machine:  bash benchmarks/gpu_peer_speedup.sh OUT_DIR   (~9 min; W4=0 in
-# the environment leaves the 4-warp run out, ~8 min)
+# the environment leaves the 4-warp run out, ~8 min; PF2=1 adds the Gluon kernel with two tiles in flight,
+# benchmarks/studies/gluon_prefetch2.patch applied to a copy of the tree and swept at 32k, ~1 min)
 # Brings back at most 8 files: the two latency files with the peer attached, llama-bench's JSONs, one log.
 set -u
 cd "$(dirname "$0")/.."
@@ -24,6 +25,15 @@ MOEC_KERNEL_CONFIG_DIR=/tmp/w4 python3 -m benchmarks.bench_latency --out /tmp/pe
   > /tmp/peer/lat2.log 2>&1
 echo "latency (gluon warps 4) rc=$? at $((SECONDS - T0)) s" | tee -a "$LOG"
 { echo "shipped -> gluon warps 4:"; python3 -m benchmarks.compare_latency /tmp/peer/latency_default.json /tmp/peer/latency_w4.json --tol 0.02; } 2>&1 | tee -a "$LOG"
+fi
+if [ "${PF2:-0}" = 1 ]; then  # the study patch (two tiles in flight) on a copy of the tree: the shipped tree untouched
+  rm -rf /tmp/pf2 && mkdir -p /tmp/pf2 && cp -r moec benchmarks /tmp/pf2/
+  (cd /tmp/pf2 && { git apply "$OLDPWD/benchmarks/studies/gluon_prefetch2.patch" 2>/dev/null \
+     || patch -p1 < "$OLDPWD/benchmarks/studies/gluon_prefetch2.patch"; } > /dev/null \
+   && PYTHONPATH=/tmp/pf2 timeout 120 python3 -m benchmarks.bench_gluon_kv_attention --out "$OUT/gluon_prefetch2.json" \
+        --sweep --contexts 32768 --batches 1,16 > /tmp/peer/pf2.log 2>&1)
+  echo "prefetch-2 study rc=$? at $((SECONDS - T0)) s" | tee -a "$LOG"
+  grep -E "^check" /tmp/peer/pf2.log | cut -c1-400 >> "$LOG"
 fi
 LEFT=$((585 - SECONDS + T0))
 timeout "$LEFT" bash benchmarks/peers/llamacpp_peer.sh /tmp/peer mixtral qwen3 2>&1 | tee -a "$LOG"
