@@ -7,7 +7,7 @@
 # flight (benchmarks/studies/gluon_prefetch2.patch applied to a copy of the tree; the shipped tree untouched);
 # last, speedup_vs_llamacpp attached to the batch-1 rows (peers/speedup_vs_llamacpp.py; also runnable afterwards
 # on the returned files). Outputs land in OUT_DIR as they are made, so a call cut by its limit keeps what ran.
-# Usage, from the repo root on the GPU machine:  [W4=1] [PF2=1] [LIMIT=s] bash benchmarks/gpu_peer_speedup.sh OUT_DIR
+# Usage, from the repo root on the GPU machine:  [W4=1] [PF2=1] [PEER=0] [LIMIT=s] bash benchmarks/gpu_peer_speedup.sh OUT_DIR
 # (~8 min; W4 +1 min, PF2 +1 min; LIMIT: the seconds the call may run, default 585). At most 8 files come back.
 set -u
 cd "$(dirname "$0")/.."
@@ -28,22 +28,24 @@ if [ "${W4:-0}" = 1 ]; then
   echo "latency (gluon warps 4) rc=$? at $((SECONDS - T0)) s" | tee -a "$LOG"
   { echo "shipped -> gluon warps 4:"; python3 -m benchmarks.compare_latency "$OUT/latency_default.json" "$OUT/latency_w4.json" --tol 0.02; } 2>&1 | tee -a "$LOG"
 fi
-( while sleep 5; do cp /tmp/peer/llama_bench_*.json "$OUT/" 2>/dev/null; done ) &
-COPIER=$!
-timeout $((LIMIT - 60 - SECONDS + T0)) bash benchmarks/peers/llamacpp_peer.sh /tmp/peer mixtral qwen3 2>&1 | tee -a "$LOG"
-kill $COPIER 2>/dev/null; cp /tmp/peer/llama_bench_*.json "$OUT/" 2>/dev/null
+if [ "${PEER:-1}" = 1 ]; then
+  ( while sleep 5; do cp /tmp/peer/llama_bench_*.json "$OUT/" 2>/dev/null; done ) &
+  COPIER=$!
+  timeout $((LIMIT - 60 - SECONDS + T0)) bash benchmarks/peers/llamacpp_peer.sh /tmp/peer mixtral qwen3 2>&1 | tee -a "$LOG"
+  kill $COPIER 2>/dev/null; cp /tmp/peer/llama_bench_*.json "$OUT/" 2>/dev/null
+fi
 LEFT=$((LIMIT - 15 - SECONDS + T0))
 if [ "${PF2:-0}" = 1 ] && [ $LEFT -gt 40 ]; then
   rm -rf /tmp/pf2 && mkdir -p /tmp/pf2 && cp -r moec benchmarks /tmp/pf2/
   (cd /tmp/pf2 && { git apply "$OLDPWD/benchmarks/studies/gluon_prefetch2.patch" 2>/dev/null \
      || patch -p1 < "$OLDPWD/benchmarks/studies/gluon_prefetch2.patch"; } > /dev/null \
    && PYTHONPATH=/tmp/pf2 timeout $LEFT python3 -m benchmarks.bench_gluon_kv_attention \
-        --out "$OUT/gluon_prefetch2.json" --sweep --contexts 32768 --batches 1,16 > /tmp/peer/pf2.log 2>&1)
+        --out "$OUT/gluon_prefetch2.json" --sweep --contexts "${PF2_CONTEXTS:-32768}" --batches 1,16 > /tmp/peer/pf2.log 2>&1)
   echo "prefetch-2 study rc=$? at $((SECONDS - T0)) s" | tee -a "$LOG"
   grep -E "^check" /tmp/peer/pf2.log | cut -c1-400 >> "$LOG"
 fi
 for f in latency_default latency_w4; do
-  [ -f "$OUT/$f.json" ] || continue
+  [ -f "$OUT/$f.json" ] && ls "$OUT"/llama_bench_*.json > /dev/null 2>&1 || continue
   python3 -m benchmarks.peers.speedup_vs_llamacpp "$OUT/$f.json" "$OUT" "$OUT/$f.json" 2>&1 | tee -a "$LOG"
 done
 for f in lat1 lat2; do [ -f "/tmp/peer/$f.log" ] && { echo "== $f"; tail -25 "/tmp/peer/$f.log"; } >> "$LOG"; done
