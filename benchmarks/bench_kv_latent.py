@@ -173,9 +173,10 @@ def main() -> None:
 
     def record(name, kv: dict, factory, t_start, extra=None, m=model):
         r, bits, bits32 = score(m, windows, factory, base, a.batch, chunk)
+        lat = kv.get("latent", kv)  # a packed manifest nests the latent settings (schema 2), a grid config not
         rec = base_record("kv_latent", "cpu") | common | {
-            "method": f"{kv['codec']}-{kv['rope']}-b{kv['bits']}-k{kv['rank_k']}v{kv['rank_v']}-G{kv['group_layers']}"
-                      f"-o{kv['outlier_frac']}",
+            "method": f"{kv['codec']}-{kv['rope']}-b{kv['bits']}-k{lat['rank_k']}v{lat['rank_v']}"
+                      f"-G{lat['group_layers']}-o{lat['outlier_frac']}",
             "recipe": name, "kv_codec": kv["codec"], "kv": {k: v for k, v in kv.items() if k != "tensors"},
             "ppl": r["ppl"], "delta_pct": 100.0 * (r["ppl"] / ppl_base - 1.0), "kld": r["kld"], "top1": r["top1"],
             "kv_bits": bits, "kv_bits_32k": bits32, "compression_32k": 16.0 / bits32} | (extra or {})
