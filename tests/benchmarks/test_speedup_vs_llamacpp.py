@@ -1,38 +1,40 @@
-"""benchmarks/peers/speedup_vs_llamacpp.py: llama-bench's tokens/s becomes ms per token on the matching batch-1
-rows only, and a row timed on another GPU model is never paired."""
+"""benchmarks/peers/speedup_vs_llamacpp.py, run as the GPU call runs it: llama-bench's tokens/s becomes ms per
+token on the matching batch-1 rows only, and a row timed on another GPU model is never paired."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
-import pytest
-
-from benchmarks.peers import speedup_vs_llamacpp as sv
+REPO = Path(__file__).resolve().parents[2]
 
 
-def _bench(tmp_path, gpu="NVIDIA H100 80GB HBM3"):
+def _run(tmp_path, gpu: str, *flags):
     rows = [{"n_prompt": 0, "n_gen": 64, "n_depth": d, "avg_ts": ts, "gpu_info": gpu, "test_time": "t"}
             for d, ts in ((4096, 200.0), (32768, 125.0))]
     (tmp_path / "llama_bench_mixtral.json").write_text(json.dumps(rows))
-    return sv.llamacpp_ms(tmp_path)
-
-
-def _row(ctx, batch=1, device="NVIDIA H100 80GB HBM3"):
-    return {"bench": "moec-latency", "shape": "mixtral-8x7b", "recipe": "r", "batch": batch, "context": ctx,
-            "ms_median": 4.0, "device": device, "peer": {}}
+    recs = [{"bench": "moec-latency", "shape": "mixtral-8x7b", "recipe": "r", "batch": b, "context": c,
+             "ms_median": 4.0, "device": "NVIDIA H100 80GB HBM3", "peer": {}}
+            for b, c in ((1, 4096), (1, 32768), (16, 32768), (1, 131072))]
+    (tmp_path / "lat.json").write_text(json.dumps(recs))
+    p = subprocess.run([sys.executable, "-m", "benchmarks.peers.speedup_vs_llamacpp", str(tmp_path / "lat.json"),
+                        str(tmp_path), str(tmp_path / "out.json"), *flags], cwd=REPO, capture_output=True, text=True)
+    out = json.loads((tmp_path / "out.json").read_text()) if (tmp_path / "out.json").is_file() else None
+    return p, out
 
 
 def test_pairs_batch1_rows_at_timed_depths(tmp_path):
-    recs = [_row(4096), _row(32768), _row(32768, batch=16), _row(131072)]
-    sv.attach(recs, _bench(tmp_path), same_device=True)
-    assert recs[0]["speedup_vs_llamacpp"] == pytest.approx(5.0 / 4.0)  # 1000 / 200 tokens/s = 5 ms
-    assert recs[1]["speedup_vs_llamacpp"] == pytest.approx(8.0 / 4.0)
-    assert recs[1]["peer"]["llamacpp"]["ms"] == pytest.approx(8.0)
-    assert "speedup_vs_llamacpp" not in recs[2] and "speedup_vs_llamacpp" not in recs[3]
+    p, out = _run(tmp_path, "NVIDIA H100 80GB HBM3", "--same-device")
+    assert p.returncode == 0, p.stderr
+    assert abs(out[0]["speedup_vs_llamacpp"] - 5.0 / 4.0) < 1e-9  # 1000 / 200 tokens/s = 5 ms against 4 ms
+    assert abs(out[1]["speedup_vs_llamacpp"] - 8.0 / 4.0) < 1e-9 and abs(out[1]["peer"]["llamacpp"]["ms"] - 8) < 1e-9
+    assert "speedup_vs_llamacpp" not in out[2] and "speedup_vs_llamacpp" not in out[3]  # batch 16; no 128k depth
 
 
 def test_other_gpu_is_skipped_or_refused(tmp_path):
-    peer = _bench(tmp_path, gpu="NVIDIA H200")
-    recs = [_row(4096)]
-    lines = sv.attach(recs, peer, same_device=False)
-    assert "speedup_vs_llamacpp" not in recs[0] and lines[0].startswith("skipped")
-    with pytest.raises(SystemExit):
-        sv.attach(recs, peer, same_device=True)
+    p, out = _run(tmp_path, "NVIDIA H200")
+    assert p.returncode == 0 and "skipped" in p.stdout
+    assert not any("speedup_vs_llamacpp" in r for r in out)
+    (tmp_path / "out.json").unlink()
+    p, out = _run(tmp_path, "NVIDIA H200", "--same-device")
+    assert p.returncode != 0 and out is None  # refused, nothing written
