@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from moec.calibrate.recipe import load_recipe
 from moec.calibrate.sources import load_tokenizer, resolve_model, tokenize
 from moec.cli.common import base_record, console, write_json_atomic
 from moec.cli.progress import install as show_progress
+from moec.errors import UserError
 from moec.progress import track
 from moec.runtime.kvcache import FP16Cache
 from moec.runtime.kvtiered import build_codecs, tiered_cache_factory
@@ -178,4 +180,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # a bad recipe or spec: one line, before any record is written for it
+        sys.exit(f"bench_kv_quality: {e}")

@@ -1,7 +1,8 @@
 """Pick the Gluon KV kernel's launch knobs for the device a bench ran on, from bench_gluon_kv_attention's sweep:
-the candidate (4 warps per program, or two tiles in flight) that is fastest in geometric mean over the timed
-(shape, context, batch) cases, adopted only where it is faster by at least --min-gain there and no case is slower
-than the shipped default by more than --max-loss; its checks against the torch reference must all have passed.
+the candidate (4 warps per program; benchmarks/studies/gluon_prefetch2.patch adds two tiles in flight) that is
+fastest in geometric mean over the timed (shape, context, batch) cases, adopted only where it is faster by at least
+--min-gain there and no case is slower than the shipped default by more than --max-loss; its checks against the
+torch reference must all have passed.
 
     python3 -m benchmarks.choose_gluon_config BENCH.json CONFIG_DIR [--min-gain 0.03] [--max-loss 0.03]
 
@@ -20,8 +21,7 @@ import sys
 from moec.kernels import launch_config
 
 # sweep knobs (bench_gluon_kv_attention.py) -> the config knobs they stand for; n_splits sweeps are not candidates
-CANDIDATES = {"warps 4": ({"warps": 4}, {"warps": 4}),
-              "prefetch 2": ({"warps": 1, "prefetch": 2}, {"warps": 1, "prefetch": 2})}
+CANDIDATES = {"warps 4": ({"warps": 4}, {"warps": 4})}
 
 
 def cases(timings: list[dict]) -> dict[tuple, dict]:
@@ -69,7 +69,11 @@ def main() -> int:
     ap.add_argument("--min-gain", type=float, default=0.03)
     ap.add_argument("--max-loss", type=float, default=0.03)
     a = ap.parse_args()
-    bench = json.load(open(a.bench))
+    try:
+        bench = json.loads(open(a.bench).read())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"choose_gluon_config: cannot read {a.bench}: {e}", file=sys.stderr)
+        return 2
     best, lines = choose(bench, a.min_gain, a.max_loss)
     print("\n".join(lines))
     if best is None:

@@ -28,7 +28,11 @@ def llamacpp_ms(directory: Path) -> dict[tuple[str, int], dict]:
         path = directory / f"llama_bench_{shape}.json"
         if not path.is_file():
             continue
-        for r in json.loads(path.read_text()):
+        try:
+            rows = json.loads(path.read_text())
+        except json.JSONDecodeError as e:  # llama-bench cut mid-write: say which file
+            raise SystemExit(f"speedup_vs_llamacpp: {path}: not llama-bench's JSON ({e})") from None
+        for r in rows:
             if r.get("n_prompt", 0) == 0 and r.get("n_gen", 0) > 0 and r.get("avg_ts"):
                 out[(shape, int(r["n_depth"]))] = {"ms": 1000.0 / r["avg_ts"], "gpu": r.get("gpu_info", ""),
                                                   "test_time": r.get("test_time"), "file": path.name,
