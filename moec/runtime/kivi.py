@@ -11,6 +11,7 @@ import torch
 
 from ..errors import FormatError
 from ..formats.bitpack import pack_planar, planar_width, unpack_planar
+from ..rotation import block_hadamard
 
 
 class KIVICodec:
@@ -18,10 +19,12 @@ class KIVICodec:
 
     name = "kivi"
 
-    def __init__(self, bits: int, head_dim: int, group_size: int = 32):
+    def __init__(self, bits: int, head_dim: int, group_size: int = 32, rotation: torch.Tensor | None = None):
         assert bits in (2, 3, 4), bits
         assert head_dim % group_size == 0, (head_dim, group_size)
         self.bits, self.d, self.g = bits, head_dim, group_size
+        # [d, d] (`rotate: hadamard`): the codec sees k·R and v·R; the cache rotates (kvtiered.LayerRotations)
+        self.rotation = None if rotation is None else rotation.float()
 
     def fields(self, kind: str) -> dict[str, tuple[str, tuple, torch.dtype]]:
         """name -> (axis kind "token"|"block", trailing shape, dtype)."""
@@ -60,7 +63,7 @@ class KIVICodec:
         return (c * f["scale"].float()[..., None] + f["zero"].float()[..., None]).view(B, K, S, d)
 
     def static_tensors(self) -> dict[str, torch.Tensor]:
-        return {}
+        return {} if self.rotation is None else {"rotation": self.rotation}
 
 
 # -- registry hook (moec/registry.py) ---------------------------------------------------------------
@@ -68,4 +71,8 @@ class KIVICodec:
 def kivi_layer_codecs(section: dict, tensors: dict[str, torch.Tensor], args) -> list[KIVICodec]:
     if tensors:
         raise FormatError(f"KV calibration tensor {sorted(tensors)[0]} does not belong to a kivi cache (none do)")
-    return [KIVICodec(section["bits"], args.head_dim, section["group_size"]) for _ in range(args.n_layers)]
+    # the rotation is a function of (head_dim, layer) alone (moec/rotation.py block_hadamard, seed = layer),
+    # so it is rebuilt here rather than stored: nothing is calibrated
+    rotate = section.get("rotate", "none") == "hadamard"
+    return [KIVICodec(section["bits"], args.head_dim, section["group_size"],
+                      block_hadamard(args.head_dim, seed=i) if rotate else None) for i in range(args.n_layers)]

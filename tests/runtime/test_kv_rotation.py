@@ -11,6 +11,7 @@ from moec.calibrate.recipe import parse_recipe
 from moec.errors import UserError
 from moec.rotation import block_hadamard, pow2_block
 from moec.runtime.config import ModelArgs
+from moec.runtime.kivi import KIVICodec, kivi_layer_codecs
 from moec.runtime.kvcache import causal_attention
 from moec.runtime.kvtiered import TieredKVCache
 from moec.runtime.loader import load_model
@@ -53,16 +54,30 @@ def test_query_rms_in_the_rotated_basis():
 @pytest.mark.parametrize("kv,msg", [
     ({"codec": "nuq-outlier", "bits": 2, "rotate": "hadamard", "rope": "pre"}, "kv.rotate: a head_dim rotation"),
     ({"codec": "nuq-outlier", "bits": 2, "rotate": "walsh", "rope": "post"}, "kv.rotate"),
-    ({"codec": "kivi", "bits": 2, "rotate": "hadamard"}, "kv: unknown key 'rotate' for codec 'kivi'"),
+    ({"codec": "kivi", "bits": 2, "rotate": "walsh"}, "kv.rotate"),
 ])
 def test_recipe_rule(kv, msg):
     with pytest.raises(UserError, match=msg.replace(".", r"\.")):
         parse_recipe({"kv": kv})
     ok = parse_recipe({"kv": {"codec": "nuq-outlier", "bits": 2, "rope": "post", "rotate": "hadamard"}})
     assert ok.kv.rotate == "hadamard"
+    assert parse_recipe({"kv": {"codec": "kivi", "bits": 2, "rotate": "hadamard"}}).kv.rotate == "hadamard"
 
 
-def _rotated_codecs(n_layers, K, d, block, seed=0, bias=False):
+def test_kivi_rotation_is_rebuilt_from_the_layer():
+    """kivi `rotate: hadamard` stores no tensor: each layer's codec gets block_hadamard(head_dim, seed=layer),
+    the rotation nuq-outlier's calibration writes for the same layer, and counts it as a static tensor."""
+    section = {"bits": 2, "group_size": 16, "rotate": "hadamard"}
+    codecs = kivi_layer_codecs(section, {}, ARGS)
+    for i, c in enumerate(codecs):
+        assert torch.equal(c.rotation, block_hadamard(ARGS.head_dim, seed=i))
+        assert set(c.static_tensors()) == {"rotation"}
+    assert all(c.rotation is None for c in kivi_layer_codecs(section | {"rotate": "none"}, {}, ARGS))
+
+
+def _rotated_codecs(n_layers, K, d, block, seed=0, bias=False, codec="nuq"):
+    if codec == "kivi":
+        return [KIVICodec(2, d, d // 2, rotation=block_hadamard(d, seed=i)) for i in range(n_layers)]
     gen = torch.Generator().manual_seed(seed)
     lev = torch.tensor(FIXED_LEVELS[2])
     return [NUQCenteredCodec(2, d, block, lev, lev, torch.rand(K, d, generator=gen) + 1, 0.0,
@@ -86,11 +101,12 @@ def test_key_error_power():
     assert torch.allclose(pre[:, :4], pre[:, 4:])  # pair-averaged (c, c + d/2)
 
 
-def test_dynamic_cache_attends_in_the_rotated_basis():
+@pytest.mark.parametrize("codec", ["nuq", "kivi"])
+def test_dynamic_cache_attends_in_the_rotated_basis(codec):
     """The cache stores k·R, v·R (window and history), and its output is explicit attention with q·R over those,
     rotated back; without the final rotation the output would be off by the rotation itself."""
     gen = torch.Generator().manual_seed(4)
-    codecs = _rotated_codecs(2, 2, 32, 32)
+    codecs = _rotated_codecs(2, 2, 32, 32, codec=codec)
     cache = TieredKVCache(ARGS, 2, 200, codecs, window=16, sinks=3, use_kernel=False)
     for t in [0, *range(20, 120)]:
         T = 20 if t == 0 else 1
@@ -107,14 +123,15 @@ def test_dynamic_cache_attends_in_the_rotated_basis():
     want = causal_attention(q @ R, keys[:, :, :n], vals[:, :, :n], n - 1) @ R.T
     assert torch.allclose(out, want, atol=1e-5)
     assert not torch.allclose(out, want @ R, atol=1e-2)
-    assert cache._static_bytes() == 2 * (2 * 2 * 32 * 4 + 2 * 4 * 4 + 32 * 32 * 4)  # + the rotation per layer
+    calib = 2 * 2 * 32 * 4 + 2 * 4 * 4 if codec == "nuq" else 0  # nuq: k_scale, k_center, the two level tables
+    assert cache._static_bytes() == 2 * (calib + 32 * 32 * 4)  # + the rotation per layer
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_simulated_decode_equals_decode_with_rotation(tiny_moe_dir, bias):
+@pytest.mark.parametrize("bias,codec", [(False, "nuq"), (True, "nuq"), (False, "kivi")])
+def test_simulated_decode_equals_decode_with_rotation(tiny_moe_dir, bias, codec):
     model, _ = load_model(tiny_moe_dir)
     args = model.args
-    codecs = _rotated_codecs(args.n_layers, args.n_kv_heads, args.head_dim, 16, seed=5, bias=bias)
+    codecs = _rotated_codecs(args.n_layers, args.n_kv_heads, args.head_dim, 16, seed=5, bias=bias, codec=codec)
     W = 120
     x = torch.randint(0, args.vocab_size, (2, W), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
