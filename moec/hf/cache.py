@@ -10,12 +10,13 @@ runtime/loader.kv_cache_factory from the manifest's `kv` section and `kv.*` tens
 the older blocks encoded by the codec, returned dequantized in position order (`TieredKVCache.read_append`,
 the same view `attend` takes), and the history attention is the cache's `attend_history`. Keys
 encoded pre-RoPE (`rope: pre`) are un-rotated and rotated back inside moec's cache, so transformers
-always sees post-RoPE keys; head_dim rotations (nuq-outlier `rotate: hadamard`) are undone on the way out.
+always sees post-RoPE keys; head_dim rotations (nuq-outlier and kivi `rotate: hadamard`) are undone on the way out.
 
-One thing keys and values cannot carry: nuq-outlier's `score_bias` (a per-query bias on the history scores,
-runtime/kvtiered.history_bias). For it `update` tags the keys it returns, and the attention function
-`moec_attention` (registered as attn_implementation "moec", which moec.hf's loaders select) hands them to the
-cache's `attend_history`; without it the bias would be dropped, so the next `update` of that layer raises.
+One thing keys and values cannot carry: the `score_bias` of nuq-outlier and kivi (a bias on the history
+scores, a function of the query in the codec's basis: runtime/kvtiered.history_bias, per block for kivi).
+For it `update` tags the keys it returns, and the attention function `moec_attention` (registered as
+attn_implementation "moec", which moec.hf's loaders select) hands them to the cache's `attend_history`;
+without it the bias would be dropped, so the next `update` of that layer raises.
 A family whose queries do not all see one view in position order (`position_order_view` False: the latent
 codecs attend per query over group-encoded blocks, an order no causal mask expresses) is refused by
 `from_packed` with a message.
@@ -153,7 +154,7 @@ def moec_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         # query): a model's own scale (granite's attention_multiplier) is the same scores for q·scaling·sqrt(d)
         query = query * (scaling * d**0.5)
     out = cache.attend_history(layer, query, key, value, s, h, S - T,
-                               None if attention_mask is None else attention_mask[..., :S])
+                               None if attention_mask is None else attention_mask[..., :S], q_rotated=False)
     return out.transpose(1, 2).contiguous(), None
 
 
