@@ -20,10 +20,6 @@ class KIVIConfig(TieredConfig):
     # `rotate: hadamard` (moec/rotation.py block_hadamard, seed = layer) before quantization; the cache
     # attends in the rotated basis (runtime/kvtiered.LayerRotations)
     rotate: Literal["none", "hadamard"] = "none"
-    # history scores get + Σ_c q_c²·s_c²/(24·d), s_c the key scale of the token's block and channel: a key
-    # rounded to a uniform grid of step s has error variance s²/12, and E[exp(q·k/√d) | k̂] = exp(q·k̂/√d + σ²/2)
-    # (nuq-outlier's `score_bias` with the error power known per block instead of calibrated)
-    score_bias: bool = False
 
     def __post_init__(self):
         super().__post_init__()

@@ -12,8 +12,8 @@ the same view `attend` takes), and the history attention is the cache's `attend_
 encoded pre-RoPE (`rope: pre`) are un-rotated and rotated back inside moec's cache, so transformers
 always sees post-RoPE keys; head_dim rotations (nuq-outlier and kivi `rotate: hadamard`) are undone on the way out.
 
-One thing keys and values cannot carry: the `score_bias` of nuq-outlier and kivi (a bias on the history
-scores, a function of the query in the codec's basis: runtime/kvtiered.history_bias, per block for kivi).
+One thing keys and values cannot carry: nuq-outlier's `score_bias` (a bias on the history scores, a function
+of the query in the codec's basis: runtime/kvtiered.history_bias).
 For it `update` tags the keys it returns, and the attention function `moec_attention` (registered as
 attn_implementation "moec", which moec.hf's loaders select) hands them to the cache's `attend_history`;
 without it the bias would be dropped, so the next `update` of that layer raises.

@@ -6,9 +6,9 @@ in moec/codecs/kivi.py; codes in moec/formats/bitpack.py Layout.PLANAR. No calib
 
 Options (issue 37): `rotate: hadamard` quantizes k·R and v·R, R the per-layer randomized Hadamard
 block_hadamard(head_dim, seed=layer) (rebuilt at load, not stored); the cache attends in that basis
-(kvtiered.LayerRotations). `score_bias: true` adds each history key's expected rounding-error term to its
-score, from its block's stored scales (kvtiered.token_biased_scores). The torch paths serve both; no fused
-kernel reads kivi.
+(kvtiered.LayerRotations). The torch paths serve it; no fused kernel reads kivi. A per-block score bias from
+the stored key scales (nuq-outlier's `score_bias` with the error power s²/12 known per block) was tried and
+removed: on SmolLM2-135M 2 x 8192 it took rotated KIVI-2 from +7.4% to +19.4% (docs/recipes.md, "Retrieval").
 """
 
 from __future__ import annotations
@@ -25,20 +25,12 @@ class KIVICodec:
 
     name = "kivi"
 
-    def __init__(self, bits: int, head_dim: int, group_size: int = 32, rotation: torch.Tensor | None = None,
-                 score_bias: bool = False):
+    def __init__(self, bits: int, head_dim: int, group_size: int = 32, rotation: torch.Tensor | None = None):
         assert bits in (2, 3, 4), bits
         assert head_dim % group_size == 0, (head_dim, group_size)
         self.bits, self.d, self.g = bits, head_dim, group_size
         # [d, d] (`rotate: hadamard`): the codec sees k·R and v·R; the cache rotates (kvtiered.LayerRotations)
         self.rotation = None if rotation is None else rotation.float()
-        self.score_bias = score_bias  # `score_bias`: history scores get the key error power of their block
-
-    def key_err2(self, f: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-token key rounding-error power [B, K, S, d] fp32 of the key fields f (S tokens in whole blocks):
-        scale²/12 of the token's block and channel (a uniform grid of step `scale`, no clipping: min/max)."""
-        nb, S = f["scale"].shape[2], f["codes"].shape[2]
-        return (f["scale"].float().pow(2) / 12.0).repeat_interleave(S // max(nb, 1), dim=2)
 
     def fields(self, kind: str) -> dict[str, tuple[str, tuple, torch.dtype]]:
         """name -> (axis kind "token"|"block", trailing shape, dtype)."""
@@ -89,5 +81,5 @@ def kivi_layer_codecs(section: dict, tensors: dict[str, torch.Tensor], args) -> 
     # so it is rebuilt here rather than stored: nothing is calibrated
     rotate = section.get("rotate", "none") == "hadamard"
     return [KIVICodec(section["bits"], args.head_dim, section["group_size"],
-                      block_hadamard(args.head_dim, seed=i) if rotate else None, section.get("score_bias", False))
+                      block_hadamard(args.head_dim, seed=i) if rotate else None)
             for i in range(args.n_layers)]

@@ -148,16 +148,6 @@ def history_bias(codec, q: torch.Tensor) -> torch.Tensor | None:
     return (q.float().pow(2) * e[None, :, None, :]).sum(-1, keepdim=True) * (0.5 / d)
 
 
-def token_biased_scores(q: torch.Tensor, q_codec: torch.Tensor, keys: torch.Tensor, err2: torch.Tensor):
-    """(q', keys', scale) such that SDPA(q', keys', v, scale=scale) adds Σ_c q_codec_c²·err2[s, c]/(2d) to the
-    score of key s (kivi `score_bias`: err2 [B, K, S, d], the key's rounding-error power in the codec's basis,
-    zero on fp16 keys; q_codec: q in that basis): d more channels, q_codec²/(2√d) on the query side, err2 on
-    the keys'. The per-block counterpart of `biased_scores`, whose error power is one calibrated vector."""
-    d = q.shape[-1]
-    return (torch.cat([q, q_codec.pow(2) * (0.5 * d**-0.5)], -1), torch.cat([keys, err2.to(keys.dtype)], -1),
-            d**-0.5)
-
-
 def biased_scores(q: torch.Tensor, keys: torch.Tensor, is_hist: torch.Tensor, bias: torch.Tensor):
     """(q', keys', scale) such that SDPA(q', keys', v, scale=scale) adds `bias` [B, H, T, 1] to the scores of
     the keys where is_hist [B or 1, 1, S, 1] is set: one extra channel, bias·√d on the query side and the
@@ -446,37 +436,23 @@ class TieredKVCache:
                        q_rotated: bool = True):
         """Attention of q [B, H, T, d] (positions start_pos..) over keys/values [B, K, S, d] in position order whose
         [s, s + h) is the layer's history (`read_append`'s view): adds the codec's history score bias where it
-        has one (nuq-outlier and kivi `score_bias`); causal unless attn_mask (an SDPA mask) is given. The bias is
-        a function of q in the codec's basis: q_rotated False (read_append's callers, whose q and keys are in the
-        model's basis) rotates a copy of q for it."""
+        has one (nuq-outlier `score_bias`); causal unless attn_mask (an SDPA mask) is given. The bias is a function
+        of q in the codec's basis: q_rotated False (read_append's callers, whose q and keys are in the model's
+        basis) rotates a copy of q for it."""
         qc = q if q_rotated or self.rot is None else q @ self.rot.get(layer, q.dtype)
         bias = history_bias(self.codecs[layer], qc)
-        err2 = self.history_err2(layer, h // self.block) if h else None
         scale = None
         if bias is not None:
             pos = torch.arange(keys.shape[2], device=q.device)
             is_hist = ((pos >= s) & (pos < s + h))[None, None, :, None]
             q, keys, scale = biased_scores(q, keys, is_hist, bias)
-        elif err2 is not None:
-            ek = torch.zeros_like(keys)
-            ek[:, :, s : s + h] = err2.to(keys.dtype)
-            q, keys, scale = token_biased_scores(q, qc, keys, ek)
         if attn_mask is None:
             return causal_attention(q, keys, vals, start_pos, scale=scale)
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, scale=scale, enable_gqa=True)
 
     def history_biased(self, layer: int) -> bool:
         """Whether the layer's history scores carry a bias (`attend_history` adds it; keys alone cannot)."""
-        c = self.codecs[layer]
-        return getattr(c, "k_err2", None) is not None or getattr(c, "score_bias", False)
-
-    def history_err2(self, layer: int, blocks: int, rows: slice = slice(None)) -> torch.Tensor | None:
-        """The per-token key error power [b, K, blocks·block, d] fp32 of the layer's first `blocks` history
-        blocks (kivi `score_bias`, from the stored key scales); None for codecs without it."""
-        codec = self.codecs[layer]
-        if not getattr(codec, "score_bias", False):
-            return None
-        return codec.key_err2({n: t[rows] for n, t in self.store.fields(layer, "k", blocks).items()})
+        return getattr(self.codecs[layer], "k_err2", None) is not None
 
     def _append(self, layer: int, k, v, start_pos: int):
         """The layer's fp16 sinks + window with the new tokens k, v [B, K, T, d] appended (not yet stored):
@@ -592,19 +568,13 @@ class TieredKVCache:
         mask = torch.cat([causal & ~in_hist, in_hist], dim=1)  # fp16 keys, then quantized keys
         keys, vals = torch.cat([kf, kq], 2), torch.cat([vf, vq], 2)
         bias = history_bias(self.codecs[layer], q)
-        err2 = self.history_err2(layer, self.n_blocks[layer])
-        if bias is not None or err2 is not None:  # the quantized copies are the second half of the keys
-            if bias is not None:
-                is_hist = (torch.arange(2 * S, device=q.device) >= S)[None, None, :, None]
-                q, keys, scale = biased_scores(q, keys, is_hist, bias)
-            else:
-                ek = torch.zeros_like(keys)
-                ek[:, :, S + s : S + s + err2.shape[2]] = err2.to(keys.dtype)
-                q, keys, scale = token_biased_scores(q, q, keys, ek)
-            # values padded to the keys' channels: with value and key head dims unequal, CPU SDPA takes a path
-            # ~4x slower (2 × 8192 simulated decode: ~40 instead of ~10 min); the zero channels are dropped
-            vals = F.pad(vals, (0, keys.shape[-1] - d))
-            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)[..., :d]
+        if bias is not None:  # the quantized copies are the second half of the keys
+            is_hist = (torch.arange(2 * S, device=q.device) >= S)[None, None, :, None]
+            q, keys, scale = biased_scores(q, keys, is_hist, bias)
+            # values padded to the keys' d + 1 channels: with value and key head dims unequal, CPU SDPA takes a
+            # path ~4x slower (2 × 8192 simulated decode: ~40 instead of ~10 min); the zero channel is dropped
+            vals = F.pad(vals, (0, 1))
+            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)[..., :-1]
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
 
     # -- static mode: the step (graph-safe: no host reads of device values, nothing allocated) -----------
@@ -671,13 +641,6 @@ class TieredKVCache:
             is_hist = (torch.arange(keys.shape[2], device=q.device) >= self.wcap)[None, None, :, None]
             q2, keys, scale = biased_scores(q, keys, is_hist, bias)
             out = F.scaled_dot_product_attention(q2.view(b, K, H // K, d + 1), keys, vals, attn_mask=mask,
-                                                 scale=scale)
-            return out.reshape(b, H, 1, d)
-        err2 = self.history_err2(layer, self.store.max_blocks, slice(0, b))
-        if err2 is not None:  # kivi score_bias: the history slots' error power, zero on the window's
-            ek = torch.cat([torch.zeros_like(wk[:b], dtype=q.dtype), err2.to(q.dtype)], dim=2)
-            q2, keys, scale = token_biased_scores(q, q, keys, ek)
-            out = F.scaled_dot_product_attention(q2.view(b, K, H // K, 2 * d), keys, vals, attn_mask=mask,
                                                  scale=scale)
             return out.reshape(b, H, 1, d)
         out = F.scaled_dot_product_attention(q.view(b, K, H // K, d), keys, vals, attn_mask=mask)

@@ -181,10 +181,6 @@ class KeysValuesApart:
         self.keys, self.values = keys, values
         self.name, self.bits, self.n_out = f"{keys.name}+{values.name}", keys.bits, 0
         self.rotation, self.k_err2 = rk, getattr(keys, "k_err2", None)  # the score bias is the keys' error
-        self.score_bias = getattr(keys, "score_bias", False)  # kivi's, per block: key_err2 below
-
-    def key_err2(self, f):
-        return self.keys.key_err2(f)
 
     def _of(self, kind: str):
         return self.keys if kind == "k" else self.values

@@ -77,23 +77,21 @@ def test_fp16_engine_matches_reference(demo):
     assert got["ppl"] == pytest.approx(ref["ppl"], rel=1e-3), (got, ref)
 
 
-@pytest.mark.parametrize("codec,rope", [("nuq-outlier", "pre"), ("kivi", None), ("kivi-rot-bias", None)])
+@pytest.mark.parametrize("codec,rope", [("nuq-outlier", "pre"), ("kivi", None), ("kivi-rot", None)])
 def test_tiered_engine_matches_reference(demo, codec, rope):
-    """kivi-rot-bias: Hadamard-rotated kivi with its per-block history score bias (the static torch path's
-    extra key channels against the dynamic path's)."""
+    """kivi-rot: Hadamard-rotated kivi (the static torch path's rotated basis against the dynamic path's)."""
     model, windows = demo
     a = model.args
     g = torch.Generator().manual_seed(0)
     if codec == "kivi":
         codecs = [KIVICodec(2, a.head_dim, 16) for _ in range(a.n_layers)]
-    elif codec == "kivi-rot-bias":
-        codecs = [KIVICodec(2, a.head_dim, 16, block_hadamard(a.head_dim, seed=i), score_bias=True)
-                  for i in range(a.n_layers)]
+    elif codec == "kivi-rot":
+        codecs = [KIVICodec(2, a.head_dim, 16, block_hadamard(a.head_dim, seed=i)) for i in range(a.n_layers)]
     else:
         lev = torch.tensor(FIXED_LEVELS[2])
         codecs = [NUQOutlierCodec(2, a.head_dim, 16, lev, lev, torch.rand(a.n_kv_heads, a.head_dim, generator=g) + 0.5,
                                   0.01) for _ in range(a.n_layers)]
-    sec = {"codec": codec.removesuffix("-rot-bias"), "window": 32, "sinks": 4, "block": 16, "rope": rope}
+    sec = {"codec": codec.removesuffix("-rot"), "window": 32, "sinks": 4, "block": 16, "rope": rope}
     ref = evaluate(model, windows, "dec", batch_size=2, cache_factory=tiered_cache_factory(sec, codecs))
     got = evaluate_dec(model, windows, lambda B, n: TieredKVCache(a, B, n, codecs, 32, 4, 16, rope == "pre",
                                                                   mode="static"), batch_size=2)
