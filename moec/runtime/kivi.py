@@ -81,5 +81,4 @@ def kivi_layer_codecs(section: dict, tensors: dict[str, torch.Tensor], args) -> 
     # so it is rebuilt here rather than stored: nothing is calibrated
     rotate = section.get("rotate", "none") == "hadamard"
     return [KIVICodec(section["bits"], args.head_dim, section["group_size"],
-                      block_hadamard(args.head_dim, seed=i) if rotate else None)
-            for i in range(args.n_layers)]
+                      block_hadamard(args.head_dim, seed=i) if rotate else None) for i in range(args.n_layers)]
