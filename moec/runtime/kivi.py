@@ -8,7 +8,7 @@ Options (issue 37): `rotate: hadamard` quantizes k·R and v·R, R the per-layer 
 block_hadamard(head_dim, seed=layer) (rebuilt at load, not stored); the cache attends in that basis
 (kvtiered.LayerRotations). The torch paths serve it; no fused kernel reads kivi. A per-block score bias from
 the stored key scales (nuq-outlier's `score_bias` with the error power s²/12 known per block) was tried and
-removed: on SmolLM2-135M 2 x 8192 it took rotated KIVI-2 from +7.4% to +19.4% (docs/recipes.md, "Retrieval").
+removed: on SmolLM2-135M 2 x 8192 it took rotated KIVI-2 from +7.4% to +19.4% (docs/recipes.md, "Rotated KIVI").
 """
 
 from __future__ import annotations
