@@ -18,6 +18,11 @@ identity and the ablations of one setting, whose description starts "ablation of
   latency   `moec eval PACKED --latency --json` at 1k context: every row timed, none in error (every
             registered KV codec runs in the static engine).
 
+The recipes in MLA_RECIPES run the same checks a second time on `smoke-mla` (DeepSeek-V3 style: multi-head latent
+attention with its absorbed decode over the latent cache, sigmoid group routing with the correction bias, a
+shared expert, YaRN): one recipe per weight-kernel family (LUT, vq with incoherence, fp8, int4 on every MLA
+projection); a KV codec does not apply there (moec refuses it on MLA).
+
 Recipes with the nuq KV codec run the logit checks three times: by default, with MOEC_KERNELS=tl (the `tl`
 decode-attention kernel) and with MOEC_KERNELS=gluon (the Gluon kernel, kernels/gluon_kv_attention.py, wherever
 it supports the cache: the default sends these short caches to `tl`, measured faster there): checks
@@ -63,6 +68,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "moec" / "recipes"
 SHAPE = "smoke-moe"
+MLA_SHAPE = "smoke-mla"
+MLA_RECIPES = ("experts-hls2", "experts-vq3-d2-had", "experts-fp8", "w4a16")
 SLACK_FACTOR, SLACK_ABS = 3.0, 0.01  # rel_l2_exact <= SLACK_FACTOR * rel_l2_floor + SLACK_ABS
 PROMPT_TOKENS, STEPS = 256, 24  # prompt > sinks + window + 2 blocks: the history is encoded at prefill
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -94,20 +101,20 @@ def _tail(text: str, n: int = 300) -> str:
     return " ".join(text.split())[-n:]
 
 
-def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda") -> list[dict]:
+def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda", shape: str = SHAPE) -> list[dict]:
     from moec.kernels import gluon_kv_attention as gka
     from moec.runtime.backend import kernels_forced
     from moec.runtime.loader import load_model
     from moec.runtime.pathcheck import compare_paths
 
     recs = []
-    packed = work / name
+    packed = work / f"{shape}-{name}"
 
     def record(check: str, t0: float, **kw) -> None:
-        recs.append({"recipe": name, "check": check, "wall_s": round(time.time() - t0, 2)} | kw)
+        recs.append({"recipe": name, "shape": shape, "check": check, "wall_s": round(time.time() - t0, 2)} | kw)
 
     t0 = time.time()
-    rc, out = run_cli("pack", "--random", SHAPE, "--recipe", str(recipe_file(name)), "-o", str(packed))
+    rc, out = run_cli("pack", "--random", shape, "--recipe", str(recipe_file(name)), "-o", str(packed))
     record("pack", t0, ok=rc == 0, error=None if rc == 0 else _tail(out))
     if rc != 0:
         return recs
@@ -143,8 +150,8 @@ def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda
             for engine, r in rs.items():
                 bound = SLACK_FACTOR * floor + SLACK_ABS
                 ok = r["rel_l2_exact"] <= bound
-                recs.append({"recipe": name, "check": engine + suffix, "ok": ok, "bound": bound, "kv_codec": codec,
-                             "gluon_kv_launches": launches,
+                recs.append({"recipe": name, "shape": shape, "check": engine + suffix, "ok": ok, "bound": bound,
+                             "kv_codec": codec, "gluon_kv_launches": launches,
                              "error": None if ok else f"rel_l2_exact {r['rel_l2_exact']:.4g} > bound {bound:.4g}",
                              "wall_s": round(time.time() - t0, 2)} | r)
     except Exception as e:
@@ -175,13 +182,14 @@ def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda
     return recs
 
 
-def _checked(name: str, work: Path, tokenizer_dir: Path, device: str) -> tuple[list[dict], float]:
+def _checked(name: str, work: Path, tokenizer_dir: Path, device: str, shape: str) -> tuple[list[dict], float]:
     """check_recipe in a worker process; a check that could not even start is a failed record."""
     t0 = time.time()
     try:
-        recs = check_recipe(name, work, tokenizer_dir, device)
+        recs = check_recipe(name, work, tokenizer_dir, device, shape)
     except Exception as e:
-        recs = [{"recipe": name, "check": "setup", "ok": False, "error": f"{type(e).__name__}: {e}"[:300],
+        recs = [{"recipe": name, "shape": shape, "check": "setup", "ok": False,
+                 "error": f"{type(e).__name__}: {e}"[:300],
                  "trace": traceback.format_exc()[-1500:]}]
     return recs, time.time() - t0
 
@@ -190,6 +198,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_smoke_h200.json")
     ap.add_argument("--recipes", nargs="*", default=None, help="a subset (default: every shipped recipe)")
+    ap.add_argument("--shapes", nargs="*", default=[SHAPE, MLA_SHAPE], help=f"{SHAPE} (every recipe) and/or "
+                    f"{MLA_SHAPE} (MLA_RECIPES)")
     ap.add_argument("--jobs", type=int, default=4, help="worker processes (one GPU; compiles run in parallel)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (torch paths on both "
                     "sides, no latency), for checking it before a GPU call")
@@ -204,23 +214,26 @@ def main() -> int:
     tree = source_tree()
     tokenizer_dir = resolve_model("demo-moe")
     names = a.recipes or shipped_gpu_recipes(RECIPES)
+    jobs = [(SHAPE, n) for n in names if SHAPE in a.shapes]
+    jobs += [(MLA_SHAPE, n) for n in names if MLA_SHAPE in a.shapes and n in MLA_RECIPES]
     t_start = time.time()
     records = []
     # Triton compiles (CPU-bound) dominate: recipes run in `--jobs` processes on the one GPU
     with tempfile.TemporaryDirectory(prefix="moec-smoke-") as tmp, ProcessPoolExecutor(
             a.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_checked, name, Path(tmp), tokenizer_dir, a.device): name for name in names}
+        futures = {pool.submit(_checked, name, Path(tmp), tokenizer_dir, a.device, shape): (shape, name)
+                   for shape, name in jobs}
         for fut in as_completed(futures):
-            name, (recs, secs) = futures[fut], fut.result()
+            (shape, name), (recs, secs) = futures[fut], fut.result()
             for r in recs:
-                records.append(base_record("gpu-smoke", a.device) | {"shape": SHAPE, "source_tree": tree} | r)
+                records.append(base_record("gpu-smoke", a.device) | {"source_tree": tree} | r)
             bad = [r for r in recs if not r["ok"]]
-            print(f"[{name}] {'ok' if not bad else 'FAILED'} in {secs:.1f} s"
+            print(f"[{shape} {name}] {'ok' if not bad else 'FAILED'} in {secs:.1f} s"
                   + "".join(f"\n   {r['check']}: {r['error']}" for r in bad), flush=True)
-            records.sort(key=lambda r: (names.index(r["recipe"]), r["check"]))
+            records.sort(key=lambda r: (r["shape"] != SHAPE, names.index(r["recipe"]), r["check"]))
             write_json_atomic(a.out, records)
     n_bad = sum(not r["ok"] for r in records)
-    print(f"gpu smoke: {len(records) - n_bad}/{len(records)} checks ok over {len(names)} recipes in "
+    print(f"gpu smoke: {len(records) - n_bad}/{len(records)} checks ok over {len(jobs)} recipe runs in "
           f"{time.time() - t_start:.0f} s; source_tree {tree}; wrote {a.out}")
     return 1 if n_bad else 0
 

@@ -96,14 +96,14 @@ class ExpertTokenCounts:
 
 
 class KVRange:
-    """Per-layer, per-channel max |k| (pre- and post-RoPE) and max |v|: the scale statistics the KV
-    codecs calibrate from, and a cheap health check of what the model produces."""
+    """Per-layer, per-channel max |k| (pre- and post-RoPE) and max |v| (MLA: of the latent rows, 'kv_latent'):
+    the scale statistics the KV codecs calibrate from, and a cheap health check of what the model produces."""
 
     def __init__(self):
         self.stats: dict[tuple[int, str], torch.Tensor] = {}
 
     def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
-        if name in ("k_pre", "k", "v"):
+        if name in ("k_pre", "k", "v", "kv_latent"):
             m = t.detach().abs().amax(dim=(0, 2)).float().cpu()  # [K, d]
             key = (layer, name)
             self.stats[key] = m if key not in self.stats else torch.maximum(self.stats[key], m)

@@ -47,7 +47,12 @@ QUANTIZABLE = re.compile(rf"{EXPERT_PARAM.pattern}|{ATTN_PARAM.pattern}|{SHARED_
 HEAD = "output.weight"
 # which input a matrix reads: matrices of one layer reading the same input share its rotation (the
 # router and the shared w1/w3 read the experts' x; the shared w2 its own intermediate: rotation_signs)
-_INPUT_OF = {"w1": 0, "w3": 0, "w2": 1, "wq": 2, "wk": 2, "wv": 2, "wo": 3, "router": 0}
+_INPUT_OF = {"w1": 0, "w3": 0, "w2": 1, "wq": 2, "wk": 2, "wv": 2, "wo": 3, "router": 0, "wq_a": 2, "wkv_a": 2}
+# MLA's inner inputs (q_a_norm's output, the latent c): seeds apart from the four per-layer inputs above
+_MLA_INNER = {"wq_b": 0, "wkv_b": 1}
+# each attention projection's input statistic (hessian.AttentionHessians)
+_ATTN_INPUT = {"wq": "Hqkv", "wk": "Hqkv", "wv": "Hqkv", "wq_a": "Hqkv", "wkv_a": "Hqkv", "wq_b": "Hqb",
+               "wkv_b": "Hkvb", "wo": "Ho"}
 
 
 def rotation_signs(name: str, n: int, rule: WeightRule, seed: int) -> torch.Tensor | None:
@@ -63,6 +68,8 @@ def rotation_signs(name: str, n: int, rule: WeightRule, seed: int) -> torch.Tens
     layer, p = int(name.split(".")[1]), name.removesuffix(".weight").rsplit(".", 1)[-1]
     if name.endswith("shared.w2.weight"):  # inputs 0..3 keep the seeds they had before shared experts
         return hadamard_signs(n, block, (1 << 40) + seed * 100_003 + layer)
+    if p in _MLA_INNER:
+        return hadamard_signs(n, block, (1 << 42) + (seed * 100_003 + layer) * 2 + _MLA_INNER[p])
     return hadamard_signs(n, block, (seed * 100_003 + layer) * 4 + _INPUT_OF[p])
 
 
@@ -130,7 +137,8 @@ def plan(args: ModelArgs, recipe: Recipe) -> dict[str, WeightRule]:
                 raise UserError(f"weights rule {ri}: codec {rule.codec!r} on {n!r}: this moec version quantizes "
                                 f"only expert, dense-MLP, shared-expert, attention, router and LM-head matrices "
                                 f"(layers.*.moe.w1/w2/w3, layers.*.moe.shared.w1/w2/w3.weight, "
-                                f"layers.*.attn.wq/wk/wv/wo.weight, layers.*.moe.router.weight, output.weight)")
+                                f"layers.*.attn.wq/wk/wv/wo.weight or MLA's wq_a/wq_b/wkv_a/wkv_b, "
+                                f"layers.*.moe.router.weight, output.weight)")
             I = names[n][-1]  # experts [E, O, I], the others [O, I]
             check_kernel_rule(ri, rule, n, I)
             if rule.incoherence is not None and not rule.incoherence.block_for(I):
@@ -308,16 +316,18 @@ class ExpertFitter:
         sd = self.layer_state(layer)
         entry: dict = {"tokens": stats["count"]}
         Hs = {}
-        for key, tag in (("Hqkv", "qkv"), ("Ho", "o")):
+        for key, tag in (("Hqkv", "qkv"), ("Ho", "o"), ("Hqb", "q_b"), ("Hkvb", "kv_b")):
+            if key not in stats:  # Hqb / Hkvb: MLA only
+                continue
             Hs[key], note = regularize(stats[key])
             entry[f"status_{tag}"] = note["status"]  # non-finite / zero / singular: identity (least squares)
             entry[f"damp_{tag}"] = note["damp"]
-        for p in ("wq", "wk", "wv", "wo"):
+        for p, key in _ATTN_INPUT.items():
             name = f"layers.{layer}.attn.{p}.weight"
             rule = self.targets.get(name)
             if rule is None:
                 continue
-            H = Hs["Ho" if p == "wo" else "Hqkv"]
+            H = Hs[key]
             fitted, entry[p] = self._fit_widths(name, [sd[name].to(H.device, torch.float32)], [H], rule)
             if rule.allocate is not None:
                 entry[p]["shape"] = list(sd[name].shape)

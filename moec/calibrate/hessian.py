@@ -140,7 +140,8 @@ class ExpertHessians:
 
 
 class AttentionHessians:
-    """Capture observer accumulating Hqkv [D, D] (input of wq/wk/wv), Ho [H·d, H·d] (input of wo) and
+    """Capture observer accumulating Hqkv [D, D] (input of wq/wk/wv; MLA: wq or wq_a, wkv_a), Ho [H·d, H·d]
+    (input of wo) and
     the token count for the attention of the `layers` asked for; like ExpertHessians, `on_layer(i,
     stats)` is called once layer i is complete (at the first event of a later layer, or `flush()`),
     so only one layer's statistics are held."""
@@ -150,21 +151,30 @@ class AttentionHessians:
         self.cur: int | None = None
         self.stats: dict = {}
 
+    # MLA (runtime/model.MLAttention) adds Hqb [q_lora, q_lora] (input of wq_b, 'q_lat') and Hkvb [r, r]
+    # (input of wkv_b: the latent c, the first r channels of 'kv_latent')
+    EVENTS = {"attn_in": "Hqkv", "attn_out": "Ho", "q_lat": "Hqb", "kv_latent": "Hkvb"}
+
     def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
-        if layer not in self.layers or name not in ("attn_in", "attn_out"):
+        if layer not in self.layers or name not in self.EVENTS:
             return
+        a = self.args
         if self.cur != layer:
             self.flush()
             self.cur = layer
-            D, Dh = self.args.dim, self.args.n_heads * self.args.head_dim
+            dims = {"Hqkv": a.dim, "Ho": a.n_heads * (a.v_head_dim if a.is_mla else a.head_dim)}
+            if a.is_mla:
+                dims["Hkvb"] = a.kv_lora_rank
+                if a.q_lora_rank:
+                    dims["Hqb"] = a.q_lora_rank
             z = dict(dtype=torch.float32, device=t.device)  # where the activations are (cpu or cuda)
-            self.stats = {"Hqkv": torch.zeros(D, D, **z), "Ho": torch.zeros(Dh, Dh, **z), "count": 0}
-        x = t.detach().reshape(-1, t.shape[-1])  # [N, D] or [N, H·d]
+            self.stats = {k: torch.zeros(n, n, **z) for k, n in dims.items()} | {"count": 0}
+        if name == "kv_latent":
+            t = t[..., : a.kv_lora_rank]
+        x = t.detach().reshape(-1, t.shape[-1])  # [N, D], [N, H·d], ...
+        accumulate_hessian(self.stats[self.EVENTS[name]], x)
         if name == "attn_in":
-            accumulate_hessian(self.stats["Hqkv"], x)
             self.stats["count"] += x.shape[0]
-        else:
-            accumulate_hessian(self.stats["Ho"], x)
 
     def flush(self) -> None:
         if self.cur is not None:

@@ -64,6 +64,15 @@ def load_balance(counts: torch.Tensor, top_k: int) -> dict:
             "max_over_uniform": round(max(frac) / uniform, 4), "assignments": total, "top_k": top_k}
 
 
+def refuse_kv_on_mla(args, recipe) -> None:
+    """UserError (one line): a KV codec compresses per-head keys and values; an MLA model (DeepSeek) caches one
+    latent row per token (runtime/mla.py), which no KV codec holds yet."""
+    if args.is_mla and recipe.kv is not None and not kv_codec(recipe.kv.codec).identity:
+        raise UserError(f"recipe {recipe.name!r} compresses per-head keys and values (kv: {recipe.kv.codec}), but "
+                        f"{args.arch} caches one MLA latent per token, which moec keeps in fp16 for now; use a "
+                        f"recipe without a kv: section")
+
+
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,
               seq_len: int, seed: int, out_dir: Path, device: str = "cpu", progress=None, resume: bool = False,
               data_config: str | None = None, text_column: str | None = None, dist: Dist | None = None,
@@ -99,6 +108,7 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         holdout_split(samples, recipe.calibration.tune_holdout, seed)
     if not resume:
         refuse_without_resume(out_dir)
+    refuse_kv_on_mla(args, recipe)
     kv_cfg = recipe.kv_or_default()
     kv_spec = kv_codec(kv_cfg.codec)
     if kv_spec.check is not None:  # the KV settings against the model's shapes, before any work
@@ -228,10 +238,15 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
             tensors[f"layers.{i}.expert_tokens"] = c
             entry["experts"] = load_balance(c, args.top_k)
             entry["experts_under_policy"] = [e for e, n in enumerate(c.tolist()) if n < policy.min_expert_tokens]
-        for name in ("k_pre", "k", "v"):
+        for name in ("kv_latent",) if args.is_mla else ("k_pre", "k", "v"):
             tensors[f"layers.{i}.{name}_absmax"] = kv.stats[(i, name)].contiguous()
-        entry["k_absmax"] = round(kv.stats[(i, "k")].max().item(), 4)
-        entry["v_absmax"] = round(kv.stats[(i, "v")].max().item(), 4)
+        if args.is_mla:  # one latent row [c (kv_lora_rank), k_rope] per token: its two parts' ranges
+            lat = kv.stats[(i, "kv_latent")]
+            entry["k_absmax"] = round(lat[..., args.kv_lora_rank:].max().item(), 4)  # the RoPE key
+            entry["v_absmax"] = round(lat[..., : args.kv_lora_rank].max().item(), 4)  # the latent c
+        else:
+            entry["k_absmax"] = round(kv.stats[(i, "k")].max().item(), 4)
+            entry["v_absmax"] = round(kv.stats[(i, "v")].max().item(), 4)
         if fitter is not None and i in fitter.report:
             entry["weights"] = fitter.report[i]
         report["layers"].append(entry)

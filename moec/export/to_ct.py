@@ -46,15 +46,18 @@ from ..errors import UserError
 from ..formats import bitpack
 from ..formats.checkpoint import MANIFEST, SHARD_BYTES
 from ..runtime.config import ModelArgs
+from ..runtime.hf_layout import DEEPSEEK, MLA_LINEARS, MLA_NORMS
 from .source import PackedModel, Param, export_tensors, refuse_unless_carried, rtn_zero_points
 from .to_gguf import EXPORT_INFO, is_export
 
 EXPERTS = re.compile(r"layers\.\d+\.moe\.w[123]$")  # stacked experts (or a dense MLP: ffn_kinds tells)
-_ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+_ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"} | MLA_LINEARS
 _MLP = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _NORMS = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
           "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight",
-          "moe.shared_gate.weight": "mlp.shared_expert_gate.weight"}
+          "moe.shared_gate.weight": "mlp.shared_expert_gate.weight",
+          "moe.score_bias": "mlp.gate.e_score_correction_bias",
+          **{f"attn.{c}.weight": f"self_attn.{h}.weight" for c, h in MLA_NORMS.items()}}
 _GLOBAL = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 
@@ -75,7 +78,8 @@ def hf_names(name: str, args: ModelArgs) -> list[str]:
     if rest == "moe.router.weight":
         return [f"{p}{moe}.gate.weight"]
     if rest.startswith("moe.shared.w"):
-        return [f"{p}mlp.shared_expert.{_MLP[rest.split('.')[2]]}.weight"]
+        shared = "shared_experts" if args.arch in DEEPSEEK else "shared_expert"
+        return [f"{p}mlp.{shared}.{_MLP[rest.split('.')[2]]}.weight"]
     if rest in ("moe.w1", "moe.w3", "moe.w2"):
         c = rest[-2:]
         if args.ffn_kinds[int(i)] == "dense":

@@ -87,7 +87,7 @@ TARGET_PATTERNS = {
     "experts": r"layers\.\d+\.moe\.w[123]$",  # stacked experts of MoE layers
     "mlp": r"layers\.\d+\.moe\.w[123]$",  # dense MLPs are stored as one always-taken expert
     "shared_experts": r"layers\.\d+\.moe\.shared\.w[123]\.weight$",
-    "attention": r"layers\.\d+\.attn\.w[qkvo]\.weight$",
+    "attention": r"layers\.\d+\.attn\.(w[qkvo]|wq_[ab]|wkv_[ab])\.weight$",  # GQA; MLA (wq_a/b, wkv_a/b)
     "router": r"layers\.\d+\.moe\.router\.weight$",
     "lm_head": r"^output\.weight$",
 }

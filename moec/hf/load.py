@@ -43,12 +43,13 @@ from ..errors import FormatError
 from ..formats import checkpoint
 from ..rotation import rotate
 from ..runtime.experts import HEAD_PARAM, ExpertWeights, QLinear, QuantMatrix, pop_quant_experts
+from ..runtime.hf_layout import DEEPSEEK, MLA_LINEARS, MLA_NORMS
 from ..runtime.loader import check_state_shapes, load_state
 from ..runtime.model import combine_experts
 from . import generic
 
 QUANT_METHOD = "moec"
-_ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+_ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"} | MLA_LINEARS
 # canonical per-layer names -> transformers' (the in-memory names of Llama, Mixtral, Qwen2/3-MoE, OLMoE in
 # transformers 5: every MoE block is `mlp` with `gate`, `experts` and the shared expert beside them)
 _LAYER_NAMES = {
@@ -58,7 +59,15 @@ _LAYER_NAMES = {
     **{f"moe.shared.{c}.weight": f"mlp.shared_expert.{h}.weight"
        for c, h in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
     **{f"attn.{c}.{s}": f"self_attn.{h}.{s}" for c, h in _ATTN.items() for s in ("weight", "bias")},
+    **{f"attn.{c}.weight": f"self_attn.{h}.weight" for c, h in MLA_NORMS.items()},
+    "moe.score_bias": "mlp.gate.e_score_correction_bias",
 }
+
+
+def _layer_name(args, canonical: str) -> str:
+    """transformers' name of a canonical per-layer tensor (DeepSeek calls its shared experts `shared_experts`)."""
+    h = _LAYER_NAMES[canonical]
+    return h.replace("mlp.shared_expert.", "mlp.shared_experts.") if args.arch in DEEPSEEK else h
 
 
 class MoecExperts(nn.Module):
@@ -97,7 +106,7 @@ def hf_tensors(args, state: dict[str, torch.Tensor], quantized_layers: set[int])
         out["lm_head.weight"] = state["output.weight"]
     for i in range(args.n_layers):
         p, m = f"layers.{i}.", f"model.layers.{i}."
-        out.update({m + h: state[p + c] for c, h in _LAYER_NAMES.items() if p + c in state})
+        out.update({m + _layer_name(args, c): state[p + c] for c in _LAYER_NAMES if p + c in state})
         if i in quantized_layers:
             continue
         w1, w3, w2 = (state[f"{p}moe.{c}"] for c in ("w1", "w3", "w2"))  # [E, I, D] ×2, [E, D, I]
@@ -133,7 +142,7 @@ def attach_packed(model: nn.Module, path: str | Path) -> nn.Module:
             setattr(layers[i].self_attn, _ATTN[c],
                     QLinear(q.to(device), None if bias is None else bias.to(device, dtype)))
         elif rest.startswith("moe.shared."):  # moe.shared.w[123].weight
-            mod, attr = _module_attr(model, f"model.layers.{i}.{_LAYER_NAMES[rest].removesuffix('.weight')}")
+            mod, attr = _module_attr(model, f"model.layers.{i}.{_layer_name(args, rest).removesuffix('.weight')}")
             setattr(mod, attr, QLinear(q.to(device), None))
         elif rest == "moe.router.weight":  # held dequantized, as the runtime holds it (experts.attach)
             w = q.dequant_ref(0)

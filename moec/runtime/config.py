@@ -1,8 +1,12 @@
 """ModelArgs: the canonical description of every architecture the runtime runs.
 
-Each supported Hugging Face architecture (Llama, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) maps onto
-these fields in `hf_layout.py`. A dense MLP is a single expert that every token takes, so dense and
+Each supported Hugging Face architecture (Llama, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3)
+maps onto these fields in `hf_layout.py`. A dense MLP is a single expert that every token takes, so dense and
 MoE layers share one code path and one set of tensor names.
+
+Multi-head latent attention (attn_kind "mla", DeepSeek-V2/V3): head_dim is the query/key head size
+(qk_nope + qk_rope_dim), n_kv_heads = n_heads (the decompressed form), and a token's cache entry is the
+kv_lora_rank-wide normed latent plus the qk_rope_dim RoPE key shared by all heads (model.MLAttention).
 """
 
 from __future__ import annotations
@@ -41,6 +45,24 @@ class ModelArgs:
     norm_topk: bool = True  # renormalize the kept top-k router probabilities to sum to 1
     shared_dim: int = 0  # shared expert intermediate size (0: none)
     shared_gate: bool = False  # Qwen2-MoE: sigmoid(x·g) scales the shared expert
+    # routing beyond softmax top-k (DeepSeek): scores softmax | sigmoid; top-k over all experts (greedy) or
+    # within the topk_group best of n_group groups, a group scored by its best expert (group_max, DeepSeek-V2)
+    # or the sum of its best two biased scores (group_top2, DeepSeek-V3); router_bias: a per-expert bias
+    # added to the scores for the choice only (DeepSeek-V3's e_score_correction_bias, tensor moe.score_bias);
+    # routed_scale multiplies the kept weights (after norm_topk)
+    router_score: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    router_bias: bool = False
+    routed_scale: float = 1.0
+    # attention: "gqa" (wq/wk/wv/wo) or "mla" (module docstring)
+    attn_kind: str = "gqa"
+    q_lora_rank: int = 0  # MLA: 0 = one wq, else wq_a -> q_a_norm -> wq_b
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek) vs halves
 
     def __post_init__(self):
         if not self.ffn_kinds:
@@ -51,10 +73,35 @@ class ModelArgs:
         assert self.qk_norm in ("none", "head", "full"), self.qk_norm
         if "moe" in self.ffn_kinds:
             assert 0 < self.top_k <= self.n_experts and self.expert_dim > 0, self
+        assert self.router_score in ROUTER_SCORES and self.topk_method in TOPK_METHODS, self
+        assert self.attn_kind in ATTN_KINDS, self.attn_kind
+        if self.topk_method != "greedy":
+            assert self.n_experts % self.n_group == 0 and 0 < self.topk_group <= self.n_group, self
+        if self.attn_kind == "mla":
+            assert 0 < self.qk_rope_dim < self.head_dim and self.qk_rope_dim % 2 == 0, self
+            assert self.kv_lora_rank > 0 and self.v_head_dim > 0 and self.n_kv_heads == self.n_heads, self
 
     @property
     def is_moe(self) -> bool:
         return "moe" in self.ffn_kinds
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attn_kind == "mla"
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions RoPE rotates per head: the whole head, or MLA's qk_rope_dim."""
+        return self.qk_rope_dim if self.is_mla else self.head_dim
+
+    @property
+    def qk_nope_dim(self) -> int:
+        return self.head_dim - self.qk_rope_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """MLA: one token's cache entry per layer (normed latent + RoPE key)."""
+        return self.kv_lora_rank + self.qk_rope_dim
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,6 +122,17 @@ class ModelArgs:
                    and f.default_factory is dataclasses.MISSING]
         if missing:
             raise UserError(f"model_args: missing {', '.join(missing)}")
+        if d.get("attn_kind", "gqa") == "mla":
+            rope, nope_rope = d.get("qk_rope_dim", 0), d["head_dim"]
+            if not (0 < rope < nope_rope and rope % 2 == 0 and d.get("kv_lora_rank", 0) > 0
+                    and d.get("v_head_dim", 0) > 0 and d["n_kv_heads"] == d["n_heads"]):
+                raise UserError("model_args: MLA needs 0 < qk_rope_dim < head_dim (even), kv_lora_rank > 0, "
+                                "v_head_dim > 0 and n_kv_heads == n_heads")
+        if d.get("topk_method", "greedy") != "greedy":
+            g, tg = d.get("n_group", 1), d.get("topk_group", 1)
+            if d.get("n_experts", 0) % g or not 0 < tg <= g:
+                raise UserError(f"model_args: grouped top-k needs n_experts divisible by n_group and "
+                                f"0 < topk_group <= n_group, got {d.get('n_experts', 0)}, {g}, {tg}")
         kinds = d.get("ffn_kinds") or ["moe" if d.get("n_experts") else "dense"]  # empty: every layer alike
         if d.get("ffn_kinds") and len(kinds) != d["n_layers"]:
             raise UserError(f"model_args: {len(kinds)} ffn_kinds for n_layers {d['n_layers']}")
@@ -87,6 +145,9 @@ class ModelArgs:
         return cls(**d)
 
 
+ROUTER_SCORES = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_max", "group_top2")
+ATTN_KINDS = ("gqa", "mla")
 _INT_MAX = 2**31 - 1  # token ids and kernel indices are int32: no dimension of a real model comes near
 
 
@@ -104,7 +165,10 @@ _FP32_MAX = 3.4e38
 
 # The RoPE scalings the runtime applies (model.rope_inv_freq), with the numbers each one reads.
 _ROPE_SCALING_KEYS = {"linear": ("factor",),
-                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                      "yarn": ("factor", "original_max_position_embeddings")}
+# yarn's optional numbers (transformers' _compute_yarn_parameters defaults when absent)
+_YARN_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
 
 
 def _rope_scaling(v) -> bool:
@@ -114,6 +178,9 @@ def _rope_scaling(v) -> bool:
         return False
     if not all(_positive_float(v.get(k)) for k in _ROPE_SCALING_KEYS[v["rope_type"]]):
         return False
+    if v["rope_type"] == "yarn":
+        return (all(v.get(k) is None or (_positive_float(v[k]) or v[k] == 0) for k in _YARN_OPTIONAL)
+                and isinstance(v.get("truncate", True), bool))
     return v["rope_type"] != "llama3" or v["low_freq_factor"] != v["high_freq_factor"]  # llama3 divides by the gap
 
 
@@ -125,10 +192,17 @@ _ARG_SPEC = {
     **{k: (_int(0), "an int in 0..2^31-1") for k in ("dense_dim", "n_experts", "top_k", "expert_dim", "shared_dim")},
     **{k: (_positive_float, "a number in (0, 3.4e38)") for k in ("norm_eps", "rope_theta")},
     "clip_qkv": (lambda v: v is None or _positive_float(v), "null or a number in (0, 3.4e38)"),
-    "rope_scaling": (_rope_scaling, "null or a RoPE scaling the runtime applies (rope_type linear or llama3 "
-                                    "with its factors)"),
+    "rope_scaling": (_rope_scaling, "null or a RoPE scaling the runtime applies (rope_type linear, llama3 or "
+                                    "yarn with its factors)"),
     **{k: (lambda v: isinstance(v, bool), "true or false") for k in ("tie_embeddings", "qkv_bias", "o_bias",
-                                                                     "norm_topk", "shared_gate")},
+                                                                     "norm_topk", "shared_gate", "router_bias",
+                                                                     "rope_interleave")},
+    **{k: (_int(0), "an int in 0..2^31-1") for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_dim", "v_head_dim")},
+    **{k: (_int(1), "an int in 1..2^31-1") for k in ("n_group", "topk_group")},
+    "routed_scale": (_positive_float, "a number in (0, 3.4e38)"),
+    "router_score": (lambda v: v in ROUTER_SCORES, f"one of {', '.join(map(repr, ROUTER_SCORES))}"),
+    "topk_method": (lambda v: v in TOPK_METHODS, f"one of {', '.join(map(repr, TOPK_METHODS))}"),
+    "attn_kind": (lambda v: v in ATTN_KINDS, f"one of {', '.join(map(repr, ATTN_KINDS))}"),
     "qk_norm": (lambda v: v in ("none", "head", "full"), "one of 'none', 'head', 'full'"),
     "ffn_kinds": (lambda v: isinstance(v, list) and all(k in ("moe", "dense") for k in v),
                   "a list of 'moe' / 'dense'"),
@@ -149,6 +223,29 @@ PRESETS: dict[str, ModelArgs] = {
         norm_eps=1e-6, max_seq_len=131072, rope_theta=1e6, qk_norm="head", n_experts=128, top_k=8,
         expert_dim=768,
     ),
+    # DeepSeek-V2-Lite (15.7B, 2.4B active; config.json of deepseek-ai/DeepSeek-V2-Lite): MLA without q LoRA,
+    # 64 routed experts top-6 (softmax, greedy, not renormalized) + 2 shared, one leading dense layer, YaRN
+    "deepseek-v2-lite": ModelArgs(
+        arch="deepseek_v2", vocab_size=102400, dim=2048, n_layers=27, n_heads=16, n_kv_heads=16, head_dim=192,
+        norm_eps=1e-6, max_seq_len=163840, rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+        ffn_kinds=["dense"] + ["moe"] * 26, dense_dim=10944, n_experts=64, top_k=6, expert_dim=1408,
+        norm_topk=False, shared_dim=2 * 1408, attn_kind="mla", kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
+        rope_interleave=True,
+    ),
+    # DeepSeek-V3 / R1 (671B, 37B active) at its real layer dimensions, all 61 layers (latency runs build as many
+    # as fit: --layers); sigmoid routing with the correction bias, 8 groups top-4, top-8 of 256 + 1 shared
+    "deepseek-v3": ModelArgs(
+        arch="deepseek_v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, head_dim=192,
+        norm_eps=1e-6, max_seq_len=163840, rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        ffn_kinds=["dense"] * 3 + ["moe"] * 58, dense_dim=18432, n_experts=256, top_k=8, expert_dim=2048,
+        shared_dim=2048, router_score="sigmoid", topk_method="group_top2", n_group=8, topk_group=4, router_bias=True,
+        routed_scale=2.5, attn_kind="mla", q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
+        rope_interleave=True,
+    ),
     # The GPU smoke's model (benchmarks/gpu_smoke.py): every code path of the big shapes at a size that
     # builds and compiles in seconds. head_dim 128 as in both big shapes; one dense MLP layer then MoE
     # layers (so `mlp` and `experts` recipe targets both match); dim, heads·head_dim and the FFN widths are
@@ -159,5 +256,17 @@ PRESETS: dict[str, ModelArgs] = {
         arch="qwen3_moe", vocab_size=8192, dim=768, n_layers=4, n_heads=6, n_kv_heads=2, head_dim=128,
         norm_eps=1e-6, max_seq_len=4096, rope_theta=1e6, qk_norm="head", ffn_kinds=["dense", "moe", "moe", "moe"],
         dense_dim=768, n_experts=4, top_k=2, expert_dim=768,
+    ),
+    # The GPU smoke's DeepSeek-V3-style model: MLA with q LoRA (ranks 384, multiples of every shipped group size),
+    # sigmoid group routing with the correction bias, a shared expert, a leading dense layer, YaRN
+    "smoke-mla": ModelArgs(
+        arch="deepseek_v3", vocab_size=8192, dim=768, n_layers=4, n_heads=6, n_kv_heads=6, head_dim=192,
+        norm_eps=1e-6, max_seq_len=4096, rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "mscale": 1.0,
+                      "mscale_all_dim": 1.0},
+        ffn_kinds=["dense", "moe", "moe", "moe"], dense_dim=768, n_experts=8, top_k=2, expert_dim=768,
+        shared_dim=768, router_score="sigmoid", topk_method="group_top2", n_group=4, topk_group=2, router_bias=True,
+        routed_scale=2.5, attn_kind="mla", q_lora_rank=384, kv_lora_rank=384, qk_rope_dim=64, v_head_dim=128,
+        rope_interleave=True,
     ),
 }

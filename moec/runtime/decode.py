@@ -46,7 +46,7 @@ from ..registry import weight_codec
 from .backend import kernels_enabled
 from .config import ModelArgs
 from .experts import QLinear
-from .kvcache import FP16Cache
+from .kvcache import dense_cache
 from .model import MoE, Transformer, rope_cos_sin, route
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,10 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
     if moe.kind == "dense" or not kernels_enabled(x.device) or (moe.codec is not None and not moe.codec.fused_ok(x)):
         return moe(x, layer)
     a = moe.args
-    w, ids = _route(x, moe.router.weight, a.top_k, a.norm_topk)  # [N, A] ×2
+    if plain_softmax_routing(moe):
+        w, ids = _route(x, moe.router.weight, a.top_k, a.norm_topk)  # [N, A] ×2
+    else:  # DeepSeek's scores, groups, bias and scale: torch's route (no host sync: capturable)
+        _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk, a, getattr(moe, "score_bias", None))
     if moe.codec is not None:
         out = moe.codec.fused(x, w, ids)
     else:
@@ -90,6 +93,13 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
             s = torch.sigmoid(moe.shared_gate(x)) * s
         out = out + s
     return out
+
+
+def plain_softmax_routing(moe: MoE) -> bool:
+    """Softmax over every expert then top-k (and renormalization): what the routing kernels compute."""
+    a = moe.args
+    return (a.router_score, a.topk_method, a.routed_scale) == ("softmax", "greedy", 1.0) and \
+        not hasattr(moe, "score_bias")
 
 
 _ROUTE_FAILED: list[str] = []  # the routing kernel failed to compile here: torch's route instead
@@ -222,7 +232,8 @@ class DecodeEngine:
         # (backend.kernels_enabled), MOEC_FUSE=0 turns it off (benchmarks/bench_latency.py measures both)
         if fuse is None:
             fuse = kernels_enabled(dev) and os.environ.get("MOEC_FUSE", "1") != "0"
-        self.fused = fuse and self.args.qk_norm in ("none", "head") and self.args.clip_qkv is None
+        self.fused = fuse and self.args.qk_norm in ("none", "head") and self.args.clip_qkv is None \
+            and not self.args.is_mla
         self.qkv = [self._fuse_qkv(blk.attn) for blk in model.layers] if self.fused else []
 
     @staticmethod
@@ -264,12 +275,15 @@ class DecodeEngine:
         kv: dict[str, torch.Tensor] = {}
 
         def grab(layer, name, t):
-            if name in ("k", "v"):
+            if name in ("k", "v", "kv_latent"):
                 kv[name] = t
 
         for block in m.layers:
             x = block(x, cos, sin, None, 0, grab)  # causal SDPA over the prompt
-            self.cache.prefill_row(row, block.layer, kv["k"][0], kv["v"][0])
+            if self.args.is_mla:  # the latent rows [1, T, r + rope]
+                self.cache.prefill_row(row, block.layer, kv["kv_latent"][0])
+            else:
+                self.cache.prefill_row(row, block.layer, kv["k"][0], kv["v"][0])
         self.cache.set_length(row, T)
         logits = m.lm_head(m.norm(x[:, -1:]))[0, 0].float()
         self.pos[row] = T
@@ -396,7 +410,7 @@ def make_cache(model: Transformer, batch: int, max_len: int, kv: dict | None = N
     for codecs with a cache of their own (static_cache_factory builds those)."""
     dev = model.tok_embeddings.weight.device
     if not kv:
-        return FP16Cache(model.args, batch, max_len, device=dev, mode="static")
+        return dense_cache(model.args, batch, max_len, device=dev, mode="static")
     from .kvtiered import tiered_cache_factory
     from .loader import kv_codec_spec
 

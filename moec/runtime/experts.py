@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 DECODE_MAX_TOKENS = 2  # up to this many tokens: the decode GEMV; above: the grouped kernel (H200 sweep)
 FUSED_MAX_TOKENS = DECODE_MAX_TOKENS  # old name
-ATTN_PARAM = re.compile(r"layers\.(\d+)\.attn\.(w[qkvo])\.weight$")
+ATTN_PARAM = re.compile(r"layers\.(\d+)\.attn\.(w[qkvo]|wq_[ab]|wkv_[ab])\.weight$")  # GQA, MLA projections
 SHARED_PARAM = re.compile(r"layers\.(\d+)\.moe\.shared\.(w[123])\.weight$")
 ROUTER_PARAM = re.compile(r"layers\.(\d+)\.moe\.router\.weight$")
 HEAD_PARAM = re.compile(r"^output\.weight$")
@@ -229,6 +229,14 @@ class QLinear(nn.Module):
                             self.q.bits, list(self.q.shape), type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                 _QLINEAR_FAILED.add(key)
         return F.linear(x, self.q.dequant_ref(0, x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [O, I] weight this layer applies (fp32; a fitted rotation undone): MLA's absorbed decode
+        multiplies by wkv_b's weight instead of applying the layer."""
+        w = self.q.dequant_ref(0)
+        if self.q.rotated:  # stored W·R: the layer computes (W·R)·(Rᵀx)
+            w = rotate(w, self.q.had_signs, self.q.had_h, inverse=True)
+        return w
 
 
 _QLINEAR_FAILED: set[tuple] = set()  # quantized-projection configurations whose kernel failed to compile here

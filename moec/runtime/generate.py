@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from .decode import DecodeEngine, make_cache
-from .kvcache import FP16Cache
+from .kvcache import dense_cache
 from .model import Transformer
 
 
@@ -58,7 +58,7 @@ def generate(model: Transformer, prompt: list[int] | torch.Tensor, max_new_token
         max_len = min(max_len, model.args.max_seq_len)
         cache = static_cache(model, 1, max_len) if static_cache else make_cache(model, 1, max_len, kv, codecs)
         if not kv and static_cache is None:
-            cache = FP16Cache(model.args, 1, max_len, device=cache.device, dtype=kv_dtype, mode="static")
+            cache = dense_cache(model.args, 1, max_len, device=cache.device, dtype=kv_dtype, mode="static")
         eng = DecodeEngine(model, cache, graphs=graphs)
         logits = eng.prefill(0, ids)
         while not emit(t := pick(logits, temperature, gen)):

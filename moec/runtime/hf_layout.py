@@ -23,8 +23,9 @@ from .config import ModelArgs
 ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-SUPPORTED = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:
@@ -59,6 +60,8 @@ def args_from_config(cfg: dict) -> ModelArgs:
     )
     if cfg.get("hidden_act", "silu") != "silu":
         raise UserError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    if mt in DEEPSEEK:
+        return _deepseek_args(cfg, common)
     if mt == "llama":
         if cfg.get("mlp_bias"):
             raise UserError("Llama checkpoints with mlp_bias=true are not supported")
@@ -88,6 +91,64 @@ def args_from_config(cfg: dict) -> ModelArgs:
     return ModelArgs(**common, **extra, qk_norm="head", qkv_bias=bias, o_bias=bias)
 
 
+_V2_TOPK = {"greedy": "greedy", "group_limited_greedy": "group_max"}
+
+
+def _deepseek_args(cfg: dict, common: dict) -> ModelArgs:
+    """DeepSeek-V2/V3 (and the checkpoints that reuse their types: Kimi K2, Moonlight): MLA, routed experts
+    after the first first_k_dense_replace dense layers, shared experts, V2's softmax (optionally group-limited)
+    or V3's sigmoid + correction bias + group top-2 routing."""
+    mt, heads = cfg["model_type"], cfg["num_attention_heads"]
+    if (cfg.get("num_key_value_heads") or heads) != heads:
+        raise UserError(f"{mt}: num_key_value_heads {cfg['num_key_value_heads']} != num_attention_heads {heads} "
+                        "(MLA decompresses one key and value per head)")
+    if cfg.get("mlp_bias"):
+        raise UserError(f"{mt} checkpoints with mlp_bias=true are not supported")
+    L, E = cfg["num_hidden_layers"], cfg.get("n_routed_experts") or 0
+    first_dense = cfg.get("first_k_dense_replace", 3 if mt == "deepseek_v3" else 0)
+    kinds = ["moe" if (E and i >= first_dense) else "dense" for i in range(L)]
+    moe_dim = cfg.get("moe_intermediate_size", 0)
+    if mt == "deepseek_v2":
+        method = cfg.get("topk_method", "greedy")
+        if method not in _V2_TOPK:
+            raise UserError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+        routing = dict(router_score="softmax", topk_method=_V2_TOPK[method], norm_topk=bool(cfg.get("norm_topk_prob")))
+        interleave = True  # V2 rotates (x0, x1) pairs as complex numbers
+    else:
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise UserError("deepseek_v3 checkpoints route by sigmoid scores with topk_method noaux_tc only")
+        routing = dict(router_score="sigmoid", topk_method="group_top2", router_bias=True,
+                       norm_topk=bool(cfg.get("norm_topk_prob", True)))
+        interleave = bool(cfg.get("rope_interleave", True))
+    if routing["topk_method"] != "greedy":
+        routing |= dict(n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1)
+    nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    bias = bool(cfg.get("attention_bias", False))
+    common = common | dict(n_kv_heads=heads, head_dim=nope + rope)
+    return ModelArgs(**common, attn_kind="mla", q_lora_rank=cfg.get("q_lora_rank") or 0,
+                     kv_lora_rank=cfg["kv_lora_rank"], qk_rope_dim=rope, v_head_dim=cfg["v_head_dim"],
+                     rope_interleave=interleave, qkv_bias=bias, o_bias=bias, ffn_kinds=kinds,
+                     dense_dim=cfg.get("intermediate_size", 0), n_experts=E, top_k=cfg.get("num_experts_per_tok") or 0,
+                     expert_dim=moe_dim, shared_dim=moe_dim * (cfg.get("n_shared_experts") or 0),
+                     routed_scale=float(cfg.get("routed_scaling_factor", 1.0)), **routing)
+
+
+def _deepseek_config(a: ModelArgs, cfg: dict) -> dict:
+    first_dense = next((i for i, k in enumerate(a.ffn_kinds) if k == "moe"), a.n_layers)
+    assert all(k == "moe" for k in a.ffn_kinds[first_dense:]), a.ffn_kinds
+    out = cfg | {"num_key_value_heads": a.n_heads, "head_dim": a.qk_rope_dim, "q_lora_rank": a.q_lora_rank or None,
+                 "kv_lora_rank": a.kv_lora_rank, "qk_nope_head_dim": a.qk_nope_dim, "qk_rope_head_dim": a.qk_rope_dim,
+                 "v_head_dim": a.v_head_dim, "attention_bias": a.qkv_bias, "intermediate_size": a.dense_dim,
+                 "moe_intermediate_size": a.expert_dim, "n_routed_experts": a.n_experts,
+                 "num_experts_per_tok": a.top_k,
+                 "n_shared_experts": a.shared_dim // a.expert_dim if a.expert_dim else 0,
+                 "first_k_dense_replace": first_dense, "norm_topk_prob": a.norm_topk,
+                 "routed_scaling_factor": a.routed_scale, "n_group": a.n_group, "topk_group": a.topk_group}
+    if a.arch == "deepseek_v2":
+        return out | {"topk_method": {v: k for k, v in _V2_TOPK.items()}[a.topk_method], "mlp_bias": False}
+    return out | {"rope_interleave": a.rope_interleave}
+
+
 def config_from_args(args: ModelArgs) -> dict:
     """The HF config.json dict of `args` (the inverse of args_from_config for the fields it reads), so a
     `pack --random` checkpoint loads in transformers like a packed real one."""
@@ -100,6 +161,8 @@ def config_from_args(args: ModelArgs) -> dict:
            "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta, **(a.rope_scaling or {})}}
     if a.rope_scaling:
         cfg["rope_scaling"] = dict(a.rope_scaling)
+    if a.arch in DEEPSEEK:
+        return _deepseek_config(a, cfg)
     if a.arch == "llama":
         return cfg | {"intermediate_size": a.dense_dim, "attention_bias": a.qkv_bias, "mlp_bias": False}
     moe = {"num_experts_per_tok": a.top_k, "norm_topk_prob": a.norm_topk}
@@ -116,7 +179,21 @@ def config_from_args(args: ModelArgs) -> dict:
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+# MLA projections: canonical name -> transformers' (DeepSeek) module name
+MLA_LINEARS = {"wq": "q_proj", "wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv_a": "kv_a_proj_with_mqa",
+               "wkv_b": "kv_b_proj", "wo": "o_proj"}
+MLA_NORMS = {"q_a_norm": "q_a_layernorm", "kv_a_norm": "kv_a_layernorm"}
+
+
+def attention_names(args: ModelArgs) -> dict[str, str]:
+    """The layer's attention projections present in `args`: canonical -> transformers module name."""
+    if not args.is_mla:
+        return {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+    drop = ("wq",) if args.q_lora_rank else ("wq_a", "wq_b")
+    return {c: h for c, h in MLA_LINEARS.items() if c not in drop}
 
 
 def _moe_prefix(arch: str) -> str:
@@ -173,11 +250,16 @@ class HFCheckpoint:
         a, p = self.args, f"model.layers.{i}."
         out = {"attn_norm.weight": self.get(p + "input_layernorm.weight"),
                "ffn_norm.weight": self.get(p + "post_attention_layernorm.weight")}
-        for c, h in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+        for c, h in attention_names(a).items():
             out[f"attn.{c}.weight"] = self.get(f"{p}self_attn.{h}.weight")
-            has_bias = a.o_bias if c == "wo" else a.qkv_bias
+            biased = ("wq_a", "wkv_a") if a.is_mla else ("wq", "wk", "wv")
+            has_bias = a.o_bias if c == "wo" else a.qkv_bias and c in biased
             if has_bias:
                 out[f"attn.{c}.bias"] = self.get(f"{p}self_attn.{h}.bias")
+        if a.is_mla:
+            for c, h in MLA_NORMS.items():
+                if c != "q_a_norm" or a.q_lora_rank:
+                    out[f"attn.{c}.weight"] = self.get(f"{p}self_attn.{h}.weight")
         if a.qk_norm != "none":
             out["attn.q_norm.weight"] = self.get(p + "self_attn.q_norm.weight")
             out["attn.k_norm.weight"] = self.get(p + "self_attn.k_norm.weight")
@@ -192,6 +274,8 @@ class HFCheckpoint:
         a = self.args
         m = f"model.layers.{i}.{_moe_prefix(a.arch)}."
         out = {"moe.router.weight": self.get(m + "gate.weight")}
+        if a.router_bias:
+            out["moe.score_bias"] = self.get(m + "gate.e_score_correction_bias")
         if self.has(m + "experts.gate_up_proj"):  # fused layout: gate rows first, then up
             gate_up = self.get(m + "experts.gate_up_proj")  # [E, 2I, D]
             out["moe.w1"], out["moe.w3"] = (t.contiguous() for t in gate_up.chunk(2, dim=1))
@@ -202,8 +286,9 @@ class HFCheckpoint:
             for c, h in names.items():
                 out[f"moe.{c}"] = torch.stack([self.get(f"{m}experts.{e}.{h}.weight") for e in range(a.n_experts)])
         if a.shared_dim:
+            shared = "shared_experts" if a.arch in DEEPSEEK else "shared_expert"
             for c, h in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                out[f"moe.shared.{c}.weight"] = self.get(f"{m}shared_expert.{h}.weight")
+                out[f"moe.shared.{c}.weight"] = self.get(f"{m}{shared}.{h}.weight")
             if a.shared_gate:
                 out["moe.shared_gate.weight"] = self.get(m + "shared_expert_gate.weight")
         return out

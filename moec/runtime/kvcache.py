@@ -12,6 +12,8 @@ One class per codec family, each with three modes of the same object (`mode=`):
                the dynamic mode would hold at its step (benchmarks/bench_kv_quality.py)
 The families:
     FP16Cache           (here) the uncompressed cache, the baseline every codec is compared against
+    MLACache            (mla.py) the uncompressed MLA latent (DeepSeek): one shared row per token and layer;
+                        `dense_cache` picks it for an MLA model
     TieredKVCache       (kvtiered.py) fp16 sinks + window, block-encoded history: every registered block
                         codec (nuq-outlier, kivi, any `layer_codecs` hook of moec/registry.py)
     LatentKVCache       (latent.py) the tiered layout with layer groups encoded into PCA latents
@@ -76,6 +78,15 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     den = p.sum(dim=(2, 4))  # [b, K, G]
     out = torch.matmul(p.to(v.dtype), vc).float().sum(2)  # [b, K, G, d]
     return out / den[..., None]
+
+
+def dense_cache(args: ModelArgs, batch: int, max_len: int, dtype=torch.float16, device="cpu", mode: str = "dynamic"):
+    """The uncompressed cache of `args`' attention: FP16Cache, or mla.MLACache for multi-head latent attention."""
+    if args.is_mla:
+        from .mla import MLACache
+
+        return MLACache(args, batch, max_len, dtype=dtype, device=device, mode=mode)
+    return FP16Cache(args, batch, max_len, dtype=dtype, device=device, mode=mode)
 
 
 class FP16Cache:

@@ -186,6 +186,8 @@ def time_replays(fn, steps: int, warmup: int = 5) -> list[float]:
 def kv_bytes_per_token(args: ModelArgs, kv: dict | None, codecs: list | None) -> float:
     """Bytes the static cache allocates per token of capacity (all layers, K and V, one row)."""
     if not kv:
+        if args.is_mla:  # one latent row per token and layer (mla.MLACache)
+            return args.n_layers * args.latent_dim * 2
         return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
     n = 0.0
     for c in codecs:

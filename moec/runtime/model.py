@@ -11,8 +11,9 @@ kernels are compared against, and the path `moec eval` takes on a CPU.
 
 An optional `observer(layer, name, tensor)` sees internal activations: 'attn_in' (normed input of
 wq/wk/wv), 'k_pre' (keys before RoPE), 'q', 'k', 'v' (after RoPE), 'attn_out' (input of wo),
-'ffn_in', 'router_logits', 'expert_ids'; calibration capture uses it so the layer loop lives in one
-place (moec/calibrate/capture.py).
+'ffn_in', 'router_logits', 'expert_ids'; MLA layers send 'q_lat' (input of wq_b) and 'kv_latent' (the
+cached row [c, k_rope] [B, 1, T, r + rope], whose c is the input of wkv_b) instead of 'k_pre', 'q', 'k', 'v'.
+Calibration capture uses it so the layer loop lives in one place (moec/calibrate/capture.py).
 """
 
 from __future__ import annotations
@@ -47,9 +48,47 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term 0.1·mscale·ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """The factor YaRN applies to cos/sin (1 for every other scaling): the config's attention_factor, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set (DeepSeek), else mscale(factor)."""
+    sc = args.rope_scaling
+    if not sc or sc["rope_type"] != "yarn":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    if sc.get("mscale") and sc.get("mscale_all_dim"):
+        return yarn_mscale(sc["factor"], sc["mscale"]) / yarn_mscale(sc["factor"], sc["mscale_all_dim"])
+    return yarn_mscale(sc["factor"])
+
+
+def _yarn_inv_freq(inv: torch.Tensor, d: int, base: float, sc: dict) -> torch.Tensor:
+    """YaRN: interpolate (divide by factor) the low frequencies, keep the high ones, ramp linearly between the
+    dimensions that turn beta_slow and beta_fast times over the original context."""
+    factor, ctx = sc["factor"], sc["original_max_position_embeddings"]
+    fast, slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
+
+    def dim_of(rotations):  # the dimension index whose wavelength fits `rotations` turns into ctx
+        return d * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = dim_of(fast), dim_of(slow)
+    if sc.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv.device) - lo) / (hi - lo)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    return inv / factor * (1 - keep) + inv * keep
+
+
 def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
-    """Inverse frequencies [d/2], with the RoPE scaling of the source config applied."""
-    d = args.head_dim
+    """Inverse frequencies [rope_dim/2], with the RoPE scaling of the source config applied."""
+    d = args.rope_dim
     inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     sc = args.rope_scaling
     if not sc:
@@ -57,6 +96,8 @@ def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
     kind = sc["rope_type"]
     if kind == "linear":
         return inv / sc["factor"]
+    if kind == "yarn":
+        return _yarn_inv_freq(inv, d, args.rope_theta, sc)
     if kind == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate between.
         factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
@@ -71,16 +112,22 @@ def rope_inv_freq(args: ModelArgs, device=None) -> torch.Tensor:
 
 
 def rope_cos_sin(args: ModelArgs, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin: [T, d] for integer positions [T] (half-rotation layout, as in HF Llama)."""
+    """cos, sin: [T, rope_dim] for integer positions [T] (half-rotation layout, as in HF Llama), times YaRN's
+    attention factor where the scaling has one."""
     inv = rope_inv_freq(args, positions.device)
     freqs = positions.float()[:, None] * inv[None, :]  # [T, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    f = rope_attention_factor(args)
+    return (emb.cos() * f).to(dtype), (emb.sin() * f).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, d]; cos/sin: [T, d]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x: [B, heads, T, d]; cos/sin: [T, d] (or broadcastable). interleaved: the pairs are (x0, x1), (x2, x3), ...
+    (DeepSeek); the result is then in halves order [rotated evens, rotated odds], as transformers'
+    DeepSeek-V3 writes it: the same permutation for q and k, so q·k is that of the pairwise rotation."""
     half = x.shape[-1] // 2
+    if interleaved:
+        x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
@@ -130,6 +177,94 @@ class Attention(nn.Module):
         return self.wo(out)
 
 
+def mla_softmax_scale(args: ModelArgs) -> float:
+    """MLA's score scale: 1/√(qk head dim), times mscale(factor, mscale_all_dim)² under a scaling that sets
+    mscale_all_dim (DeepSeek's YaRN: the temperature the cos/sin factor divides out of the RoPE part)."""
+    scale = args.head_dim**-0.5
+    sc = args.rope_scaling or {}
+    if sc.get("mscale_all_dim"):
+        scale *= yarn_mscale(sc["factor"], sc["mscale_all_dim"]) ** 2
+    return scale
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3). Per token: q = wq(x) (or wq_b(q_a_norm(wq_a(x)))) split
+    into the no-RoPE part [H, nope] and the RoPE part [H, rope]; wkv_a(x) = [latent c (r), k_rope (rope)],
+    c normed (kv_a_norm); wkv_b(c) = per head [k_nope (nope), v (v_head_dim)]. Keys are [k_nope, k_rope]
+    with k_rope shared by every head.
+
+    Without a cache (prefill, the reference) the keys and values are decompressed and attended with SDPA.
+    With one, the cache holds only [c, k_rope] per token (args.latent_dim) and attention is absorbed:
+    q_nope·k_nope = (q_nope·W_UK)·c, so each head's query becomes [q_nope·W_UK (r), q_rope] against the
+    one shared latent "head", and the output P·c is projected by W_UV per head afterwards. The cache's
+    `attend(layer, q [B, H, T, r + rope], kv [B, 1, T, r + rope], None, start_pos)` returns P·c [B, H, T, r]
+    (values = the first r channels of the cached rows): moec/runtime/mla.py."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        H, d, D, r = args.n_heads, args.head_dim, args.dim, args.kv_lora_rank
+        if args.q_lora_rank:
+            self.wq_a = nn.Linear(D, args.q_lora_rank, bias=args.qkv_bias)
+            self.q_a_norm = RMSNorm(args.q_lora_rank, 1e-6)
+            self.wq_b = nn.Linear(args.q_lora_rank, H * d, bias=False)
+        else:
+            self.wq = nn.Linear(D, H * d, bias=False)
+        self.wkv_a = nn.Linear(D, r + args.qk_rope_dim, bias=args.qkv_bias)
+        self.kv_a_norm = RMSNorm(r, 1e-6)
+        self.wkv_b = nn.Linear(r, H * (args.qk_nope_dim + args.v_head_dim), bias=False)
+        self.wo = nn.Linear(H * args.v_head_dim, D, bias=args.o_bias)
+        self.scale = mla_softmax_scale(args)
+
+    def kv_b_weight(self) -> torch.Tensor:
+        """wkv_b's weight [H, nope + v, r]; a quantized wkv_b (runtime/experts.QLinear) dequantized once and kept
+        (the absorbed products need the matrix itself, not its product with a vector)."""
+        a = self.args
+        if isinstance(self.wkv_b, nn.Linear):
+            w = self.wkv_b.weight
+        else:
+            if getattr(self, "_kv_b_dense", None) is None or self._kv_b_dense[0] is not self.wkv_b:
+                self._kv_b_dense = (self.wkv_b, self.wkv_b.dense_weight())
+            w = self._kv_b_dense[1]
+        return w.view(a.n_heads, a.qk_nope_dim + a.v_head_dim, a.kv_lora_rank)
+
+    def forward(self, x, cos, sin, layer: int, cache=None, start_pos: int = 0, observer=None):
+        a = self.args
+        B, T, _ = x.shape
+        H, nope, rope, r = a.n_heads, a.qk_nope_dim, a.qk_rope_dim, a.kv_lora_rank
+        if a.q_lora_rank:
+            q_lat = self.q_a_norm(self.wq_a(x))
+            if observer is not None:
+                observer(layer, "q_lat", q_lat)  # the input of wq_b
+            q = self.wq_b(q_lat)
+        else:
+            q = self.wq(x)
+        q = q.view(B, T, H, a.head_dim).transpose(1, 2)  # [B, H, T, nope + rope]
+        q_nope, q_rope = q.split([nope, rope], dim=-1)
+        c, k_rope = self.wkv_a(x).split([r, rope], dim=-1)  # [B, T, r], [B, T, rope]
+        c = self.kv_a_norm(c)
+        q_rope = apply_rope(q_rope, cos, sin, a.rope_interleave)
+        k_rope = apply_rope(k_rope[:, None], cos, sin, a.rope_interleave)  # [B, 1, T, rope]
+        latent = torch.cat([c[:, None], k_rope], dim=-1)  # [B, 1, T, r + rope]: what a cache holds
+        if observer is not None:
+            observer(layer, "kv_latent", latent)
+        if cache is None:
+            kv = self.wkv_b(c).view(B, T, H, nope + a.v_head_dim).transpose(1, 2)
+            k_nope, v = kv.split([nope, a.v_head_dim], dim=-1)
+            k = torch.cat([k_nope, k_rope.expand(B, H, T, rope)], dim=-1)
+            out = F.scaled_dot_product_attention(torch.cat([q_nope, q_rope], dim=-1), k, v, is_causal=True,
+                                                 scale=self.scale)  # [B, H, T, v]
+        else:
+            w = self.kv_b_weight().to(q.dtype)  # [H, nope + v, r]
+            q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w[:, :nope])
+            o_lat = cache.attend(layer, torch.cat([q_lat, q_rope], dim=-1), latent, None, start_pos)  # [B, H, T, r]
+            out = torch.einsum("bhtr,hvr->bhtv", o_lat.to(q.dtype), w[:, nope:])
+        out = out.transpose(1, 2).reshape(B, T, H * a.v_head_dim)
+        if observer is not None:
+            observer(layer, "attn_out", out)
+        return self.wo(out)
+
+
 class FFN(nn.Module):
     """A plain SwiGLU MLP (the shared expert)."""
 
@@ -143,14 +278,40 @@ class FFN(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool):
-    """Softmax top-k routing in fp32. x: [N, D], router: [E, D] -> logits [N, E], weights, ids [N, A]."""
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool, args: ModelArgs | None = None,
+          score_bias: torch.Tensor | None = None):
+    """Top-k routing in fp32. x: [N, D], router: [E, D] -> logits [N, E], weights, ids [N, A].
+    Softmax over all experts unless `args` says otherwise (ModelArgs router_score, topk_method, n_group,
+    topk_group, routed_scale; score_bias [E]: added to the scores for the choice only)."""
     logits = x @ router.t()
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if args is None or (args.router_score, args.topk_method, args.routed_scale, score_bias) == (
+            "softmax", "greedy", 1.0, None):
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        if norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights, ids
+    lf = logits.float()
+    scores = torch.sigmoid(lf) if args.router_score == "sigmoid" else torch.softmax(lf, dim=-1)
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if args.topk_method != "greedy":
+        N, E = choice.shape
+        grouped = choice.view(N, args.n_group, E // args.n_group)
+        if args.topk_method == "group_max":
+            group_score = grouped.amax(-1)
+        else:  # group_top2
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(args.topk_group, dim=-1).indices, True)
+        # DeepSeek-V2 zeroes the other groups' (non-negative) scores, V3 sets its biased ones to -inf: either
+        # way no expert outside the kept groups is chosen unless fewer than top_k experts remain
+        fill = 0.0 if args.topk_method == "group_max" else float("-inf")
+        choice = grouped.masked_fill(~keep[..., None], fill).view(N, E)
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
     if norm_topk:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return logits, weights, ids
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return logits, weights * args.routed_scale, ids
 
 
 def combine_experts(expert: Callable[[int, torch.Tensor], torch.Tensor], x: torch.Tensor, weights: torch.Tensor,
@@ -175,6 +336,8 @@ class MoE(nn.Module):
         D = args.dim
         if kind == "moe":
             self.router = nn.Linear(D, E, bias=False)
+            if args.router_bias:
+                self.score_bias = nn.Parameter(torch.zeros(E))
         self.w1 = nn.Parameter(torch.empty(E, I, D))
         self.w3 = nn.Parameter(torch.empty(E, I, D))
         self.w2 = nn.Parameter(torch.empty(E, D, I))
@@ -195,7 +358,8 @@ class MoE(nn.Module):
         if self.kind == "dense":
             return self.expert(0, x).view(shape)
         a = self.args
-        logits, weights, ids = route(x, self.router.weight, a.top_k, a.norm_topk)  # [N, E], [N, A] ×2
+        logits, weights, ids = route(x, self.router.weight, a.top_k, a.norm_topk, a,
+                                     getattr(self, "score_bias", None))  # [N, E], [N, A] ×2
         if observer is not None:
             observer(layer, "router_logits", logits)
             observer(layer, "expert_ids", ids)
@@ -215,7 +379,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = Attention(args)
+        self.attn = MLAttention(args) if args.is_mla else Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = MoE(args, args.ffn_kinds[layer])
 

@@ -41,9 +41,9 @@ def _dynamic_logits(model: Transformer, section: dict | None, tensors: dict, ids
     dev = model.tok_embeddings.weight.device
     factory = kv_cache_factory({"kv": section, "kv_tensors": tensors}, model.args)
     if factory is None:
-        from .kvcache import FP16Cache
+        from .kvcache import dense_cache
 
-        cache = FP16Cache(model.args, 1, ids.numel(), device=dev)
+        cache = dense_cache(model.args, 1, ids.numel(), device=dev)
     else:
         cache = factory(model, 1, ids.numel())
     ids = ids.to(dev)

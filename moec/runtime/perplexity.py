@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kvcache import FP16Cache
+from .kvcache import FP16Cache, dense_cache
 from .model import Transformer
 
 CONTEXT = 32
@@ -120,7 +120,7 @@ def layer_progress(model: torch.nn.Module, progress: Callable[[int], None] | Non
 
 def fp16_cache(model: Transformer, batch: int, max_len: int) -> FP16Cache:
     dev = model.tok_embeddings.weight.device
-    return FP16Cache(model.args, batch, max_len, dtype=torch.float16, device=dev)
+    return dense_cache(model.args, batch, max_len, dtype=torch.float16, device=dev)
 
 
 @torch.no_grad()

@@ -223,4 +223,5 @@ def test_one_cache_class_per_codec_family():
     caches = {f"{classes[n][0]}:{n}" for n in classes
               if "attend" in methods(n) and methods(n) & {"bits_per_element", "bytes_read"}}
     assert caches == {"runtime/kvcache.py:FP16Cache", "runtime/kvtiered.py:TieredKVCache",
-                      "runtime/latent.py:LatentKVCache", "runtime/rvq.py:RVQTieredCache"}, sorted(caches)
+                      "runtime/latent.py:LatentKVCache", "runtime/rvq.py:RVQTieredCache",
+                      "runtime/mla.py:MLACache"}, sorted(caches)

@@ -16,6 +16,18 @@ CASES = {
                            top_k=2, expert_dim=48, qk_norm="head"),
     "olmoe": ModelArgs(arch="olmoe", **COMMON, n_experts=4, top_k=2, expert_dim=48, qk_norm="full", clip_qkv=8.0,
                        norm_topk=False),
+    # MLA without q LoRA, V2's group-limited softmax routing, a shared expert, linear RoPE scaling
+    "deepseek_v2": ModelArgs(arch="deepseek_v2", **COMMON | dict(n_kv_heads=4, head_dim=24), ffn_kinds=["dense", "moe",
+                             "moe"], dense_dim=96, n_experts=8, top_k=2, expert_dim=48, norm_topk=False,
+                             shared_dim=96, topk_method="group_max", n_group=4, topk_group=2, routed_scale=1.5,
+                             attn_kind="mla", kv_lora_rank=32, qk_rope_dim=8, v_head_dim=16, rope_interleave=True,
+                             rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    # q LoRA, sigmoid + bias + group top-2, no interleave (a V3 config may turn it off)
+    "deepseek_v3": ModelArgs(arch="deepseek_v3", **COMMON | dict(n_kv_heads=4, head_dim=24), ffn_kinds=["dense", "moe",
+                             "moe"], dense_dim=96, n_experts=8, top_k=2, expert_dim=48, shared_dim=48,
+                             router_score="sigmoid", topk_method="group_top2", n_group=2, topk_group=1,
+                             router_bias=True, routed_scale=2.5, attn_kind="mla", q_lora_rank=32, kv_lora_rank=32,
+                             qk_rope_dim=8, v_head_dim=16),
 }
 
 

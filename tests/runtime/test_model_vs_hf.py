@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moec.runtime.hf_layout import HFCheckpoint
-from moec.runtime.kvcache import FP16Cache
+from moec.runtime.kvcache import dense_cache
 from moec.runtime.model import build_model
 from tests.runtime.tiny_hf import make_tiny, tiny_configs
 
@@ -36,7 +36,7 @@ def test_decode_matches_prefill(arch, tmp_path):
     model = build_model(ckpt.args, ckpt.state_dict())
     T = 29
     tokens = torch.randint(0, ckpt.args.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
-    cache = FP16Cache(ckpt.args, batch=2, max_len=T, dtype=torch.float32)
+    cache = dense_cache(ckpt.args, batch=2, max_len=T, dtype=torch.float32)
     with torch.no_grad():
         full = model(tokens)
         steps = [model(tokens[:, :5], cache, 0)]  # a multi-token prefill, then one token at a time

@@ -7,6 +7,8 @@ import transformers as T
 def tiny_configs() -> dict:
     common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
                   num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+    mla = common | dict(num_key_value_heads=6, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                        v_head_dim=12)
     return {
         "llama": T.LlamaConfig(**common, intermediate_size=40, tie_word_embeddings=True,
                                rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
@@ -20,6 +22,20 @@ def tiny_configs() -> dict:
                                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
         "olmoe": T.OlmoeConfig(**common, intermediate_size=24, num_experts=4, num_experts_per_tok=2,
                                clip_qkv=8.0),
+        # MLA (no q LoRA, interleaved RoPE as complex pairs), group-limited softmax routing, a leading dense
+        # layer, a shared expert, routed_scaling_factor
+        "deepseek_v2": T.DeepseekV2Config(**mla, intermediate_size=40, moe_intermediate_size=24, n_routed_experts=8,
+                                          num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1,
+                                          topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                          q_lora_rank=None, routed_scaling_factor=1.5),
+        # q LoRA, sigmoid + correction bias + group top-2 routing, YaRN with DeepSeek's mscale pair
+        "deepseek_v3": T.DeepseekV3Config(**mla, intermediate_size=40, moe_intermediate_size=24, n_routed_experts=8,
+                                          num_experts_per_tok=3, n_shared_experts=2, first_k_dense_replace=1,
+                                          n_group=4, topk_group=2, q_lora_rank=20, routed_scaling_factor=2.5,
+                                          rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                           "original_max_position_embeddings": 64,
+                                                           "mscale": 0.707, "mscale_all_dim": 0.707,
+                                                           "beta_fast": 32, "beta_slow": 1}),
     }
 
 
