@@ -74,6 +74,12 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
     experts; without them, a gather of the chosen experts' matrices ([N·A, I, D] copies: capturable, but the
     active weights are written and read again). Dense MLPs, CPU tensors and codecs without a fused kernel
     take MoE.forward."""
+    if moe.kind == "dense" and moe.codec is not None and moe.codec.fused_ok(x):
+        # a quantized dense MLP is one always-taken expert: the fused kernels with id 0 and weight 1 (its torch
+        # path dequantizes the whole matrices every step: ~1 ms for DeepSeek-V2-Lite's first layer on an H100)
+        N = x.shape[0]
+        return moe.codec.fused(x, torch.ones(N, 1, device=x.device, dtype=torch.float32),
+                               torch.zeros(N, 1, device=x.device, dtype=torch.int32))
     if moe.kind == "dense" or not kernels_enabled(x.device) or (moe.codec is not None and not moe.codec.fused_ok(x)):
         return moe(x, layer)
     a = moe.args
@@ -232,9 +238,9 @@ class DecodeEngine:
         # (backend.kernels_enabled), MOEC_FUSE=0 turns it off (benchmarks/bench_latency.py measures both)
         if fuse is None:
             fuse = kernels_enabled(dev) and os.environ.get("MOEC_FUSE", "1") != "0"
-        self.fused = fuse and self.args.qk_norm in ("none", "head") and self.args.clip_qkv is None \
-            and not self.args.is_mla
-        self.qkv = [self._fuse_qkv(blk.attn) for blk in model.layers] if self.fused else []
+        self.fused = fuse and self.args.qk_norm in ("none", "head") and self.args.clip_qkv is None
+        mla = self.args.is_mla  # MLA: the fused residual + norms around its own attention (no q/k/v to fuse)
+        self.qkv = [self._fuse_qkv(blk.attn) for blk in model.layers] if self.fused and not mla else []
 
     @staticmethod
     def _fuse_qkv(attn):
@@ -334,6 +340,13 @@ class DecodeEngine:
         x, h = add_rms_norm(x, None, layers[0].attn_norm.weight, layers[0].attn_norm.eps)
         for i, blk in enumerate(layers):
             at = blk.attn
+            if a.is_mla:  # model.MLAttention's absorbed step (its latent cache: runtime/mla.py)
+                o = at(h[:, None], cos[:, None, None], sin[:, None, None], blk.layer, self.cache, 0)  # [b, 1, D]
+                x, h = add_rms_norm(x, o.view(b, -1), blk.ffn_norm.weight, blk.ffn_norm.eps)
+                y = graph_safe_moe(blk.moe, h, blk.layer)
+                nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else m.norm
+                x, h = add_rms_norm(x, y, nxt.weight, nxt.eps)
+                continue
             if self.qkv[i] is not None:
                 qkv = self.qkv[i](h)  # [b, (H + 2K)·d]
                 q, k, v = qkv[:, : H * d], qkv[:, H * d : (H + K) * d], qkv[:, (H + K) * d :]

@@ -256,9 +256,12 @@ class MLAttention(nn.Module):
                                                  scale=self.scale)  # [B, H, T, v]
         else:
             w = self.kv_b_weight().to(q.dtype)  # [H, nope + v, r]
-            q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope, w[:, :nope])
+            # per-head products as bmm over strided slices of w (einsum would copy them every step)
+            q_lat = torch.bmm(q_nope.transpose(0, 1).reshape(H, B * T, nope), w[:, :nope])  # [H, B·T, r]
+            q_lat = q_lat.view(H, B, T, r).transpose(0, 1)
             o_lat = cache.attend(layer, torch.cat([q_lat, q_rope], dim=-1), latent, None, start_pos)  # [B, H, T, r]
-            out = torch.einsum("bhtr,hvr->bhtv", o_lat.to(q.dtype), w[:, nope:])
+            out = torch.bmm(o_lat.to(q.dtype).transpose(0, 1).reshape(H, B * T, r), w[:, nope:].transpose(1, 2))
+            out = out.view(H, B, T, a.v_head_dim).transpose(0, 1)  # [B, H, T, v]
         out = out.transpose(1, 2).reshape(B, T, H * a.v_head_dim)
         if observer is not None:
             observer(layer, "attn_out", out)

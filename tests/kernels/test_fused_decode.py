@@ -87,6 +87,29 @@ def test_engine_fused_step_matches_plain_step(qk_norm):
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
 
 
+def test_engine_fused_step_mla():
+    """The fused step of an MLA model (DeepSeek-V3 style: the residual adds and block norms fused around
+    model.MLAttention's absorbed step over the latent cache) gives the plain step's logits."""
+    from moec.runtime.kvcache import dense_cache
+
+    args = ModelArgs(arch="deepseek_v3", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=48,
+                     max_seq_len=64, ffn_kinds=["dense", "moe"], dense_dim=64, n_experts=4, top_k=2, expert_dim=32,
+                     shared_dim=32, router_score="sigmoid", topk_method="group_top2", n_group=2, topk_group=1,
+                     router_bias=True, routed_scale=2.5, attn_kind="mla", q_lora_rank=32, kv_lora_rank=32,
+                     qk_rope_dim=16, v_head_dim=32, rope_interleave=True)
+    model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=2)
+    prompt = torch.tensor([3, 9, 27, 17, 51])
+    out = []
+    for fuse in (False, True):
+        eng = DecodeEngine(model, dense_cache(args, 1, 32, dtype=torch.float32, device=DEVICE, mode="static"),
+                           graphs=False, fuse=fuse)
+        logits = [eng.prefill(0, prompt)]
+        for _ in range(4):
+            logits.append(eng.step(1, feed_next=True)[0].clone())
+        out.append(torch.stack(logits))
+    assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
+
+
 @pytest.mark.parametrize("rotated", [False, True])
 def test_engine_fuses_quantized_qkv(rotated):
     """4-bit q/k/v projections (QLinear) run as one qlinear launch in the fused step: the same logits as

@@ -162,3 +162,30 @@ def test_split_attention_equals_masked_sdpa():
     mask = (torch.arange(S)[None] <= pos[:, None])[:, None, None]
     torch.testing.assert_close(split_attention(q, k, v, pos), F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_dense_mlp_takes_the_fused_kernel(monkeypatch):
+    """A quantized dense MLP in the static step (decode.graph_safe_moe) runs the fused MoE kernels as one
+    always-taken expert (MOEC_KERNELS=1; the interpreter on the CPU), equal to its reference forward."""
+    from moec.calibrate.recipe import load_recipe
+    from moec.runtime.config import ModelArgs
+    from moec.runtime.decode import graph_safe_moe
+    from moec.runtime.latency import random_model
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a = ModelArgs(arch="qwen3_moe", vocab_size=64, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32,
+                  ffn_kinds=["dense"], dense_dim=64)
+    model = random_model(a, load_recipe("experts-hls2").rule_for, "cpu", dtype=torch.float32)
+    moe = model.layers[0].moe
+    assert moe.codec is not None
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    want = moe(x, 0)
+    import moec.kernels.moe_decode as md
+
+    calls = []
+    real = md.moe_decode
+    monkeypatch.setattr(md, "moe_decode", lambda *p, **kw: calls.append(1) or real(*p, **kw))
+    monkeypatch.setenv("MOEC_KERNELS", "1")
+    got = graph_safe_moe(moe, x, 0)
+    assert calls, "the fused decode kernel did not run"
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
