@@ -107,6 +107,7 @@ def main() -> int:
     ap.add_argument("--hf", action="store_true", help="also time HF transformers (bf16, sdpa, StaticCache), batch 1")
     ap.add_argument("--contexts", default=None, help="comma-separated decode contexts (default 4k, 32k, 128k)")
     ap.add_argument("--prefill", default=None, help="comma-separated prefill lengths, or 'none'")
+    ap.add_argument("--no-peer", action="store_true", help="with --recipes: leave the bf16 peer out")
     ap.add_argument("--recipes", nargs="+", type=Path, default=None,
                     help="time these recipes (and the bf16 peer) instead of the latency-* plan")
     a = ap.parse_args()
@@ -131,7 +132,7 @@ def main() -> int:
     # in order of importance, so a run cut by the budget keeps the headline rows (None: the bf16 peer)
     plan = [(s, r) for s in shapes for r in (HLS2, None)] + [(s, ATTN4) for s in shapes]
     if a.recipes:
-        plan = [(s, r) for s in shapes for r in (*a.recipes, None)]
+        plan = [(s, r) for s in shapes for r in (*a.recipes, *(() if a.no_peer else (None,)))]
     for shape, recipe in plan:
         peer = recipe is None
         name = "bf16" if peer else recipe.stem
