@@ -1,6 +1,6 @@
 """GPU smoke: every shipped recipe's GPU path, with default arguments, against the torch reference.
 
-    bash benchmarks/gpu_smoke.sh [OUT.json]        (on the GPU machine; about 2-3 minutes on one H200)
+    bash benchmarks/gpu_smoke.sh [OUT.json]        (on the GPU machine; about 3-4 minutes on one H100 or H200)
 
 CI runs on a CPU, where the runtime takes the torch path, so a slip in the GPU path lands silently (one
 did: the static engine crashed on its first decode step with default arguments). This script is the gate

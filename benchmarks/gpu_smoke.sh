@@ -9,4 +9,4 @@ OUT=${1:-benchmarks/results/gpu_smoke_h200.json}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # stand-in calibrations and the CLI's own messages only: keep the log to what failed
 export MOEC_LOG=${MOEC_LOG:-WARNING}
-timeout 230 python3 -m benchmarks.gpu_smoke --out "$OUT" "${@:2}"
+timeout 330 python3 -m benchmarks.gpu_smoke --out "$OUT" "${@:2}"

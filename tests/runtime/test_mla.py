@@ -146,3 +146,25 @@ def test_static_step_kernel_matches_torch_path(monkeypatch):
         torch.testing.assert_close(outs["1"], outs["0"], atol=2e-3, rtol=2e-3)
     assert torch.equal(caches["0"].rows[0], caches["1"].rows[0])
     assert len(calls) == 4  # the kernel ran on every MOEC_KERNELS=1 step, and only there
+
+
+def test_builtin_demo_mla_matches_transformers():
+    """The shipped demo-mla (trained weights, bf16 on disk) through moec's engine in fp32 equals transformers' own
+    DeepseekV3ForCausalLM on the same text, and its absorbed decode equals its prefill."""
+    import transformers as T
+
+    from moec.calibrate.sources import resolve_model
+
+    d = resolve_model("demo-mla")
+    ckpt = HFCheckpoint(d)
+    assert ckpt.args.is_mla and ckpt.args.router_bias and ckpt.args.shared_dim
+    model = build_model(ckpt.args, {k: v.float() for k, v in ckpt.state_dict().items()})
+    ref = T.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    tokens = torch.randint(0, ckpt.args.vocab_size, (1, 48), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want, got = ref(tokens).logits, model(tokens)
+        cache = dense_cache(ckpt.args, 1, 48, dtype=torch.float32)
+        steps = [model(tokens[:, :8], cache, 0)] + [model(tokens[:, t : t + 1], cache, t) for t in range(8, 48)]
+        dec = torch.cat(steps, dim=1)
+    assert (got - want).abs().max().item() < 1e-3
+    assert (dec - got).abs().max().item() < 1e-3
