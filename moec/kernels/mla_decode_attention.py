@@ -141,9 +141,9 @@ def mla_decode_attention(q: torch.Tensor, rows: torch.Tensor, new: torch.Tensor,
     block_n = block_n or (config["block_n"] if cuda else 16)
     bh = block_h or min(config["block_h"], max(16, triton.next_power_of_2(H)))
     n_hb = triton.cdiv(H, bh)
-    if n_splits is None:
+    if n_splits is None:  # whole waves: rounding up would start a nearly empty extra wave (B = 16: 144 programs)
         programs = int(config["waves"] * launch_config.num_sms(q.device)) if cuda else 4
-        n_splits = max(1, min(triton.cdiv(S, block_n), triton.cdiv(programs, B * n_hb)))
+        n_splits = max(1, min(triton.cdiv(S, block_n), programs // (B * n_hb)))
     rw = triton.cdiv(r, 32) * 32  # combine_splits reduces channels in chunks of 32
     part = torch.empty(B * H * n_splits * (rw + 2), device=q.device, dtype=torch.float32)
     dt = tl.float32 if precision == "ieee" else (tl.bfloat16 if rows.dtype == torch.bfloat16 else tl.float16)
