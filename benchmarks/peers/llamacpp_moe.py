@@ -1,11 +1,16 @@
-"""A random-weight Mixtral-8x7B- or Qwen3-30B-A3B-shaped GGUF for llama.cpp's llama-bench (the GPU peer).
+"""A random-weight Mixtral-8x7B-, Qwen3-30B-A3B- or DeepSeek-V2-Lite-shaped GGUF for llama.cpp's llama-bench (the GPU
+peer).
 
     PYTHONPATH=GGUF_PY_DIR python3 benchmarks/peers/llamacpp_moe.py OUT.gguf [TYPE] [SHAPE]
 
 GGUF_PY_DIR: llama.cpp's gguf-py (the writer of the same llama.cpp version as the llama-bench that reads it).
 
 TYPE: Q2_K (default) or Q4_0 for the expert and attention matrices (norms and router F32, embeddings and
-output F16); SHAPE: mixtral (default) or qwen3. Weights are random bytes with finite block scales, so every
+output F16); SHAPE: mixtral (default), qwen3 or deepseek-v2-lite (llama.cpp's deepseek2 architecture with its MLA
+layout: attn_kv_a_mqa, attn_k_b / attn_v_b per head in F16 as its converter writes them, one leading dense layer,
+two shared experts, YaRN; matrices whose rows are not whole Q2_K blocks of 256, the 1408-wide expert down
+projections and the dense 10944-wide one, take Q4_0 blocks of 32 as llama-quantize's fallback takes a 4-bit
+32-block type (IQ4_NL there, the same bytes per weight)). Weights are random bytes with finite block scales, so every
 kernel does its real work and the logits are meaningless. Vocabulary: placeholder tokens (llama SPM model),
 enough for llama-bench, which feeds token ids directly. SMALL=1 in the environment writes a tiny model (a quick
 check of the writer on a CPU).
@@ -22,25 +27,37 @@ SHAPE = sys.argv[3] if len(sys.argv) > 3 else "mixtral"
 
 if SHAPE == "mixtral":
     D, F, L, E, K, H, HKV, V, HD, ARCH = 4096, 14336, 32, 8, 2, 32, 8, 32000, 128, "llama"
+elif SHAPE == "deepseek-v2-lite":  # MLA: H heads of 128 + 64 (q/k) and 128 (v) over a 512 + 64 latent
+    D, F, L, E, K, H, HKV, V, HD, ARCH = 2048, 1408, 27, 64, 6, 16, 1, 102400, 192, "deepseek2"
+    R, ROPE, NOPE, VH, NSH, FD = 512, 64, 128, 128, 2, 10944
 else:  # Qwen3-30B-A3B
     D, F, L, E, K, H, HKV, V, HD, ARCH = 2048, 768, 48, 128, 8, 32, 4, 151936, 128, "qwen3moe"
 if os.environ.get("SMALL"):
     D, F, L, V = 512, 1024, 2, 1000
+    if ARCH == "deepseek2":
+        F, E, FD = 352, 8, 704
 rng = np.random.default_rng(0)
 QT = getattr(gguf.GGMLQuantizationType, QTYPE)
 BLK_ELEMS, BLK_BYTES = gguf.GGML_QUANT_SIZES[QT]
 
 
-def quant(rows_shape, n_in):
-    """Random blocks of QT for a matrix [*rows_shape, n_in], with sane fp16 scales."""
-    a = rng.integers(0, 256, size=(*rows_shape, n_in // BLK_ELEMS * BLK_BYTES), dtype=np.uint8)
-    b = a.reshape(-1, BLK_BYTES)
-    if QTYPE == "Q2_K":  # scales[16] qs[64] d dmin
+def quant(rows_shape, n_in, qtype=QTYPE):
+    """Random blocks of `qtype` (TYPE unless said) for a matrix [*rows_shape, n_in], with sane fp16 scales."""
+    elems, nbytes = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, qtype)]
+    a = rng.integers(0, 256, size=(*rows_shape, n_in // elems * nbytes), dtype=np.uint8)
+    b = a.reshape(-1, nbytes)
+    if qtype == "Q2_K":  # scales[16] qs[64] d dmin
         b[:, 80:82] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
         b[:, 82:84] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
-    elif QTYPE == "Q4_0":  # d qs[16]
+    elif qtype == "Q4_0":  # d qs[16]
         b[:, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     return a
+
+
+def qtensor(w, name, rows_shape, n_in):
+    """A quantized matrix: TYPE where its rows are whole blocks of it, else Q4_0 (llama-quantize's fallback)."""
+    qtype = QTYPE if n_in % BLK_ELEMS == 0 else "Q4_0"
+    w.add_tensor(name, quant(rows_shape, n_in, qtype), raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
 
 
 def f16(*s):
@@ -52,14 +69,31 @@ w.add_name(f"{SHAPE}-shape-random")
 w.add_context_length(131072)
 w.add_embedding_length(D)
 w.add_block_count(L)
-w.add_feed_forward_length(F)
+w.add_feed_forward_length(FD if ARCH == "deepseek2" else F)
 w.add_head_count(H)
 w.add_head_count_kv(HKV)
-w.add_rope_dimension_count(HD)
-w.add_rope_freq_base(1e6)
+w.add_rope_dimension_count(ROPE if ARCH == "deepseek2" else HD)
+w.add_rope_freq_base(1e4 if ARCH == "deepseek2" else 1e6)
 w.add_layer_norm_rms_eps(1e-6)
-w.add_key_length(HD)
-w.add_value_length(HD)
+if ARCH == "deepseek2":  # llama.cpp's MLA file: the cache is the latent, one "head" of kv_lora + rope
+    w.add_key_length(R + ROPE)
+    w.add_value_length(R)
+    w.add_uint32(f"{ARCH}.attention.key_length_mla", NOPE + ROPE)
+    w.add_uint32(f"{ARCH}.attention.value_length_mla", VH)
+    w.add_uint32(f"{ARCH}.attention.kv_lora_rank", R)
+    w.add_uint32(f"{ARCH}.expert_feed_forward_length", F)
+    w.add_uint32(f"{ARCH}.expert_shared_count", NSH)
+    w.add_uint32(f"{ARCH}.leading_dense_block_count", 1)
+    w.add_float32(f"{ARCH}.expert_weights_scale", 1.0)
+    w.add_bool(f"{ARCH}.expert_weights_norm", False)
+    w.add_uint32(f"{ARCH}.expert_gating_func", 1)  # softmax
+    w.add_string(f"{ARCH}.rope.scaling.type", "yarn")
+    w.add_float32(f"{ARCH}.rope.scaling.factor", 40.0)
+    w.add_uint32(f"{ARCH}.rope.scaling.original_context_length", 4096)
+    w.add_float32(f"{ARCH}.rope.scaling.yarn_log_multiplier", 0.1 * 0.707)
+else:
+    w.add_key_length(HD)
+    w.add_value_length(HD)
 if ARCH == "qwen3moe":
     w.add_expert_feed_forward_length(F)
 w.add_expert_count(E)
@@ -73,7 +107,31 @@ w.add_token_types([1] * V)
 w.add_bos_token_id(1)
 w.add_eos_token_id(2)
 w.add_tensor("token_embd.weight", f16(V, D))
-for i in range(L):
+for i in range(L if ARCH == "deepseek2" else 0):
+    p = f"blk.{i}."
+    w.add_tensor(p + "attn_norm.weight", np.ones(D, np.float32))
+    w.add_tensor(p + "ffn_norm.weight", np.ones(D, np.float32))
+    w.add_tensor(p + "attn_kv_a_norm.weight", np.ones(R, np.float32))
+    qtensor(w, p + "attn_q.weight", (H * (NOPE + ROPE),), D)
+    qtensor(w, p + "attn_kv_a_mqa.weight", (R + ROPE,), D)
+    w.add_tensor(p + "attn_k_b.weight", f16(H, R, NOPE))  # [H, r, nope]: kv_b's key rows, transposed per head
+    w.add_tensor(p + "attn_v_b.weight", f16(H, VH, R))
+    qtensor(w, p + "attn_output.weight", (D,), H * VH)
+    if i == 0:  # the leading dense layer
+        qtensor(w, p + "ffn_gate.weight", (FD,), D)
+        qtensor(w, p + "ffn_up.weight", (FD,), D)
+        qtensor(w, p + "ffn_down.weight", (D,), FD)
+        continue
+    w.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((E, D), dtype=np.float32) * 0.02)
+    qtensor(w, p + "ffn_gate_exps.weight", (E, F), D)
+    qtensor(w, p + "ffn_up_exps.weight", (E, F), D)
+    qtensor(w, p + "ffn_down_exps.weight", (E, D), F)
+    qtensor(w, p + "ffn_gate_shexp.weight", (F * NSH,), D)
+    qtensor(w, p + "ffn_up_shexp.weight", (F * NSH,), D)
+    qtensor(w, p + "ffn_down_shexp.weight", (D,), F * NSH)
+    if i % 8 == 0:
+        print("layer", i, flush=True)
+for i in range(0 if ARCH == "deepseek2" else L):
     p = f"blk.{i}."
     w.add_tensor(p + "attn_norm.weight", np.ones(D, np.float32))
     w.add_tensor(p + "ffn_norm.weight", np.ones(D, np.float32))
