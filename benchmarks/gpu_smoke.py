@@ -21,7 +21,8 @@ identity and the ablations of one setting, whose description starts "ablation of
 The recipes in MLA_RECIPES run the same checks a second time on `smoke-mla` (DeepSeek-V3 style: multi-head latent
 attention with its absorbed decode over the latent cache, sigmoid group routing with the correction bias, a
 shared expert, YaRN): one recipe per weight-kernel family (LUT, vq with incoherence, fp8, int4 on every MLA
-projection); a KV codec does not apply there (moec refuses it on MLA).
+projection) and the recipes of the MLA latent codec (mla-nuq: kernels/mla_nuq_decode_attention.py), which run on
+smoke-mla only (per-head KV codecs are refused on MLA, the latent codec everywhere else).
 
 Recipes with the nuq KV codec run the logit checks three times: by default, with MOEC_KERNELS=tl (the `tl`
 decode-attention kernel) and with MOEC_KERNELS=gluon (the Gluon kernel, kernels/gluon_kv_attention.py, wherever
@@ -69,7 +70,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "moec" / "recipes"
 SHAPE = "smoke-moe"
 MLA_SHAPE = "smoke-mla"
-MLA_RECIPES = ("experts-hls2", "experts-vq3-d2-had", "experts-fp8", "w4a16")
+MLA_RECIPES = ("experts-hls2", "experts-vq3-d2-had", "experts-fp8", "w4a16", "kv-mla-nuq2", "latency-hls2-mla2")
 SLACK_FACTOR, SLACK_ABS = 3.0, 0.01  # rel_l2_exact <= SLACK_FACTOR * rel_l2_floor + SLACK_ABS
 PROMPT_TOKENS, STEPS = 256, 24  # prompt > sinks + window + 2 blocks: the history is encoded at prefill
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -81,6 +82,15 @@ def recipe_file(name: str) -> Path:
     """moec/recipes/NAME.yaml, or moec/recipes/ablations/NAME.yaml."""
     shipped = RECIPES / f"{name}.yaml"
     return shipped if shipped.is_file() else RECIPES / "ablations" / f"{name}.yaml"
+
+
+def mla_only(name: str) -> bool:
+    """A recipe whose KV codec holds the MLA latent (registry `mla`): it runs on MLA_SHAPE only."""
+    from moec.calibrate.recipe import load_recipe
+    from moec.registry import kv_codec
+
+    kv = load_recipe(str(recipe_file(name))).kv
+    return kv is not None and kv_codec(kv.codec).mla
 
 
 def source_tree() -> str:
@@ -214,7 +224,7 @@ def main() -> int:
     tree = source_tree()
     tokenizer_dir = resolve_model("demo-moe")
     names = a.recipes or shipped_gpu_recipes(RECIPES)
-    jobs = [(SHAPE, n) for n in names if SHAPE in a.shapes]
+    jobs = [(SHAPE, n) for n in names if SHAPE in a.shapes and not mla_only(n)]
     jobs += [(MLA_SHAPE, n) for n in names if MLA_SHAPE in a.shapes and n in MLA_RECIPES]
     t_start = time.time()
     records = []

@@ -45,6 +45,8 @@ keys, joined by moec/runtime/loader.kv_section; see moec/formats/kvsection.py):
                        simulated); tiered codecs leave it None
     random_tensors(args, section, gen, device) -> {name: tensor}   stand-in calibration
     rope_pre(section) -> bool   keys encoded before RoPE (the tiered caches rotate around the codec)
+    mla                True for a codec of the MLA latent row (DeepSeek: mla-nuq); only those serve an MLA
+                       model, and they serve nothing else (calibrate/run.check_kv_attention)
 
 Weight codec hooks (stored parts of a stacked matrix [E, O, I], formats/codecs.py):
     bits               the bit widths it takes
@@ -114,6 +116,7 @@ class KVCodecSpec:
     ct_kv_cache: Hook = None  # (model args, kv.* tensors) -> (ct kv_cache_scheme, {HF name: tensor}): ct carries it
     description: str = ""
     family: str = ""  # the stem of its own files (default: the name)
+    mla: bool = False  # holds the MLA latent row (DeepSeek) instead of per-head keys and values
 
     # hooks that moec/runtime resolves (never pointing into moec/calibrate: tests/test_import_rules.py)
     RUNTIME_HOOKS: ClassVar[tuple[str, ...]] = ("config", "section", "tensor_names", "layer_codecs",

@@ -65,12 +65,19 @@ def load_balance(counts: torch.Tensor, top_k: int) -> dict:
 
 
 def refuse_kv_on_mla(args, recipe) -> None:
-    """UserError (one line): a KV codec compresses per-head keys and values; an MLA model (DeepSeek) caches one
-    latent row per token (runtime/mla.py), which no KV codec holds yet."""
-    if args.is_mla and recipe.kv is not None and not kv_codec(recipe.kv.codec).identity:
+    """UserError (one line) when the recipe's KV codec and the model's attention do not match: an MLA model
+    (DeepSeek) caches one latent row per token, which only an MLA codec (registry `mla`: mla-nuq) holds, and an
+    MLA codec holds nothing else."""
+    if recipe.kv is None or kv_codec(recipe.kv.codec).identity:
+        return
+    mla = kv_codec(recipe.kv.codec).mla
+    if args.is_mla and not mla:
         raise UserError(f"recipe {recipe.name!r} compresses per-head keys and values (kv: {recipe.kv.codec}), but "
-                        f"{args.arch} caches one MLA latent per token, which moec keeps in fp16 for now; use a "
-                        f"recipe without a kv: section")
+                        f"{args.arch} caches one MLA latent per token: use kv codec mla-nuq (recipe "
+                        f"kv-mla-nuq2) or a recipe without a kv: section")
+    if mla and not args.is_mla:
+        raise UserError(f"recipe {recipe.name!r} compresses the MLA latent (kv: {recipe.kv.codec}), but {args.arch} "
+                        f"has per-head keys and values")
 
 
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,

@@ -100,6 +100,10 @@ class MoecCache(Cache):
         self.codec, self.args = section["codec"], args
         self.max_len = max_len or args.max_seq_len
         self.make = kv_cache_factory({"kv": section, "kv_tensors": kv_tensors}, args)  # checks the section
+        if args.is_mla:  # transformers' DeepSeek attention hands update() per-head keys, never the latent
+            raise UserError(f"MoecCache: KV codec {self.codec!r} holds the MLA latent, which transformers' attention "
+                            f"decompresses per head before the cache sees it; use moec's runtime (moec generate / "
+                            f"moec.runtime.generate) for it")
         probe = self.make(_shim(args, "cpu"), 1, min(self.max_len, section.get("block", 32) + 1))
         if not isinstance(probe, TieredKVCache) or not probe.position_order_view:
             raise UserError(f"MoecCache: KV codec {self.codec!r} attends per query over layer-group blocks, "

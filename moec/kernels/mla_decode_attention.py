@@ -59,6 +59,20 @@ def _tile(ql, qr, m_i, l_i, acc, rows_ptr, base, t0, end, R: tl.constexpr, RP: t
 
 
 @triton.jit
+def _new_row(ql, qr, m_i, l_i, acc, cn, kn, DT: tl.constexpr):
+    """Online softmax over the new row (c cn, k_rope kn: already in the cache's dtype), from registers."""
+    cf = cn.to(DT).to(tl.float32)  # attend to the value the cache will hold
+    s_n = tl.sum(ql.to(tl.float32) * cf[None, :], axis=1) + \
+        tl.sum(qr.to(tl.float32) * kn.to(DT).to(tl.float32)[None, :], axis=1)
+    m_new = tl.maximum(m_i, s_n)
+    alpha = tl.exp2(m_i - m_new)
+    p_n = tl.exp2(s_n - m_new)
+    l_i = l_i * alpha + p_n
+    acc = acc * alpha[:, None] + p_n.to(DT).to(tl.float32)[:, None] * cf[None, :]
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _mla_decode_kernel(q_ptr, rows_ptr, new_ptr, pos_ptr, part_ptr, H, S, P, sq_b, sq_h, sn_b, qk_scale,
                        R: tl.constexpr, RW: tl.constexpr, RP: tl.constexpr, R_P2: tl.constexpr, RP_P2: tl.constexpr,
                        BH: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr, STAGES: tl.constexpr,
@@ -103,15 +117,7 @@ def _mla_decode_kernel(q_ptr, rows_ptr, new_ptr, pos_ptr, part_ptr, H, S, P, sq_
         pmask = offs_p < RP
         cn = tl.load(new_ptr + b * sn_b + offs_r, mask=rmask, other=0.0).to(rows_ptr.dtype.element_ty)
         kn = tl.load(new_ptr + b * sn_b + R + offs_p, mask=pmask, other=0.0).to(rows_ptr.dtype.element_ty)
-        cf = cn.to(DT).to(tl.float32)  # attend to the value the cache will hold
-        s_n = tl.sum(ql.to(tl.float32) * cf[None, :], axis=1) + \
-            tl.sum(qr.to(tl.float32) * kn.to(DT).to(tl.float32)[None, :], axis=1)
-        m_new = tl.maximum(m_i, s_n)
-        alpha = tl.exp2(m_i - m_new)
-        p_n = tl.exp2(s_n - m_new)
-        l_i = l_i * alpha + p_n
-        acc = acc * alpha[:, None] + p_n.to(DT).to(tl.float32)[:, None] * cf[None, :]
-        m_i = m_new
+        m_i, l_i, acc = _new_row(ql, qr, m_i, l_i, acc, cn, kn, DT)
         if hb == 0:
             tl.store(rows_ptr + base + pos * L + offs_r, cn, mask=rmask)
             tl.store(rows_ptr + base + pos * L + R + offs_p, kn, mask=pmask)

@@ -18,11 +18,13 @@ The families:
                         codec (nuq-outlier, kivi, any `layer_codecs` hook of moec/registry.py)
     LatentKVCache       (latent.py) the tiered layout with layer groups encoded into PCA latents
     RVQTieredCache      (rvq.py) the tiered layout with a middle and an archive residual-VQ tier
+    MLANUQCache         (mla_nuq.py) the MLA latent compressed (KV codec mla-nuq): rotated rows, 2-bit per-token
+                        codes in the history, fp16 sinks + window by TierPolicy
 The tier rule (which tokens are sinks, history blocks or window) is kvtiered.TierPolicy and the ageing of
 the window into the history is the one function kvtiered.TieredKVCache._age, used by every mode of every
 tiered family.
 
-Adding a family (e.g. an MLA latent cache): one class. Subclass TieredKVCache when the family keeps the
+Adding a family: one class. Subclass TieredKVCache when the family keeps the
 fp16 sinks + window and encodes blocks leaving it: override `_make_store` (its history buffers, as
 latent._LatentStore), `_layer_groups` (layers encoded together), `_encode_group` (encode n blocks of a
 group of layers), `_aged` (work after ageing, such as the RVQ archive), and the attention of the modes it

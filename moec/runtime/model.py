@@ -228,6 +228,18 @@ class MLAttention(nn.Module):
             w = self._kv_b_dense[1]
         return w.view(a.n_heads, a.qk_nope_dim + a.v_head_dim, a.kv_lora_rank)
 
+    def absorbed_weight(self, dtype: torch.dtype, rotation: torch.Tensor | None = None) -> torch.Tensor:
+        """kv_b_weight() in `dtype`, times the cache's latent rotation Rc [r, r] when it has one: a cache holding
+        the latent as c·Rc (runtime/mla_nuq.py) is queried with q_nope·W_UK·Rc and returns P·(c·Rc), which
+        W_UV·Rc projects, so the rotation costs nothing per step (the product is made once and kept)."""
+        w = self.kv_b_weight().to(dtype)
+        if rotation is None:
+            return w
+        key = (w.data_ptr(), w.shape, rotation.data_ptr(), dtype)
+        if getattr(self, "_kv_b_rot", None) is None or self._kv_b_rot[0] != key:
+            self._kv_b_rot = (key, torch.matmul(w.float(), rotation.to(w.device, torch.float32)).to(dtype))
+        return self._kv_b_rot[1]
+
     def forward(self, x, cos, sin, layer: int, cache=None, start_pos: int = 0, observer=None):
         a = self.args
         B, T, _ = x.shape
@@ -255,7 +267,8 @@ class MLAttention(nn.Module):
             out = F.scaled_dot_product_attention(torch.cat([q_nope, q_rope], dim=-1), k, v, is_causal=True,
                                                  scale=self.scale)  # [B, H, T, v]
         else:
-            w = self.kv_b_weight().to(q.dtype)  # [H, nope + v, r]
+            rotation = getattr(cache, "latent_rotation", None)  # a cache holding c·Rc (runtime/mla_nuq.py)
+            w = self.absorbed_weight(q.dtype, None if rotation is None else rotation(layer))  # [H, nope + v, r]
             # per-head products as bmm over strided slices of w (einsum would copy them every step)
             q_lat = torch.bmm(q_nope.transpose(0, 1).reshape(H, B * T, nope), w[:, :nope])  # [H, B·T, r]
             q_lat = q_lat.view(H, B, T, r).transpose(0, 1)

@@ -224,4 +224,4 @@ def test_one_cache_class_per_codec_family():
               if "attend" in methods(n) and methods(n) & {"bits_per_element", "bytes_read"}}
     assert caches == {"runtime/kvcache.py:FP16Cache", "runtime/kvtiered.py:TieredKVCache",
                       "runtime/latent.py:LatentKVCache", "runtime/rvq.py:RVQTieredCache",
-                      "runtime/mla.py:MLACache"}, sorted(caches)
+                      "runtime/mla.py:MLACache", "runtime/mla_nuq.py:MLANUQCache"}, sorted(caches)
