@@ -220,9 +220,9 @@ def mla_nuq_decode_attention(q: torch.Tensor, codes: torch.Tensor, scales: torch
     n_hb = triton.cdiv(H, bh)
     WC = win.shape[1]
     pw = triton.cdiv(WC, block_n)
-    if n_splits is None:  # whole waves, the window's tiles included
+    if n_splits is None:  # whole waves of history splits (the window's few short programs come on top)
         programs = int(config["waves"] * launch_config.num_sms(q.device)) if cuda else 4
-        n_splits = max(1, min(triton.cdiv(HC, block_n), programs // (B * n_hb) - pw))
+        n_splits = max(1, min(triton.cdiv(HC, block_n), programs // (B * n_hb)))
     P = n_splits + pw
     rw = triton.cdiv(r, 32) * 32
     part = torch.empty(B * H * P * (rw + 2), device=q.device, dtype=torch.float32)

@@ -344,13 +344,15 @@ def measure_prefill(model: Transformer, cache_fn, context: int, seed: int = 0, w
 # gate/up two thirds of the active experts' bytes and down one third.
 KERNEL_BYTES = {"_kv_decode_attention_kernel": ("bytes_kv", 1.0), "_gluon_kv_attention": ("bytes_kv", 1.0),
                 "flash": ("bytes_kv", 1.0),
-                "_fp16_decode_kernel": ("bytes_kv", 1.0),
+                "_fp16_decode_kernel": ("bytes_kv", 1.0), "_mla_decode_kernel": ("bytes_kv", 1.0),
+                "_mla_nuq_kernel": ("bytes_kv", 1.0),
                 "_gate_up_kernel": ("bytes_experts", 2 / 3), "_down_kernel": ("bytes_experts", 1 / 3)}
 
 
 def _kernel_group(name: str) -> str:
     k = name.lower()
-    if "attention" in k or "flash" in k or "fmha" in k or "_reduce" in k or "efficient" in k or "fp16_decode" in k:
+    if ("attention" in k or "flash" in k or "fmha" in k or "_reduce" in k or "efficient" in k or "fp16_decode" in k
+            or "_mla_" in k):  # the MLA latent kernels (kernels/mla_decode_attention.py, mla_nuq_decode_attention.py)
         return "attention"
     if "moe" in k or "gate_up" in k or "down_kernel" in k or "grouped" in k:
         return "moe"

@@ -13,6 +13,7 @@ import yaml
 
 from moec.calibrate.fit_experts import check_kernel_rules
 from moec.calibrate.recipe import load_recipe
+from moec.calibrate.run import refuse_kv_on_mla
 from moec.calibrate.sources import DEMO_MOE_DIR
 from moec.errors import UserError
 from moec.registry import kv_codec, resolve, weight_codec
@@ -54,6 +55,10 @@ def test_every_shipped_recipe_binds(recipe):
         except UserError as e:  # elsewhere only a group that does not divide that model's dims (as at calibrate)
             assert name not in homes and re.search(r"group_size \d+ does not divide the input dim", str(e)), (name, e)
         if name in PRESETS and r.kv is not None and (check := kv_codec(r.kv.codec).check) is not None:
+            if kv_codec(r.kv.codec).mla != args.is_mla:  # the MLA latent codec and per-head codecs: refused both ways
+                with pytest.raises(UserError, match="MLA latent|per-head keys"):
+                    refuse_kv_on_mla(args, r)
+                continue
             resolve(check)(args, r.kv)
 
 
