@@ -22,7 +22,8 @@ The recipes in MLA_RECIPES run the same checks a second time on `smoke-mla` (Dee
 attention with its absorbed decode over the latent cache, sigmoid group routing with the correction bias, a
 shared expert, YaRN): one recipe per weight-kernel family (LUT, vq with incoherence, fp8, int4 on every MLA
 projection) and the recipes of the MLA latent codec (mla-nuq: kernels/mla_nuq_decode_attention.py), which run on
-smoke-mla only (per-head KV codecs are refused on MLA, the latent codec everywhere else).
+smoke-mla only (per-head KV codecs are refused on MLA, the latent codec everywhere else). GLM_RECIPES run on
+`smoke-glm` (GLM-4.5 style: RoPE on half of each head, q/k/v biases, sigmoid group routing, a shared expert).
 
 Recipes with the nuq KV codec run the logit checks three times: by default, with MOEC_KERNELS=tl (the `tl`
 decode-attention kernel) and with MOEC_KERNELS=gluon (the Gluon kernel, kernels/gluon_kv_attention.py, wherever
@@ -71,6 +72,8 @@ RECIPES = REPO / "moec" / "recipes"
 SHAPE = "smoke-moe"
 MLA_SHAPE = "smoke-mla"
 MLA_RECIPES = ("experts-hls2", "experts-vq3-d2-had", "experts-fp8", "w4a16", "kv-mla-nuq2", "latency-hls2-mla2")
+GLM_SHAPE = "smoke-glm"
+GLM_RECIPES = ("experts-hls2", "w4a16", "latency-hls2-nuq2")  # partial rotary: the fused step's torch RoPE
 SLACK_FACTOR, SLACK_ABS = 3.0, 0.01  # rel_l2_exact <= SLACK_FACTOR * rel_l2_floor + SLACK_ABS
 PROMPT_TOKENS, STEPS = 256, 24  # prompt > sinks + window + 2 blocks: the history is encoded at prefill
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -208,8 +211,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_smoke_h200.json")
     ap.add_argument("--recipes", nargs="*", default=None, help="a subset (default: every shipped recipe)")
-    ap.add_argument("--shapes", nargs="*", default=[SHAPE, MLA_SHAPE], help=f"{SHAPE} (every recipe) and/or "
-                    f"{MLA_SHAPE} (MLA_RECIPES)")
+    ap.add_argument("--shapes", nargs="*", default=[SHAPE, MLA_SHAPE, GLM_SHAPE], help=f"{SHAPE} (every recipe), "
+                    f"{MLA_SHAPE} (MLA_RECIPES) and/or {GLM_SHAPE} (GLM_RECIPES)")
     ap.add_argument("--jobs", type=int, default=4, help="worker processes (one GPU; compiles run in parallel)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (torch paths on both "
                     "sides, no latency), for checking it before a GPU call")
@@ -226,6 +229,7 @@ def main() -> int:
     names = a.recipes or shipped_gpu_recipes(RECIPES)
     jobs = [(SHAPE, n) for n in names if SHAPE in a.shapes and not mla_only(n)]
     jobs += [(MLA_SHAPE, n) for n in names if MLA_SHAPE in a.shapes and n in MLA_RECIPES]
+    jobs += [(GLM_SHAPE, n) for n in names if GLM_SHAPE in a.shapes and n in GLM_RECIPES]
     t_start = time.time()
     records = []
     # Triton compiles (CPU-bound) dominate: recipes run in `--jobs` processes on the one GPU

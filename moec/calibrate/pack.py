@@ -91,10 +91,10 @@ def effective_bits(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
 def bind(args, recipe: Recipe) -> None:
     """The recipe bound to the model before any work (UserError, one line, naming the rule): the kernel rule of
     every quantized matrix's codec (fit_experts.check_kernel_rules) and the KV codec's own check."""
-    from .run import refuse_kv_on_mla
+    from .run import check_kv_attention
 
     check_kernel_rules(args, recipe)
-    refuse_kv_on_mla(args, recipe)
+    check_kv_attention(args, recipe)
     if recipe.kv is not None and (kv_check := kv_codec(recipe.kv.codec).check) is not None:
         resolve(kv_check)(args, recipe.kv)
 

@@ -64,12 +64,16 @@ def load_balance(counts: torch.Tensor, top_k: int) -> dict:
             "max_over_uniform": round(max(frac) / uniform, 4), "assignments": total, "top_k": top_k}
 
 
-def refuse_kv_on_mla(args, recipe) -> None:
+def check_kv_attention(args, recipe) -> None:
     """UserError (one line) when the recipe's KV codec and the model's attention do not match: an MLA model
     (DeepSeek) caches one latent row per token, which only an MLA codec (registry `mla`: mla-nuq) holds, and an
-    MLA codec holds nothing else."""
+    MLA codec holds nothing else; keys cached before RoPE (`rope: pre`) need RoPE on whole heads (the decode
+    kernels rotate whole heads; GLM-4.5 turns half of each)."""
     if recipe.kv is None or kv_codec(recipe.kv.codec).identity:
         return
+    if not args.is_mla and args.rope_dim < args.head_dim and getattr(recipe.kv, "rope", "post") == "pre":
+        raise UserError(f"recipe {recipe.name!r} caches keys before RoPE (kv.rope: pre), but {args.arch} rotates "
+                        f"{args.rope_dim} of each head's {args.head_dim} dims; use kv.rope: post")
     mla = kv_codec(recipe.kv.codec).mla
     if args.is_mla and not mla:
         raise UserError(f"recipe {recipe.name!r} compresses per-head keys and values (kv: {recipe.kv.codec}), but "
@@ -115,7 +119,7 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
         holdout_split(samples, recipe.calibration.tune_holdout, seed)
     if not resume:
         refuse_without_resume(out_dir)
-    refuse_kv_on_mla(args, recipe)
+    check_kv_attention(args, recipe)
     kv_cfg = recipe.kv_or_default()
     kv_spec = kv_codec(kv_cfg.codec)
     if kv_spec.check is not None:  # the KV settings against the model's shapes, before any work

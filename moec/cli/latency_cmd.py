@@ -49,10 +49,10 @@ def build_config(model: str | None, random: str | None, recipe: str | None, devi
                                                                   "recipe": "bf16-fp16kv"}
         from ..calibrate.pack_kv import kv_manifest, kv_view
         from ..calibrate.recipe import load_recipe
-        from ..calibrate.run import refuse_kv_on_mla
+        from ..calibrate.run import check_kv_attention
 
         r = load_recipe(recipe)
-        refuse_kv_on_mla(args, r)
+        check_kv_attention(args, r)
         kv = kv_view(r, kv_manifest(r, args))
         caches = static_cache_factory(kv, random_kv_tensors(args, kv) if kv else {}, args)
         m = random_model(args, r.rule_for, device)

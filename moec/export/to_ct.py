@@ -46,7 +46,7 @@ from ..errors import UserError
 from ..formats import bitpack
 from ..formats.checkpoint import MANIFEST, SHARD_BYTES
 from ..runtime.config import ModelArgs
-from ..runtime.hf_layout import DEEPSEEK, MLA_LINEARS, MLA_NORMS
+from ..runtime.hf_layout import MLA_LINEARS, MLA_NORMS, SHARED_EXPERTS_ARCHS
 from .source import PackedModel, Param, export_tensors, refuse_unless_carried, rtn_zero_points
 from .to_gguf import EXPORT_INFO, is_export
 
@@ -78,7 +78,7 @@ def hf_names(name: str, args: ModelArgs) -> list[str]:
     if rest == "moe.router.weight":
         return [f"{p}{moe}.gate.weight"]
     if rest.startswith("moe.shared.w"):
-        shared = "shared_experts" if args.arch in DEEPSEEK else "shared_expert"
+        shared = "shared_experts" if args.arch in SHARED_EXPERTS_ARCHS else "shared_expert"
         return [f"{p}mlp.{shared}.{_MLP[rest.split('.')[2]]}.weight"]
     if rest in ("moe.w1", "moe.w3", "moe.w2"):
         c = rest[-2:]

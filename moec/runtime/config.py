@@ -1,6 +1,6 @@
 """ModelArgs: the canonical description of every architecture the runtime runs.
 
-Each supported Hugging Face architecture (Llama, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3)
+Each supported Hugging Face architecture (Llama, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5)
 maps onto these fields in `hf_layout.py`. A dense MLP is a single expert that every token takes, so dense and
 MoE layers share one code path and one set of tensor names.
 
@@ -63,6 +63,9 @@ class ModelArgs:
     qk_rope_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # RoPE on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek) vs halves
+    # partial rotary (GLM-4.5: partial_rotary_factor 0.5): RoPE turns the first rotary_dim dims of each head,
+    # the rest pass through; 0 = the whole head
+    rotary_dim: int = 0
 
     def __post_init__(self):
         if not self.ffn_kinds:
@@ -77,8 +80,10 @@ class ModelArgs:
         assert self.attn_kind in ATTN_KINDS, self.attn_kind
         if self.topk_method != "greedy":
             assert self.n_experts % self.n_group == 0 and 0 < self.topk_group <= self.n_group, self
+        assert 0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, self.rotary_dim
         if self.attn_kind == "mla":
             assert 0 < self.qk_rope_dim < self.head_dim and self.qk_rope_dim % 2 == 0, self
+            assert self.rotary_dim == 0, "MLA rotates qk_rope_dim"
             assert self.kv_lora_rank > 0 and self.v_head_dim > 0 and self.n_kv_heads == self.n_heads, self
 
     @property
@@ -91,8 +96,9 @@ class ModelArgs:
 
     @property
     def rope_dim(self) -> int:
-        """Dimensions RoPE rotates per head: the whole head, or MLA's qk_rope_dim."""
-        return self.qk_rope_dim if self.is_mla else self.head_dim
+        """Dimensions RoPE rotates per head: the whole head, its first rotary_dim (partial rotary), or MLA's
+        qk_rope_dim."""
+        return self.qk_rope_dim if self.is_mla else (self.rotary_dim or self.head_dim)
 
     @property
     def qk_nope_dim(self) -> int:
@@ -128,6 +134,9 @@ class ModelArgs:
                     and d.get("v_head_dim", 0) > 0 and d["n_kv_heads"] == d["n_heads"]):
                 raise UserError("model_args: MLA needs 0 < qk_rope_dim < head_dim (even), kv_lora_rank > 0, "
                                 "v_head_dim > 0 and n_kv_heads == n_heads")
+        rd = d.get("rotary_dim", 0)
+        if rd % 2 or rd > d["head_dim"] or (rd and d.get("attn_kind", "gqa") == "mla"):
+            raise UserError(f"model_args.rotary_dim: {rd} must be even and <= head_dim {d['head_dim']} (0 with MLA)")
         if d.get("topk_method", "greedy") != "greedy":
             g, tg = d.get("n_group", 1), d.get("topk_group", 1)
             if d.get("n_experts", 0) % g or not 0 < tg <= g:
@@ -197,7 +206,8 @@ _ARG_SPEC = {
     **{k: (lambda v: isinstance(v, bool), "true or false") for k in ("tie_embeddings", "qkv_bias", "o_bias",
                                                                      "norm_topk", "shared_gate", "router_bias",
                                                                      "rope_interleave")},
-    **{k: (_int(0), "an int in 0..2^31-1") for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_dim", "v_head_dim")},
+    **{k: (_int(0), "an int in 0..2^31-1") for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_dim", "v_head_dim",
+                                                      "rotary_dim")},
     **{k: (_int(1), "an int in 1..2^31-1") for k in ("n_group", "topk_group")},
     "routed_scale": (_positive_float, "a number in (0, 3.4e38)"),
     "router_score": (lambda v: v in ROUTER_SCORES, f"one of {', '.join(map(repr, ROUTER_SCORES))}"),
@@ -246,6 +256,15 @@ PRESETS: dict[str, ModelArgs] = {
         routed_scale=2.5, attn_kind="mla", q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128,
         rope_interleave=True,
     ),
+    # GLM-4.5-Air (106B, 12B active; zai-org's config): GQA 96/8 heads of 128 with q/k/v biases, RoPE on half
+    # of each head (theta 1e6), one dense layer then 45 MoE layers of 128 experts top-8 (sigmoid + correction
+    # bias, one group) + 1 shared expert
+    "glm-4.5-air": ModelArgs(
+        arch="glm4_moe", vocab_size=151552, dim=4096, n_layers=46, n_heads=96, n_kv_heads=8, head_dim=128,
+        norm_eps=1e-5, max_seq_len=131072, rope_theta=1e6, qkv_bias=True, rotary_dim=64,
+        ffn_kinds=["dense"] + ["moe"] * 45, dense_dim=10944, n_experts=128, top_k=8, expert_dim=1408,
+        shared_dim=1408, router_score="sigmoid", topk_method="group_top2", n_group=1, topk_group=1, router_bias=True,
+    ),
     # The GPU smoke's model (benchmarks/gpu_smoke.py): every code path of the big shapes at a size that
     # builds and compiles in seconds. head_dim 128 as in both big shapes; one dense MLP layer then MoE
     # layers (so `mlp` and `experts` recipe targets both match); dim, heads·head_dim and the FFN widths are
@@ -268,5 +287,14 @@ PRESETS: dict[str, ModelArgs] = {
         shared_dim=768, router_score="sigmoid", topk_method="group_top2", n_group=4, topk_group=2, router_bias=True,
         routed_scale=2.5, attn_kind="mla", q_lora_rank=384, kv_lora_rank=384, qk_rope_dim=64, v_head_dim=128,
         rope_interleave=True,
+    ),
+    # The GPU smoke's GLM-4.5-style model: GQA with q/k/v biases and RoPE on half of each 128-wide head, a dense
+    # layer, sigmoid group routing with the correction bias, a shared expert
+    "smoke-glm": ModelArgs(
+        arch="glm4_moe", vocab_size=8192, dim=768, n_layers=4, n_heads=6, n_kv_heads=2, head_dim=128,
+        norm_eps=1e-5, max_seq_len=4096, rope_theta=1e6, qkv_bias=True, rotary_dim=64,
+        ffn_kinds=["dense", "moe", "moe", "moe"], dense_dim=768, n_experts=8, top_k=2, expert_dim=768,
+        shared_dim=768, router_score="sigmoid", topk_method="group_top2", n_group=4, topk_group=2, router_bias=True,
+        routed_scale=2.5,
     ),
 }

@@ -47,7 +47,7 @@ from .backend import kernels_enabled
 from .config import ModelArgs
 from .experts import QLinear
 from .kvcache import dense_cache
-from .model import MoE, Transformer, rope_cos_sin, route
+from .model import MoE, Transformer, apply_rope, rope_cos_sin, route
 
 log = logging.getLogger(__name__)
 
@@ -353,8 +353,15 @@ class DecodeEngine:
             else:  # projections of different codecs stay separate
                 q, k, v = at.wq(h), at.wk(h), at.wv(h)
             norm = a.qk_norm == "head"
-            q, k = qk_norm_rope(q, k, cos, sin, H, K, at.q_norm.weight if norm else None,
-                                at.k_norm.weight if norm else None, at.q_norm.eps if norm else 1e-6)
+            if a.rope_dim == d:
+                q, k = qk_norm_rope(q, k, cos, sin, H, K, at.q_norm.weight if norm else None,
+                                    at.k_norm.weight if norm else None, at.q_norm.eps if norm else 1e-6)
+            else:  # partial rotary (GLM-4.5): the model's own norm and RoPE (the kernel turns whole heads)
+                q, k = q.reshape(b, H, d), k.reshape(b, K, d)
+                if norm:
+                    q, k = at.q_norm(q), at.k_norm(k)
+                q, k = apply_rope(q[:, :, None], cos[:, None, None], sin[:, None, None])[:, :, 0], \
+                    apply_rope(k[:, :, None], cos[:, None, None], sin[:, None, None])[:, :, 0]
             o = self.cache.attend(blk.layer, q[:, :, None], k[:, :, None], v.reshape(b, K, 1, d), 0)
             x, h = add_rms_norm(x, at.wo(o.reshape(b, H * d)), blk.ffn_norm.weight, blk.ffn_norm.eps)
             y = graph_safe_moe(blk.moe, h, blk.layer)

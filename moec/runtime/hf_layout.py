@@ -23,8 +23,9 @@ from .config import ModelArgs
 ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-SUPPORTED = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+SUPPORTED = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+SHARED_EXPERTS_ARCHS = (*DEEPSEEK, "glm4_moe")  # `mlp.shared_experts` (an n × I MLP); Qwen2-MoE: `mlp.shared_expert`
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -62,6 +63,8 @@ def args_from_config(cfg: dict) -> ModelArgs:
         raise UserError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     if mt in DEEPSEEK:
         return _deepseek_args(cfg, common)
+    if mt == "glm4_moe":
+        return _glm4_moe_args(cfg, common)
     if mt == "llama":
         if cfg.get("mlp_bias"):
             raise UserError("Llama checkpoints with mlp_bias=true are not supported")
@@ -133,6 +136,48 @@ def _deepseek_args(cfg: dict, common: dict) -> ModelArgs:
                      routed_scale=float(cfg.get("routed_scaling_factor", 1.0)), **routing)
 
 
+def _partial_rotary(cfg: dict, head_dim: int) -> int:
+    """rotary_dim of a config's partial_rotary_factor (top level or in rope_parameters; 1.0: 0, the whole head)."""
+    factor = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    rd = int(head_dim * float(factor))
+    if not 0 < rd <= head_dim or rd % 2:
+        raise UserError(f"partial_rotary_factor {factor} of head_dim {head_dim} does not give an even rotary dim")
+    return 0 if rd == head_dim else rd
+
+
+def _glm4_moe_args(cfg: dict, common: dict) -> ModelArgs:
+    """GLM-4.5 / GLM-4.5-Air: GQA with q/k/v biases (attention_bias), optional per-head q/k norm (use_qk_norm),
+    partial rotary in halves layout; DeepSeek-V3's routing (sigmoid + correction bias + group top-2,
+    routed_scaling_factor) after first_k_dense_replace dense layers, shared experts."""
+    if cfg.get("mlp_bias"):
+        raise UserError("glm4_moe checkpoints with mlp_bias=true are not supported")
+    L, E = cfg["num_hidden_layers"], cfg.get("n_routed_experts") or 0
+    first_dense = cfg.get("first_k_dense_replace", 1)
+    moe_dim = cfg.get("moe_intermediate_size", 0)
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelArgs(**common, qkv_bias=bias, qk_norm="head" if cfg.get("use_qk_norm") else "none",
+                     rotary_dim=_partial_rotary(cfg, common["head_dim"]),
+                     ffn_kinds=["moe" if (E and i >= first_dense) else "dense" for i in range(L)],
+                     dense_dim=cfg.get("intermediate_size", 0), n_experts=E, top_k=cfg.get("num_experts_per_tok") or 0,
+                     expert_dim=moe_dim, shared_dim=moe_dim * (cfg.get("n_shared_experts") or 0),
+                     norm_topk=bool(cfg.get("norm_topk_prob", True)), router_score="sigmoid", topk_method="group_top2",
+                     n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1, router_bias=True,
+                     routed_scale=float(cfg.get("routed_scaling_factor", 1.0)))
+
+
+def _glm4_moe_config(a: ModelArgs, cfg: dict) -> dict:
+    first_dense = next((i for i, k in enumerate(a.ffn_kinds) if k == "moe"), a.n_layers)
+    assert all(k == "moe" for k in a.ffn_kinds[first_dense:]), a.ffn_kinds
+    factor = (a.rotary_dim or a.head_dim) / a.head_dim
+    rope = cfg["rope_parameters"] | {"partial_rotary_factor": factor}
+    return cfg | {"attention_bias": a.qkv_bias, "use_qk_norm": a.qk_norm == "head", "partial_rotary_factor": factor,
+                  "rope_parameters": rope, "intermediate_size": a.dense_dim, "moe_intermediate_size": a.expert_dim,
+                  "n_routed_experts": a.n_experts, "num_experts_per_tok": a.top_k,
+                  "n_shared_experts": a.shared_dim // a.expert_dim if a.expert_dim else 0,
+                  "first_k_dense_replace": first_dense, "norm_topk_prob": a.norm_topk,
+                  "routed_scaling_factor": a.routed_scale, "n_group": a.n_group, "topk_group": a.topk_group}
+
+
 def _deepseek_config(a: ModelArgs, cfg: dict) -> dict:
     first_dense = next((i for i, k in enumerate(a.ffn_kinds) if k == "moe"), a.n_layers)
     assert all(k == "moe" for k in a.ffn_kinds[first_dense:]), a.ffn_kinds
@@ -163,6 +208,8 @@ def config_from_args(args: ModelArgs) -> dict:
         cfg["rope_scaling"] = dict(a.rope_scaling)
     if a.arch in DEEPSEEK:
         return _deepseek_config(a, cfg)
+    if a.arch == "glm4_moe":
+        return _glm4_moe_config(a, cfg)
     if a.arch == "llama":
         return cfg | {"intermediate_size": a.dense_dim, "attention_bias": a.qkv_bias, "mlp_bias": False}
     moe = {"num_experts_per_tok": a.top_k, "norm_topk_prob": a.norm_topk}
@@ -180,7 +227,8 @@ def config_from_args(args: ModelArgs) -> dict:
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "glm4_moe": "Glm4MoeForCausalLM"}
 
 # MLA projections: canonical name -> transformers' (DeepSeek) module name
 MLA_LINEARS = {"wq": "q_proj", "wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv_a": "kv_a_proj_with_mqa",
@@ -286,7 +334,7 @@ class HFCheckpoint:
             for c, h in names.items():
                 out[f"moe.{c}"] = torch.stack([self.get(f"{m}experts.{e}.{h}.weight") for e in range(a.n_experts)])
         if a.shared_dim:
-            shared = "shared_experts" if a.arch in DEEPSEEK else "shared_expert"
+            shared = "shared_experts" if a.arch in SHARED_EXPERTS_ARCHS else "shared_expert"
             for c, h in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
                 out[f"moe.shared.{c}.weight"] = self.get(f"{m}{shared}.{h}.weight")
             if a.shared_gate:

@@ -122,9 +122,13 @@ def rope_cos_sin(args: ModelArgs, positions: torch.Tensor, dtype: torch.dtype):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """x: [B, heads, T, d]; cos/sin: [T, d] (or broadcastable). interleaved: the pairs are (x0, x1), (x2, x3), ...
-    (DeepSeek); the result is then in halves order [rotated evens, rotated odds], as transformers'
-    DeepSeek-V3 writes it: the same permutation for q and k, so q·k is that of the pairwise rotation."""
+    """x: [B, heads, T, d]; cos/sin: [T, r] (or broadcastable), r <= d: the first r dims are rotated and the rest
+    pass through (partial rotary, GLM-4.5). interleaved: the pairs are (x0, x1), (x2, x3), ... (DeepSeek); the
+    result is then in halves order [rotated evens, rotated odds], as transformers' DeepSeek-V3 writes it: the
+    same permutation for q and k, so q·k is that of the pairwise rotation."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin, interleaved), x[..., r:]], dim=-1)
     half = x.shape[-1] // 2
     if interleaved:
         x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)

@@ -13,7 +13,7 @@ import yaml
 
 from moec.calibrate.fit_experts import check_kernel_rules
 from moec.calibrate.recipe import load_recipe
-from moec.calibrate.run import refuse_kv_on_mla
+from moec.calibrate.run import check_kv_attention
 from moec.calibrate.sources import DEMO_MOE_DIR
 from moec.errors import UserError
 from moec.registry import kv_codec, resolve, weight_codec
@@ -57,7 +57,7 @@ def test_every_shipped_recipe_binds(recipe):
         if name in PRESETS and r.kv is not None and (check := kv_codec(r.kv.codec).check) is not None:
             if kv_codec(r.kv.codec).mla != args.is_mla:  # the MLA latent codec and per-head codecs: refused both ways
                 with pytest.raises(UserError, match="MLA latent|per-head keys"):
-                    refuse_kv_on_mla(args, r)
+                    check_kv_attention(args, r)
                 continue
             resolve(check)(args, r.kv)
 

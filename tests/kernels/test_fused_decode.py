@@ -110,6 +110,32 @@ def test_engine_fused_step_mla():
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
 
 
+def test_engine_fused_step_partial_rotary():
+    """GLM-4.5 style (q/k/v biases, per-head q/k norm, RoPE on half of each head, sigmoid group routing, a dense
+    layer, a shared expert): the fused step (its q/k norm and partial RoPE in torch, the fused residual norms)
+    gives the plain step's logits, and the plain step the full forward's."""
+    args = ModelArgs(arch="glm4_moe", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                     max_seq_len=64, ffn_kinds=["dense", "moe"], dense_dim=64, n_experts=4, top_k=2, expert_dim=32,
+                     shared_dim=32, qkv_bias=True, qk_norm="head", rotary_dim=16, router_score="sigmoid",
+                     topk_method="group_top2", n_group=2, topk_group=1, router_bias=True, routed_scale=2.5)
+    model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=3)
+    tokens = torch.tensor([3, 9, 27, 17, 51, 8, 40, 2, 33])
+    out = []
+    for fuse in (False, True):
+        eng = DecodeEngine(model, FP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32, mode="static"),
+                           graphs=False, fuse=fuse)
+        assert eng.fused == fuse
+        logits = [eng.prefill(0, tokens[:5])]
+        for t in tokens[5:]:
+            eng.tokens[:1] = t
+            logits.append(eng.step(1)[0].clone())
+        out.append(torch.stack(logits))
+    assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
+    with torch.no_grad():
+        full = model(tokens[None].to(DEVICE))[0, 4:]
+    assert torch.allclose(out[0], full, rtol=1e-4, atol=1e-4), (out[0] - full).abs().max()
+
+
 @pytest.mark.parametrize("rotated", [False, True])
 def test_engine_fuses_quantized_qkv(rotated):
     """4-bit q/k/v projections (QLinear) run as one qlinear launch in the fused step: the same logits as

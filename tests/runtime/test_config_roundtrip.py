@@ -28,6 +28,11 @@ CASES = {
                              router_score="sigmoid", topk_method="group_top2", n_group=2, topk_group=1,
                              router_bias=True, routed_scale=2.5, attn_kind="mla", q_lora_rank=32, kv_lora_rank=32,
                              qk_rope_dim=8, v_head_dim=16),
+    # q/k/v biases, per-head q/k norm, partial rotary, DeepSeek-V3's routing, a leading dense layer, a shared expert
+    "glm4_moe": ModelArgs(arch="glm4_moe", **COMMON, ffn_kinds=["dense", "moe", "moe"], dense_dim=96, n_experts=8,
+                          top_k=2, expert_dim=48, shared_dim=48, qkv_bias=True, qk_norm="head", rotary_dim=8,
+                          router_score="sigmoid", topk_method="group_top2", n_group=2, topk_group=1, router_bias=True,
+                          routed_scale=2.5),
 }
 
 

@@ -220,17 +220,22 @@ def test_bits_at_deepseek_dimensions():
 
 
 def test_refusals():
-    """A per-head KV codec on an MLA model, the latent codec on a per-head model, and malformed calibration."""
+    """A per-head KV codec on an MLA model, the latent codec on a per-head model, pre-RoPE keys on a partial-rotary
+    model, and malformed calibration."""
     from moec.calibrate.recipe import load_recipe
-    from moec.calibrate.run import refuse_kv_on_mla
+    from moec.calibrate.run import check_kv_attention
 
     llama = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                       max_seq_len=64)
     with pytest.raises(UserError, match="use kv codec mla-nuq"):
-        refuse_kv_on_mla(ARGS, load_recipe("kv-nuq2-rot"))
+        check_kv_attention(ARGS, load_recipe("kv-nuq2-rot"))
     with pytest.raises(UserError, match="has per-head keys and values"):
-        refuse_kv_on_mla(llama, load_recipe("kv-mla-nuq2"))
-    refuse_kv_on_mla(ARGS, load_recipe("kv-mla-nuq2"))  # the match passes
+        check_kv_attention(llama, load_recipe("kv-mla-nuq2"))
+    check_kv_attention(ARGS, load_recipe("kv-mla-nuq2"))  # the match passes
+    glm = PRESETS["glm-4.5-air"]  # RoPE on half of each head: keys cached before RoPE are refused
+    with pytest.raises(UserError, match="caches keys before RoPE"):
+        check_kv_attention(glm, load_recipe("kv-nuq3-outlier"))
+    check_kv_attention(glm, load_recipe("kv-nuq2-rot"))
     with pytest.raises(FormatError, match="has no MLA attention"):
         build_codecs({}, {}, llama)
     t = random_tensors(ARGS, {}, torch.Generator().manual_seed(0), "cpu")

@@ -36,6 +36,14 @@ def tiny_configs() -> dict:
                                                            "original_max_position_embeddings": 64,
                                                            "mscale": 0.707, "mscale_all_dim": 0.707,
                                                            "beta_fast": 32, "beta_slow": 1}),
+        # GQA with q/k/v biases and per-head q/k norm, partial rotary (half of head_dim 16), DeepSeek-V3's routing
+        # (sigmoid + correction bias + group top-2), a leading dense layer, a shared expert
+        "glm4_moe": T.Glm4MoeConfig(**common, head_dim=16, attention_bias=True, use_qk_norm=True,
+                                    intermediate_size=40, moe_intermediate_size=24, n_routed_experts=8,
+                                    num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                                    topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                     "partial_rotary_factor": 0.5}),
     }
 
 
