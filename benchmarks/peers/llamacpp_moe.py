@@ -1,5 +1,5 @@
-"""A random-weight Mixtral-8x7B-, Qwen3-30B-A3B- or DeepSeek-V2-Lite-shaped GGUF for llama.cpp's llama-bench (the GPU
-peer).
+"""A random-weight Mixtral-8x7B-, Qwen3-30B-A3B-, DeepSeek-V2-Lite- or GLM-4.5-Air-shaped GGUF for llama.cpp's
+llama-bench (the GPU peer).
 
     PYTHONPATH=GGUF_PY_DIR python3 benchmarks/peers/llamacpp_moe.py OUT.gguf [TYPE] [SHAPE]
 
@@ -10,10 +10,12 @@ output F16); SHAPE: mixtral (default), qwen3 or deepseek-v2-lite (llama.cpp's de
 layout: attn_kv_a_mqa, attn_k_b / attn_v_b per head in F16 as its converter writes them, one leading dense layer,
 two shared experts, YaRN; matrices whose rows are not whole Q2_K blocks of 256, the 1408-wide expert down
 projections and the dense 10944-wide one, take Q4_0 blocks of 32 as llama-quantize's fallback takes a 4-bit
-32-block type (IQ4_NL there, the same bytes per weight)). Weights are random bytes with finite block scales, so every
-kernel does its real work and the logits are meaningless. Vocabulary: placeholder tokens (llama SPM model),
-enough for llama-bench, which feeds token ids directly. SMALL=1 in the environment writes a tiny model (a quick
-check of the writer on a CPU).
+32-block type (IQ4_NL there, the same bytes per weight)), or glm-4.5-air (llama.cpp's glm4moe: q/k/v biases,
+RoPE on 64 of 128 dims per head, one leading dense layer, one shared expert, sigmoid gating with exp_probs_b, no
+MTP layer; the 1408-wide expert down projections and the dense 10944-wide one in Q4_0 as above). Weights are
+random bytes with finite block scales, so every kernel does its real work and the logits are meaningless.
+Vocabulary: placeholder tokens (llama SPM model), enough for llama-bench, which feeds token ids directly. SMALL=1
+in the environment writes a tiny model (a quick check of the writer on a CPU).
 """
 import os
 import sys
@@ -30,12 +32,17 @@ if SHAPE == "mixtral":
 elif SHAPE == "deepseek-v2-lite":  # MLA: H heads of 128 + 64 (q/k) and 128 (v) over a 512 + 64 latent
     D, F, L, E, K, H, HKV, V, HD, ARCH = 2048, 1408, 27, 64, 6, 16, 1, 102400, 192, "deepseek2"
     R, ROPE, NOPE, VH, NSH, FD = 512, 64, 128, 128, 2, 10944
+elif SHAPE == "glm-4.5-air":  # GQA 96/8 heads of 128, RoPE on the first 64 dims (NEOX halves)
+    D, F, L, E, K, H, HKV, V, HD, ARCH = 4096, 1408, 46, 128, 8, 96, 8, 151552, 128, "glm4moe"
+    ROPE, NSH, FD = 64, 1, 10944
 else:  # Qwen3-30B-A3B
     D, F, L, E, K, H, HKV, V, HD, ARCH = 2048, 768, 48, 128, 8, 32, 4, 151936, 128, "qwen3moe"
 if os.environ.get("SMALL"):
     D, F, L, V = 512, 1024, 2, 1000
     if ARCH == "deepseek2":
         F, E, FD = 352, 8, 704
+    if ARCH == "glm4moe":
+        F, E, H, HKV, FD = 352, 8, 8, 2, 704
 rng = np.random.default_rng(0)
 QT = getattr(gguf.GGMLQuantizationType, QTYPE)
 BLK_ELEMS, BLK_BYTES = gguf.GGML_QUANT_SIZES[QT]
@@ -69,10 +76,10 @@ w.add_name(f"{SHAPE}-shape-random")
 w.add_context_length(131072)
 w.add_embedding_length(D)
 w.add_block_count(L)
-w.add_feed_forward_length(FD if ARCH == "deepseek2" else F)
+w.add_feed_forward_length(FD if ARCH in ("deepseek2", "glm4moe") else F)
 w.add_head_count(H)
 w.add_head_count_kv(HKV)
-w.add_rope_dimension_count(ROPE if ARCH == "deepseek2" else HD)
+w.add_rope_dimension_count(ROPE if ARCH in ("deepseek2", "glm4moe") else HD)
 w.add_rope_freq_base(1e4 if ARCH == "deepseek2" else 1e6)
 w.add_layer_norm_rms_eps(1e-6)
 if ARCH == "deepseek2":  # llama.cpp's MLA file: the cache is the latent, one "head" of kv_lora + rope
@@ -94,6 +101,14 @@ if ARCH == "deepseek2":  # llama.cpp's MLA file: the cache is the latent, one "h
 else:
     w.add_key_length(HD)
     w.add_value_length(HD)
+if ARCH == "glm4moe":
+    w.add_uint32(f"{ARCH}.expert_feed_forward_length", F)
+    w.add_uint32(f"{ARCH}.expert_shared_count", NSH)
+    w.add_uint32(f"{ARCH}.leading_dense_block_count", 1)
+    w.add_float32(f"{ARCH}.expert_weights_scale", 1.0)
+    w.add_bool(f"{ARCH}.expert_weights_norm", True)
+    w.add_uint32(f"{ARCH}.expert_gating_func", 2)  # sigmoid
+    w.add_uint32(f"{ARCH}.nextn_predict_layers", 0)  # the MTP layer is left out (decode does not use it)
 if ARCH == "qwen3moe":
     w.add_expert_feed_forward_length(F)
 w.add_expert_count(E)
@@ -131,7 +146,30 @@ for i in range(L if ARCH == "deepseek2" else 0):
     qtensor(w, p + "ffn_down_shexp.weight", (D,), F * NSH)
     if i % 8 == 0:
         print("layer", i, flush=True)
-for i in range(0 if ARCH == "deepseek2" else L):
+for i in range(L if ARCH == "glm4moe" else 0):
+    p = f"blk.{i}."
+    w.add_tensor(p + "attn_norm.weight", np.ones(D, np.float32))
+    w.add_tensor(p + "post_attention_norm.weight", np.ones(D, np.float32))  # the FFN's input norm in glm4moe
+    for n, rows in (("attn_q", HD * H), ("attn_k", HD * HKV), ("attn_v", HD * HKV)):
+        qtensor(w, p + n + ".weight", (rows,), D)
+        w.add_tensor(p + n + ".bias", rng.standard_normal(rows, dtype=np.float32) * 0.02)
+    qtensor(w, p + "attn_output.weight", (D,), HD * H)
+    if i == 0:  # the leading dense layer
+        qtensor(w, p + "ffn_gate.weight", (FD,), D)
+        qtensor(w, p + "ffn_up.weight", (FD,), D)
+        qtensor(w, p + "ffn_down.weight", (D,), FD)
+        continue
+    w.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((E, D), dtype=np.float32) * 0.02)
+    w.add_tensor(p + "exp_probs_b.bias", np.zeros(E, np.float32))
+    qtensor(w, p + "ffn_gate_exps.weight", (E, F), D)
+    qtensor(w, p + "ffn_up_exps.weight", (E, F), D)
+    qtensor(w, p + "ffn_down_exps.weight", (E, D), F)
+    qtensor(w, p + "ffn_gate_shexp.weight", (F * NSH,), D)
+    qtensor(w, p + "ffn_up_shexp.weight", (F * NSH,), D)
+    qtensor(w, p + "ffn_down_shexp.weight", (D,), F * NSH)
+    if i % 8 == 0:
+        print("layer", i, flush=True)
+for i in range(0 if ARCH in ("deepseek2", "glm4moe") else L):
     p = f"blk.{i}."
     w.add_tensor(p + "attn_norm.weight", np.ones(D, np.float32))
     w.add_tensor(p + "ffn_norm.weight", np.ones(D, np.float32))

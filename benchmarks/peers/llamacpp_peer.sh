@@ -4,7 +4,7 @@
 # (benchmarks/peers/llamacpp_moe.py: Q2_K experts and attention as random blocks with finite fp16 scales), time
 # decode of 64 tokens after depths 4096 and 32768 (f16 KV, flash attention, batch 1, 2 repetitions) and delete
 # the GGUF before the next one (the machine's disk holds one). ~4.5 min to build, ~1 min per shape.
-# Usage, from the repo root:  bash benchmarks/peers/llamacpp_peer.sh OUT_DIR [SHAPE ...]   (mixtral qwen3; also deepseek-v2-lite)
+# Usage, from the repo root:  bash benchmarks/peers/llamacpp_peer.sh OUT_DIR [SHAPE ...]   (mixtral qwen3; also deepseek-v2-lite, glm-4.5-air)
 # Writes OUT_DIR/llama_bench_SHAPE.json (llama-bench's own JSON) and prints ms/token per depth.
 set -u
 OUT=${1:?usage: llamacpp_peer.sh OUT_DIR [SHAPE ...]}; shift

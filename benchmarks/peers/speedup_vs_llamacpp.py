@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 SHAPES = {"mixtral-8x7b": "mixtral", "qwen3-30b-a3b": "qwen3",  # bench_latency shape -> llamacpp_moe.py shape
-          "deepseek-v2-lite": "deepseek-v2-lite"}
+          "deepseek-v2-lite": "deepseek-v2-lite", "glm-4.5-air": "glm-4.5-air"}
 
 
 def llamacpp_ms(directory: Path) -> dict[tuple[str, int], dict]:

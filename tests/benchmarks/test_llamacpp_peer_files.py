@@ -26,3 +26,37 @@ def test_deepseek_v2_lite_peer_file_reads_as_mla(tmp_path):
     assert (a.arch, a.attn_kind, a.kv_lora_rank, a.qk_rope_dim, a.v_head_dim) == ("deepseek_v2", "mla", 512, 64, 128)
     assert a.ffn_kinds == ["dense", "moe"] and a.shared_dim == 2 * a.expert_dim and a.top_k == 6
     assert a.rope_scaling["rope_type"] == "yarn" and a.rope_scaling["factor"] == 40.0
+
+
+def test_glm_peer_file_has_the_glm4moe_layout(tmp_path):
+    """The writer at its GLM-4.5-Air shape, small: exactly the tensors llama.cpp's glm4moe loader creates without
+    MTP (src/models/glm4-moe.cpp of the llama-cpp-python 0.3.36 sources: biased q/k/v, post_attention_norm, one
+    leading dense layer, exp_probs_b, one shared expert), in its dimension order, and the hyperparameters it
+    reads (partial RoPE, sigmoid gating)."""
+    f = tmp_path / "glm.gguf"
+    r = subprocess.run([sys.executable, str(SCRIPT), str(f), "Q2_K", "glm-4.5-air"], capture_output=True,
+                       text=True, env=os.environ | {"SMALL": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    g = gguf.GGUFReader(str(f))
+    D, H, HKV, HD, E, F, FD = 512, 8, 2, 128, 8, 352, 704
+    want = {"token_embd.weight": [D, 1000], "output_norm.weight": [D], "output.weight": [D, 1000]}
+    for i in range(2):
+        p = f"blk.{i}."
+        want |= {p + "attn_norm.weight": [D], p + "post_attention_norm.weight": [D],
+                 p + "attn_q.weight": [D, H * HD], p + "attn_k.weight": [D, HKV * HD],
+                 p + "attn_v.weight": [D, HKV * HD],
+                 p + "attn_q.bias": [H * HD], p + "attn_k.bias": [HKV * HD], p + "attn_v.bias": [HKV * HD],
+                 p + "attn_output.weight": [H * HD, D]}
+        if i == 0:
+            want |= {p + "ffn_gate.weight": [D, FD], p + "ffn_up.weight": [D, FD], p + "ffn_down.weight": [FD, D]}
+        else:
+            want |= {p + "ffn_gate_inp.weight": [D, E], p + "exp_probs_b.bias": [E],
+                     p + "ffn_gate_exps.weight": [D, F, E], p + "ffn_up_exps.weight": [D, F, E],
+                     p + "ffn_down_exps.weight": [F, D, E], p + "ffn_gate_shexp.weight": [D, F],
+                     p + "ffn_up_shexp.weight": [D, F], p + "ffn_down_shexp.weight": [F, D]}
+    got = {t.name: [int(n) for n in t.shape] for t in g.tensors}
+    assert got == want
+    kv = {k: v.parts[v.data[0]].tolist() for k, v in g.fields.items() if k.startswith("glm4moe.")}
+    assert kv["glm4moe.rope.dimension_count"] == [64] and kv["glm4moe.attention.key_length"] == [HD]
+    assert kv["glm4moe.expert_gating_func"] == [2] and kv["glm4moe.leading_dense_block_count"] == [1]
+    assert kv["glm4moe.expert_shared_count"] == [1] and kv["glm4moe.nextn_predict_layers"] == [0]
