@@ -43,7 +43,7 @@ from ..errors import FormatError
 from ..formats import checkpoint
 from ..rotation import rotate
 from ..runtime.experts import HEAD_PARAM, ExpertWeights, QLinear, QuantMatrix, pop_quant_experts
-from ..runtime.hf_layout import DEEPSEEK, MLA_LINEARS, MLA_NORMS
+from ..runtime.hf_layout import MLA_LINEARS, MLA_NORMS, SHARED_EXPERTS_ARCHS
 from ..runtime.loader import check_state_shapes, load_state
 from ..runtime.model import combine_experts
 from . import generic
@@ -65,9 +65,9 @@ _LAYER_NAMES = {
 
 
 def _layer_name(args, canonical: str) -> str:
-    """transformers' name of a canonical per-layer tensor (DeepSeek calls its shared experts `shared_experts`)."""
+    """transformers' name of a canonical per-layer tensor (DeepSeek and GLM-4.5 call theirs `shared_experts`)."""
     h = _LAYER_NAMES[canonical]
-    return h.replace("mlp.shared_expert.", "mlp.shared_experts.") if args.arch in DEEPSEEK else h
+    return h.replace("mlp.shared_expert.", "mlp.shared_experts.") if args.arch in SHARED_EXPERTS_ARCHS else h
 
 
 class MoecExperts(nn.Module):
@@ -131,6 +131,7 @@ def attach_packed(model: nn.Module, path: str | Path) -> nn.Module:
     device, dtype = first.device, first.dtype
     layers = model.model.layers
     by_layer: dict[int, dict[str, QuantMatrix]] = {}
+    held_bias: set[str] = set()  # biases a QLinear took with its quantized weight (q/k/v biases: Qwen2, GLM-4.5)
     for p, q in quant.items():
         if HEAD_PARAM.search(p):  # the LM head (a tied source was packed untied: config.json says so)
             model.lm_head = QLinear(q.to(device), None)
@@ -141,6 +142,8 @@ def attach_packed(model: nn.Module, path: str | Path) -> nn.Module:
             bias = state.get(f"layers.{i}.attn.{c}.bias")
             setattr(layers[i].self_attn, _ATTN[c],
                     QLinear(q.to(device), None if bias is None else bias.to(device, dtype)))
+            if bias is not None:
+                held_bias.add(f"model.layers.{i}.self_attn.{_ATTN[c]}.bias")
         elif rest.startswith("moe.shared."):  # moe.shared.w[123].weight
             mod, attr = _module_attr(model, f"model.layers.{i}.{_layer_name(args, rest).removesuffix('.weight')}")
             setattr(mod, attr, QLinear(q.to(device), None))
@@ -158,7 +161,7 @@ def attach_packed(model: nn.Module, path: str | Path) -> nn.Module:
             layers[i].mlp.experts = MoecExperts(ExpertWeights(*ws))
     want = {n: t for n, t in model.state_dict().items()
             if not any(isinstance(mod, (MoecExperts, MoecMLP, QLinear)) for mod in _owners(model, n))}
-    got = hf_tensors(args, state, set(by_layer))
+    got = {n: t for n, t in hf_tensors(args, state, set(by_layer)).items() if n not in held_bias}
     tied = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in got
     if tied:
         want.pop("lm_head.weight", None)
