@@ -67,6 +67,24 @@ def qtensor(w, name, rows_shape, n_in):
     w.add_tensor(name, quant(rows_shape, n_in, qtype), raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
 
 
+def lead_dense_or_shared_moe(p: str, i: int, probs_bias: bool) -> None:
+    """The FFN of layer i of deepseek2 / glm4moe: the leading dense layer (i = 0), else the router (with glm4moe's
+    exp_probs_b selection bias), E routed experts and NSH shared ones."""
+    if i == 0:
+        qtensor(w, p + "ffn_gate.weight", (FD,), D)
+        qtensor(w, p + "ffn_up.weight", (FD,), D)
+        qtensor(w, p + "ffn_down.weight", (D,), FD)
+        return
+    w.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((E, D), dtype=np.float32) * 0.02)
+    if probs_bias:
+        w.add_tensor(p + "exp_probs_b.bias", np.zeros(E, np.float32))
+    for n, rows, n_in in (("gate_exps", (E, F), D), ("up_exps", (E, F), D), ("down_exps", (E, D), F),
+                          ("gate_shexp", (F * NSH,), D), ("up_shexp", (F * NSH,), D), ("down_shexp", (D,), F * NSH)):
+        qtensor(w, f"{p}ffn_{n}.weight", rows, n_in)
+    if i % 8 == 0:
+        print("layer", i, flush=True)
+
+
 def f16(*s):
     return (rng.standard_normal(s, dtype=np.float32) * 0.02).astype(np.float16)
 
@@ -132,20 +150,7 @@ for i in range(L if ARCH == "deepseek2" else 0):
     w.add_tensor(p + "attn_k_b.weight", f16(H, R, NOPE))  # [H, r, nope]: kv_b's key rows, transposed per head
     w.add_tensor(p + "attn_v_b.weight", f16(H, VH, R))
     qtensor(w, p + "attn_output.weight", (D,), H * VH)
-    if i == 0:  # the leading dense layer
-        qtensor(w, p + "ffn_gate.weight", (FD,), D)
-        qtensor(w, p + "ffn_up.weight", (FD,), D)
-        qtensor(w, p + "ffn_down.weight", (D,), FD)
-        continue
-    w.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((E, D), dtype=np.float32) * 0.02)
-    qtensor(w, p + "ffn_gate_exps.weight", (E, F), D)
-    qtensor(w, p + "ffn_up_exps.weight", (E, F), D)
-    qtensor(w, p + "ffn_down_exps.weight", (E, D), F)
-    qtensor(w, p + "ffn_gate_shexp.weight", (F * NSH,), D)
-    qtensor(w, p + "ffn_up_shexp.weight", (F * NSH,), D)
-    qtensor(w, p + "ffn_down_shexp.weight", (D,), F * NSH)
-    if i % 8 == 0:
-        print("layer", i, flush=True)
+    lead_dense_or_shared_moe(p, i, probs_bias=False)
 for i in range(L if ARCH == "glm4moe" else 0):
     p = f"blk.{i}."
     w.add_tensor(p + "attn_norm.weight", np.ones(D, np.float32))
@@ -154,21 +159,7 @@ for i in range(L if ARCH == "glm4moe" else 0):
         qtensor(w, p + n + ".weight", (rows,), D)
         w.add_tensor(p + n + ".bias", rng.standard_normal(rows, dtype=np.float32) * 0.02)
     qtensor(w, p + "attn_output.weight", (D,), HD * H)
-    if i == 0:  # the leading dense layer
-        qtensor(w, p + "ffn_gate.weight", (FD,), D)
-        qtensor(w, p + "ffn_up.weight", (FD,), D)
-        qtensor(w, p + "ffn_down.weight", (D,), FD)
-        continue
-    w.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((E, D), dtype=np.float32) * 0.02)
-    w.add_tensor(p + "exp_probs_b.bias", np.zeros(E, np.float32))
-    qtensor(w, p + "ffn_gate_exps.weight", (E, F), D)
-    qtensor(w, p + "ffn_up_exps.weight", (E, F), D)
-    qtensor(w, p + "ffn_down_exps.weight", (E, D), F)
-    qtensor(w, p + "ffn_gate_shexp.weight", (F * NSH,), D)
-    qtensor(w, p + "ffn_up_shexp.weight", (F * NSH,), D)
-    qtensor(w, p + "ffn_down_shexp.weight", (D,), F * NSH)
-    if i % 8 == 0:
-        print("layer", i, flush=True)
+    lead_dense_or_shared_moe(p, i, probs_bias=True)
 for i in range(0 if ARCH in ("deepseek2", "glm4moe") else L):
     p = f"blk.{i}."
     w.add_tensor(p + "attn_norm.weight", np.ones(D, np.float32))

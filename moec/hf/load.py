@@ -131,7 +131,6 @@ def attach_packed(model: nn.Module, path: str | Path) -> nn.Module:
     device, dtype = first.device, first.dtype
     layers = model.model.layers
     by_layer: dict[int, dict[str, QuantMatrix]] = {}
-    held_bias: set[str] = set()  # biases a QLinear took with its quantized weight (q/k/v biases: Qwen2, GLM-4.5)
     for p, q in quant.items():
         if HEAD_PARAM.search(p):  # the LM head (a tied source was packed untied: config.json says so)
             model.lm_head = QLinear(q.to(device), None)
@@ -142,8 +141,6 @@ def attach_packed(model: nn.Module, path: str | Path) -> nn.Module:
             bias = state.get(f"layers.{i}.attn.{c}.bias")
             setattr(layers[i].self_attn, _ATTN[c],
                     QLinear(q.to(device), None if bias is None else bias.to(device, dtype)))
-            if bias is not None:
-                held_bias.add(f"model.layers.{i}.self_attn.{_ATTN[c]}.bias")
         elif rest.startswith("moe.shared."):  # moe.shared.w[123].weight
             mod, attr = _module_attr(model, f"model.layers.{i}.{_layer_name(args, rest).removesuffix('.weight')}")
             setattr(mod, attr, QLinear(q.to(device), None))
@@ -159,9 +156,9 @@ def attach_packed(model: nn.Module, path: str | Path) -> nn.Module:
             layers[i].mlp = MoecMLP(ExpertWeights(*ws))
         else:
             layers[i].mlp.experts = MoecExperts(ExpertWeights(*ws))
-    want = {n: t for n, t in model.state_dict().items()
-            if not any(isinstance(mod, (MoecExperts, MoecMLP, QLinear)) for mod in _owners(model, n))}
-    got = {n: t for n, t in hf_tensors(args, state, set(by_layer)).items() if n not in held_bias}
+    # what a moec module holds (experts, MLPs, quantized linears with their biases) is neither wanted nor offered
+    want = {n: t for n, t in model.state_dict().items() if not _held(model, n)}
+    got = {n: t for n, t in hf_tensors(args, state, set(by_layer)).items() if not _held(model, n)}
     tied = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in got
     if tied:
         want.pop("lm_head.weight", None)
@@ -190,6 +187,15 @@ def _owners(model: nn.Module, name: str):
     parts = name.split(".")
     for j in range(1, len(parts)):
         yield model.get_submodule(".".join(parts[:j]))
+
+
+def _held(model: nn.Module, name: str) -> bool:
+    """Whether a moec module (MoecExperts, MoecMLP, QLinear) on the path of parameter `name` holds it (a QLinear
+    takes its bias with its quantized weight); False for a path the model does not have (reported as extra)."""
+    try:
+        return any(isinstance(mod, (MoecExperts, MoecMLP, QLinear)) for mod in _owners(model, name))
+    except AttributeError:
+        return False
 
 
 class MoecPackedConfig(PreTrainedConfig):

@@ -269,7 +269,31 @@ class HistoryStore:
         return static_bytes(self.codecs)
 
 
-class TieredKVCache:
+class WindowSlots:
+    """The static mode's slot of the new token in a compact fp16 window (sinks first, then the window): pos −
+    hist_len, the same in every layer of a step. For caches with `pos` (the engine's positions) and `hist_len`
+    (history tokens per row): TieredKVCache and mla_nuq.MLANUQCache."""
+
+    def begin_step(self, b: int) -> None:
+        """The engine opens a step of rows [0, b): the window slot and length of the new token are the same in
+        every layer, so they are computed once here, not per layer (3 tiny integer kernels per layer were
+        ~0.2 ms of a 4.4 ms Qwen3 step). end_step drops them, so no later step reads stale positions."""
+        slot = self.pos[:b] - self.hist_len[:b]
+        self._step_slots = (b, slot, (slot + 1).to(torch.int32))
+
+    def end_step(self) -> None:
+        self._step_slots = None
+
+    def _slots(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot [b] int64, win_len [b] int32) of the new token: the step's, or computed here outside one."""
+        cached = getattr(self, "_step_slots", None)
+        if cached is not None and cached[0] == b:
+            return cached[1], cached[2]
+        slot = self.pos[:b] - self.hist_len[:b]  # [b] window slot of the new token
+        return slot, (slot + 1).to(torch.int32)
+
+
+class TieredKVCache(WindowSlots):
     """The tiered cache of every registered block codec, in any mode (moec/runtime/kvcache.py):
 
     dynamic    host-side lengths, every row at the same length: `attend(layer, q, k, v, start_pos)` for prefill
@@ -578,24 +602,6 @@ class TieredKVCache:
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
 
     # -- static mode: the step (graph-safe: no host reads of device values, nothing allocated) -----------
-
-    def begin_step(self, b: int) -> None:
-        """The engine opens a step of rows [0, b): the window slot and length of the new token are the same in
-        every layer, so they are computed once here, not per layer (3 tiny integer kernels per layer were
-        ~0.2 ms of a 4.4 ms Qwen3 step). end_step drops them, so no later step reads stale positions."""
-        slot = self.pos[:b] - self.hist_len[:b]
-        self._step_slots = (b, slot, (slot + 1).to(torch.int32))
-
-    def end_step(self) -> None:
-        self._step_slots = None
-
-    def _slots(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot [b] int64, win_len [b] int32) of the new token: the step's, or computed here outside one."""
-        cached = getattr(self, "_step_slots", None)
-        if cached is not None and cached[0] == b:
-            return cached[1], cached[2]
-        slot = self.pos[:b] - self.hist_len[:b]  # [b] window slot of the new token
-        return slot, (slot + 1).to(torch.int32)
 
     def _step_kernel(self, layer: int, q, k, v) -> torch.Tensor:
         """The fused path: one kernel rotates q, k, v and writes the window (kernels/kv_window_write.py), the

@@ -41,7 +41,7 @@ from ..rotation import rotate, signs_error
 from .backend import kernels_enabled
 from .config import ModelArgs
 from .kvcache import MODES
-from .kvtiered import TierPolicy
+from .kvtiered import TierPolicy, WindowSlots
 
 BITS = 2
 PLANES = 8 // BITS
@@ -131,7 +131,7 @@ class LatentRowCodec:
                 "c_signs": self.signs["c"], "rope_signs": self.signs["rope"]}
 
 
-class MLANUQCache:
+class MLANUQCache(WindowSlots):
     """The compressed latent cache in any mode (module docstring). `codecs`: one LatentRowCodec per layer."""
 
     codec = "mla-nuq"
@@ -249,21 +249,6 @@ class MLANUQCache:
         return out
 
     # -- static mode: the step (graph-safe) ------------------------------------------------------------------
-
-    def begin_step(self, b: int) -> None:
-        """The new token's window slot is the same in every layer: computed once per step (kvtiered's rule)."""
-        slot = self.pos[:b] - self.hist_len[:b]
-        self._step_slots = (b, slot, (slot + 1).to(torch.int32))
-
-    def end_step(self) -> None:
-        self._step_slots = None
-
-    def _slots(self, b: int):
-        cached = getattr(self, "_step_slots", None)
-        if cached is not None and cached[0] == b:
-            return cached[1], cached[2]
-        slot = self.pos[:b] - self.hist_len[:b]
-        return slot, (slot + 1).to(torch.int32)
 
     def _rot(self, layer: int, dtype) -> torch.Tensor:
         key = (layer, dtype)
