@@ -108,6 +108,7 @@ def main() -> int:
     ap.add_argument("--contexts", default=None, help="comma-separated decode contexts (default 4k, 32k, 128k)")
     ap.add_argument("--prefill", default=None, help="comma-separated prefill lengths, or 'none'")
     ap.add_argument("--no-peer", action="store_true", help="with --recipes: leave the bf16 peer out")
+    ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes (default 1,16)")
     ap.add_argument("--recipes", nargs="+", type=Path, default=None,
                     help="time these recipes (and the bf16 peer) instead of the latency-* plan")
     a = ap.parse_args()
@@ -120,7 +121,7 @@ def main() -> int:
     contexts = [4096, 32768] if a.quick else [4096, 32768, 131072 - 256]
     if a.contexts:
         contexts = [int(c) for c in a.contexts.split(",")]
-    batches = [1, 16]
+    batches = [int(b) for b in a.batches.split(",")]
     steps = a.steps or (20 if a.quick else 50)
     prefill = [4096] if a.quick else [4096, 32768]
     if a.prefill:

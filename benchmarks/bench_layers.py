@@ -11,6 +11,7 @@ The preset is truncated to N layers (its first N `ffn_kinds`, so the leading den
 run_config: random weights in GPU memory, CUDA graphs, batch 1). With two layer counts N1 < N2 (both past the
 dense layers):
     per_layer_ms  = (t(N2) - t(N1)) / (N2 - N1)            the time of one more MoE layer
+    per_layer_pct_of_floor = 100 · (floor(N2) - floor(N1)) / (N2 - N1) / per_layer_ms   (floor: bytes / copy bw)
     projected_ms  = t(N2) + (L - N2) · per_layer_ms         the whole model's step, L = the preset's layers
 (the embedding, LM head and dense layers are in both t(N) and cancel in the difference). --dry-run prints each
 truncated shape's weight bytes (runtime/latency.estimate_model_bytes) without a GPU.
@@ -30,7 +31,8 @@ def truncated(shape: str, n: int):
     full = PRESETS[shape]
     if not 0 < n <= full.n_layers:
         raise SystemExit(f"bench_layers: --layers {n}: {shape} has {full.n_layers} layers")
-    return dataclasses.replace(full, n_layers=n, ffn_kinds=list(full.ffn_kinds[:n]))
+    return dataclasses.replace(full, n_layers=n, ffn_kinds=list(full.ffn_kinds[:n]),
+                               layer_windows=list(full.layer_windows[:n]))
 
 
 def main() -> int:
@@ -79,7 +81,7 @@ def main() -> int:
 
     bw = copy_bandwidth("cuda")
     contexts = [int(c) for c in a.contexts.split(",")]
-    records, t = [], {}
+    records, t, floor = [], {}, {}
     for n in (n1, n2):
         m, kv, caches, desc = build_config(None, f"{a.shape}@{n}", None if a.bf16 else str(a.recipe), "cuda",
                                            bf16_peer=a.bf16)
@@ -87,6 +89,7 @@ def main() -> int:
         for r in recs:
             if "ms_median" in r:
                 t[(n, r["context"])] = r["ms_median"]
+                floor[(n, r["context"])] = r.get("floor_ms")
         records += recs
         m = kv = caches = None
         gc.collect()
@@ -97,8 +100,13 @@ def main() -> int:
             records.append({"bench": "moec-layers", "shape": a.shape, "recipe": "bf16" if a.bf16 else a.recipe.stem,
                             "context": ctx, "batch": 1, "layers": [n1, n2], "ms": [t[(n1, ctx)], t[(n2, ctx)]],
                             "per_layer_ms": per, "model_layers": L, "projected_ms": t[(n2, ctx)] + (L - n2) * per})
-            print(f"{a.shape} {ctx}: {per:.3f} ms per layer, projected {records[-1]['projected_ms']:.2f} ms for "
-                  f"{L} layers", flush=True)
+            if floor.get((n1, ctx)) is not None and floor.get((n2, ctx)) is not None:
+                # the floor of one more layer: its weight and KV bytes at copy bandwidth, the same difference
+                per_floor = (floor[(n2, ctx)] - floor[(n1, ctx)]) / (n2 - n1)
+                records[-1] |= {"per_layer_floor_ms": per_floor, "per_layer_pct_of_floor": 100 * per_floor / per}
+            print(f"{a.shape} {ctx}: {per:.3f} ms per layer "
+                  f"({records[-1].get('per_layer_pct_of_floor', float('nan')):.0f}% of its floor), "
+                  f"projected {records[-1]['projected_ms']:.2f} ms for {L} layers", flush=True)
     if a.out:
         write_json_atomic(a.out, records)
     return 0

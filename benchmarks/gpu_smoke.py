@@ -24,6 +24,8 @@ shared expert, YaRN): one recipe per weight-kernel family (LUT, vq with incohere
 projection) and the recipes of the MLA latent codec (mla-nuq: kernels/mla_nuq_decode_attention.py), which run on
 smoke-mla only (per-head KV codecs are refused on MLA, the latent codec everywhere else). GLM_RECIPES run on
 `smoke-glm` (GLM-4.5 style: RoPE on half of each head, q/k/v biases, sigmoid group routing, a shared expert).
+OSS_RECIPES run on `smoke-oss` (gpt-oss style: learned sinks, 128-token sliding windows on alternate layers held
+in a ring, biases everywhere, the softmax-after-top-k router, biased experts with the clamped SwiGLU; fp16 KV).
 
 Recipes with the nuq KV codec run the logit checks three times: by default, with MOEC_KERNELS=tl (the `tl`
 decode-attention kernel) and with MOEC_KERNELS=gluon (the Gluon kernel, kernels/gluon_kv_attention.py, wherever
@@ -74,6 +76,8 @@ MLA_SHAPE = "smoke-mla"
 MLA_RECIPES = ("experts-hls2", "experts-vq3-d2-had", "experts-fp8", "w4a16", "kv-mla-nuq2", "latency-hls2-mla2")
 GLM_SHAPE = "smoke-glm"
 GLM_RECIPES = ("experts-hls2", "w4a16", "latency-hls2-nuq2")  # partial rotary: the fused step's torch RoPE
+OSS_SHAPE = "smoke-oss"
+OSS_RECIPES = ("experts-hls2", "experts-mxfp4", "w4a16")  # fp16 KV only: sinks and windows (check_kv_attention)
 SLACK_FACTOR, SLACK_ABS = 3.0, 0.01  # rel_l2_exact <= SLACK_FACTOR * rel_l2_floor + SLACK_ABS
 PROMPT_TOKENS, STEPS = 256, 24  # prompt > sinks + window + 2 blocks: the history is encoded at prefill
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -211,8 +215,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_smoke_h200.json")
     ap.add_argument("--recipes", nargs="*", default=None, help="a subset (default: every shipped recipe)")
-    ap.add_argument("--shapes", nargs="*", default=[SHAPE, MLA_SHAPE, GLM_SHAPE], help=f"{SHAPE} (every recipe), "
-                    f"{MLA_SHAPE} (MLA_RECIPES) and/or {GLM_SHAPE} (GLM_RECIPES)")
+    ap.add_argument("--shapes", nargs="*", default=[SHAPE, MLA_SHAPE, GLM_SHAPE, OSS_SHAPE],
+                    help=f"{SHAPE} (every recipe), {MLA_SHAPE} (MLA_RECIPES), {GLM_SHAPE} (GLM_RECIPES) and/or "
+                    f"{OSS_SHAPE} (OSS_RECIPES)")
     ap.add_argument("--jobs", type=int, default=4, help="worker processes (one GPU; compiles run in parallel)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (torch paths on both "
                     "sides, no latency), for checking it before a GPU call")
@@ -230,6 +235,7 @@ def main() -> int:
     jobs = [(SHAPE, n) for n in names if SHAPE in a.shapes and not mla_only(n)]
     jobs += [(MLA_SHAPE, n) for n in names if MLA_SHAPE in a.shapes and n in MLA_RECIPES]
     jobs += [(GLM_SHAPE, n) for n in names if GLM_SHAPE in a.shapes and n in GLM_RECIPES]
+    jobs += [(OSS_SHAPE, n) for n in names if OSS_SHAPE in a.shapes and n in OSS_RECIPES]
     t_start = time.time()
     records = []
     # Triton compiles (CPU-bound) dominate: recipes run in `--jobs` processes on the one GPU

@@ -60,3 +60,15 @@ def tiny_qwen2_moe_dir(tmp_path_factory):
     vocab = _tiny_tokenizer(path)
     make_tiny("qwen2_moe", path, vocab_size=vocab, tie_word_embeddings=True, eos_token_id=0, bos_token_id=0)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_dir(tmp_path_factory):
+    """A 2-layer gpt-oss (tests/runtime/tiny_hf.py: sinks, an 8-token sliding window on layer 0, biased router
+    and experts with the clamped SwiGLU) with the 300-token BPE tokenizer."""
+    from tests.runtime.tiny_hf import make_tiny
+
+    path = tmp_path_factory.mktemp("tiny-gpt-oss")
+    vocab = _tiny_tokenizer(path)
+    make_tiny("gpt_oss", path, vocab_size=vocab, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    return path

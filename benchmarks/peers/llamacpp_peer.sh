@@ -4,7 +4,8 @@
 # (benchmarks/peers/llamacpp_moe.py: Q2_K experts and attention as random blocks with finite fp16 scales), time
 # decode of 64 tokens after depths 4096 and 32768 (f16 KV, flash attention, batch 1, 2 repetitions) and delete
 # the GGUF before the next one (the machine's disk holds one). ~4.5 min to build, ~1 min per shape.
-# Usage, from the repo root:  bash benchmarks/peers/llamacpp_peer.sh OUT_DIR [SHAPE ...]   (mixtral qwen3; also deepseek-v2-lite, glm-4.5-air)
+# Usage, from the repo root:  bash benchmarks/peers/llamacpp_peer.sh OUT_DIR [SHAPE ...]   (mixtral qwen3; also deepseek-v2-lite, glm-4.5-air;
+# the one word `build`: build llama-bench and stop)
 # Writes OUT_DIR/llama_bench_SHAPE.json (llama-bench's own JSON) and prints ms/token per depth.
 set -u
 OUT=${1:?usage: llamacpp_peer.sh OUT_DIR [SHAPE ...]}; shift
@@ -20,6 +21,7 @@ if [ ! -x /tmp/lc/build/bin/llama-bench ]; then
   cmake --build /tmp/lc/build --target llama-bench -j "$(nproc)" > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi
 echo "built in $((SECONDS - t0)) s"
+[ "$SHAPES" = build ] && exit 0
 for S in $SHAPES; do
   PYTHONPATH=/tmp/lc/gguf-py python3 "$HERE/llamacpp_moe.py" /tmp/$S.gguf Q2_K $S > "$OUT/gguf_$S.log" 2>&1 || { tail -20 "$OUT/gguf_$S.log"; continue; }
   timeout 200 /tmp/lc/build/bin/llama-bench -m /tmp/$S.gguf -ngl 99 -fa 1 -p 0 -n 64 -d 4096,32768 -ctk f16 -ctv f16 \

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.config import ModelArgs
+from ..runtime.model import expert_act
 
 
 def accumulate_hessian(H: torch.Tensor, x: torch.Tensor) -> None:
@@ -88,6 +89,9 @@ class ExpertHessians:
         # statistics live on the device the activations come from (the GPU under --device cuda)
         self.w1 = sd[f"layers.{layer}.moe.w1"].to(device, torch.float32)  # [E, I, D]
         self.w3 = sd[f"layers.{layer}.moe.w3"].to(device, torch.float32)
+        b = f"layers.{layer}.moe.b"  # gpt-oss's expert biases (their act's input; b2 does not reach H2)
+        self.b13 = (sd[b + "1"].to(device, torch.float32), sd[b + "3"].to(device, torch.float32)) \
+            if b + "1" in sd else None
         E, I, D = self.w1.shape
         # dense layers have one expert (0), owned by rank 0
         mine = [e for e in (range(E) if self.experts is None else self.experts) if e < E]
@@ -99,7 +103,11 @@ class ExpertHessians:
             self.stats.update(H1_all=torch.zeros(D, D, **z), H2_all=torch.zeros(n, I, I, **z), n_all=0)
 
     def _act(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t())  # [n, I]
+        """The down projection's input [n, I]: the model's gated activation of the (biased) gate and up."""
+        g, u = x @ self.w1[e].t(), x @ self.w3[e].t()
+        if self.b13 is not None:
+            g, u = g + self.b13[0][e], u + self.b13[1][e]
+        return expert_act(g, u, self.args)
 
     def __call__(self, layer: int, name: str, t: torch.Tensor) -> None:
         if layer not in self.layers or name not in ("ffn_in", "expert_ids"):

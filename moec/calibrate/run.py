@@ -68,7 +68,8 @@ def check_kv_attention(args, recipe) -> None:
     """UserError (one line) when the recipe's KV codec and the model's attention do not match: an MLA model
     (DeepSeek) caches one latent row per token, which only an MLA codec (registry `mla`: mla-nuq) holds, and an
     MLA codec holds nothing else; keys cached before RoPE (`rope: pre`) need RoPE on whole heads (the decode
-    kernels rotate whole heads; GLM-4.5 turns half of each)."""
+    kernels rotate whole heads; GLM-4.5 turns half of each); attention sinks and sliding windows (gpt-oss) are
+    served by the fp16 cache alone."""
     if recipe.kv is None or kv_codec(recipe.kv.codec).identity:
         return
     if not args.is_mla and args.rope_dim < args.head_dim and getattr(recipe.kv, "rope", "post") == "pre":
@@ -82,6 +83,11 @@ def check_kv_attention(args, recipe) -> None:
     if mla and not args.is_mla:
         raise UserError(f"recipe {recipe.name!r} compresses the MLA latent (kv: {recipe.kv.codec}), but {args.arch} "
                         f"has per-head keys and values")
+    if args.attn_sinks or args.has_windows:
+        # the compressed caches attend without gpt-oss's sink logits and keep every layer's whole history
+        raise UserError(f"recipe {recipe.name!r} compresses the KV cache (kv: {recipe.kv.codec}), but {args.arch}'s "
+                        f"attention sinks and sliding windows run on the fp16 cache only: use a recipe without a "
+                        f"kv: section (e.g. experts-hls2)")
 
 
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,

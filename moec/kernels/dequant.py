@@ -165,6 +165,16 @@ def vq_static(w: QWeight, block_k: int, words: bool = True, gather: bool = False
     return dict(MODE=MODE_VQ, BITS=w.bits, C=C, BPC=BPC, G=1, GS=w.n_in, BK=bk, VD=vd, VQF=vqf)
 
 
+def gated_act_ref(g: torch.Tensor, u: torch.Tensor, biases, e: int, act: str, limit: float) -> torch.Tensor:
+    """The kernels' reference of biases + gated activation (fp32): model.expert_act's arithmetic."""
+    if biases is not None:
+        g, u = g + biases[0][e].float(), u + biases[1][e].float()
+    if act == "silu":
+        return torch.nn.functional.silu(g) * u
+    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return g * torch.sigmoid(1.702 * g) * (u + 1)
+
+
 def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
                    w2: QWeight) -> tuple[int, int, int, int, int]:
     """Shape checks shared by the MoE launchers (decode and prefill) -> (N, D, A, E, I)."""
@@ -203,6 +213,20 @@ def pick_block_k(n_in: int, group: int, cap: int, per: int) -> int:
     assert bk >= max(per, 16) and (group >= n_in or group % bk == 0), \
         f"group size {group} must be a multiple of {max(per, 16)} for the fused kernels"
     return bk
+
+
+# the experts' gated activation (runtime/model.expert_act): ACT 0 silu(g)·u, ACT 1 gpt-oss's clamped SwiGLU
+ACT_SILU, ACT_CLAMPED_SWIGLU = 0, 1
+EXPERT_ACT_IDS = {"silu": ACT_SILU, "clamped_swiglu": ACT_CLAMPED_SWIGLU}
+
+
+@triton.jit
+def gated_act(g, u, ACT: tl.constexpr, LIMIT: tl.constexpr):
+    if ACT == 1:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        return g / (1.0 + tl.exp(-1.702 * g)) * (u + 1.0)
+    return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from . import launch_config
 from .dequant import (
+    EXPERT_ACT_IDS,
     MODE_DENSE,
     MODE_FP8,
     MODE_VQ,
@@ -47,6 +48,8 @@ from .dequant import (
     check_moe_args,
     codes_per_chunk,
     dequant_ref,
+    gated_act,
+    gated_act_ref,
     gemv_chunks,
     gemv_prmt,
     gemv_prmt2,
@@ -78,12 +81,13 @@ DECODE_CONFIG, LEGACY_CONFIG, DENSE_CONFIG, VQ_CONFIG = _CFG["prmt"], _CFG["lega
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_ptr, b3_ptr, h_ptr,
+def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_ptr, b3_ptr, h_ptr, bg_ptr, bu_ptr,
                     I, stride_we, stride_wo, stride_ae, stride_ao,
                     D: tl.constexpr, A: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                     C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                     BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr, POLY: tl.constexpr,
-                    PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0):
+                    PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0,
+                    HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 7.0):
     t = tl.program_id(0)  # token-slot n·A + a
     n = t // A
     e = tl.load(ids_ptr + t).to(tl.int64)
@@ -121,8 +125,11 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
     if MODE == 4:  # vq: row scales [E, I] (b), likewise after the sum
         g *= tl.load(b1_ptr + e * I + offs_o, mask=mask_o, other=0.0).to(tl.float32)
         u *= tl.load(b3_ptr + e * I + offs_o, mask=mask_o, other=0.0).to(tl.float32)
+    if HAS_BIAS:  # the experts' biases [E, I] fp32
+        g += tl.load(bg_ptr + e * I + offs_o, mask=mask_o, other=0.0)
+        u += tl.load(bu_ptr + e * I + offs_o, mask=mask_o, other=0.0)
     wt = tl.load(wts_ptr + t).to(tl.float32)
-    h = g / (1.0 + tl.exp(-g)) * u * wt  # weight · silu(gate) · up
+    h = gated_act(g, u, ACT, LIMIT) * wt  # weight · act(gate, up)
     if PRMT:  # h as fp16 in prmt_pairs order for the down GEMV: input 16cw + 8q + 4half + j -> pair 2j + q
         r = offs_o % 16
         pos = ((2 * (r % 4) + r // 8) * (I // 16) + offs_o // 16) * 2 + (r // 4) % 2
@@ -132,12 +139,13 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr,
+def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_ptr,
                  D, stride_we, stride_wo, stride_ae, stride_ao,
                  I: tl.constexpr, A: tl.constexpr, PER: tl.constexpr, SPLIT: tl.constexpr,
                  MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
                  G: tl.constexpr, GS: tl.constexpr, BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr,
-                 POLY: tl.constexpr, PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0):
+                 POLY: tl.constexpr, PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0,
+                 HAS_BIAS: tl.constexpr = False):
     n = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
     mask_o = offs_o < D
@@ -169,6 +177,9 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr,
             r *= tl.load(a2_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
         if MODE == 4:
             r *= tl.load(b2_ptr + e * D + offs_o, mask=mask_o, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # h carries the routing weight, the bias [E, D] does not: weight · b2[e], once (split 0)
+            wt = tl.load(wts_ptr + t).to(tl.float32)
+            r += tl.where(k_start == 0, wt, 0.0) * tl.load(bd_ptr + e * D + offs_o, mask=mask_o, other=0.0)
         y += r
     if SPLIT == 1:
         tl.store(out_ptr + n * D + offs_o, y.to(out_ptr.dtype.element_ty), mask=mask_o)
@@ -200,7 +211,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                words: bool | None = None, poly: bool | None = None, prmt: bool | None = None,
                out_dtype: torch.dtype = torch.float32, num_stages: int | None = None,
                num_warps_down: int | None = None, num_stages_down: int | None = None,
-               h_rotate=None, vq_gather: bool = False) -> torch.Tensor:
+               h_rotate=None, vq_gather: bool = False, biases=None, act: str = "silu",
+               limit: float = 7.0) -> torch.Tensor:
     """Fused MoE for few tokens. x [N, D]; ids, weights [N, A]; w1, w3 [E, I, D] and w2 [E, D, I] as
     QWeight (all of one mode). Returns out [N, D] in out_dtype. vq: word chunks by default (codebook
     gathers through L1), vq_gather=True their tl.gather variant, words=False the byte-code GEMV. prmt
@@ -208,7 +220,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     the PTX prmt lookup with fp16x2 products (dequant.gemv_prmt); False: the previous select-tree / cubic
     path. h_rotate: a function applied to the intermediate h [T, I] fp32 between the two launches (the
     incoherence rotation of w2's inputs, runtime/experts.py; it takes the non-prmt path, whose h is fp32
-    in natural order)."""
+    in natural order). biases: (b1, b3 [E, I], b2 [E, D]) added to gate, up and down (b2 times the routing
+    weight); act: the gated activation ("silu" or gpt-oss's "clamped_swiglu" at `limit`)."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     # x in its own dtype: every GEMV path converts its loads to fp32 (and prmt_pairs rounds to fp16, which
     # bf16 -> fp16 does exactly as bf16 -> fp32 -> fp16); an fp32 copy first was one more kernel per layer
@@ -222,7 +235,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
             try:
                 return moe_decode(x, ids, weights, w1, w3, w2, block_o, block_k, num_warps, block_o_down,
                                   block_k_down, split, words, poly, True, out_dtype, num_stages, num_warps_down,
-                                  num_stages_down)
+                                  num_stages_down, biases=biases, act=act, limit=limit)
             except triton.TritonError as ex:  # inline PTX refused (compile or ptxas error): keep the portable path
                 _PRMT_FAILED.append(f"{type(ex).__name__}: {str(ex)[:200]}")
                 log.warning("prmt MoE decode kernels failed to compile, using the select path: %s", _PRMT_FAILED[0])
@@ -258,10 +271,12 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
         a1, a3 = a1.view(torch.int32), a3.view(torch.int32)
     stride_ae1 = a1.stride(0) if w1.a is not None else 0
     row_a1 = a1.stride(1) if prmt else w1.row_stride_a()
+    bg, bu, bd = (weights,) * 3 if biases is None else (b.float().contiguous() for b in biases)
+    extra = dict(HAS_BIAS=biases is not None, ACT=EXPERT_ACT_IDS[act], LIMIT=float(limit))
     _gate_up_kernel[(T, triton.cdiv(I, block_o))](
-        x, ids, weights, d1, a1, b1, d3, a3, b3, h, I,
+        x, ids, weights, d1, a1, b1, d3, a3, b3, h, bg, bu, I,
         d1.stride(0), d1.stride(1), stride_ae1, row_a1,
-        D=D, A=A, BO=block_o, **launch1, **s1)
+        D=D, A=A, BO=block_o, **launch1, **s1, **extra)
     if h_rotate is not None:
         h = h_rotate(h).contiguous()
     bk2 = s2["BKC"] * s2["C"]
@@ -284,14 +299,14 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     if prmt:
         a2, h = a2.view(torch.int32), h.view(torch.int32)
     _down_kernel[(N, n_d, split)](
-        h, ids, d2, a2, b2, out, D, d2.stride(0), d2.stride(1), a2.stride(0) if w2.a is not None else 0,
+        h, ids, d2, a2, b2, out, weights, bd, D, d2.stride(0), d2.stride(1), a2.stride(0) if w2.a is not None else 0,
         a2.stride(1) if prmt else w2.row_stride_a(), I=I, A=A, PER=per, SPLIT=split, BO=block_o_down,
-        **launch2, **s2)
+        **launch2, **s2, HAS_BIAS=biases is not None)
     return out.to(out_dtype)
 
 
 def moe_decode_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
-                   w2: QWeight, h_rotate=None) -> torch.Tensor:
+                   w2: QWeight, h_rotate=None, biases=None, act: str = "silu", limit: float = 7.0) -> torch.Tensor:
     """Plain-torch reference of `moe_decode` (same arguments), out [N, D] fp32."""
     W1, W3, W2 = dequant_ref(w1), dequant_ref(w3), dequant_ref(w2)
     xf = x.float()
@@ -299,10 +314,11 @@ def moe_decode_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     for n in range(x.shape[0]):
         for a in range(ids.shape[1]):
             e = int(ids[n, a])
-            h = torch.nn.functional.silu(W1[e] @ xf[n]) * (W3[e] @ xf[n])
+            h = gated_act_ref(W1[e] @ xf[n], W3[e] @ xf[n], biases, e, act, limit)
             if h_rotate is not None:
                 h = h_rotate(h)
-            out[n] += weights[n, a].float() * (W2[e] @ h)
+            y = W2[e] @ h
+            out[n] += weights[n, a].float() * (y if biases is None else y + biases[2][e].float())
     return out
 
 

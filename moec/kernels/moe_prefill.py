@@ -31,6 +31,7 @@ import triton.language as tl
 
 from . import launch_config
 from .dequant import (
+    EXPERT_ACT_IDS,
     MODE_DENSE,
     MODE_FP8,
     MODE_VQ,
@@ -39,6 +40,8 @@ from .dequant import (
     codes_per_chunk,
     dequant_ref,
     dequant_tile,
+    gated_act,
+    gated_act_ref,
     pick_block_k,
     vq_static,
 )
@@ -77,11 +80,12 @@ def align(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, sid_ptr, bexp_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_ptr, b3_ptr, h_ptr,
+def _gate_up_kernel(x_ptr, sid_ptr, bexp_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_ptr, b3_ptr, h_ptr, bg_ptr, bu_ptr,
                     T, I, E, stride_xn, stride_we, stride_wo, stride_ae, stride_ao,
                     D: tl.constexpr, A: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                     C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VD: tl.constexpr = 1):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VD: tl.constexpr = 1,
+                    HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 7.0):
     pid_m = tl.program_id(0)
     e = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if e >= E:  # a block past the last expert's run
@@ -109,17 +113,21 @@ def _gate_up_kernel(x_ptr, sid_ptr, bexp_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3
     if MODE == 4:  # vq row scales [E, I] (b)
         acc_g *= tl.load(b1_ptr + e * I + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         acc_u *= tl.load(b3_ptr + e * I + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if HAS_BIAS:  # the experts' biases [E, I] fp32, one per output column
+        acc_g += tl.load(bg_ptr + e * I + offs_n, mask=mask_n, other=0.0)[None, :]
+        acc_u += tl.load(bu_ptr + e * I + offs_n, mask=mask_n, other=0.0)[None, :]
+    h = gated_act(acc_g, acc_u, ACT, LIMIT)
     tl.store(h_ptr + slot[:, None].to(tl.int64) * I + offs_n[None, :], h.to(tl.bfloat16),
              mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _down_kernel(h_ptr, sid_ptr, bexp_ptr, wts_ptr, w2_ptr, a2_ptr, b2_ptr, y_ptr,
+def _down_kernel(h_ptr, sid_ptr, bexp_ptr, wts_ptr, w2_ptr, a2_ptr, b2_ptr, y_ptr, bd_ptr,
                  T, D, E, stride_we, stride_wo, stride_ae, stride_ao,
                  I: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                  C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VD: tl.constexpr = 1):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, VD: tl.constexpr = 1,
+                 HAS_BIAS: tl.constexpr = False):
     pid_m = tl.program_id(0)
     e = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if e >= E:
@@ -140,6 +148,8 @@ def _down_kernel(h_ptr, sid_ptr, bexp_ptr, wts_ptr, w2_ptr, a2_ptr, b2_ptr, y_pt
         acc *= tl.load(a2_ptr + e * stride_ae + offs_n, mask=mask_n, other=0.0)[None, :]
     if MODE == 4:
         acc *= tl.load(b2_ptr + e * D + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bd_ptr + e * D + offs_n, mask=mask_n, other=0.0)[None, :]
     acc *= tl.load(wts_ptr + slot, mask=valid, other=0.0)[:, None]
     tl.store(y_ptr + srow[:, None] * D + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=valid[:, None] & mask_n[None, :])
@@ -164,7 +174,7 @@ log = logging.getLogger(__name__)
 
 
 def _launch(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight, cfg: dict, out_dtype,
-            h_rotate=None) -> torch.Tensor:
+            h_rotate=None, biases=None, act: str = "silu", limit: float = 7.0) -> torch.Tensor:
     """align + the two launches; returns y [T, D] in slot order."""
     N, D = x.shape
     A = ids.shape[1]
@@ -175,27 +185,31 @@ def _launch(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight, cfg: dict, o
     h = torch.empty(T, I, dtype=torch.bfloat16, device=x.device)
     (d1, a1, b1), (d3, a3, b3), (d2, a2, b2) = w1.ptrs(), w3.ptrs(), w2.ptrs()
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    bg, bu, bd = (weights,) * 3 if biases is None else (b.float().contiguous() for b in biases)
     _gate_up_kernel[(block_expert.numel(), triton.cdiv(I, BN))](
-        x, sorted_ids, block_expert, d1, a1, b1, d3, a3, b3, h, T, I, E, x.stride(0),
+        x, sorted_ids, block_expert, d1, a1, b1, d3, a3, b3, h, bg, bu, T, I, E, x.stride(0),
         d1.stride(0), d1.stride(1), a1.stride(0) if w1.a is not None else 0, w1.row_stride_a(),
-        D=D, A=A, BM=BM, BN=BN, DOT=dot_dtype(), **_static(w1, cfg["block_k"]), **launch)
+        D=D, A=A, BM=BM, BN=BN, DOT=dot_dtype(), **_static(w1, cfg["block_k"]), **launch,
+        HAS_BIAS=biases is not None, ACT=EXPERT_ACT_IDS[act], LIMIT=float(limit))
     if h_rotate is not None:  # rows of h are slots: every row is rotated alike
         h = h_rotate(h).contiguous()
     y = torch.empty(T, D, dtype=out_dtype or x.dtype, device=x.device)
     _down_kernel[(block_expert.numel(), triton.cdiv(D, BN))](
-        h, sorted_ids, block_expert, weights, d2, a2, b2, y, T, D, E,
+        h, sorted_ids, block_expert, weights, d2, a2, b2, y, bd, T, D, E,
         d2.stride(0), d2.stride(1), a2.stride(0) if w2.a is not None else 0, w2.row_stride_a(),
-        I=I, BM=BM, BN=BN, DOT=dot_dtype(), **_static(w2, cfg["block_k"]), **launch)
+        I=I, BM=BM, BN=BN, DOT=dot_dtype(), **_static(w2, cfg["block_k"]), **launch, HAS_BIAS=biases is not None)
     return y
 
 
 def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
                 w2: QWeight, block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
                 num_warps: int | None = None, num_stages: int | None = None, small: bool | None = None,
-                out_dtype: torch.dtype | None = None, h_rotate=None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, h_rotate=None, biases=None, act: str = "silu",
+                limit: float = 7.0) -> torch.Tensor:
     """Grouped quantized MoE. x [N, D] (bf16/fp16/fp32); ids, weights [N, A]; w1, w3 [E, I, D] and
     w2 [E, D, I] as QWeight of one mode. Returns out [N, D] in out_dtype (default x.dtype). h_rotate: a
-    function applied to the intermediate h [T, I] between the launches (moe_decode's h_rotate)."""
+    function applied to the intermediate h [T, I] between the launches (moe_decode's h_rotate); biases, act,
+    limit: moe_decode's."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     T = N * A
     configs = launch_config.config("moe_prefill", x.device)
@@ -215,29 +229,33 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: Q
         if "bk16" not in _WARNED:
             _WARNED.add("bk16")
             log.warning("grouped MoE: 16-input dequant tiles (D=%d, I=%d) run the torch reference on CUDA", D, I)
-        return moe_grouped_ref(x, ids, weights, w1, w3, w2, h_rotate).to(out_dtype or x.dtype)
+        return moe_grouped_ref(x, ids, weights, w1, w3, w2, h_rotate, biases, act, limit).to(out_dtype or x.dtype)
     key = (w1.mode, w1.bits, D, I, *cfg.values())
     if key in _BROKEN:
         cfg = dict(small_cfg)
     try:
-        y = _launch(x, ids, weights, w1, w3, w2, cfg, out_dtype, h_rotate)
+        y = _launch(x, ids, weights, w1, w3, w2, cfg, out_dtype, h_rotate, biases, act, limit)
     except RuntimeError as ex:  # a Triton compile failure (first call of a config only)
         if "PassManager" not in str(ex) or cfg == small_cfg:
             raise
         _BROKEN.add(key)
-        y = _launch(x, ids, weights, w1, w3, w2, dict(small_cfg), out_dtype, h_rotate)
+        y = _launch(x, ids, weights, w1, w3, w2, dict(small_cfg), out_dtype, h_rotate, biases, act, limit)
     return y.view(N, A, D).sum(1)
 
 
-def moe_grouped_ref(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight, h_rotate=None) -> torch.Tensor:
+def moe_grouped_ref(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight, h_rotate=None, biases=None,
+                    act: str = "silu", limit: float = 7.0) -> torch.Tensor:
     """Plain-torch reference (fp32, per expert over its tokens), out [N, D] fp32."""
     W1, W3, W2 = dequant_ref(w1), dequant_ref(w3), dequant_ref(w2)
     xf = x.float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         tok, slot = torch.where(ids == e)
-        h = torch.nn.functional.silu(xf[tok] @ W1[e].t()) * (xf[tok] @ W3[e].t())
+        h = gated_act_ref(xf[tok] @ W1[e].t(), xf[tok] @ W3[e].t(), biases, e, act, limit)
         if h_rotate is not None:
             h = h_rotate(h)
-        out.index_add_(0, tok, (h @ W2[e].t()) * weights[tok, slot, None].float())
+        y = h @ W2[e].t()
+        if biases is not None:
+            y = y + biases[2][e].float()
+        out.index_add_(0, tok, y * weights[tok, slot, None].float())
     return out

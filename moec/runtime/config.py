@@ -66,6 +66,17 @@ class ModelArgs:
     # partial rotary (GLM-4.5: partial_rotary_factor 0.5): RoPE turns the first rotary_dim dims of each head,
     # the rest pass through; 0 = the whole head
     rotary_dim: int = 0
+    # gpt-oss: a learned logit per query head in every softmax's denominator (tensor attn.sinks [H]), and per
+    # layer a sliding window of that many keys (the query's own included; 0: full attention)
+    attn_sinks: bool = False
+    layer_windows: list[int] = field(default_factory=list)
+    # experts beyond silu(gate)·up: biases on gate/up/down (moe.b1, moe.b3 [E, I], moe.b2 [E, D]) and gpt-oss's
+    # clamped SwiGLU (expert_act "clamped_swiglu": gate clamped above and up on both sides at swiglu_limit,
+    # gate·sigmoid(1.702·gate)·(up + 1)); router_logit_bias: the router is a Linear with a bias (moe.router.bias)
+    expert_bias: bool = False
+    expert_act: str = "silu"
+    swiglu_limit: float = 7.0
+    router_logit_bias: bool = False
 
     def __post_init__(self):
         if not self.ffn_kinds:
@@ -81,6 +92,11 @@ class ModelArgs:
         if self.topk_method != "greedy":
             assert self.n_experts % self.n_group == 0 and 0 < self.topk_group <= self.n_group, self
         assert 0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, self.rotary_dim
+        if not any(self.layer_windows):  # all full attention: the list says nothing more than n_layers
+            self.layer_windows = [0] * self.n_layers
+        assert len(self.layer_windows) == self.n_layers and min(self.layer_windows) >= 0, self.layer_windows
+        assert self.expert_act in EXPERT_ACTS, self.expert_act
+        assert not ((self.attn_sinks or any(self.layer_windows)) and self.attn_kind == "mla"), "MLA without sinks"
         if self.attn_kind == "mla":
             assert 0 < self.qk_rope_dim < self.head_dim and self.qk_rope_dim % 2 == 0, self
             assert self.rotary_dim == 0, "MLA rotates qk_rope_dim"
@@ -89,6 +105,10 @@ class ModelArgs:
     @property
     def is_moe(self) -> bool:
         return "moe" in self.ffn_kinds
+
+    @property
+    def has_windows(self) -> bool:
+        return any(self.layer_windows)
 
     @property
     def is_mla(self) -> bool:
@@ -142,6 +162,11 @@ class ModelArgs:
             if d.get("n_experts", 0) % g or not 0 < tg <= g:
                 raise UserError(f"model_args: grouped top-k needs n_experts divisible by n_group and "
                                 f"0 < topk_group <= n_group, got {d.get('n_experts', 0)}, {g}, {tg}")
+        windows = d.get("layer_windows") or []
+        if windows and len(windows) != d["n_layers"]:
+            raise UserError(f"model_args: {len(windows)} layer_windows for n_layers {d['n_layers']}")
+        if (d.get("attn_sinks") or any(windows)) and d.get("attn_kind", "gqa") == "mla":
+            raise UserError("model_args: attention sinks and sliding windows are not supported with MLA")
         kinds = d.get("ffn_kinds") or ["moe" if d.get("n_experts") else "dense"]  # empty: every layer alike
         if d.get("ffn_kinds") and len(kinds) != d["n_layers"]:
             raise UserError(f"model_args: {len(kinds)} ffn_kinds for n_layers {d['n_layers']}")
@@ -154,7 +179,10 @@ class ModelArgs:
         return cls(**d)
 
 
-ROUTER_SCORES = ("softmax", "sigmoid")
+# softmax: over every expert, then top-k; sigmoid: per expert (DeepSeek-V3); softmax_topk: top-k of the logits,
+# then a softmax over the kept ones (gpt-oss)
+ROUTER_SCORES = ("softmax", "sigmoid", "softmax_topk")
+EXPERT_ACTS = ("silu", "clamped_swiglu")
 TOPK_METHODS = ("greedy", "group_max", "group_top2")
 ATTN_KINDS = ("gqa", "mla")
 _INT_MAX = 2**31 - 1  # token ids and kernel indices are int32: no dimension of a real model comes near
@@ -205,11 +233,15 @@ _ARG_SPEC = {
                                     "yarn with its factors)"),
     **{k: (lambda v: isinstance(v, bool), "true or false") for k in ("tie_embeddings", "qkv_bias", "o_bias",
                                                                      "norm_topk", "shared_gate", "router_bias",
-                                                                     "rope_interleave")},
+                                                                     "rope_interleave", "attn_sinks", "expert_bias",
+                                                                     "router_logit_bias")},
     **{k: (_int(0), "an int in 0..2^31-1") for k in ("q_lora_rank", "kv_lora_rank", "qk_rope_dim", "v_head_dim",
                                                       "rotary_dim")},
     **{k: (_int(1), "an int in 1..2^31-1") for k in ("n_group", "topk_group")},
     "routed_scale": (_positive_float, "a number in (0, 3.4e38)"),
+    "swiglu_limit": (_positive_float, "a number in (0, 3.4e38)"),
+    "expert_act": (lambda v: v in EXPERT_ACTS, f"one of {', '.join(map(repr, EXPERT_ACTS))}"),
+    "layer_windows": (lambda v: isinstance(v, list) and all(_int(0)(w) for w in v), "a list of ints >= 0"),
     "router_score": (lambda v: v in ROUTER_SCORES, f"one of {', '.join(map(repr, ROUTER_SCORES))}"),
     "topk_method": (lambda v: v in TOPK_METHODS, f"one of {', '.join(map(repr, TOPK_METHODS))}"),
     "attn_kind": (lambda v: v in ATTN_KINDS, f"one of {', '.join(map(repr, ATTN_KINDS))}"),
@@ -265,6 +297,18 @@ PRESETS: dict[str, ModelArgs] = {
         ffn_kinds=["dense"] + ["moe"] * 45, dense_dim=10944, n_experts=128, top_k=8, expert_dim=1408,
         shared_dim=1408, router_score="sigmoid", topk_method="group_top2", n_group=1, topk_group=1, router_bias=True,
     ),
+    # gpt-oss-120b (117B, 5.1B active; openai/gpt-oss-120b's config): 36 layers alternating a 128-token sliding
+    # window and full attention, GQA 64/8 heads of 64 with biases and a learned sink per head, 128 experts top-4
+    # (biased router, softmax over the kept logits), biased experts with the clamped SwiGLU, YaRN x32 untruncated
+    "gpt-oss-120b": ModelArgs(
+        arch="gpt_oss", vocab_size=201088, dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, head_dim=64,
+        norm_eps=1e-5, max_seq_len=131072, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "truncate": False},
+        qkv_bias=True, o_bias=True, attn_sinks=True, layer_windows=[128 if i % 2 == 0 else 0 for i in range(36)],
+        n_experts=128, top_k=4, expert_dim=2880, norm_topk=False, router_score="softmax_topk",
+        router_logit_bias=True, expert_bias=True, expert_act="clamped_swiglu", swiglu_limit=7.0,
+    ),
     # The GPU smoke's model (benchmarks/gpu_smoke.py): every code path of the big shapes at a size that
     # builds and compiles in seconds. head_dim 128 as in both big shapes; one dense MLP layer then MoE
     # layers (so `mlp` and `experts` recipe targets both match); dim, heads·head_dim and the FFN widths are
@@ -296,5 +340,17 @@ PRESETS: dict[str, ModelArgs] = {
         ffn_kinds=["dense", "moe", "moe", "moe"], dense_dim=768, n_experts=8, top_k=2, expert_dim=768,
         shared_dim=768, router_score="sigmoid", topk_method="group_top2", n_group=4, topk_group=2, router_bias=True,
         routed_scale=2.5,
+    ),
+    # The GPU smoke's gpt-oss-style model: head_dim 64 as gpt-oss, a 128-token sliding window on layers 0 and 2
+    # (the smoke's contexts pass it), sinks, biases everywhere, the softmax-after-top-k router, biased experts with
+    # the clamped SwiGLU
+    "smoke-oss": ModelArgs(
+        arch="gpt_oss", vocab_size=8192, dim=768, n_layers=4, n_heads=12, n_kv_heads=4, head_dim=64,
+        norm_eps=1e-5, max_seq_len=4096, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "truncate": False},
+        qkv_bias=True, o_bias=True, attn_sinks=True, layer_windows=[128, 0, 128, 0], n_experts=8, top_k=2,
+        expert_dim=768, norm_topk=False, router_score="softmax_topk", router_logit_bias=True, expert_bias=True,
+        expert_act="clamped_swiglu", swiglu_limit=7.0,
     ),
 }

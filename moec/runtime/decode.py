@@ -40,14 +40,13 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
 
 from ..registry import weight_codec
 from .backend import kernels_enabled
 from .config import ModelArgs
 from .experts import QLinear
 from .kvcache import dense_cache
-from .model import MoE, Transformer, apply_rope, rope_cos_sin, route
+from .model import MoE, Transformer, apply_rope, expert_act, rope_cos_sin, route
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +78,17 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
         # path dequantizes the whole matrices every step: ~1 ms for DeepSeek-V2-Lite's first layer on an H100)
         N = x.shape[0]
         return moe.codec.fused(x, torch.ones(N, 1, device=x.device, dtype=torch.float32),
-                               torch.zeros(N, 1, device=x.device, dtype=torch.int32))
+                               torch.zeros(N, 1, device=x.device, dtype=torch.int32), moe.args)
     if moe.kind == "dense" or not kernels_enabled(x.device) or (moe.codec is not None and not moe.codec.fused_ok(x)):
         return moe(x, layer)
     a = moe.args
     if plain_softmax_routing(moe):
         w, ids = _route(x, moe.router.weight, a.top_k, a.norm_topk)  # [N, A] ×2
-    else:  # DeepSeek's scores, groups, bias and scale: torch's route (no host sync: capturable)
-        _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk, a, getattr(moe, "score_bias", None))
+    else:  # DeepSeek's / gpt-oss's scores, groups, biases and scale: torch's route (no host sync: capturable)
+        _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk, a, getattr(moe, "score_bias", None),
+                          moe.router.bias)
     if moe.codec is not None:
-        out = moe.codec.fused(x, w, ids)
+        out = moe.codec.fused(x, w, ids, a, moe.biases())
     else:
         out = _dense_kernel_moe(moe, x, w, ids)
         if out is None:
@@ -105,7 +105,7 @@ def plain_softmax_routing(moe: MoE) -> bool:
     """Softmax over every expert then top-k (and renormalization): what the routing kernels compute."""
     a = moe.args
     return (a.router_score, a.topk_method, a.routed_scale) == ("softmax", "greedy", 1.0) and \
-        not hasattr(moe, "score_bias")
+        not hasattr(moe, "score_bias") and moe.router.bias is None
 
 
 _ROUTE_FAILED: list[str] = []  # the routing kernel failed to compile here: torch's route instead
@@ -145,10 +145,11 @@ def _dense_kernel_moe(moe: MoE, x, w, ids) -> torch.Tensor | None:
     if kind in _DENSE_FAILED:
         return None
     qs = [QWeight(MODE_DENSE, 16, t.shape[2], t) for t in (moe.w1, moe.w3, moe.w2)]
+    extra = dict(biases=moe.biases(), act=moe.args.expert_act, limit=moe.args.swiglu_limit)
     try:
         if kind == "decode":
-            return moe_decode(x, ids, w, *qs, out_dtype=x.dtype)
-        return moe_grouped(x, ids, w, *qs).to(x.dtype)
+            return moe_decode(x, ids, w, *qs, out_dtype=x.dtype, **extra)
+        return moe_grouped(x, ids, w, *qs, **extra).to(x.dtype)
     except Exception as e:  # the warm-up step (outside capture) meets compile errors first
         if torch.cuda.is_current_stream_capturing():
             raise
@@ -162,8 +163,15 @@ def _gather_moe(moe: MoE, x, w, ids) -> torch.Tensor:
     N, A = ids.shape
     flat = ids.reshape(-1)
     xa = x.repeat_interleave(A, dim=0)[:, :, None]  # [N·A, D, 1]
-    h = F.silu(torch.bmm(moe.w1[flat], xa)) * torch.bmm(moe.w3[flat], xa)  # [N·A, I, 1]
-    y = torch.bmm(moe.w2[flat], h)[:, :, 0].view(N, A, -1)  # [N, A, D]
+    g, u = torch.bmm(moe.w1[flat], xa)[..., 0], torch.bmm(moe.w3[flat], xa)[..., 0]  # [N·A, I]
+    b = moe.biases()
+    if b is not None:
+        g, u = g + b[0][flat].to(g.dtype), u + b[1][flat].to(u.dtype)
+    h = expert_act(g, u, moe.args)[..., None]  # [N·A, I, 1]
+    y = torch.bmm(moe.w2[flat], h)[:, :, 0]  # [N·A, D]
+    if b is not None:
+        y = y + b[2][flat].to(y.dtype)
+    y = y.view(N, A, -1)  # [N, A, D]
     return (y.float() * w[..., None]).sum(1).to(x.dtype)
 
 
@@ -362,7 +370,8 @@ class DecodeEngine:
                     q, k = at.q_norm(q), at.k_norm(k)
                 q, k = apply_rope(q[:, :, None], cos[:, None, None], sin[:, None, None])[:, :, 0], \
                     apply_rope(k[:, :, None], cos[:, None, None], sin[:, None, None])[:, :, 0]
-            o = self.cache.attend(blk.layer, q[:, :, None], k[:, :, None], v.reshape(b, K, 1, d), 0)
+            sinks = {"sinks": at.sinks} if a.attn_sinks else {}  # gpt-oss
+            o = self.cache.attend(blk.layer, q[:, :, None], k[:, :, None], v.reshape(b, K, 1, d), 0, **sinks)
             x, h = add_rms_norm(x, at.wo(o.reshape(b, H * d)), blk.ffn_norm.weight, blk.ffn_norm.eps)
             y = graph_safe_moe(blk.moe, h, blk.layer)
             nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else m.norm

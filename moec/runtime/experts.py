@@ -38,6 +38,7 @@ from ..formats.codecs import ROTATION_PART
 from ..registry import weight_codec, weight_codecs
 from ..rotation import hadamard, rotate, signs_error, unpack_signs
 from .backend import kernels_enabled
+from .model import expert_act
 from .weightcodecs import lut_poly  # noqa: F401  (kernel tests and benchmarks import it from here)
 
 log = logging.getLogger(__name__)
@@ -174,34 +175,41 @@ class ExpertWeights(nn.Module):
         w = getattr(self, name)
         return w.dequant_ref(e, dtype) if isinstance(w, QuantMatrix) else w[e].to(dtype)
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """x [n, D] -> [n, D] through expert e (reference path)."""
+    def expert(self, e: int, x: torch.Tensor, args=None, biases=None) -> torch.Tensor:
+        """x [n, D] -> [n, D] through expert e (reference path); args: the model's (its expert_act; silu
+        without), biases: the layer's (b1, b3, b2) or None."""
         w1, w3, w2 = (self.weight(n, e, x.dtype) for n in ("w1", "w3", "w2"))
         x1 = self.rotate_input("w1", x)
         x3 = x1 if self.shared_x else self.rotate_input("w3", x)
-        h = F.silu(x1 @ w1.t()) * (x3 @ w3.t())
-        return self.rotate_input("w2", h) @ w2.t()
+        g, u = x1 @ w1.t(), x3 @ w3.t()
+        if biases is not None:
+            g, u = g + biases[0][e].to(g.dtype), u + biases[1][e].to(u.dtype)
+        h = F.silu(g) * u if args is None else expert_act(g, u, args)
+        y = self.rotate_input("w2", h) @ w2.t()
+        return y if biases is None else y + biases[2][e].to(y.dtype)
 
     def fused_ok(self, x: torch.Tensor) -> bool:
         ws = (self.w1, self.w3, self.w2)
         return (kernels_enabled(x.device) and all(isinstance(w, QuantMatrix) and w.kernel_ok() for w in ws)
                 and len({(w.codec, w.bits) for w in ws}) == 1 and self.shared_x)
 
-    def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, args=None,
+              biases=None) -> torch.Tensor | None:
         """The fused Triton kernels (backend.kernels_enabled: CUDA by default; x [N, D], weights/ids [N, A]),
-        or None where they do not apply."""
+        or None where they do not apply. args, biases: as `expert`."""
         if not self.fused_ok(x):
             return None
         qs = [w.qweight() for w in (self.w1, self.w3, self.w2)]
         xr = self.w1.rotate_input(x)  # w1 and w3 read the same basis (fused_ok)
         h_rotate = self.w2.rotate_input if self.w2.rotated else None
+        act = {} if args is None else {"act": args.expert_act, "limit": args.swiglu_limit}
         if x.shape[0] <= DECODE_MAX_TOKENS:
             from ..kernels.moe_decode import moe_decode
 
-            return moe_decode(xr, ids, weights, *qs, out_dtype=x.dtype, h_rotate=h_rotate)
+            return moe_decode(xr, ids, weights, *qs, out_dtype=x.dtype, h_rotate=h_rotate, biases=biases, **act)
         from ..kernels.moe_prefill import moe_grouped
 
-        return moe_grouped(xr, ids, weights, *qs, h_rotate=h_rotate)
+        return moe_grouped(xr, ids, weights, *qs, h_rotate=h_rotate, biases=biases, **act)
 
 
 class QLinear(nn.Module):

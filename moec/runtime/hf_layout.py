@@ -23,7 +23,8 @@ from .config import ModelArgs
 ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-SUPPORTED = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+SUPPORTED = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
+             "gpt_oss")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 SHARED_EXPERTS_ARCHS = (*DEEPSEEK, "glm4_moe")  # `mlp.shared_experts` (an n × I MLP); Qwen2-MoE: `mlp.shared_expert`
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -65,6 +66,8 @@ def args_from_config(cfg: dict) -> ModelArgs:
         return _deepseek_args(cfg, common)
     if mt == "glm4_moe":
         return _glm4_moe_args(cfg, common)
+    if mt == "gpt_oss":
+        return _gpt_oss_args(cfg, common)
     if mt == "llama":
         if cfg.get("mlp_bias"):
             raise UserError("Llama checkpoints with mlp_bias=true are not supported")
@@ -165,6 +168,34 @@ def _glm4_moe_args(cfg: dict, common: dict) -> ModelArgs:
                      routed_scale=float(cfg.get("routed_scaling_factor", 1.0)))
 
 
+def _gpt_oss_args(cfg: dict, common: dict) -> ModelArgs:
+    """gpt-oss: GQA with biases on every projection and a learned sink logit per head, sliding-window layers
+    (layer_types), every layer MoE: a biased router, top-k of the logits then a softmax over them, biased experts
+    with the clamped SwiGLU."""
+    L = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
+    if len(types) != L or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise UserError(f"gpt_oss layer_types must be {L} of sliding_attention / full_attention")
+    window = cfg.get("sliding_window") or 0
+    bias = bool(cfg.get("attention_bias", True))
+    return ModelArgs(**common, qkv_bias=bias, o_bias=bias, attn_sinks=True,
+                     layer_windows=[window if t == "sliding_attention" else 0 for t in types],
+                     n_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                     expert_dim=cfg["intermediate_size"], norm_topk=False, router_score="softmax_topk",
+                     router_logit_bias=True, expert_bias=True, expert_act="clamped_swiglu",
+                     swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+
+
+def _gpt_oss_config(a: ModelArgs, cfg: dict) -> dict:
+    windows = {w for w in a.layer_windows if w}
+    if len(windows) > 1:
+        raise UserError(f"gpt_oss has one sliding_window; these layers use {sorted(windows)}")
+    return cfg | {"num_local_experts": a.n_experts, "num_experts_per_tok": a.top_k, "intermediate_size": a.expert_dim,
+                  "attention_bias": a.qkv_bias, "sliding_window": windows.pop() if windows else None,
+                  "layer_types": ["sliding_attention" if w else "full_attention" for w in a.layer_windows],
+                  "swiglu_limit": a.swiglu_limit}
+
+
 def _glm4_moe_config(a: ModelArgs, cfg: dict) -> dict:
     first_dense = next((i for i, k in enumerate(a.ffn_kinds) if k == "moe"), a.n_layers)
     assert all(k == "moe" for k in a.ffn_kinds[first_dense:]), a.ffn_kinds
@@ -210,6 +241,8 @@ def config_from_args(args: ModelArgs) -> dict:
         return _deepseek_config(a, cfg)
     if a.arch == "glm4_moe":
         return _glm4_moe_config(a, cfg)
+    if a.arch == "gpt_oss":
+        return _gpt_oss_config(a, cfg)
     if a.arch == "llama":
         return cfg | {"intermediate_size": a.dense_dim, "attention_bias": a.qkv_bias, "mlp_bias": False}
     moe = {"num_experts_per_tok": a.top_k, "norm_topk_prob": a.norm_topk}
@@ -228,7 +261,7 @@ def config_from_args(args: ModelArgs) -> dict:
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                 "glm4_moe": "Glm4MoeForCausalLM"}
+                 "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 # MLA projections: canonical name -> transformers' (DeepSeek) module name
 MLA_LINEARS = {"wq": "q_proj", "wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv_a": "kv_a_proj_with_mqa",
@@ -308,6 +341,8 @@ class HFCheckpoint:
             for c, h in MLA_NORMS.items():
                 if c != "q_a_norm" or a.q_lora_rank:
                     out[f"attn.{c}.weight"] = self.get(f"{p}self_attn.{h}.weight")
+        if a.attn_sinks:
+            out["attn.sinks"] = self.get(p + "self_attn.sinks")
         if a.qk_norm != "none":
             out["attn.q_norm.weight"] = self.get(p + "self_attn.q_norm.weight")
             out["attn.k_norm.weight"] = self.get(p + "self_attn.k_norm.weight")
@@ -318,8 +353,42 @@ class HFCheckpoint:
             out.update(self._experts(i))
         return {f"layers.{i}.{k}": v for k, v in out.items()}
 
+    def _gpt_oss_experts(self, i: int) -> dict[str, torch.Tensor]:
+        """gpt-oss's experts: gate_up_proj [E, D, 2I] with gate and up interleaved along the outputs (gate 0::2,
+        up 1::2), down_proj [E, I, D] (inputs first, as transformers holds them), their biases; or, as
+        OpenAI ships them, MXFP4 `*_blocks` / `*_scales` with the outputs as rows, dequantized exactly here."""
+        m = f"model.layers.{i}.mlp."
+        out = {"moe.router.weight": self.get(m + "router.weight"), "moe.router.bias": self.get(m + "router.bias")}
+        e = m + "experts."
+        if self.has(e + "gate_up_proj_blocks"):
+            gate_up = self._mxfp4(e + "gate_up_proj")  # [E, 2I, D]
+            out["moe.w1"], out["moe.w3"] = gate_up[:, 0::2].contiguous(), gate_up[:, 1::2].contiguous()
+            out["moe.w2"] = self._mxfp4(e + "down_proj")  # [E, D, I]
+        else:
+            gate_up = self.get(e + "gate_up_proj")  # [E, D, 2I]
+            out["moe.w1"] = gate_up[:, :, 0::2].transpose(1, 2).contiguous()
+            out["moe.w3"] = gate_up[:, :, 1::2].transpose(1, 2).contiguous()
+            out["moe.w2"] = self.get(e + "down_proj").transpose(1, 2).contiguous()
+        bias = self.get(e + "gate_up_proj_bias")  # [E, 2I]
+        out["moe.b1"], out["moe.b3"] = bias[:, 0::2].contiguous(), bias[:, 1::2].contiguous()
+        out["moe.b2"] = self.get(e + "down_proj_bias")
+        return out
+
+    def _mxfp4(self, name: str) -> torch.Tensor:
+        """[..., O, I] bf16 of an MXFP4 `<name>_blocks` / `<name>_scales` pair (e2m1 × 2^(e − 127): exact in bf16)."""
+        from .fp4 import dequantize_mxfp4, mxfp4_from_blocks
+
+        blocks, scales = self.get(name + "_blocks"), self.get(name + "_scales")
+        shape = (*blocks.shape[:-2], blocks.shape[-2] * 32)
+        if self._meta:
+            return torch.empty(shape, dtype=torch.bfloat16, device="meta")
+        parts = mxfp4_from_blocks(blocks, scales, name)
+        return dequantize_mxfp4(4, shape, parts).to(torch.bfloat16)
+
     def _experts(self, i: int) -> dict[str, torch.Tensor]:
         a = self.args
+        if a.arch == "gpt_oss":
+            return self._gpt_oss_experts(i)
         m = f"model.layers.{i}.{_moe_prefix(a.arch)}."
         out = {"moe.router.weight": self.get(m + "gate.weight")}
         if a.router_bias:

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from .backend import kernels_enabled
 from .config import ModelArgs
+from .model import windowed_attention
 
 MODES = ("dynamic", "static", "simulated")
 SPLIT = 128  # tokens per chunk of the split-K decode attention over the static fp16 cache
@@ -101,9 +102,12 @@ class FP16Cache:
                  mode: str = "dynamic"):
         assert mode in MODES, mode
         self.args, self.batch, self.max_len, self.device, self.mode = args, batch, max_len, torch.device(device), mode
-        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        # a sliding-window layer holds its last `window` tokens in a ring (slot = position % window): the
+        # tokens it can still attend to, whatever the context; a full layer every position
+        self.cap = [min(w, max_len) if w else max_len for w in args.layer_windows]
+        shapes = [(batch, args.n_kv_heads, c, args.head_dim) for c in self.cap]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         if mode == "static":
             self.slots = torch.arange(max_len, device=device)
             self.rows = torch.arange(batch, device=device)
@@ -116,51 +120,87 @@ class FP16Cache:
     def bytes_per_token(args: ModelArgs) -> int:
         return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
 
-    def attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
+    def held_tokens(self, n: int) -> int:
+        """Token-layers held once a row has n tokens: n per full layer, at most its window per window layer."""
+        return sum(min(n, c) for c in self.cap)
+
+    def attend(self, layer: int, q, k, v, start_pos=None, sinks=None) -> torch.Tensor:
+        """sinks [H]: gpt-oss's per-head logits in the softmax's denominator (model.windowed_attention)."""
         if self.mode == "static":
-            return self._step(layer, q, k, v)
+            return self._step(layer, q, k, v, sinks)
         if self.mode == "simulated":
             assert start_pos == 0, "simulated decode runs one forward per window"
         end = start_pos + k.shape[2]
         assert end <= self.max_len, (end, self.max_len)
-        self.k[layer][:, :, start_pos:end] = k
-        self.v[layer][:, :, start_pos:end] = v
         if layer == self.args.n_layers - 1:
             self.length = end
+        window = self.args.layer_windows[layer]
+        if window:
+            return self._attend_ring(layer, q, k, v, start_pos, window, sinks)
+        self.k[layer][:, :, start_pos:end] = k
+        self.v[layer][:, :, start_pos:end] = v
         keys = self.k[layer][:, :, :end].to(q.dtype)
         values = self.v[layer][:, :, :end].to(q.dtype)
+        if sinks is not None:
+            return windowed_attention(q, keys, values, torch.arange(end, device=q.device), 0, sinks)
         return causal_attention(q, keys, values, start_pos)
+
+    def _attend_ring(self, layer: int, q, k, v, start_pos: int, window: int, sinks) -> torch.Tensor:
+        """A window layer (dynamic, simulated): the ring's tokens (those before start_pos it still holds, in
+        position order) and the new ones attended under the window mask, then the new ones written."""
+        cap, T = self.cap[layer], k.shape[2]
+        held = torch.arange(max(0, start_pos - cap), start_pos, device=q.device)
+        pos = torch.cat([held, torch.arange(start_pos, start_pos + T, device=q.device)])
+        keys = torch.cat([self.k[layer][:, :, held % cap].to(q.dtype), k], 2)
+        values = torch.cat([self.v[layer][:, :, held % cap].to(q.dtype), v], 2)
+        out = windowed_attention(q, keys, values, pos, window, sinks)
+        kept = pos[-min(T, cap):]  # the newest tokens the ring keeps
+        self.k[layer][:, :, kept % cap] = k[:, :, -kept.numel():].to(self.k[layer].dtype)
+        self.v[layer][:, :, kept % cap] = v[:, :, -kept.numel():].to(self.v[layer].dtype)
+        return out
 
     # -- static mode: the step (graph-safe) and the engine's bookkeeping ---------------------------------
 
-    def _step(self, layer: int, q, k, v) -> torch.Tensor:
-        """Decode step: q [b, H, 1, d]; k, v [b, K, 1, d] at positions pos[:b] -> [b, H, 1, d]."""
+    def _step(self, layer: int, q, k, v, sinks=None) -> torch.Tensor:
+        """Decode step: q [b, H, 1, d]; k, v [b, K, 1, d] at positions pos[:b] -> [b, H, 1, d]. A window
+        layer writes slot pos % window and attends to every slot it holds (its ring is the window)."""
         b, H, _, d = q.shape
         K = k.shape[1]
         pos = self.pos[:b]
         kc, vc = self.k[layer], self.v[layer]
+        ring = self.cap[layer] if self.args.layer_windows[layer] else 0
         if kernels_enabled(q.device) and d & (d - 1) == 0 and d >= 16:
             # one kernel: the new token's write and flash-decoding over slots <= pos
             from ..kernels.fp16_decode_attention import fp16_decode_attention
 
-            return fp16_decode_attention(q[:, :, 0], kc, vc, k[:, :, 0], v[:, :, 0], pos).view(b, H, 1, d)
-        kc[self.rows[:b], :, pos] = k[:, :, 0].to(kc.dtype)
-        vc[self.rows[:b], :, pos] = v[:, :, 0].to(vc.dtype)
-        if q.is_cuda and self.max_len % SPLIT == 0:
+            return fp16_decode_attention(q[:, :, 0], kc, vc, k[:, :, 0], v[:, :, 0], pos, ring=ring,
+                                         sinks=sinks).view(b, H, 1, d)
+        slot = pos % ring if ring else pos
+        kc[self.rows[:b], :, slot] = k[:, :, 0].to(kc.dtype)
+        vc[self.rows[:b], :, slot] = v[:, :, 0].to(vc.dtype)
+        if q.is_cuda and self.max_len % SPLIT == 0 and not ring and sinks is None:
             out = split_attention(q.view(b, K, H // K, d).to(kc.dtype), kc[:b], vc[:b], pos)
             return out.reshape(b, H, 1, d).to(q.dtype)
-        mask = (self.slots[None, :] <= pos[:, None])[:, None, None, :]  # [b, 1, 1, S]
+        held = self.slots[: kc.shape[2]]
+        mask = (held[None, :] <= pos[:, None])[:, None, None, :]  # [b, 1, 1, S]: a ring past its size holds all
         # the query's dtype on the CPU (the fp32 reference)
         dt = kc.dtype if q.is_cuda else q.dtype
-        out = F.scaled_dot_product_attention(q.view(b, K, H // K, d).to(dt), kc[:b].to(dt), vc[:b].to(dt),
-                                             attn_mask=mask)  # [b, K, G, d]
+        qg, kb, vb = q.view(b, K, H // K, d).to(dt), kc[:b].to(dt), vc[:b].to(dt)
+        if sinks is not None:  # a zero key/value scored by the head's sink (model.windowed_attention)
+            zero = kb.new_zeros(b, K, 1, d)
+            kb, vb = torch.cat([kb, zero], 2), torch.cat([vb, zero], 2)
+            bias = torch.zeros(mask.shape, dtype=dt, device=q.device).masked_fill(~mask, float("-inf"))
+            mask = torch.cat([bias.expand(b, K, H // K, -1), sinks.to(dt).view(1, K, H // K, 1).expand(b, -1, -1, 1)],
+                             dim=-1)
+        out = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask)  # [b, K, G, d]
         return out.reshape(b, H, 1, d).to(q.dtype)
 
     def prefill_row(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [K, T, d] of positions 0..T-1 (post-RoPE)."""
-        T = k.shape[1]
-        self.k[layer][row, :, :T] = k
-        self.v[layer][row, :, :T] = v
+        """k, v [K, T, d] of positions 0..T-1 (post-RoPE); a window layer keeps the last of them, in its ring."""
+        T, cap = k.shape[1], self.cap[layer]
+        kept = torch.arange(max(0, T - cap), T, device=k.device)
+        self.k[layer][row, :, kept % cap] = k[:, kept].to(self.k[layer].dtype)
+        self.v[layer][row, :, kept % cap] = v[:, kept].to(self.v[layer].dtype)
 
     def after_step(self, rows: range) -> None:
         for r in rows:
@@ -171,23 +211,24 @@ class FP16Cache:
 
     def bytes_read(self, rows: range) -> int:
         """KV bytes a decode step reads for `rows` (the tokens held, as stored)."""
-        return sum(self.length[r] + 1 for r in rows) * self.bytes_per_token(self.args)
+        per = 2 * self.args.n_kv_heads * self.args.head_dim * self.k[0].element_size()
+        return sum(self.held_tokens(self.length[r] + 1) for r in rows) * per
 
     def fill_random(self, row: int, n: int, gen: torch.Generator | None = None) -> None:
         """Stand-in history of n tokens (latency runs; values are irrelevant to the timing)."""
         for t in (*self.k, *self.v):
-            t[row, :, :n].normal_(0, 1, generator=gen)
+            t[row, :, :n].normal_(0, 1, generator=gen)  # a ring: all of it once n passes its size
         self.length[row] = n
 
     # -- bytes (dynamic, simulated) -------------------------------------------------------------------------
 
     def stored_bytes(self) -> int:
         """Bytes the cache holds for the tokens written so far (all layers, K and V, whole batch)."""
-        per_token = 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim
-        return self.length * self.k[0].shape[0] * per_token * self.k[0].element_size()
+        per_token = 2 * self.args.n_kv_heads * self.args.head_dim  # per layer
+        return self.held_tokens(self.length) * self.k[0].shape[0] * per_token * self.k[0].element_size()
 
     def bits_per_element(self) -> float:
-        elems = self.length * self.k[0].shape[0] * 2 * self.args.n_layers * self.args.n_kv_heads * self.args.head_dim
+        elems = self.held_tokens(self.length) * self.k[0].shape[0] * 2 * self.args.n_kv_heads * self.args.head_dim
         return 8.0 * self.stored_bytes() / max(elems, 1)
 
     def bits_at(self, tokens: int) -> float:

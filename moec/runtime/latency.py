@@ -188,7 +188,8 @@ def kv_bytes_per_token(args: ModelArgs, kv: dict | None, codecs: list | None) ->
     if not kv:
         if args.is_mla:  # one latent row per token and layer (mla.MLACache)
             return args.n_layers * args.latent_dim * 2
-        return 2 * args.n_layers * args.n_kv_heads * args.head_dim * 2
+        full = sum(1 for w in args.layer_windows if not w)  # a window layer's ring does not grow
+        return 2 * full * args.n_kv_heads * args.head_dim * 2
     n = 0.0
     for c in codecs:
         for kind in "kv":

@@ -136,6 +136,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return x * cos + rotated * sin
 
 
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_pos: torch.Tensor, window: int = 0,
+                       sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention of the last T of the keys' positions: q [B, H, T, d] at positions key_pos[-T:], k, v [B, K, S, d]
+    at positions key_pos [S] (any order: a ring buffer's). A query at p sees the keys at p' <= p, and with a
+    window only those with p - p' < window (transformers' sliding window: the query's own key included).
+    sinks [H]: one logit per query head in the softmax's denominator (gpt-oss), as a zero key and value scored
+    by that logit: the keys' weights shrink and nothing is added to the output."""
+    T = q.shape[2]
+    qp = key_pos[-T:][:, None]
+    allowed = key_pos[None, :] <= qp
+    if window:
+        allowed &= key_pos[None, :] > qp - window  # [T, S]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True, scale=scale)
+    B, H, K = q.shape[0], q.shape[1], k.shape[1]
+    zero = k.new_zeros(B, K, 1, k.shape[-1])
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+    bias = torch.cat([bias.expand(H, T, -1), sinks.to(q.dtype).view(H, 1, 1).expand(H, T, 1)], dim=-1)
+    return F.scaled_dot_product_attention(q, torch.cat([k, zero], 2), torch.cat([v, zero], 2), attn_mask=bias,
+                                          enable_gqa=True, scale=scale)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -149,6 +171,8 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(d, args.norm_eps), RMSNorm(d, args.norm_eps)
         elif args.qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(H * d, args.norm_eps), RMSNorm(K * d, args.norm_eps)
+        if args.attn_sinks:
+            self.sinks = nn.Parameter(torch.zeros(H))
 
     def forward(self, x, cos, sin, layer: int, cache=None, start_pos: int = 0, observer=None):
         a = self.args
@@ -171,10 +195,14 @@ class Attention(nn.Module):
             observer(layer, "q", q)
             observer(layer, "k", k)
             observer(layer, "v", v)
-        if cache is None:
+        window = a.layer_windows[layer]
+        sinks = self.sinks if a.attn_sinks else None
+        if cache is None and sinks is None and not window:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif cache is None:
+            out = windowed_attention(q, k, v, torch.arange(T, device=x.device), window, sinks)
         else:
-            out = cache.attend(layer, q, k, v, start_pos)  # [B, H, T, d]
+            out = cache.attend(layer, q, k, v, start_pos, **({} if sinks is None else {"sinks": sinks}))  # [B, H, T, d]
         out = out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)  # [B, T, H·d]
         if observer is not None:
             observer(layer, "attn_out", out)  # the input of wo
@@ -298,12 +326,30 @@ class FFN(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid slope: gate·sigmoid(1.702·gate) approximates GELU
+
+
+def expert_act(g: torch.Tensor, u: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """The expert's gated activation of its gate g and up u projections (ModelArgs.expert_act)."""
+    if args.expert_act == "silu":
+        return F.silu(g) * u
+    lim = args.swiglu_limit
+    g, u = g.clamp(max=lim), u.clamp(-lim, lim)
+    return g * torch.sigmoid(SWIGLU_ALPHA * g) * (u + 1)
+
+
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool, args: ModelArgs | None = None,
-          score_bias: torch.Tensor | None = None):
+          score_bias: torch.Tensor | None = None, logit_bias: torch.Tensor | None = None):
     """Top-k routing in fp32. x: [N, D], router: [E, D] -> logits [N, E], weights, ids [N, A].
     Softmax over all experts unless `args` says otherwise (ModelArgs router_score, topk_method, n_group,
-    topk_group, routed_scale; score_bias [E]: added to the scores for the choice only)."""
+    topk_group, routed_scale; score_bias [E]: added to the scores for the choice only; logit_bias [E]: the
+    router's own bias, added to the logits)."""
     logits = x @ router.t()
+    if logit_bias is not None:
+        logits = logits + logit_bias
+    if args is not None and args.router_score == "softmax_topk":  # gpt-oss: the softmax over the kept logits
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return logits, torch.softmax(top, dim=-1) * args.routed_scale, ids
     if args is None or (args.router_score, args.topk_method, args.routed_scale, score_bias) == (
             "softmax", "greedy", 1.0, None):
         probs = torch.softmax(logits.float(), dim=-1)
@@ -346,6 +392,15 @@ def combine_experts(expert: Callable[[int, torch.Tensor], torch.Tensor], x: torc
     return out
 
 
+def expert_forward(x: torch.Tensor, w1, w3, w2, args: ModelArgs, biases=None, e: int = 0) -> torch.Tensor:
+    """One expert on x [n, D] from its matrices w1, w3 [I, D], w2 [D, I] (and its row e of the biases)."""
+    g, u = x @ w1.t(), x @ w3.t()
+    if biases is not None:
+        g, u = g + biases[0][e].to(g.dtype), u + biases[1][e].to(u.dtype)
+    y = expert_act(g, u, args) @ w2.t()
+    return y if biases is None else y + biases[2][e].to(y.dtype)
+
+
 class MoE(nn.Module):
     """Router + stacked experts (+ optional shared expert). A dense MLP is E = 1 without a router."""
 
@@ -355,22 +410,29 @@ class MoE(nn.Module):
         E, I = (args.n_experts, args.expert_dim) if kind == "moe" else (1, args.dense_dim)
         D = args.dim
         if kind == "moe":
-            self.router = nn.Linear(D, E, bias=False)
+            self.router = nn.Linear(D, E, bias=args.router_logit_bias)
             if args.router_bias:
                 self.score_bias = nn.Parameter(torch.zeros(E))
         self.w1 = nn.Parameter(torch.empty(E, I, D))
         self.w3 = nn.Parameter(torch.empty(E, I, D))
         self.w2 = nn.Parameter(torch.empty(E, D, I))
+        if kind == "moe" and args.expert_bias:
+            self.b1, self.b3 = nn.Parameter(torch.zeros(E, I)), nn.Parameter(torch.zeros(E, I))
+            self.b2 = nn.Parameter(torch.zeros(E, D))
         self.codec = None  # runtime/experts.ExpertWeights once a packed checkpoint quantizes these experts
         if kind == "moe" and args.shared_dim:
             self.shared = FFN(D, args.shared_dim)
             if args.shared_gate:
                 self.shared_gate = nn.Linear(D, 1, bias=False)
 
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(b1, b3, b2) where the experts have biases."""
+        return (self.b1, self.b3, self.b2) if hasattr(self, "b1") else None
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.codec is not None:
-            return self.codec.expert(e, x)
-        return F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t()) @ self.w2[e].t()
+            return self.codec.expert(e, x, self.args, self.biases())
+        return expert_forward(x, self.w1[e], self.w3[e], self.w2[e], self.args, self.biases(), e)
 
     def forward(self, x: torch.Tensor, layer: int, observer=None) -> torch.Tensor:
         shape = x.shape
@@ -379,11 +441,11 @@ class MoE(nn.Module):
             return self.expert(0, x).view(shape)
         a = self.args
         logits, weights, ids = route(x, self.router.weight, a.top_k, a.norm_topk, a,
-                                     getattr(self, "score_bias", None))  # [N, E], [N, A] ×2
-        if observer is not None:
+                                     getattr(self, "score_bias", None), self.router.bias)  # [N, E], [N, A] ×2
+        if observer is not None:  # (on CUDA)
             observer(layer, "router_logits", logits)
             observer(layer, "expert_ids", ids)
-        out = self.codec.fused(x, weights, ids) if self.codec is not None else None  # Triton decode on CUDA
+        out = self.codec.fused(x, weights, ids, a, self.biases()) if self.codec is not None else None  # Triton
         if out is None:
             out = combine_experts(self.expert, x, weights, ids)
         if hasattr(self, "shared"):

@@ -1,7 +1,7 @@
-"""The CLI chain on a type moec's engine does not implement (gpt_oss: transposed biased experts, clamped gate,
-sinks, a sliding layer), which `--path auto` sends through transformers' modeling code: calibrate → pack →
-eval → generate, and `eval --latency` saying so in one line. One tiny model (tests/hf/test_generic.py), 2 × 16
-calibration tokens of PTB train (cut short), one evaluation window of 48.
+"""The CLI chain on a type moec's engine does not implement (mimo_v2_flash: sliding layers with sinks, sigmoid
+routing with a correction bias, a leading dense layer), which `--path auto` sends through transformers' modeling
+code: calibrate → pack → eval → generate, and `eval --latency` saying so in one line. One tiny model
+(tests/hf/test_generic.py), 2 × 16 calibration tokens of PTB train (cut short), one evaluation window of 48.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def chain(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(data, "_ptb", lambda split: penn[split][:20_000])
     tmp = tmp_path_factory.mktemp("generic-cli")
-    model = save_tiny("gpt_oss", tmp / "src")
+    model = save_tiny("mimo_v2_flash", tmp / "src")
     (tmp / "r.yaml").write_text("name: cli-generic\nweights:\n  - targets: [experts]\n    codec: hls\n    bits: 2\n"
                                 "    gptq: false\n  - targets: [attention]\n    codec: rtn\n    bits: 4\n")
     r = moec("calibrate", tmp / "src", "--recipe", tmp / "r.yaml", "--samples", "2", "--seq-len", "16",
@@ -41,7 +41,7 @@ def chain(tmp_path_factory):
 def test_calibrate_and_pack_take_the_transformers_path(chain):
     _, tmp = chain
     report = json.loads((tmp / "calib" / "report.json").read_text())
-    assert report["path"] == "transformers" and report["model_type"] == "gpt_oss"
+    assert report["path"] == "transformers" and report["model_type"] == "mimo_v2_flash"
     n = json.loads((tmp / "src" / "config.json").read_text())["num_hidden_layers"]
     assert sorted(p.name for p in (tmp / "calib").glob("fit-layer-*.safetensors")) == \
         [f"fit-layer-{i:05d}.safetensors" for i in range(n)]
@@ -70,7 +70,7 @@ def test_eval_and_generate(chain):
 def test_latency_says_transformers_path(chain):
     _, tmp = chain
     r = moec("eval", tmp / "packed", "--latency")
-    assert "moec's engine does not run 'gpt_oss'" in r.stdout + r.stderr
+    assert "moec's engine does not run 'mimo_v2_flash'" in r.stdout + r.stderr
     if not torch.cuda.is_available():
         assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
 

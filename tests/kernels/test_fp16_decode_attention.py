@@ -44,3 +44,30 @@ def test_fp16_decode_attention_strided_query_bf16_out():
     out = fp16_decode_attention(q, kc, vc, kn, vn, p, n_splits=2, out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("pos,ring,sinks", [
+    ([3, 9], 8, False),    # one row before its ring fills, one past it (slot pos % 8 replaces the oldest)
+    ([40, 8], 8, True),    # wrapped rows with gpt-oss's sinks
+    ([5, 20], 0, True),    # a full-attention layer with sinks
+])
+def test_fp16_decode_attention_ring_and_sinks(pos, ring, sinks):
+    """A sliding-window layer's ring (slot = pos % ring, every held slot attended once full) and per-head sink
+    logits in the denominator, against the reference; the new token lands in its ring slot only."""
+    g = torch.Generator().manual_seed(2)
+    B, H, K, d = 2, 4, 2, 16
+    S = ring or 48
+    q = torch.randn(B, H, d, generator=g).to(DEVICE)
+    kc = torch.randn(B, K, S, d, generator=g).half().to(DEVICE)
+    vc = torch.randn(B, K, S, d, generator=g).half().to(DEVICE)
+    kn, vn = torch.randn(B, K, d, generator=g).to(DEVICE), torch.randn(B, K, d, generator=g).to(DEVICE)
+    sk = (torch.randn(H, generator=g) * 2).to(DEVICE) if sinks else None
+    p = torch.tensor(pos, dtype=torch.int64, device=DEVICE)
+    kr, vr = kc.clone(), vc.clone()
+    ref = fp16_decode_attention_ref(q, kr, vr, kn, vn, p, ring=ring, sinks=sk)
+    out = fp16_decode_attention(q, kc, vc, kn, vn, p, n_splits=3, out_dtype=torch.float32, ring=ring, sinks=sk)
+    torch.testing.assert_close(out, ref, **TOL)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    if sinks:  # the sinks took weight: the output is smaller than without them
+        plain = fp16_decode_attention_ref(q, kc.clone(), vc.clone(), kn, vn, p, ring=ring)
+        assert out.norm() < plain.norm()

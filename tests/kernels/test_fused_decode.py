@@ -110,6 +110,18 @@ def test_engine_fused_step_mla():
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
 
 
+def _teacher_forced(model, cache, tokens, n_prompt: int, fuse: bool) -> torch.Tensor:
+    """Logits [len(tokens) - n_prompt + 1, V] of the static engine: a prefill of n_prompt tokens, then one step
+    per token (the plain or the fused step)."""
+    eng = DecodeEngine(model, cache, graphs=False, fuse=fuse)
+    assert eng.fused == fuse
+    logits = [eng.prefill(0, tokens[:n_prompt])]
+    for t in tokens[n_prompt:]:
+        eng.tokens[:1] = t
+        logits.append(eng.step(1)[0].clone())
+    return torch.stack(logits)
+
+
 def test_engine_fused_step_partial_rotary():
     """GLM-4.5 style (q/k/v biases, per-head q/k norm, RoPE on half of each head, sigmoid group routing, a dense
     layer, a shared expert): the fused step (its q/k norm and partial RoPE in torch, the fused residual norms)
@@ -120,16 +132,8 @@ def test_engine_fused_step_partial_rotary():
                      topk_method="group_top2", n_group=2, topk_group=1, router_bias=True, routed_scale=2.5)
     model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=3)
     tokens = torch.tensor([3, 9, 27, 17, 51, 8, 40, 2, 33])
-    out = []
-    for fuse in (False, True):
-        eng = DecodeEngine(model, FP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32, mode="static"),
-                           graphs=False, fuse=fuse)
-        assert eng.fused == fuse
-        logits = [eng.prefill(0, tokens[:5])]
-        for t in tokens[5:]:
-            eng.tokens[:1] = t
-            logits.append(eng.step(1)[0].clone())
-        out.append(torch.stack(logits))
+    out = [_teacher_forced(model, FP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32, mode="static"),
+                           tokens, 5, fuse) for fuse in (False, True)]
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
     with torch.no_grad():
         full = model(tokens[None].to(DEVICE))[0, 4:]
@@ -173,3 +177,26 @@ def test_engine_fuses_quantized_qkv(rotated):
             logits.append(eng.step(1, feed_next=True)[0].clone())
         out.append(torch.stack(logits))
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
+
+
+def test_engine_gpt_oss_sinks_windows_biased_experts():
+    """gpt-oss style (sinks, a 4-token sliding window on layer 0, biases on every projection, the biased router
+    with the softmax after top-k, biased experts with the clamped SwiGLU): the plain and the fused static steps
+    give the full forward's logits past the window, and the window layer's cache holds 4 slots whatever the
+    context (its ring), the full layer's the whole context."""
+    args = ModelArgs(arch="gpt_oss", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                     max_seq_len=64, n_experts=4, top_k=2, expert_dim=32, qkv_bias=True, o_bias=True,
+                     attn_sinks=True, layer_windows=[4, 0], router_score="softmax_topk", router_logit_bias=True,
+                     expert_bias=True, expert_act="clamped_swiglu", swiglu_limit=1.0, norm_topk=False)
+    model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=5)
+    tokens = torch.tensor([3, 9, 27, 17, 51, 8, 40, 2, 33, 12, 60, 5])
+    out = []
+    for fuse in (False, True):
+        cache = FP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32, mode="static")
+        assert [c.shape[2] for c in cache.k] == [4, 32]
+        out.append(_teacher_forced(model, cache, tokens, 6, fuse))
+        assert cache.bytes_read(range(1)) == (4 + 13) * 2 * 2 * 32 * 4  # K and V, 2 heads of 32, fp32
+    assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
+    with torch.no_grad():
+        full = model(tokens[None].to(DEVICE))[0, 5:]
+    assert torch.allclose(out[0], full, rtol=1e-4, atol=1e-4), (out[0] - full).abs().max()

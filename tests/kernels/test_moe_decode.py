@@ -161,3 +161,22 @@ def test_full_size_mixtral_layer_cuda(kind, prmt):
     want = moe_decode_ref(x, ids, wts, w1, w3, w2)
     tol = PRMT_TOL if prmt is None and kind == "lut2" else 1e-4  # the default 2-bit path is prmt (fp16 products)
     assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.parametrize("kind,split", [("lut2", 1), ("bf16", 2), ("mxfp4", 1)])
+def test_biased_experts_clamped_swiglu(kind, split):
+    """gpt-oss's experts: biases on gate, up and down (down's times the routing weight, once per token even
+    when I is split across programs) and the clamped SwiGLU, against the reference; the clamp bites (large
+    inputs) and the result differs from silu without biases."""
+    x, ids, wts, w1, w3, w2 = moe_case(kind, 2, 2, 4, 64, 64, 1, 1, DEVICE, seed=21)
+    gen = torch.Generator().manual_seed(5)
+    E, I, D = 4, 64, 64
+    biases = tuple((torch.randn(*s, generator=gen) * 0.5).to(DEVICE) for s in ((E, I), (E, I), (E, D)))
+    x = x * 20  # gate/up past the limit 1.5 on many rows
+    kw = dict(block_o=32, block_k=64, block_o_down=64, block_k_down=32, prmt=False, split=split)
+    got = moe_decode(x, ids, wts, w1, w3, w2, biases=biases, act="clamped_swiglu", limit=1.5, **kw)
+    want = moe_decode_ref(x, ids, wts, w1, w3, w2, biases=biases, act="clamped_swiglu", limit=1.5)
+    tol = 1e-4 * want.abs().max().item() + 1e-6
+    assert (got - want).abs().max().item() <= tol
+    plain = moe_decode_ref(x, ids, wts, w1, w3, w2)
+    assert (plain - want).abs().max().item() > 100 * tol

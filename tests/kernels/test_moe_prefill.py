@@ -94,3 +94,16 @@ def test_compile_failure_falls_back_to_small_config(monkeypatch):
         got = moe_grouped(x, ids, wts, w1, w3, w2, small=False)
         assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
     assert calls == [128, 16, 16], calls  # the broken config is tried once only
+
+
+def test_grouped_biased_experts_clamped_swiglu():
+    """The grouped kernel with gpt-oss's expert biases and clamped SwiGLU against its reference."""
+    x, ids, wts, w1, w3, w2 = moe_case("lut2", 6, 2, 4, 64, 32, 1, 1, "cpu", seed=9)
+    gen = torch.Generator().manual_seed(4)
+    biases = tuple(torch.randn(*s, generator=gen) * 0.5 for s in ((4, 32), (4, 32), (4, 64)))
+    kw = dict(biases=biases, act="clamped_swiglu", limit=1.0)
+    got = moe_grouped(x * 10, ids, wts, w1, w3, w2, block_m=16, block_n=32, block_k=32, num_warps=4, **kw)
+    want = moe_grouped_ref(x * 10, ids, wts, w1, w3, w2, **kw)
+    tol = 2e-3 * want.abs().max().item()  # h is stored in bf16 between the launches
+    assert (got.float() - want).abs().max().item() <= tol
+    assert (moe_grouped_ref(x * 10, ids, wts, w1, w3, w2) - want).abs().max().item() > 20 * tol

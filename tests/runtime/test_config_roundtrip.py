@@ -33,6 +33,14 @@ CASES = {
                           top_k=2, expert_dim=48, shared_dim=48, qkv_bias=True, qk_norm="head", rotary_dim=8,
                           router_score="sigmoid", topk_method="group_top2", n_group=2, topk_group=1, router_bias=True,
                           routed_scale=2.5),
+    # sinks, sliding windows on alternate layers, biases everywhere, the biased softmax-after-top-k router, biased
+    # experts with the clamped SwiGLU, untruncated YaRN
+    "gpt_oss": ModelArgs(arch="gpt_oss", **COMMON, n_experts=8, top_k=2, expert_dim=48, norm_topk=False,
+                         qkv_bias=True, o_bias=True, attn_sinks=True, layer_windows=[128, 0, 128],
+                         router_score="softmax_topk", router_logit_bias=True, expert_bias=True,
+                         expert_act="clamped_swiglu", swiglu_limit=7.0,
+                         rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}),
 }
 
 

@@ -44,6 +44,14 @@ def tiny_configs() -> dict:
                                     topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
                                     rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                      "partial_rotary_factor": 0.5}),
+        # learned sinks, biases everywhere, 8-token sliding windows on alternate layers, a biased router with the
+        # softmax after top-k, biased experts with the clamped SwiGLU (gate/up interleaved), YaRN untruncated
+        "gpt_oss": T.GptOssConfig(**common, head_dim=16, intermediate_size=24, num_local_experts=6,
+                                  num_experts_per_tok=2, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0,
+                                                   "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                   "original_max_position_embeddings": 64}),
     }
 
 

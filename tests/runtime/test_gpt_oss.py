@@ -1,0 +1,94 @@
+"""gpt-oss in moec's engine (issue 36): the sliding-window layers' cache never outgrows its window in any
+mode, every mode gives the full forward's logits past the window, and calibrate → pack → load runs on it
+through the engine (biased experts: their Hessians see the biased, clamped activation; the biases, sinks and
+router bias are kept as they are)."""
+
+import json
+
+import pytest
+import torch
+
+from moec.calibrate.pack import pack
+from moec.calibrate.recipe import parse_recipe
+from moec.calibrate.run import calibrate, check_kv_attention
+from moec.errors import UserError
+from moec.runtime.decode import DecodeEngine
+from moec.runtime.experts import ExpertWeights
+from moec.runtime.hf_layout import HFCheckpoint
+from moec.runtime.kvcache import FP16Cache
+from moec.runtime.loader import load_model
+from moec.runtime.model import build_model
+from tests.runtime.tiny_hf import make_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt-oss")
+    make_tiny("gpt_oss", path)
+    ckpt = HFCheckpoint(path)
+    return ckpt.args, build_model(ckpt.args, ckpt.state_dict())
+
+
+def test_window_layer_holds_its_window_in_every_mode(tiny):
+    args, model = tiny
+    assert args.layer_windows == [8, 0] and args.attn_sinks
+    T = 40
+    tokens = torch.randint(0, args.vocab_size, (2, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens)
+        dyn = FP16Cache(args, 2, T, dtype=torch.float32)
+        steps = [model(tokens[:, :11], dyn, 0)]  # a prefill past the window, then one token at a time
+        for t in range(11, T):
+            steps.append(model(tokens[:, t : t + 1], dyn, t))
+            assert dyn.k[0].shape[2] == 8 and dyn.v[0].shape[2] == 8  # the ring, whatever the context
+        sim = FP16Cache(args, 2, T, dtype=torch.float32, mode="simulated")
+        simulated = model(tokens, sim, 0)
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-4
+    assert (simulated - full).abs().max() < 1e-4
+    # bytes: the window layer holds 8 tokens, the full layer all 40 (K and V, 2 heads of 16, fp32)
+    assert dyn.stored_bytes() == 2 * (8 + T) * 2 * 2 * 16 * 4
+    static = FP16Cache(args, 1, T, dtype=torch.float32, mode="static")
+    eng = DecodeEngine(model, static, graphs=False, fuse=False)
+    logits = [eng.prefill(0, tokens[0, :13])]
+    for t in range(13, T - 1):
+        eng.tokens[:1] = tokens[0, t]
+        logits.append(eng.step(1)[0].clone())
+    assert static.k[0].shape[2] == 8
+    assert (torch.stack(logits) - full[0, 12 : T - 1]).abs().max() < 1e-4
+
+
+def test_compressed_kv_recipes_are_refused(tiny):
+    args, _ = tiny
+    recipe = parse_recipe({"name": "kv", "kv": {"codec": "kivi", "bits": 2}})
+    with pytest.raises(UserError, match="sinks and sliding windows run on the fp16 cache only"):
+        check_kv_attention(args, recipe)
+
+
+def test_calibrate_pack_load_through_the_engine(tiny_gpt_oss_dir, tmp_path):
+    """2-bit hls experts fitted on the engine path; the packed model keeps sinks, router and expert biases
+    bit for bit and computes the source model with each W replaced by its W_hat (logits), and its dequantized
+    experts stay close to the source's."""
+    recipe = parse_recipe({"name": "oss-hls3", "weights": [{"targets": ["experts"], "codec": "hls", "bits": 3,
+                                                            "group_size": 0}]})
+    calibrate(tiny_gpt_oss_dir, "tiny", recipe, "ptb", "valid", 4, 64, 0, tmp_path / "calib")
+    pack(tiny_gpt_oss_dir, "tiny", tmp_path / "calib", tmp_path / "packed")
+    man = json.loads((tmp_path / "packed" / "moec.json").read_text())
+    assert man["model_args"]["layer_windows"] == [8, 0] and man["model_args"]["expert_act"] == "clamped_swiglu"
+    model, _ = load_model(tmp_path / "packed")
+    src_ckpt = HFCheckpoint(tiny_gpt_oss_dir)
+    src = src_ckpt.state_dict()
+    got = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name in ("layers.0.attn.sinks", "layers.1.moe.router.bias", "layers.0.moe.b1", "layers.1.moe.b2"):
+        assert torch.equal(got[name].float(), src[name].float()), name
+    ref = dict(src)
+    for i, blk in enumerate(model.layers):
+        assert isinstance(blk.moe.codec, ExpertWeights)
+        for w in ("w1", "w3", "w2"):
+            W_hat = getattr(blk.moe.codec, w).dequant_ref()
+            rel = (W_hat - src[f"layers.{i}.moe.{w}"].float()).norm() / src[f"layers.{i}.moe.{w}"].float().norm()
+            assert rel < 0.35, (i, w, rel)  # 3-bit non-uniform levels, one table per row
+            ref[f"layers.{i}.moe.{w}"] = W_hat
+    reference = build_model(src_ckpt.args, {k: v.float() for k, v in ref.items()})
+    tokens = torch.randint(0, src_ckpt.args.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (model.float()(tokens) - reference(tokens)).abs().max() < 1e-3
