@@ -28,6 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -147,6 +148,9 @@ def moec_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     (`attend_history`: the history score bias added) (query [B, H, T, d], key/value [B, K, S, d] ->
     ([B, T, H, d], None)); SDPA unchanged for every other call."""
     tag = getattr(key, _TAG, None)
+    sinks = kwargs.pop("s_aux", None)
+    if tag is None and sinks is not None:  # gpt-oss's learned sinks, which SDPA's forward would drop
+        return _attention_with_sinks(query, key, value, attention_mask, scaling, sinks)
     if tag is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -159,6 +163,26 @@ def moec_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         query = query * (scaling * d**0.5)
     out = cache.attend_history(layer, query, key, value, s, h, S - T,
                                None if attention_mask is None else attention_mask[..., :S], q_rotated=False)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attention_with_sinks(query, key, value, attention_mask, scaling, sinks):
+    """Attention with a learned logit per query head in the softmax's denominator (gpt-oss's `s_aux`), as its
+    eager attention computes it: SDPA over the keys plus a zero key/value scored by the sink (the mask, a sliding
+    window's included, applies to the real keys) -> ([B, T, H, d], None)."""
+    B, H, T, d = query.shape
+    S = key.shape[2]
+    if attention_mask is None:
+        allowed = torch.ones(T, S, dtype=torch.bool, device=query.device).tril(diagonal=S - T)
+    else:
+        allowed = attention_mask[..., :S]
+    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+    bias = bias.masked_fill(~allowed, float("-inf")) if allowed.dtype == torch.bool else allowed.to(query.dtype)
+    bias = bias.expand(B, H, T, S)
+    bias = torch.cat([bias, sinks.to(query.dtype).view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
+    zero = key.new_zeros(B, key.shape[1], 1, d)
+    out = F.scaled_dot_product_attention(query, torch.cat([key, zero], 2), torch.cat([value, zero], 2),
+                                         attn_mask=bias, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 

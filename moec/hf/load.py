@@ -61,12 +61,16 @@ _LAYER_NAMES = {
     **{f"attn.{c}.{s}": f"self_attn.{h}.{s}" for c, h in _ATTN.items() for s in ("weight", "bias")},
     **{f"attn.{c}.weight": f"self_attn.{h}.weight" for c, h in MLA_NORMS.items()},
     "moe.score_bias": "mlp.gate.e_score_correction_bias",
+    "attn.sinks": "self_attn.sinks", "moe.router.bias": "mlp.gate.bias",
 }
 
 
 def _layer_name(args, canonical: str) -> str:
-    """transformers' name of a canonical per-layer tensor (DeepSeek and GLM-4.5 call theirs `shared_experts`)."""
+    """transformers' name of a canonical per-layer tensor (DeepSeek and GLM-4.5 call theirs `shared_experts`,
+    gpt-oss its router `router`)."""
     h = _LAYER_NAMES[canonical]
+    if args.arch == "gpt_oss":
+        return h.replace("mlp.gate.", "mlp.router.")
     return h.replace("mlp.shared_expert.", "mlp.shared_experts.") if args.arch in SHARED_EXPERTS_ARCHS else h
 
 
@@ -75,14 +79,19 @@ class MoecExperts(nn.Module):
     -> [N, D]): moec's ExpertWeights, through the fused Triton MoE kernels where they apply (CUDA), else the
     runtime's reference combine (model.combine_experts over ExpertWeights.expert)."""
 
-    def __init__(self, codec: ExpertWeights):
+    def __init__(self, codec: ExpertWeights, args=None, biases=None):
         super().__init__()
-        self.codec = codec
+        self.codec, self.args = codec, args
+        if biases is not None:  # gpt-oss's expert biases (b1, b3 [E, I], b2 [E, D])
+            for n, b in zip(("b1", "b3", "b2"), biases, strict=True):
+                self.register_buffer(n, b)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        out = self.codec.fused(hidden_states, top_k_weights, top_k_index)
+        biases = (self.b1, self.b3, self.b2) if hasattr(self, "b1") else None
+        out = self.codec.fused(hidden_states, top_k_weights, top_k_index, self.args, biases)
         if out is None:
-            out = combine_experts(self.codec.expert, hidden_states, top_k_weights, top_k_index)
+            out = combine_experts(lambda e, x: self.codec.expert(e, x, self.args, biases), hidden_states,
+                                  top_k_weights, top_k_index)
         return out
 
 
@@ -113,6 +122,12 @@ def hf_tensors(args, state: dict[str, torch.Tensor], quantized_layers: set[int])
         if args.ffn_kinds[i] == "dense":
             out.update({m + "mlp.gate_proj.weight": w1[0], m + "mlp.up_proj.weight": w3[0],
                         m + "mlp.down_proj.weight": w2[0]})
+        elif args.arch == "gpt_oss":  # inputs first, gate and up interleaved along the outputs, biases beside
+            E, I, D = w1.shape
+            b1, b3, b2 = (state[f"{p}moe.{c}"] for c in ("b1", "b3", "b2"))
+            out.update({m + "mlp.experts.gate_up_proj": torch.stack([w1, w3], dim=2).reshape(E, 2 * I, D).mT,
+                        m + "mlp.experts.gate_up_proj_bias": torch.stack([b1, b3], dim=2).reshape(E, 2 * I),
+                        m + "mlp.experts.down_proj": w2.mT, m + "mlp.experts.down_proj_bias": b2})
         else:  # transformers 5 fuses gate (first I rows) and up
             out.update({m + "mlp.experts.gate_up_proj": torch.cat([w1, w3], dim=1), m + "mlp.experts.down_proj": w2})
     return out
@@ -155,7 +170,9 @@ def attach_packed(model: nn.Module, path: str | Path) -> nn.Module:
         if args.ffn_kinds[i] == "dense":
             layers[i].mlp = MoecMLP(ExpertWeights(*ws))
         else:
-            layers[i].mlp.experts = MoecExperts(ExpertWeights(*ws))
+            b = [state.get(f"layers.{i}.moe.{c}") for c in ("b1", "b3", "b2")]
+            layers[i].mlp.experts = MoecExperts(ExpertWeights(*ws), args,
+                                                None if b[0] is None else [t.to(device, dtype) for t in b])
     # what a moec module holds (experts, MLPs, quantized linears with their biases) is neither wanted nor offered
     want = {n: t for n, t in model.state_dict().items() if not _held(model, n)}
     got = {n: t for n, t in hf_tensors(args, state, set(by_layer)).items() if not _held(model, n)}

@@ -220,19 +220,24 @@ def test_quantized_attention_through_from_pretrained(tmp_path):
         torch.testing.assert_close(hf(x).logits, rt(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe", "gpt_oss"])
 def test_random_pack_loads_in_transformers(tmp_path, arch):
     """`pack --random` writes a whole config.json (hf_layout.config_from_args): transformers loads the packed
     random model and its logits equal moec's runtime (hls2 experts, 4-bit attention, a dense first layer; GLM-4.5:
     q/k/v biases, partial rotary, sigmoid group routing, a shared expert under transformers' `shared_experts`;
-    Qwen2-MoE: q/k/v biases beside quantized projections, a gated shared expert)."""
+    Qwen2-MoE: q/k/v biases beside quantized projections, a gated shared expert; gpt-oss: sinks (moec.hf's
+    attention keeps them), a 4-token sliding window on layer 0, the biased router, biased experts with the clamped
+    SwiGLU, past the window)."""
     from transformers import AutoModelForCausalLM
 
-    kinds = ["dense", "moe"] if arch != "mixtral" else []
+    kinds = ["dense", "moe"] if arch not in ("mixtral", "gpt_oss") else []
     glm = dict(qkv_bias=True, rotary_dim=16, shared_dim=64, router_score="sigmoid", topk_method="group_top2",
                n_group=2, topk_group=1, router_bias=True, routed_scale=2.5) if arch == "glm4_moe" else {}
     if arch == "qwen2_moe":  # q/k/v biases held by the 4-bit attention's QLinears, a gated shared expert
         glm = dict(qkv_bias=True, shared_dim=64, shared_gate=True)
+    if arch == "gpt_oss":
+        glm = dict(qkv_bias=True, o_bias=True, attn_sinks=True, layer_windows=[4, 0], router_score="softmax_topk",
+                   router_logit_bias=True, expert_bias=True, expert_act="clamped_swiglu")
     args = ModelArgs(arch=arch, vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                      max_seq_len=128, n_experts=4, top_k=2, expert_dim=64, dense_dim=96 if kinds else 0,
                      ffn_kinds=kinds, qk_norm="head" if arch == "qwen3_moe" else "none", norm_topk=True, **glm)
