@@ -302,6 +302,7 @@ class DecodeEngine:
         logits = m.lm_head(m.norm(x[:, -1:]))[0, 0].float()
         self.pos[row] = T
         self.tokens[row] = logits.argmax()
+        self.next[row] = self.tokens[row]  # step(feed_next=True) right after the prefill feeds its greedy choice
         return logits
 
     # -- decode --------------------------------------------------------------------------------------------

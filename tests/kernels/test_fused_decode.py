@@ -200,3 +200,20 @@ def test_engine_gpt_oss_sinks_windows_biased_experts():
     with torch.no_grad():
         full = model(tokens[None].to(DEVICE))[0, 5:]
     assert torch.allclose(out[0], full, rtol=1e-4, atol=1e-4), (out[0] - full).abs().max()
+
+
+def test_feed_next_after_prefill_feeds_the_prefill_choice():
+    """step(feed_next=True) right after a prefill feeds the prefill's greedy token (it fed a stale one)."""
+    args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=32,
+                     max_seq_len=64, n_experts=4, top_k=2, expert_dim=32)
+    model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=6)
+    prompt = torch.tensor([3, 9, 27, 17])
+    out = []
+    for feed in (True, False):
+        eng = DecodeEngine(model, FP16Cache(args, 1, 16, device=DEVICE, dtype=torch.float32, mode="static"),
+                           graphs=False)
+        first = eng.prefill(0, prompt)
+        if not feed:
+            eng.tokens[:1] = first.argmax()
+        out.append(eng.step(1, feed_next=feed)[0].clone())
+    assert torch.equal(out[0], out[1])
