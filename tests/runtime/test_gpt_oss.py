@@ -92,3 +92,44 @@ def test_calibrate_pack_load_through_the_engine(tiny_gpt_oss_dir, tmp_path):
     tokens = torch.randint(0, src_ckpt.args.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert (model.float()(tokens) - reference(tokens)).abs().max() < 1e-3
+
+
+def test_shipped_mxfp4_experts_load_exactly_and_refit_to_themselves(tmp_path):
+    """OpenAI ships gpt-oss's experts as MXFP4 `*_blocks` / `*_scales` (rows = outputs, gate and up rows
+    interleaved): the engine's loader gives transformers' own dequantization of them, and the mxfp4 codec refits
+    those weights to the same values (round to nearest and the Hessian-aware fit alike: every weight is an e2m1
+    value times its block's power of two, so the shipped experts pass through `pack` unchanged in value)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moec.calibrate.fp4 import quantize_mx
+    from moec.runtime.fp4 import dequantize_mxfp4
+
+    make_tiny("gpt_oss", tmp_path, hidden_size=64, intermediate_size=32)  # whole 32-input blocks
+    f = next(tmp_path.glob("*.safetensors"))
+    state = load_file(str(f))
+    g = torch.Generator().manual_seed(7)
+    shipped = {}
+    for i in range(2):
+        p = f"model.layers.{i}.mlp.experts."
+        E, D, I2 = state[p + "gate_up_proj"].shape
+        for name, (O, n_in) in (("gate_up_proj", (I2, D)), ("down_proj", (D, I2 // 2))):
+            del state[p + name]
+            G = n_in // 32
+            blocks = torch.randint(0, 256, (E, O, G, 16), dtype=torch.uint8, generator=g)
+            scales = torch.randint(118, 130, (E, O, G), dtype=torch.uint8, generator=g)
+            state[p + name + "_blocks"], state[p + name + "_scales"] = blocks, scales
+            shipped[(i, name)] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    save_file(state, str(f), metadata={"format": "pt"})
+    sd = HFCheckpoint(tmp_path).state_dict()
+    for i in range(2):
+        gate_up, down = shipped[(i, "gate_up_proj")], shipped[(i, "down_proj")]  # [E, 2I, D], [E, D, I]
+        assert torch.equal(sd[f"layers.{i}.moe.w1"].float(), gate_up[:, 0::2])
+        assert torch.equal(sd[f"layers.{i}.moe.w3"].float(), gate_up[:, 1::2])
+        assert torch.equal(sd[f"layers.{i}.moe.w2"].float(), down)
+    W = sd["layers.0.moe.w1"].float()
+    E, O, n_in = W.shape
+    H = torch.eye(n_in).expand(E, n_in, n_in) + 0.1  # any positive definite Hessian
+    for gptq in (False, True):
+        parts = quantize_mx(W, H if gptq else None, gptq)
+        assert torch.equal(dequantize_mxfp4(4, (E, O, n_in), parts), W), gptq
