@@ -100,7 +100,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="batch 1 and 16 at 4k/32k, 20 steps, prefill 4k, no 128k")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated presets; SHAPE@N: its first N layers")
     ap.add_argument("--budget", type=float, default=190.0, help="seconds; no configuration starts after this")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--no-breakdown", action="store_true")
@@ -130,6 +130,14 @@ def main() -> int:
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     records: list[dict] = []
     shapes = a.shapes.split(",")
+    from moec.runtime.config import PRESETS
+
+    from .bench_layers import truncated
+
+    for s in shapes:  # SHAPE@N: the preset's first N layers (a peer timed at the same layer count)
+        base, _, n = s.partition("@")
+        if n and s not in PRESETS:
+            PRESETS[s] = truncated(base, int(n))
     # in order of importance, so a run cut by the budget keeps the headline rows (None: the bf16 peer)
     plan = [(s, r) for s in shapes for r in (HLS2, None)] + [(s, ATTN4) for s in shapes]
     if a.recipes:

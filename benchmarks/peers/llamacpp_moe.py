@@ -1,21 +1,25 @@
-"""A random-weight Mixtral-8x7B-, Qwen3-30B-A3B-, DeepSeek-V2-Lite- or GLM-4.5-Air-shaped GGUF for llama.cpp's
-llama-bench (the GPU peer).
+"""A random-weight Mixtral-8x7B-, Qwen3-30B-A3B-, DeepSeek-V2-Lite-, GLM-4.5-Air- or gpt-oss-120b-shaped GGUF for
+llama.cpp's llama-bench (the GPU peer).
 
     PYTHONPATH=GGUF_PY_DIR python3 benchmarks/peers/llamacpp_moe.py OUT.gguf [TYPE] [SHAPE]
 
 GGUF_PY_DIR: llama.cpp's gguf-py (the writer of the same llama.cpp version as the llama-bench that reads it).
 
-TYPE: Q2_K (default) or Q4_0 for the expert and attention matrices (norms and router F32, embeddings and
-output F16); SHAPE: mixtral (default), qwen3 or deepseek-v2-lite (llama.cpp's deepseek2 architecture with its MLA
-layout: attn_kv_a_mqa, attn_k_b / attn_v_b per head in F16 as its converter writes them, one leading dense layer,
-two shared experts, YaRN; matrices whose rows are not whole Q2_K blocks of 256, the 1408-wide expert down
-projections and the dense 10944-wide one, take Q4_0 blocks of 32 as llama-quantize's fallback takes a 4-bit
-32-block type (IQ4_NL there, the same bytes per weight)), or glm-4.5-air (llama.cpp's glm4moe: q/k/v biases,
-RoPE on 64 of 128 dims per head, one leading dense layer, one shared expert, sigmoid gating with exp_probs_b, no
-MTP layer; the 1408-wide expert down projections and the dense 10944-wide one in Q4_0 as above). Weights are
-random bytes with finite block scales, so every kernel does its real work and the logits are meaningless.
-Vocabulary: placeholder tokens (llama SPM model), enough for llama-bench, which feeds token ids directly. SMALL=1
-in the environment writes a tiny model (a quick check of the writer on a CPU).
+TYPE: Q2_K (default), Q4_0 or MXFP4 (gpt-oss's experts as shipped) for the expert and attention matrices (norms and
+router F32, embeddings and output F16); SHAPE: mixtral (default), qwen3 or deepseek-v2-lite (llama.cpp's deepseek2
+architecture with its MLA layout: attn_kv_a_mqa, attn_k_b / attn_v_b per head in F16 as its converter writes them,
+one leading dense layer, two shared experts, YaRN; matrices whose rows are not whole Q2_K blocks of 256, the
+1408-wide expert down projections and the dense 10944-wide one, take Q4_0 blocks of 32 as llama-quantize's fallback
+takes a 4-bit 32-block type (IQ4_NL there, the same bytes per weight)), or glm-4.5-air (llama.cpp's glm4moe: q/k/v
+biases, RoPE on 64 of 128 dims per head, one leading dense layer, one shared expert, sigmoid gating with
+exp_probs_b, no MTP layer; the 1408-wide expert down projections and the dense 10944-wide one in Q4_0 as above), or
+gpt-oss-120b (llama.cpp's gpt-oss: biases on q/k/v/o, the router and the experts, a sink per head, 128-token sliding
+windows on the even layers, YaRN x32; attention F16, only the experts in TYPE, whose 2880 inputs are not whole Q2_K
+blocks, so Q2_K falls back to Q4_0 there as llama-quantize does: label such a row Q4_0). Weights are random bytes
+with finite block scales, so every kernel does its real work and the logits are meaningless. Vocabulary: placeholder
+tokens (llama SPM model), enough for llama-bench, which feeds token ids directly. SMALL=1 in the environment writes
+a tiny model (a quick check of the writer on a CPU); LAYERS=N the shape with its first N layers (a model whose file
+would not fit the GPU machine's disk, timed against moec at the same layer count).
 """
 import os
 import sys
@@ -35,6 +39,8 @@ elif SHAPE == "deepseek-v2-lite":  # MLA: H heads of 128 + 64 (q/k) and 128 (v) 
 elif SHAPE == "glm-4.5-air":  # GQA 96/8 heads of 128, RoPE on the first 64 dims (NEOX halves)
     D, F, L, E, K, H, HKV, V, HD, ARCH = 4096, 1408, 46, 128, 8, 96, 8, 151552, 128, "glm4moe"
     ROPE, NSH, FD = 64, 1, 10944
+elif SHAPE == "gpt-oss-120b":  # GQA 64/8 heads of 64 with sinks, 128-token windows on even layers, 128 experts top-4
+    D, F, L, E, K, H, HKV, V, HD, ARCH = 2880, 2880, 36, 128, 4, 64, 8, 201088, 64, "gpt-oss"
 else:  # Qwen3-30B-A3B
     D, F, L, E, K, H, HKV, V, HD, ARCH = 2048, 768, 48, 128, 8, 32, 4, 151936, 128, "qwen3moe"
 if os.environ.get("SMALL"):
@@ -43,6 +49,10 @@ if os.environ.get("SMALL"):
         F, E, FD = 352, 8, 704
     if ARCH == "glm4moe":
         F, E, H, HKV, FD = 352, 8, 8, 2, 704
+    if ARCH == "gpt-oss":
+        D, F, E, H, HKV = 512, 512, 8, 8, 2
+if os.environ.get("LAYERS"):
+    L = int(os.environ["LAYERS"])
 rng = np.random.default_rng(0)
 QT = getattr(gguf.GGMLQuantizationType, QTYPE)
 BLK_ELEMS, BLK_BYTES = gguf.GGML_QUANT_SIZES[QT]
@@ -58,6 +68,8 @@ def quant(rows_shape, n_in, qtype=QTYPE):
         b[:, 82:84] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
     elif qtype == "Q4_0":  # d qs[16]
         b[:, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    elif qtype == "MXFP4":  # e (e8m0) qs[16]: weights up to 6 · 2^-7
+        b[:, 0] = 127 - 7
     return a
 
 
@@ -98,7 +110,7 @@ w.add_feed_forward_length(FD if ARCH in ("deepseek2", "glm4moe") else F)
 w.add_head_count(H)
 w.add_head_count_kv(HKV)
 w.add_rope_dimension_count(ROPE if ARCH in ("deepseek2", "glm4moe") else HD)
-w.add_rope_freq_base(1e4 if ARCH == "deepseek2" else 1e6)
+w.add_rope_freq_base({"deepseek2": 1e4, "gpt-oss": 1.5e5}.get(ARCH, 1e6))
 w.add_layer_norm_rms_eps(1e-6)
 if ARCH == "deepseek2":  # llama.cpp's MLA file: the cache is the latent, one "head" of kv_lora + rope
     w.add_key_length(R + ROPE)
@@ -127,8 +139,13 @@ if ARCH == "glm4moe":
     w.add_bool(f"{ARCH}.expert_weights_norm", True)
     w.add_uint32(f"{ARCH}.expert_gating_func", 2)  # sigmoid
     w.add_uint32(f"{ARCH}.nextn_predict_layers", 0)  # the MTP layer is left out (decode does not use it)
-if ARCH == "qwen3moe":
+if ARCH in ("qwen3moe", "gpt-oss"):
     w.add_expert_feed_forward_length(F)
+if ARCH == "gpt-oss":  # sliding windows on the even layers (llama.cpp's default pattern for it), YaRN x32
+    w.add_sliding_window(128)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(32.0)
+    w.add_rope_scaling_orig_ctx_len(4096)
 w.add_expert_count(E)
 w.add_expert_used_count(K)
 w.add_vocab_size(V)
@@ -160,7 +177,23 @@ for i in range(L if ARCH == "glm4moe" else 0):
         w.add_tensor(p + n + ".bias", rng.standard_normal(rows, dtype=np.float32) * 0.02)
     qtensor(w, p + "attn_output.weight", (D,), HD * H)
     lead_dense_or_shared_moe(p, i, probs_bias=True)
-for i in range(0 if ARCH in ("deepseek2", "glm4moe") else L):
+for i in range(L if ARCH == "gpt-oss" else 0):
+    p = f"blk.{i}."
+    w.add_tensor(p + "attn_norm.weight", np.ones(D, np.float32))
+    w.add_tensor(p + "post_attention_norm.weight", np.ones(D, np.float32))  # the FFN's input norm
+    for n, rows, n_in in (("attn_q", HD * H, D), ("attn_k", HD * HKV, D), ("attn_v", HD * HKV, D),
+                          ("attn_output", D, HD * H)):  # F16, as the experts-* recipes keep attention
+        w.add_tensor(p + n + ".weight", f16(rows, n_in))
+        w.add_tensor(p + n + ".bias", rng.standard_normal(rows, dtype=np.float32) * 0.02)
+    w.add_tensor(p + "attn_sinks.weight", np.zeros(H, np.float32))
+    w.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((E, D), dtype=np.float32) * 0.02)
+    w.add_tensor(p + "ffn_gate_inp.bias", np.zeros(E, np.float32))
+    for n, rows, n_in in (("gate_exps", (E, F), D), ("up_exps", (E, F), D), ("down_exps", (E, D), F)):
+        qtensor(w, f"{p}ffn_{n}.weight", rows, n_in)
+        w.add_tensor(f"{p}ffn_{n}.bias", np.zeros(rows, np.float32))
+    if i % 8 == 0:
+        print("layer", i, flush=True)
+for i in range(0 if ARCH in ("deepseek2", "glm4moe", "gpt-oss") else L):
     p = f"blk.{i}."
     w.add_tensor(p + "attn_norm.weight", np.ones(D, np.float32))
     w.add_tensor(p + "ffn_norm.weight", np.ones(D, np.float32))

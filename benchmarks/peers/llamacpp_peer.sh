@@ -6,7 +6,8 @@
 # the GGUF before the next one (the machine's disk holds one). ~4.5 min to build, ~1 min per shape.
 # Usage, from the repo root:  bash benchmarks/peers/llamacpp_peer.sh OUT_DIR [SHAPE ...]   (mixtral qwen3; also deepseek-v2-lite, glm-4.5-air;
 # the one word `build`: build llama-bench and stop)
-# Writes OUT_DIR/llama_bench_SHAPE.json (llama-bench's own JSON) and prints ms/token per depth.
+# QTYPE=MXFP4|Q4_0 (default Q2_K) and LAYERS=N (the shape's first N layers) in the environment pass to the writer.
+# Writes OUT_DIR/llama_bench_SHAPE[_QTYPE][_LN].json (llama-bench's own JSON) and prints ms/token per depth.
 set -u
 OUT=${1:?usage: llamacpp_peer.sh OUT_DIR [SHAPE ...]}; shift
 SHAPES=${*:-mixtral qwen3}
@@ -22,12 +23,15 @@ if [ ! -x /tmp/lc/build/bin/llama-bench ]; then
 fi
 echo "built in $((SECONDS - t0)) s"
 [ "$SHAPES" = build ] && exit 0
+QTYPE=${QTYPE:-Q2_K}
+# the file's name says what differs from the default: llama_bench_SHAPE[_TYPE][_LN].json
+SUFFIX=$([ "$QTYPE" = Q2_K ] || echo "_$QTYPE")${LAYERS:+_L$LAYERS}
 for S in $SHAPES; do
-  PYTHONPATH=/tmp/lc/gguf-py python3 "$HERE/llamacpp_moe.py" /tmp/$S.gguf Q2_K $S > "$OUT/gguf_$S.log" 2>&1 || { tail -20 "$OUT/gguf_$S.log"; continue; }
+  PYTHONPATH=/tmp/lc/gguf-py python3 "$HERE/llamacpp_moe.py" /tmp/$S.gguf "$QTYPE" $S > "$OUT/gguf_$S.log" 2>&1 || { tail -20 "$OUT/gguf_$S.log"; continue; }
   timeout 200 /tmp/lc/build/bin/llama-bench -m /tmp/$S.gguf -ngl 99 -fa 1 -p 0 -n 64 -d 4096,32768 -ctk f16 -ctv f16 \
-    -r 2 -o json > "$OUT/llama_bench_$S.json" 2> "$OUT/bench_$S.err"
-  echo "bench $S rc=$? at $((SECONDS - t0)) s"; rm -f /tmp/$S.gguf
+    -r 2 -o json > "$OUT/llama_bench_$S$SUFFIX.json" 2> "$OUT/bench_$S.err"
+  echo "bench $S$SUFFIX rc=$? at $((SECONDS - t0)) s"; rm -f /tmp/$S.gguf
   python3 -c "
-import json; d = json.load(open('$OUT/llama_bench_$S.json'))
+import json; d = json.load(open('$OUT/llama_bench_$S$SUFFIX.json'))
 for r in d: print('$S', 'depth', r.get('n_depth'), round(1000 / max(r.get('avg_ts', 1e-9), 1e-9), 3), 'ms/token')"
 done

@@ -38,3 +38,25 @@ def test_other_gpu_is_skipped_or_refused(tmp_path):
     (tmp_path / "out.json").unlink()
     p, out = _run(tmp_path, "NVIDIA H200", "--same-device")
     assert p.returncode != 0 and out is None  # refused, nothing written
+
+
+def test_type_and_layer_count_pair_by_name(tmp_path):
+    """gpt-oss at its first 18 layers: experts-mxfp4 pairs with the MXFP4 file of 18 layers, experts-hls2 with the
+    Q2_K one of 18 layers; the whole model (no @N) and other layer counts with neither."""
+    def bench(ts):
+        return json.dumps([{"n_prompt": 0, "n_gen": 64, "n_depth": 4096, "avg_ts": ts, "gpu_info": "H100",
+                            "test_time": "t"}])
+    (tmp_path / "llama_bench_gpt-oss-120b_MXFP4_L18.json").write_text(bench(100.0))
+    (tmp_path / "llama_bench_gpt-oss-120b_L18.json").write_text(bench(50.0))
+    recs = [{"bench": "moec-latency", "shape": s, "recipe": r, "batch": 1, "context": 4096, "ms_median": 5.0,
+             "device": "NVIDIA H100", "peer": {}}
+            for s, r in (("gpt-oss-120b@18", "experts-mxfp4"), ("gpt-oss-120b@18", "experts-hls2"),
+                         ("gpt-oss-120b", "experts-mxfp4"), ("gpt-oss-120b@12", "experts-hls2"))]
+    (tmp_path / "lat.json").write_text(json.dumps(recs))
+    p = subprocess.run([sys.executable, "-m", "benchmarks.peers.speedup_vs_llamacpp", str(tmp_path / "lat.json"),
+                        str(tmp_path), str(tmp_path / "out.json")], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert abs(out[0]["speedup_vs_llamacpp"] - 10.0 / 5.0) < 1e-9 and out[0]["peer"]["llamacpp"]["type"][:5] == "MXFP4"
+    assert abs(out[1]["speedup_vs_llamacpp"] - 20.0 / 5.0) < 1e-9 and out[1]["peer"]["llamacpp"]["type"][:4] == "Q2_K"
+    assert "speedup_vs_llamacpp" not in out[2] and "speedup_vs_llamacpp" not in out[3]
