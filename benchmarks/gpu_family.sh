@@ -4,8 +4,8 @@
 #   PART=model (default)
 #     1. moec's decode latency of the whole model (random weights at its real shape), batch 1, with the per-kernel
 #        breakdown at 32k: GLM with experts-hls2 (fp16 KV) and latency-hls2-nuq2 (2-bit KV) at 4k/32k; gpt-oss
-#        with experts-mxfp4 (its experts as shipped) and experts-hls2 at 4k/32k/128k (fp16 KV: sinks and sliding
-#        windows run on the fp16 cache, whose window layers hold 128 tokens);
+#        with experts-mxfp4 (its experts as shipped), experts-hls2 (fp16 KV) and latency-hls2-nuq2 (2-bit KV on the
+#        full-attention layers) at 4k/32k/128k (the window layers hold 128 tokens in fp16 rings either way);
 #     2. the Mixtral shape with the same first recipe at 4k/32k (the "% of floor Mixtral's reaches" reference);
 #     3. the bf16 model per layer (neither fits one GPU in bf16: bench_layers at two layer counts, the difference).
 #   PART=peer
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 SHAPE=${1:?usage: gpu_family.sh SHAPE OUT_DIR}; OUT=${2:?usage: gpu_family.sh SHAPE OUT_DIR}
 case $SHAPE in
   glm-4.5-air) RECIPES="experts-hls2 latency-hls2-nuq2"; CTX=4096,32768; LAYERS=4,12; PEER_AT=""; TYPES="Q2_K" ;;
-  gpt-oss-120b) RECIPES="experts-mxfp4 experts-hls2"; CTX=4096,32768,130816; LAYERS=2,8; PEER_AT=12
+  gpt-oss-120b) RECIPES="experts-mxfp4 experts-hls2 latency-hls2-nuq2"; CTX=4096,32768,130816; LAYERS=2,8; PEER_AT=12
                 TYPES="MXFP4 Q2_K" ;;
   *) echo "gpu_family.sh: SHAPE is glm-4.5-air or gpt-oss-120b, got $SHAPE" >&2; exit 2 ;;
 esac
@@ -48,7 +48,8 @@ else
   AT=${SHAPE}${PEER_AT:+@$PEER_AT}
   # shellcheck disable=SC2086
   timeout 240 python3 -m benchmarks.bench_latency --out "$OUT/latency_${TAG}_peer.json" --shapes "$AT" \
-    --contexts 4096,32768 --recipes $RFILES "${LAT[@]}" --no-breakdown --budget 180 > /tmp/peer/lat.log 2>&1
+    --contexts 4096,32768 --recipes $(echo "$RFILES" | head -2) "${LAT[@]}" --no-breakdown --budget 180 \
+    > /tmp/peer/lat.log 2>&1
   echo "$AT rc=$? at $((SECONDS - T0)) s" | tee -a "$LOG"; tail -8 /tmp/peer/lat.log >> "$LOG"
   wait $BUILD; echo "llama-bench build rc=$? at $((SECONDS - T0)) s" | tee -a "$LOG"; tail -3 /tmp/peer/build.out >> "$LOG"
   for T in $TYPES; do

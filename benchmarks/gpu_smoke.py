@@ -25,7 +25,8 @@ projection) and the recipes of the MLA latent codec (mla-nuq: kernels/mla_nuq_de
 smoke-mla only (per-head KV codecs are refused on MLA, the latent codec everywhere else). GLM_RECIPES run on
 `smoke-glm` (GLM-4.5 style: RoPE on half of each head, q/k/v biases, sigmoid group routing, a shared expert).
 OSS_RECIPES run on `smoke-oss` (gpt-oss style: learned sinks, 128-token sliding windows on alternate layers held
-in a ring, biases everywhere, the softmax-after-top-k router, biased experts with the clamped SwiGLU; fp16 KV).
+in a ring, biases everywhere, the softmax-after-top-k router, biased experts with the clamped SwiGLU; the 2-bit KV
+codec on the full-attention layers only).
 
 Recipes with the nuq KV codec run the logit checks three times: by default, with MOEC_KERNELS=tl (the `tl`
 decode-attention kernel) and with MOEC_KERNELS=gluon (the Gluon kernel, kernels/gluon_kv_attention.py, wherever
@@ -77,7 +78,7 @@ MLA_RECIPES = ("experts-hls2", "experts-vq3-d2-had", "experts-fp8", "w4a16", "kv
 GLM_SHAPE = "smoke-glm"
 GLM_RECIPES = ("experts-hls2", "w4a16", "latency-hls2-nuq2")  # partial rotary: the fused step's torch RoPE
 OSS_SHAPE = "smoke-oss"
-OSS_RECIPES = ("experts-hls2", "experts-mxfp4", "w4a16")  # fp16 KV only: sinks and windows (check_kv_attention)
+OSS_RECIPES = ("experts-hls2", "experts-mxfp4", "w4a16", "latency-hls2-nuq2")  # nuq: full layers, rings elsewhere
 SLACK_FACTOR, SLACK_ABS = 3.0, 0.01  # rel_l2_exact <= SLACK_FACTOR * rel_l2_floor + SLACK_ABS
 PROMPT_TOKENS, STEPS = 256, 24  # prompt > sinks + window + 2 blocks: the history is encoded at prefill
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

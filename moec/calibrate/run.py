@@ -69,7 +69,7 @@ def check_kv_attention(args, recipe) -> None:
     (DeepSeek) caches one latent row per token, which only an MLA codec (registry `mla`: mla-nuq) holds, and an
     MLA codec holds nothing else; keys cached before RoPE (`rope: pre`) need RoPE on whole heads (the decode
     kernels rotate whole heads; GLM-4.5 turns half of each); attention sinks and sliding windows (gpt-oss) are
-    served by the fp16 cache alone."""
+    served by the fp16 cache and the tiered block codecs."""
     if recipe.kv is None or kv_codec(recipe.kv.codec).identity:
         return
     if not args.is_mla and args.rope_dim < args.head_dim and getattr(recipe.kv, "rope", "post") == "pre":
@@ -83,11 +83,12 @@ def check_kv_attention(args, recipe) -> None:
     if mla and not args.is_mla:
         raise UserError(f"recipe {recipe.name!r} compresses the MLA latent (kv: {recipe.kv.codec}), but {args.arch} "
                         f"has per-head keys and values")
-    if args.attn_sinks or args.has_windows:
-        # the compressed caches attend without gpt-oss's sink logits and keep every layer's whole history
-        raise UserError(f"recipe {recipe.name!r} compresses the KV cache (kv: {recipe.kv.codec}), but {args.arch}'s "
-                        f"attention sinks and sliding windows run on the fp16 cache only: use a recipe without a "
-                        f"kv: section (e.g. experts-hls2)")
+    if (args.attn_sinks or args.has_windows) and not kv_codec(recipe.kv.codec).tiered:
+        # the tiered block codecs take gpt-oss's sinks and leave its window layers to fp16 rings
+        # (kvtiered.tiered_cache_factory); the latent and RVQ families group layers and attend without sinks
+        raise UserError(f"recipe {recipe.name!r} compresses the KV cache with {recipe.kv.codec}, but {args.arch}'s "
+                        f"attention sinks and sliding windows are served by the tiered block codecs only "
+                        f"(nuq-outlier, kivi, fp8): e.g. latency-hls2-nuq2, or a recipe without a kv: section")
 
 
 def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split: str, samples: int,

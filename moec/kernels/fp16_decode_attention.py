@@ -16,7 +16,7 @@ kernel's timings against it: benchmarks/results/fp16_attention_h200.json):
   - the new token enters from registers in the split that holds slot pos, which also writes it to
     the cache: no separate write kernels, and no read-after-write inside the step;
   - splits are combined by kv_decode_attention.combine_splits (partials acc, m in log2 units, l), which
-    writes the output in the query's dtype.
+    writes the output in the query's dtype (and adds gpt-oss's sink logits to the denominator).
 
 Shapes: q [B, H, d] (any float dtype, last dim contiguous); k_cache, v_cache [Bc, K, S, d] fp16/bf16
 contiguous (Bc >= B); k_new, v_new [B, K, d]; pos [B] int32/int64 (slot of the new token, < S).
@@ -59,10 +59,10 @@ def _tile(q, m_i, l_i, acc, k_ptr, v_ptr, row, t0, end, skip, D: tl.constexpr, B
 
 
 @triton.jit
-def _fp16_decode_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, pos_ptr, part_ptr, sink_ptr,
+def _fp16_decode_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, pos_ptr, part_ptr,
                         H, K, S, P, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, qk_scale, RING,
                         D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DT: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, SINKS: tl.constexpr):
+                        DT: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
     bk = tl.program_id(0)
     sp = tl.program_id(1)
     b = bk // K
@@ -117,13 +117,6 @@ def _fp16_decode_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, pos_ptr, part_ptr, 
         m_i = m_new
         tl.store(k_ptr + row + slot * D + offs_d, kc)
         tl.store(v_ptr + row + slot * D + offs_d, vc)
-        if SINKS:  # the head's sink logit joins the denominator once (this split), with no value
-            s_k = tl.load(sink_ptr + kh * G + offs_g, mask=gmask, other=0.0).to(tl.float32) * 1.4426950408889634
-            m_new = tl.maximum(m_i, s_k)
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.exp2(s_k - m_new)
-            acc = acc * alpha[:, None]
-            m_i = m_new
 
     out = part_ptr + ((b * H + kh * G + offs_g) * P + sp) * (D + 2)
     tl.store(out[:, None] + offs_d[None, :], acc, mask=gmask[:, None])
@@ -161,13 +154,13 @@ def fp16_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         n_splits = max(1, min(n_splits, triton.cdiv(ring, block_n)))
     part = torch.empty(B * H * n_splits * (d + 2), device=q.device, dtype=torch.float32)
     _fp16_decode_kernel[(B * K, n_splits)](
-        q, k_cache, v_cache, k_new, v_new, pos, part, part if sinks is None else sinks, H, K, S, n_splits,
+        q, k_cache, v_cache, k_new, v_new, pos, part, H, K, S, n_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         sm_scale * LOG2E, ring,
         D=d, G=G, G_P2=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         DT=tl.float16 if precision == "half" else tl.float32, STAGES=num_stages or config["num_stages"],
-        INTERP=not cuda, SINKS=sinks is not None, num_warps=num_warps or config["num_warps"])
-    return combine_splits(part, B * H, n_splits, d, None, out_dtype or q.dtype).view(B, H, d)
+        INTERP=not cuda, num_warps=num_warps or config["num_warps"])
+    return combine_splits(part, B * H, n_splits, d, None, out_dtype or q.dtype, sinks=sinks).view(B, H, d)
 
 
 def fp16_decode_attention_ref(q, k_cache, v_cache, k_new, v_new, pos, ring: int = 0, sinks=None) -> torch.Tensor:

@@ -384,7 +384,8 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
                        out_dtype: torch.dtype = torch.float32, n_splits: int | None = None,
                        block_t: int | None = None, waves: float | None = None, prefetch: bool | None = None,
                        win_chunk: int | None = None, maxnreg: int | None = None,
-                       combine: bool = True, outc: int | None = None, warps: int | None = None) -> torch.Tensor:
+                       combine: bool = True, outc: int | None = None, warps: int | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """kv_decode_attention's contract for the caches `supports` accepts (CUDA only; the caller checked shapes):
     [B, H, d] in out_dtype. Launch knobs default to configs/<device>.json's kv_decode_attention.gluon."""
     global LAUNCHES
@@ -428,5 +429,5 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
     )
     if not combine:  # the partials alone (benchmarks time the kernel apart from the split combine)
         return part
-    return combine_splits(part, B * H, P, d, out_rotation, out_dtype, cfg["combine_outc"] if outc is None else outc
-                          ).view(B, H, d)
+    return combine_splits(part, B * H, P, d, out_rotation, out_dtype, cfg["combine_outc"] if outc is None else outc,
+                          sinks=sinks).view(B, H, d)

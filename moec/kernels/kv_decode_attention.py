@@ -497,19 +497,24 @@ def _kv_decode_attention_kernel(
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, D: tl.constexpr, P_P2: tl.constexpr, DC: tl.constexpr,
-                   CHUNK: tl.constexpr, ROT: tl.constexpr, OUTC: tl.constexpr = 0):
+def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, sink_ptr, H, D: tl.constexpr, P_P2: tl.constexpr,
+                   DC: tl.constexpr, CHUNK: tl.constexpr, ROT: tl.constexpr, OUTC: tl.constexpr = 0,
+                   SINKS: tl.constexpr = False):
     """out[bh, c] = sum_s 2^(m_s - M)·acc_s[c] / sum_s 2^(m_s - M)·l_s over the splits of one (b, head), for
     the DC channels c of program_id(1). The splits stream in CHUNK rows: a [P_P2, D] tile in one program
     spilled (Qwen3 at 32k batch 1, 135 splits: slower than the attention kernel itself).
     ROT (DC == D): out[bh] = o·Rᵀ, the cache's head_dim rotation undone here, in out's dtype; each program
     reduces all D channels and writes OUTC of the output's (a row in one program left Qwen3's 32 rows on
-    32 SMs, latency-bound)."""
+    32 SMs, latency-bound).
+    SINKS: the head's sink logit (sink_ptr[bh % H], natural units) joins the denominator (gpt-oss), once per row."""
     bh = tl.program_id(0)
     offs_c = (0 if ROT else tl.program_id(1) * DC) + tl.arange(0, DC)
     base = part_ptr + bh * n_splits * (D + 2)
     offs_p = tl.arange(0, P_P2)
     mx = tl.max(tl.load(base + offs_p * (D + 2) + D, mask=offs_p < n_splits, other=float("-inf")), axis=0)
+    if SINKS:
+        sk = tl.load(sink_ptr + bh % H).to(tl.float32) * 1.4426950408889634  # log2 units, as m
+        mx = tl.maximum(mx, sk)
     acc = tl.zeros((DC,), dtype=tl.float32)
     den = tl.zeros((CHUNK,), dtype=tl.float32)
     for i in range(P_P2 // CHUNK):  # a constexpr trip count (masked past n_splits): runs under the interpreter
@@ -521,7 +526,10 @@ def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, D: tl.constexpr, P_P2: tl
         den += tl.load(row + D + 1, mask=pmask, other=0.0) * w
         a = tl.load(row[:, None] + offs_c[None, :], mask=pmask[:, None], other=0.0)
         acc += tl.sum(a * w[:, None], axis=0)
-    o = acc / tl.sum(den, axis=0)
+    total = tl.sum(den, axis=0)
+    if SINKS:
+        total += tl.exp2(sk - mx)
+    o = acc / total
     if ROT:  # out[c] = sum_i o[i]·R[c, i], RC output channels at a time
         RC: tl.constexpr = 32
         for c0 in tl.static_range(0, OUTC, RC):
@@ -564,8 +572,8 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
                         lazy: bool | None = None, waves: float | None = None, out_mode: int | None = None,
                         rope: tuple[torch.Tensor, int] | None = None,
                         k_center: torch.Tensor | None = None, k_err2: torch.Tensor | None = None,
-                        out_rotation: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32
-                        ) -> torch.Tensor:
+                        out_rotation: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention (one query token per row) over packed history + fp16 window -> [B, H, d] in out_dtype
     (fp32 by default); out_rotation R [d, d] fp32: the output times Rᵀ (a cache that attends in a rotated
     basis, kvtiered.LayerRotations, undoes it in the split combine instead of a cast and a GEMM).
@@ -641,25 +649,29 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
         ROPE=rope is not None, CENTER=k_center is not None, WCHUNK=win_chunk, BIAS=k_err2 is not None,
         num_warps=num_warps or config["num_warps"],
     )
-    return combine_splits(part, B * H, P, d, out_rotation, out_dtype).view(B, H, d)
+    return combine_splits(part, B * H, P, d, out_rotation, out_dtype, sinks=sinks).view(B, H, d)
 
 
 def combine_splits(part: torch.Tensor, BH: int, P: int, d: int, rotation: torch.Tensor | None = None,
-                   out_dtype: torch.dtype = torch.float32, outc: int = 32) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.float32, outc: int = 32,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The split-K combine: part [BH, P, d + 2] (acc, m in log2 units, l per split) -> out [BH, d] in
     out_dtype; rotation R [d, d] fp32: out·Rᵀ, d / outc programs per row, each reducing all d channels and
-    writing outc of the rotated ones."""
+    writing outc of the rotated ones. sinks [H] (BH rows of H heads): a logit per head in the denominator."""
     out = torch.empty(BH, d, device=part.device, dtype=out_dtype)
     p2 = triton.next_power_of_2(P)
+    H = 1 if sinks is None else sinks.numel()
+    assert sinks is None or BH % H == 0, (BH, H)
+    sk = dict(SINKS=sinks is not None)
     if rotation is not None:
         assert rotation.shape == (d, d) and rotation.dtype == torch.float32 and rotation.is_contiguous()
         outc = min(d, outc)
-        _reduce_kernel[(BH, d // outc)](part, out, rotation, P, D=d, P_P2=p2, DC=d, CHUNK=min(32, p2), ROT=True,
-                                        OUTC=outc, num_warps=4)
+        _reduce_kernel[(BH, d // outc)](part, out, rotation, P, part if sinks is None else sinks, H, D=d, P_P2=p2,
+                                        DC=d, CHUNK=min(32, p2), ROT=True, OUTC=outc, num_warps=4, **sk)
         return out
     dc = min(d, 32)
-    _reduce_kernel[(BH, d // dc)](part, out, part, P, D=d, P_P2=p2, DC=dc, CHUNK=min(32, p2), ROT=False,
-                                  num_warps=2)
+    _reduce_kernel[(BH, d // dc)](part, out, part, P, part if sinks is None else sinks, H, D=d, P_P2=p2, DC=dc,
+                                  CHUNK=min(32, p2), ROT=False, num_warps=2, **sk)
     return out
 
 

@@ -20,6 +20,8 @@ The families:
     RVQTieredCache      (rvq.py) the tiered layout with a middle and an archive residual-VQ tier
     MLANUQCache         (mla_nuq.py) the MLA latent compressed (KV codec mla-nuq): rotated rows, 2-bit per-token
                         codes in the history, fp16 sinks + window by TierPolicy
+    LayerSplitCache     (here) a model with sliding-window layers (gpt-oss) under a tiered block codec: the window
+                        layers in an FP16Cache of rings, the full-attention layers in the codec's cache
 The tier rule (which tokens are sinks, history blocks or window) is kvtiered.TierPolicy and the ageing of
 the window into the history is the one function kvtiered.TieredKVCache._age, used by every mode of every
 tiered family.
@@ -52,14 +54,30 @@ SPLIT = 128  # tokens per chunk of the split-K decode attention over the static 
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, T, d] at positions start_pos..start_pos+T-1; k, v: [B, K, S, d] with S = start_pos+T.
-    scale: the score scale (SDPA's default 1/√(q's last dim) when None)."""
+    scale: the score scale (SDPA's default 1/√(q's last dim) when None); sinks [H]: `sdpa`'s."""
     T, S = q.shape[2], k.shape[2]
-    if T == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=scale)
-    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
+    mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+    return sdpa(q, k, v, mask, scale, None if sinks is None else sinks.view(-1, 1))
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA (GQA-aware) with an optional boolean mask, and gpt-oss's sinks: sinks broadcastable to q.shape[:-1]
+    (one logit per query row: [H, 1] for q [B, H, T, d], [K, G] for a step's q viewed [b, K, G, d]) in the
+    softmax's denominator, as a zero key and value scored by it (the weights of the real keys shrink, nothing is
+    added to the output)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True)
+    lead, S = q.shape[:-1], k.shape[-2]
+    bias = torch.zeros((*lead, S), dtype=q.dtype, device=q.device)
+    if attn_mask is not None:
+        bias = bias.masked_fill(~attn_mask, float("-inf"))
+    bias = torch.cat([bias, sinks.to(q.dtype).expand(lead)[..., None]], dim=-1)
+    zk, zv = k.new_zeros(*k.shape[:-2], 1, k.shape[-1]), v.new_zeros(*v.shape[:-2], 1, v.shape[-1])
+    return F.scaled_dot_product_attention(q, torch.cat([k, zk], -2), torch.cat([v, zv], -2), attn_mask=bias,
+                                          scale=scale, enable_gqa=True)
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -141,9 +159,7 @@ class FP16Cache:
         self.v[layer][:, :, start_pos:end] = v
         keys = self.k[layer][:, :, :end].to(q.dtype)
         values = self.v[layer][:, :, :end].to(q.dtype)
-        if sinks is not None:
-            return windowed_attention(q, keys, values, torch.arange(end, device=q.device), 0, sinks)
-        return causal_attention(q, keys, values, start_pos)
+        return causal_attention(q, keys, values, start_pos, sinks=sinks)
 
     def _attend_ring(self, layer: int, q, k, v, start_pos: int, window: int, sinks) -> torch.Tensor:
         """A window layer (dynamic, simulated): the ring's tokens (those before start_pos it still holds, in
@@ -151,12 +167,13 @@ class FP16Cache:
         cap, T = self.cap[layer], k.shape[2]
         held = torch.arange(max(0, start_pos - cap), start_pos, device=q.device)
         pos = torch.cat([held, torch.arange(start_pos, start_pos + T, device=q.device)])
-        keys = torch.cat([self.k[layer][:, :, held % cap].to(q.dtype), k], 2)
-        values = torch.cat([self.v[layer][:, :, held % cap].to(q.dtype), v], 2)
+        k, v = k.to(self.k[layer].dtype), v.to(self.v[layer].dtype)  # attend to what the ring holds, as stored
+        keys = torch.cat([self.k[layer][:, :, held % cap], k], 2).to(q.dtype)
+        values = torch.cat([self.v[layer][:, :, held % cap], v], 2).to(q.dtype)
         out = windowed_attention(q, keys, values, pos, window, sinks)
         kept = pos[-min(T, cap):]  # the newest tokens the ring keeps
-        self.k[layer][:, :, kept % cap] = k[:, :, -kept.numel():].to(self.k[layer].dtype)
-        self.v[layer][:, :, kept % cap] = v[:, :, -kept.numel():].to(self.v[layer].dtype)
+        self.k[layer][:, :, kept % cap] = k[:, :, -kept.numel():]
+        self.v[layer][:, :, kept % cap] = v[:, :, -kept.numel():]
         return out
 
     # -- static mode: the step (graph-safe) and the engine's bookkeeping ---------------------------------
@@ -185,14 +202,8 @@ class FP16Cache:
         mask = (held[None, :] <= pos[:, None])[:, None, None, :]  # [b, 1, 1, S]: a ring past its size holds all
         # the query's dtype on the CPU (the fp32 reference)
         dt = kc.dtype if q.is_cuda else q.dtype
-        qg, kb, vb = q.view(b, K, H // K, d).to(dt), kc[:b].to(dt), vc[:b].to(dt)
-        if sinks is not None:  # a zero key/value scored by the head's sink (model.windowed_attention)
-            zero = kb.new_zeros(b, K, 1, d)
-            kb, vb = torch.cat([kb, zero], 2), torch.cat([vb, zero], 2)
-            bias = torch.zeros(mask.shape, dtype=dt, device=q.device).masked_fill(~mask, float("-inf"))
-            mask = torch.cat([bias.expand(b, K, H // K, -1), sinks.to(dt).view(1, K, H // K, 1).expand(b, -1, -1, 1)],
-                             dim=-1)
-        out = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask)  # [b, K, G, d]
+        out = sdpa(q.view(b, K, H // K, d).to(dt), kc[:b].to(dt), vc[:b].to(dt), mask,
+                   sinks=None if sinks is None else sinks.view(K, H // K))  # [b, K, G, d]
         return out.reshape(b, H, 1, d).to(q.dtype)
 
     def prefill_row(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -233,3 +244,86 @@ class FP16Cache:
 
     def bits_at(self, tokens: int) -> float:
         return 8.0 * self.k[0].element_size()
+
+
+def layer_subset(args: ModelArgs, layers: list[int]) -> ModelArgs:
+    """args for a cache that holds only `layers` of the model (at local indices 0..len(layers)-1)."""
+    import dataclasses
+
+    return dataclasses.replace(args, n_layers=len(layers), ffn_kinds=[args.ffn_kinds[i] for i in layers],
+                               layer_windows=[args.layer_windows[i] for i in layers])
+
+
+class LayerSplitCache:
+    """A model with sliding-window layers (gpt-oss) served with a compressed cache: the window layers in an
+    FP16Cache of their own (each a ring of its window: they never hold more), the full-attention layers in
+    `inner` (a cache built for those layers alone, `layer_subset`), where the history outgrows the window and
+    the codec pays. Layer i of the model is local index `index[i]` of its part. Same interface as the caches it
+    holds, in every mode; the engine's `pos` buffer is shared by both parts."""
+
+    def __init__(self, args: ModelArgs, ring: FP16Cache, inner, windowed: list[int], full: list[int]):
+        self.args, self.ring, self.inner, self.parts = args, ring, inner, (ring, inner)
+        self.batch, self.max_len, self.mode, self.device = inner.batch, inner.max_len, inner.mode, ring.device
+        self.codec = getattr(inner, "codec", None)
+        self.route = {i: (ring, j) for j, i in enumerate(windowed)} | {i: (inner, j) for j, i in enumerate(full)}
+
+    @property
+    def length(self):
+        return self.inner.length
+
+    @property
+    def pos(self):
+        return self.inner.pos
+
+    @pos.setter
+    def pos(self, value) -> None:
+        for c in self.parts:
+            c.pos = value
+
+    def attend(self, layer: int, q, k, v, start_pos=None, sinks=None) -> torch.Tensor:
+        part, j = self.route[layer]  # each part counts its tokens at its own last layer
+        return part.attend(j, q, k, v, start_pos, **({} if sinks is None else {"sinks": sinks}))
+
+    def prefill_row(self, row: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        part, j = self.route[layer]
+        part.prefill_row(row, j, k, v)
+
+    def begin_step(self, b: int) -> None:
+        if hasattr(self.inner, "begin_step"):
+            self.inner.begin_step(b)
+
+    def end_step(self) -> None:
+        if hasattr(self.inner, "end_step"):
+            self.inner.end_step()
+
+    def set_length(self, row: int, n: int) -> None:
+        for c in self.parts:
+            c.set_length(row, n)
+
+    def after_step(self, rows: range) -> None:
+        for c in self.parts:
+            c.after_step(rows)
+
+    def bytes_read(self, rows: range) -> int:
+        return sum(c.bytes_read(rows) for c in self.parts)
+
+    def fill_random(self, row: int, n: int, gen: torch.Generator | None = None) -> None:
+        for c in self.parts:
+            c.fill_random(row, n, gen)
+
+    def stored_bytes(self) -> int:
+        return sum(c.stored_bytes() for c in self.parts)
+
+    def _elements(self, tokens: int) -> tuple[int, int]:
+        """(ring, inner) key and value elements held after `tokens` tokens (the whole batch)."""
+        per = 2 * self.args.n_kv_heads * self.args.head_dim * self.batch
+        return self.ring.held_tokens(tokens) * per, tokens * self.inner.args.n_layers * per
+
+    def bits_per_element(self) -> float:
+        """Bits per held key/value element, both parts together."""
+        e = self._elements(self.length)
+        return 8.0 * self.stored_bytes() / max(sum(e), 1)
+
+    def bits_at(self, tokens: int) -> float:
+        e = self._elements(tokens)
+        return (self.ring.bits_at(tokens) * e[0] + self.inner.bits_at(tokens) * e[1]) / max(sum(e), 1)

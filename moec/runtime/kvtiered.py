@@ -37,6 +37,7 @@ Any registered block codec (moec/registry.py `layer_codecs`) runs in every mode;
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 
 from .backend import gluon_enabled, gluon_forced, kernels_enabled
 from .config import ModelArgs
-from .kvcache import MODES, FP16Cache, causal_attention
+from .kvcache import MODES, FP16Cache, LayerSplitCache, causal_attention, layer_subset, sdpa
 from .model import apply_rope, rope_cos_sin, rope_inv_freq
 from .nuq import quantize_pack_supports
 
@@ -83,12 +84,12 @@ def rotate(args: ModelArgs, x: torch.Tensor, pos0: int, inverse: bool) -> torch.
 
 def decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval, hist_len,
                      win_k, win_v, win_len, bits: int, block: int, rope=None, k_center=None, k_err2=None,
-                     out_rotation=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     out_rotation=None, out_dtype: torch.dtype = torch.float32, sinks=None) -> torch.Tensor:
     """Decode attention over the tiered cache's packed history and window: the Gluon kernel
     (kernels/gluon_kv_attention.py) where it serves the cache on CUDA (2-bit, no sparse outliers, post-RoPE,
     head_dim 128) and was measured faster (batch · history capacity >= the config's min_batch_tokens, or
     MOEC_KERNELS=gluon); MOEC_KERNELS=tl turns it off. Else the `tl` kernel (kernels/kv_decode_attention.py).
-    Same arguments and result as kv_decode_attention."""
+    Same arguments and result as kv_decode_attention (sinks [H]: gpt-oss's logits, added in the split combine)."""
     from ..kernels import gluon_kv_attention as gka
     from ..kernels.kv_decode_attention import kv_decode_attention
 
@@ -98,10 +99,10 @@ def decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx
             and (gluon_forced() or gka.faster(B, S, q.device))):
         return gka.gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist_len, win_k, win_v,
                                       win_len, k_center=k_center, k_err2=k_err2, out_rotation=out_rotation,
-                                      out_dtype=out_dtype)
+                                      out_dtype=out_dtype, sinks=sinks)
     return kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_oidx, k_oval, v_oidx, v_oval,
                                hist_len, win_k, win_v, win_len, bits, block, rope=rope, k_center=k_center,
-                               k_err2=k_err2, out_rotation=out_rotation, out_dtype=out_dtype)
+                               k_err2=k_err2, out_rotation=out_rotation, out_dtype=out_dtype, sinks=sinks)
 
 
 class LayerRotations:
@@ -430,34 +431,37 @@ class TieredKVCache(WindowSlots):
 
     # -- the cache interface ----------------------------------------------------------------------------
 
-    def attend(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, start_pos=None, sinks=None) -> torch.Tensor:
         """q: [B, H, T, d]; k, v: [B, K, T, d] at positions start_pos.. (static: one token at `pos`) ->
-        [B, H, T, d]. Head_dim rotations wrap every path but the static kernel's, which rotates itself."""
+        [B, H, T, d]. Head_dim rotations wrap every path but the static kernel's, which rotates itself.
+        sinks [H]: gpt-oss's logits in every query's softmax denominator (kvcache.sdpa; the kernels' combine)."""
         if self.mode == "static":
             if self.use_kernel:
-                return self._step_kernel(layer, q, k, v)
+                return self._step_kernel(layer, q, k, v, sinks)
             fn = self._step_torch
         else:
             fn = self._attend_simulated if self.mode == "simulated" else self._attend
+        if sinks is not None:
+            fn = functools.partial(fn, sinks=sinks)
         if self.rot is not None:
             return self.rot.attend(fn, layer, q, k, v, start_pos)
         return fn(layer, q, k, v, start_pos)
 
     # -- dynamic mode -------------------------------------------------------------------------------------
 
-    def _attend(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
+    def _attend(self, layer: int, q, k, v, start_pos: int, sinks=None) -> torch.Tensor:
         T = k.shape[2]
         wk, wv, s, h = self._append(layer, k, v, start_pos)
         if T == 1 and self.use_kernel:
-            out = self._attend_kernel(layer, q, wk, wv)
+            out = self._attend_kernel(layer, q, wk, wv, **({} if sinks is None else {"sinks": sinks}))
         else:
             keys, vals = self._keys_values(layer, wk, wv, s, h, q.dtype)
-            out = self.attend_history(layer, q, keys, vals, s, h, start_pos)
+            out = self.attend_history(layer, q, keys, vals, s, h, start_pos, sinks=sinks)
         self._store_window(layer, wk, wv, start_pos + T)
         return out
 
     def attend_history(self, layer: int, q, keys, vals, s: int, h: int, start_pos: int, attn_mask=None,
-                       q_rotated: bool = True):
+                       q_rotated: bool = True, sinks=None):
         """Attention of q [B, H, T, d] (positions start_pos..) over keys/values [B, K, S, d] in position order whose
         [s, s + h) is the layer's history (`read_append`'s view): adds the codec's history score bias where it
         has one (nuq-outlier `score_bias`); causal unless attn_mask (an SDPA mask) is given. The bias is a function
@@ -471,8 +475,8 @@ class TieredKVCache(WindowSlots):
             is_hist = ((pos >= s) & (pos < s + h))[None, None, :, None]
             q, keys, scale = biased_scores(q, keys, is_hist, bias)
         if attn_mask is None:
-            return causal_attention(q, keys, vals, start_pos, scale=scale)
-        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=attn_mask, scale=scale, enable_gqa=True)
+            return causal_attention(q, keys, vals, start_pos, scale=scale, sinks=sinks)
+        return sdpa(q, keys, vals, attn_mask, scale, None if sinks is None else sinks.view(-1, 1))
 
     def history_biased(self, layer: int) -> bool:
         """Whether the layer's history scores carry a bias (`attend_history` adds it; keys alone cannot)."""
@@ -526,7 +530,7 @@ class TieredKVCache(WindowSlots):
             keys, vals = (keys @ R.T).to(dtype), (vals @ R.T).to(dtype)
         return keys, vals, (s, h)
 
-    def _attend_kernel(self, layer: int, q, wk, wv) -> torch.Tensor:
+    def _attend_kernel(self, layer: int, q, wk, wv, sinks=None) -> torch.Tensor:
         """One decode step of a codec with `fused_decode_attention` through the fused kernel
         (decode_attention; families with other kernels override this). Pre-RoPE history
         keys are rotated in the kernel, history token t at position sinks + t. q [B, H, 1, d]; wk, wv
@@ -548,7 +552,7 @@ class TieredKVCache(WindowSlots):
                                view.k_levels, view.v_levels, koi, kov, voi, vov, hist_len, wk.contiguous(),
                                wv.contiguous(), win_len, view.bits, self.block,
                                rope=self.rope_table if self.rope_pre else None, k_center=view.k_center,
-                               k_err2=view.k_err2)
+                               k_err2=view.k_err2, sinks=sinks)
         return out[:, :, None].to(q.dtype)
 
     # -- simulated mode -----------------------------------------------------------------------------------
@@ -570,7 +574,7 @@ class TieredKVCache(WindowSlots):
         vq[:, :, s : s + h] = self.mirror["v"][layer][:, :, :h].to(vf.dtype)
         return kq, vq
 
-    def _attend_simulated(self, layer: int, q, k, v, start_pos: int) -> torch.Tensor:
+    def _attend_simulated(self, layer: int, q, k, v, start_pos: int, sinks=None) -> torch.Tensor:
         """One forward over whole windows [B, S] (start_pos 0) that reproduces decode mode: per layer, every block
         that will ever be evicted is encoded and decoded, and query i sees key j in fp16 if j is a sink or in
         i's window, in its decoded form if j lies in one of the blocks_at(i) history blocks (causal: j ≤ i).
@@ -583,8 +587,9 @@ class TieredKVCache(WindowSlots):
         causal = pos[None, :] <= pos[:, None]  # [S(query), S(key)]
         if layer == self.args.n_layers - 1:
             self.length = S
+        sk = None if sinks is None else sinks.view(-1, 1)
         if self.blocks_at(S) == 0:
-            return F.scaled_dot_product_attention(q, kf, vf, attn_mask=causal, enable_gqa=True)
+            return sdpa(q, kf, vf, causal, sinks=sk)
         s, blk = self.sinks, self.block
         kq, vq = self._history_blocks(layer, kf, vf)
         hist_end = s + torch.tensor([self.blocks_at(i) for i in range(S)], device=q.device) * blk  # per query
@@ -598,12 +603,12 @@ class TieredKVCache(WindowSlots):
             # values padded to the keys' d + 1 channels: with value and key head dims unequal, CPU SDPA takes a
             # path ~4x slower (2 × 8192 simulated decode: ~40 instead of ~10 min); the zero channel is dropped
             vals = F.pad(vals, (0, 1))
-            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True, scale=scale)[..., :-1]
-        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+            return sdpa(q, keys, vals, mask, scale, sk)[..., :-1]
+        return sdpa(q, keys, vals, mask, sinks=sk)
 
     # -- static mode: the step (graph-safe: no host reads of device values, nothing allocated) -----------
 
-    def _step_kernel(self, layer: int, q, k, v) -> torch.Tensor:
+    def _step_kernel(self, layer: int, q, k, v, sinks=None) -> torch.Tensor:
         """The fused path: one kernel rotates q, k, v and writes the window (kernels/kv_window_write.py), the
         decode-attention kernel reads the packed history and the window, and the output is rotated back."""
         from ..kernels.kv_window_write import rotate_write_window
@@ -625,10 +630,10 @@ class TieredKVCache(WindowSlots):
                                self.hist_len[:b], wk[:b], wv[:b], win_len,
                                self.codecs[layer].bits, self.block, rope=self.rope_table,
                                k_center=view.k_center, k_err2=view.k_err2, out_rotation=R,
-                               out_dtype=q.dtype)  # [b, H, d], rotated back
+                               out_dtype=q.dtype, sinks=sinks)  # [b, H, d], rotated back
         return out[:, :, None]
 
-    def _step_torch(self, layer: int, q, k, v, start_pos=None) -> torch.Tensor:
+    def _step_torch(self, layer: int, q, k, v, start_pos=None, sinks=None) -> torch.Tensor:
         b, H, _, d = q.shape
         K = k.shape[1]
         rows = self.rows[:b]
@@ -642,14 +647,14 @@ class TieredKVCache(WindowSlots):
         vals = torch.cat([wv[:b].to(q.dtype), hv.to(q.dtype)], dim=2)
         mask = torch.cat([self.wslots[None, :] < win_len[:, None],
                           self.hslots[None, :] < self.hist_len[:b, None]], dim=1)[:, None, None, :]
+        sk = None if sinks is None else sinks.view(K, H // K)
         bias = history_bias(self.codecs[layer], q)
         if bias is not None:  # [b, H, 1, 1] -> per KV head's query group, as q is viewed below
             is_hist = (torch.arange(keys.shape[2], device=q.device) >= self.wcap)[None, None, :, None]
             q2, keys, scale = biased_scores(q, keys, is_hist, bias)
-            out = F.scaled_dot_product_attention(q2.view(b, K, H // K, d + 1), keys, vals, attn_mask=mask,
-                                                 scale=scale)
+            out = sdpa(q2.view(b, K, H // K, d + 1), keys, vals, mask, scale, sk)
             return out.reshape(b, H, 1, d)
-        out = F.scaled_dot_product_attention(q.view(b, K, H // K, d), keys, vals, attn_mask=mask)
+        out = sdpa(q.view(b, K, H // K, d), keys, vals, mask, sinks=sk)
         return out.reshape(b, H, 1, d)
 
     # -- static mode: host-side bookkeeping between steps ---------------------------------------------------
@@ -801,12 +806,22 @@ def tiered_cache_factory(section: dict, codecs: list, mode: str = "dynamic", use
 
     pre = rope_pre(section)
 
-    def make(model, batch: int, max_len: int):
-        w = model.tok_embeddings.weight
+    def tiered(args: ModelArgs, layer_codecs: list, batch: int, max_len: int, w: torch.Tensor):
         kw = dict(window=section["window"], sinks=section["sinks"], block=section["block"], rope_pre=pre)
         if mode == "simulated":
-            return TieredKVCache(model.args, batch, max_len, codecs, mode=mode, **kw)
-        return TieredKVCache(model.args, batch, max_len, codecs, device=w.device, use_kernel=use_kernel, mode=mode,
+            return TieredKVCache(args, batch, max_len, layer_codecs, mode=mode, **kw)
+        return TieredKVCache(args, batch, max_len, layer_codecs, device=w.device, use_kernel=use_kernel, mode=mode,
                              mirror_dtype=w.dtype if mode == "static" else torch.float32, **kw)
+
+    def make(model, batch: int, max_len: int):
+        args, w = model.args, model.tok_embeddings.weight
+        if not args.has_windows:
+            return tiered(args, codecs, batch, max_len, w)
+        # sliding-window layers (gpt-oss): their own fp16 rings, the codec on the full-attention layers only
+        windowed = [i for i, n in enumerate(args.layer_windows) if n]
+        full = [i for i, n in enumerate(args.layer_windows) if not n]
+        ring = FP16Cache(layer_subset(args, windowed), batch, max_len, device=w.device, mode=mode)
+        inner = tiered(layer_subset(args, full), [codecs[i] for i in full], batch, max_len, w)
+        return LayerSplitCache(args, ring, inner, windowed, full)
 
     return make

@@ -191,7 +191,9 @@ def kv_bytes_per_token(args: ModelArgs, kv: dict | None, codecs: list | None) ->
         full = sum(1 for w in args.layer_windows if not w)  # a window layer's ring does not grow
         return 2 * full * args.n_kv_heads * args.head_dim * 2
     n = 0.0
-    for c in codecs:
+    for c, window in zip(codecs, args.layer_windows, strict=True):
+        if window:  # a sliding-window layer is an fp16 ring of its window (kvtiered.tiered_cache_factory)
+            continue
         for kind in "kv":
             for _, (axis, trail, dtype) in c.fields(kind).items():
                 el = math.prod(trail) * torch.empty((), dtype=dtype).element_size() * args.n_kv_heads

@@ -148,14 +148,9 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_po
     allowed = key_pos[None, :] <= qp
     if window:
         allowed &= key_pos[None, :] > qp - window  # [T, S]
-    if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True, scale=scale)
-    B, H, K = q.shape[0], q.shape[1], k.shape[1]
-    zero = k.new_zeros(B, K, 1, k.shape[-1])
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-    bias = torch.cat([bias.expand(H, T, -1), sinks.to(q.dtype).view(H, 1, 1).expand(H, T, 1)], dim=-1)
-    return F.scaled_dot_product_attention(q, torch.cat([k, zero], 2), torch.cat([v, zero], 2), attn_mask=bias,
-                                          enable_gqa=True, scale=scale)
+    from .kvcache import sdpa  # the runtime's one SDPA with sinks (kvcache imports this module)
+
+    return sdpa(q, k, v, allowed, scale, None if sinks is None else sinks.view(-1, 1))
 
 
 class Attention(nn.Module):

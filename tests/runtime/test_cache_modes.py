@@ -201,7 +201,8 @@ def test_rvq_modes_write_identical_history(rope_pre):
 
 def test_one_cache_class_per_codec_family():
     """KV-cache classes in moec/ outside moec/hf/ (by the AST: classes whose methods, inherited ones included,
-    have `attend` and a byte count): one per codec family, the modes being modes of it."""
+    have `attend` and a byte count): one per codec family, the modes being modes of it, and the layer-split
+    composite (sliding-window layers in FP16Cache rings, the others in a tiered family's cache)."""
     import ast
     from pathlib import Path
 
@@ -224,4 +225,5 @@ def test_one_cache_class_per_codec_family():
               if "attend" in methods(n) and methods(n) & {"bits_per_element", "bytes_read"}}
     assert caches == {"runtime/kvcache.py:FP16Cache", "runtime/kvtiered.py:TieredKVCache",
                       "runtime/latent.py:LatentKVCache", "runtime/rvq.py:RVQTieredCache",
-                      "runtime/mla.py:MLACache", "runtime/mla_nuq.py:MLANUQCache"}, sorted(caches)
+                      "runtime/mla.py:MLACache", "runtime/mla_nuq.py:MLANUQCache",
+                      "runtime/kvcache.py:LayerSplitCache"}, sorted(caches)

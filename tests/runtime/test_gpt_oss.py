@@ -4,20 +4,24 @@ through the engine (biased experts: their Hessians see the biased, clamped activ
 router bias are kept as they are)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+import moec
 from moec.calibrate.pack import pack
-from moec.calibrate.recipe import parse_recipe
+from moec.calibrate.recipe import load_recipe, parse_recipe
 from moec.calibrate.run import calibrate, check_kv_attention
 from moec.errors import UserError
 from moec.runtime.decode import DecodeEngine
 from moec.runtime.experts import ExpertWeights
 from moec.runtime.hf_layout import HFCheckpoint
-from moec.runtime.kvcache import FP16Cache
+from moec.runtime.kvcache import FP16Cache, LayerSplitCache
+from moec.runtime.kvtiered import tiered_cache_factory
 from moec.runtime.loader import load_model
 from moec.runtime.model import build_model
+from moec.runtime.nuq import FIXED_LEVELS, NUQOutlierCodec
 from tests.runtime.tiny_hf import make_tiny
 
 
@@ -57,11 +61,51 @@ def test_window_layer_holds_its_window_in_every_mode(tiny):
     assert (torch.stack(logits) - full[0, 12 : T - 1]).abs().max() < 1e-4
 
 
-def test_compressed_kv_recipes_are_refused(tiny):
+def test_kv_codecs_that_group_layers_are_refused(tiny):
     args, _ = tiny
-    recipe = parse_recipe({"name": "kv", "kv": {"codec": "kivi", "bits": 2}})
-    with pytest.raises(UserError, match="sinks and sliding windows run on the fp16 cache only"):
+    check_kv_attention(args, parse_recipe({"name": "kv", "kv": {"codec": "kivi", "bits": 2}}))  # tiered: served
+    recipe = load_recipe(str(Path(moec.__file__).parent / "recipes" / "kv-latent-layer-g2.yaml"))
+    with pytest.raises(UserError, match="served by the tiered block codecs only"):
         check_kv_attention(args, recipe)
+
+
+def _nuq_codecs(args, block: int = 4):
+    lev = torch.tensor(FIXED_LEVELS[2])
+    g = torch.Generator().manual_seed(0)
+    return [NUQOutlierCodec(2, args.head_dim, block, lev, lev, torch.rand(args.n_kv_heads, args.head_dim, generator=g)
+                            + 0.5, 0.01) for _ in range(args.n_layers)]
+
+
+def test_compressed_cache_on_full_layers_only(tiny):
+    """2-bit nuq on gpt-oss: the window layer stays an fp16 ring of 8, the full layer is compressed past its fp16
+    sinks + window (2 + 28, blocks of 4: more than the simulated protocol's 32-token prefill); sinks reach every
+    path: before any history exists the compressed cache gives the full forward's logits (fp16 keys/values), and
+    dynamic decode, simulated decode and the static engine agree after the history grows."""
+    args, model = tiny
+    T = 64
+    codecs = _nuq_codecs(args)
+    sec = {"codec": "nuq-outlier", "window": 28, "sinks": 2, "block": 4, "rope": None}
+    tokens = torch.randint(0, args.vocab_size, (2, T), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(tokens)
+        dyn = tiered_cache_factory(sec, codecs)(model, 2, T)
+        assert isinstance(dyn, LayerSplitCache) and dyn.inner.args.n_layers == 1 and dyn.ring.k[0].shape[2] == 8
+        steps = [model(tokens[:, :11], dyn, 0)]  # 11 < 2 + 28 + 4: nothing encoded yet
+        assert (steps[0] - full[:, :11]).abs().max() < 2e-2
+        for t in range(11, T):
+            steps.append(model(tokens[:, t : t + 1], dyn, t))
+        dec = torch.cat(steps, 1)
+        assert dyn.inner.n_blocks[0] >= 7 and dyn.ring.k[0].shape[2] == 8
+        sim = model(tokens, tiered_cache_factory(sec, codecs, mode="simulated")(model, 2, T), 0)
+    assert (sim - dec).abs().max() < 2e-3
+    assert (dec - full).abs().max() > 1e-2  # the history is compressed: not the fp16 logits
+    eng_cache = tiered_cache_factory(sec, codecs, mode="static")(model, 1, T)
+    eng = DecodeEngine(model, eng_cache, graphs=False, fuse=False)
+    logits = [eng.prefill(0, tokens[0, :11])]
+    for t in range(11, T - 1):
+        eng.tokens[:1] = tokens[0, t]
+        logits.append(eng.step(1)[0].clone())
+    assert (torch.stack(logits) - dec[0, 10 : T - 1]).abs().max() < 2e-3
 
 
 def test_calibrate_pack_load_through_the_engine(tiny_gpt_oss_dir, tmp_path):
@@ -133,3 +177,38 @@ def test_shipped_mxfp4_experts_load_exactly_and_refit_to_themselves(tmp_path):
     for gptq in (False, True):
         parts = quantize_mx(W, H if gptq else None, gptq)
         assert torch.equal(dequantize_mxfp4(4, (E, O, n_in), parts), W), gptq
+
+
+@pytest.mark.parametrize("kv", ["fp16", "nuq"])
+def test_static_engine_kernels_match_torch_path(kv, monkeypatch):
+    """The static engine on gpt-oss with the kernels (MOEC_KERNELS=1, the interpreter on the CPU: the fused step,
+    the fp16 decode kernel on the window layer's ring with the sinks in the split combine, the tiered 2-bit
+    kernel on the full layer past its history, the dense-mode MoE kernels with biases and the clamped SwiGLU)
+    gives the torch path's logits step by step."""
+    from moec.runtime.config import ModelArgs
+    from moec.runtime.latency import random_model
+
+    args = ModelArgs(arch="gpt_oss", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64,
+                     max_seq_len=128, n_experts=4, top_k=2, expert_dim=32, qkv_bias=True, o_bias=True,
+                     attn_sinks=True, layer_windows=[8, 0], router_score="softmax_topk", router_logit_bias=True,
+                     expert_bias=True, expert_act="clamped_swiglu", swiglu_limit=1.0, norm_topk=False)
+    model = random_model(args, lambda name: None, "cpu", torch.float32, seed=8)
+    with torch.no_grad():
+        for blk in model.layers:
+            blk.attn.sinks.normal_(0, 2, generator=torch.Generator().manual_seed(blk.layer))
+    tokens = torch.randint(0, 64, (70,), generator=torch.Generator().manual_seed(9))
+    sec = {"codec": "nuq-outlier", "window": 32, "sinks": 4, "block": 16, "rope": None}
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("MOEC_KERNELS", mode)
+        cache = (FP16Cache(args, 1, 80, device="cpu", mode="static") if kv == "fp16"
+                 else tiered_cache_factory(sec, _nuq_codecs(args, 16), mode="static")(model, 1, 80))
+        eng = DecodeEngine(model, cache, graphs=False)
+        logits = [eng.prefill(0, tokens[:60])]
+        for t in tokens[60:]:
+            eng.tokens[:1] = t
+            logits.append(eng.step(1)[0].clone())
+        out[mode] = torch.stack(logits)
+        if kv == "nuq":
+            assert cache.inner.use_kernel == (mode == "1") and int(cache.inner.hist_len[0]) > 0
+    torch.testing.assert_close(out["1"], out["0"], atol=2e-3, rtol=2e-3)
