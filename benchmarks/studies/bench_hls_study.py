@@ -13,11 +13,13 @@ ppl_tf against the source model's logits (computed once). Its rows reproduce the
 path (same quantizers, same statistics; `moec calibrate` fits attention projections too, with the
 same q/k/v and o Hessians as `capture` below).
 
-Method spec: `<codec><bits>[:g<group>][:nogptq][:refit<N>][:noact][:had<B>]`, codec in hls, rtn, fp3,
-hqq, fp8 (no bits). `had<B>`: incoherence processing (QuIP#, QuaRot; issue 17) simulated exactly: each
-matrix is fitted in a rotated input basis, W' = W Rᵀ with H' = R H Rᵀ, R = blockdiag(Hadamard_B)·diag(±1)
-/ √B (B a power of two dividing the input dim; random signs seeded per matrix), and W_hat = W'_hat R,
-which is what a kernel that rotates its input (or a neighbouring op that folds R in) would compute.
+Method spec: `<codec><bits>[:g<group>][:nogptq][:refit<N>][:noact][:had<B>][:L<n>]`, codec in hls, rtn, fp3, hqq,
+fp8 (no bits), vq, tcq (moec/calibrate/trellis.py: `L` its state bits, default 12; `g` its column block, default
+64; gptq its block LDLQ; `w` its column-weighted block error). `had<B>`: incoherence processing (QuIP#, QuaRot;
+issue 17) simulated exactly: each matrix is fitted in a rotated input basis, W' = W Rᵀ with H' = R H Rᵀ, R =
+blockdiag(Hadamard_B)·diag(±1) / √B (B a power of two, capped at the largest one dividing the input dim; random
+signs seeded per matrix), and W_hat = W'_hat R, which is what a kernel that rotates its input (or a neighbouring op
+that folds R in) would compute.
 Bits per weight are from the bytes of the stored parts (codes, codebooks, scales)
 over the targeted matrices; HQQ: b + 32/g (its fp16 scale and zero per group).
 """
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 
 from moec.atomic import atomic_file
-from moec.calibrate import hls, vq
+from moec.calibrate import hls, trellis, vq
 from moec.calibrate.data import load_text, sample_windows
 from moec.calibrate.fit_experts import ExpertFitter
 from moec.calibrate.hessian import ExpertHessians, accumulate_hessian, regularize
@@ -68,6 +70,10 @@ def parse_method(spec: str) -> dict:
             m["had"] = int(o[3:])
         elif o.startswith("d") and o[1:].isdigit():
             m["dim"] = int(o[1:])
+        elif o.startswith("L") and o[1:].isdigit():  # tcq: trellis state bits
+            m["L"] = int(o[1:])
+        elif o == "w":  # tcq: column-weighted block error
+            m["weighted"] = True
         else:
             raise SystemExit(f"unknown method option {o!r} in {spec!r}")
     return m
@@ -150,7 +156,8 @@ def quantize_all(state: dict, H: dict, names: list[str], m: dict, kd_data=None) 
         W3 = W0 if W0.dim() == 3 else W0[None]  # [E, O, I]
         Hn, R = H.get(n), None
         if m["had"]:  # fit in the rotated basis: W' = W Rᵀ, H' = R H Rᵀ (W' R x = W x)
-            R = block_hadamard(W3.shape[2], m["had"], seed=names.index(n))
+            n_in = W3.shape[2]  # B, or the largest power of two dividing a smaller input dim
+            R = block_hadamard(n_in, min(m["had"], n_in & -n_in), seed=names.index(n))
             W3 = W3 @ R.T
             Hn = None if Hn is None else R @ Hn @ R.T
         if m["codec"] == "hqq":
@@ -163,6 +170,10 @@ def quantize_all(state: dict, H: dict, names: list[str], m: dict, kd_data=None) 
                                          compute_dtype=torch.float32)
             Wh = Quantizer.dequantize(q, meta).reshape(E, O, I).float()
             nbits += W3.numel() * (m["bits"] + 32 / g)
+        elif m["codec"] == "tcq":  # the trellis study (moec/calibrate/trellis.py); g: its column block
+            Wh, b = trellis.quantize(W3, Hn if m["gptq"] else None, m["bits"], m.get("L", 12), m["group"] or 64,
+                                     weighted=m.get("weighted", False))
+            nbits += W3.numel() * b
         elif m["codec"] == "vq":
             stored = vq.quantize_vq(W3, Hn, m["bits"], m["dim"] or 4, rounds=m["refit"])
             Wh = vq.fitted_weight(stored)
@@ -259,7 +270,7 @@ def main() -> None:
     out = a.out or Path(__file__).resolve().parents[1] / "results" / f"hls_study_{a.model}.json"
     state = {k: v.float() for k, v in ck.state_dict().items()}
     names = targets(ck.args, a.scope)
-    need_h = any(m["codec"] in ("hls", "fp3", "vq") for m in methods)
+    need_h = any(m["codec"] in ("hls", "fp3", "vq", "tcq") for m in methods)
     t0 = time.time()
     H, policy_report = ({}, {})
     calib = None
@@ -296,7 +307,8 @@ def main() -> None:
         eval_s = time.time() - t0
         rec = base_record("hls-study", "cpu") | {
             "model": a.model, "scope": a.scope, "method": m["spec"], "codec": m["codec"], "bits": m["bits"],
-            "group_size": m["group"], "gptq": m["gptq"] and m["codec"] in ("hls", "fp3", "vq"),
+            "group_size": m["group"], "gptq": m["gptq"] and m["codec"] in ("hls", "fp3", "vq", "tcq"),
+            "trellis_bits": m.get("L") if m["codec"] == "tcq" else None,
             "vector_dim": m["dim"] or None,
             "refit_rounds": m["refit"],
             "kd_steps": m["kd"], "hadamard_block": m["had"],
