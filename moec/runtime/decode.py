@@ -40,6 +40,7 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 
 from ..registry import weight_codec
 from .backend import kernels_enabled
@@ -84,7 +85,9 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
     a = moe.args
     if plain_softmax_routing(moe):
         w, ids = _route(x, moe.router.weight, a.top_k, a.norm_topk)  # [N, A] ×2
-    else:  # DeepSeek's / gpt-oss's scores, groups, biases and scale: torch's route (no host sync: capturable)
+    elif softmax_topk_routing(moe):  # gpt-oss: the softmax over the kept logits is softmax, top-k, renormalize
+        w, ids = _route(x, moe.router.weight, a.top_k, True, moe.router.bias, a)
+    else:  # DeepSeek's scores, groups, bias and scale: torch's route (no host sync: capturable)
         _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk, a, getattr(moe, "score_bias", None),
                           moe.router.bias)
     if moe.codec is not None:
@@ -108,25 +111,34 @@ def plain_softmax_routing(moe: MoE) -> bool:
         not hasattr(moe, "score_bias") and moe.router.bias is None
 
 
+def softmax_topk_routing(moe: MoE) -> bool:
+    """gpt-oss's routing (router_score softmax_topk, its logits biased or not, no scale): the softmax over the top-k
+    logits equals the softmax over all of them, top-k, renormalized, which the routing kernel computes."""
+    a = moe.args
+    return a.router_score == "softmax_topk" and a.routed_scale == 1.0 and not hasattr(moe, "score_bias")
+
+
 _ROUTE_FAILED: list[str] = []  # the routing kernel failed to compile here: torch's route instead
 
 
-def _route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, ids) [N, A] of model.route, its softmax/top-k in one kernel where it compiles."""
+def _route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool, bias: torch.Tensor | None = None,
+           args: ModelArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [N, A] of model.route, its softmax/top-k in one kernel where it compiles; bias: the router's
+    own (the logits are x·routerᵀ + bias, one cuBLAS launch); args: the model's, for torch's route."""
     if not _ROUTE_FAILED:
         try:
             from ..kernels.route_topk import GEMV_MAX_EXPERTS, GEMV_MAX_TOKENS, route_gemv_topk, route_topk
 
-            if (x.shape[0] <= GEMV_MAX_TOKENS and router.shape[0] <= GEMV_MAX_EXPERTS and x.dtype == router.dtype
-                    and x.is_contiguous()):
+            if (bias is None and x.shape[0] <= GEMV_MAX_TOKENS and router.shape[0] <= GEMV_MAX_EXPERTS
+                    and x.dtype == router.dtype and x.is_contiguous()):
                 return route_gemv_topk(x, router, top_k, norm)  # the router GEMV in the same launch
-            return route_topk(x @ router.t(), top_k, norm)
+            return route_topk(F.linear(x, router, bias), top_k, norm)
         except Exception as e:  # the warm-up step (outside capture) meets compile errors first
             if torch.cuda.is_current_stream_capturing():
                 raise
             _ROUTE_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             log.warning("routing kernel failed (%s); using torch's routing", _ROUTE_FAILED[0])
-    _, w, ids = route(x, router, top_k, norm)
+    _, w, ids = route(x, router, top_k, norm, args, None, bias)
     return w, ids
 
 
