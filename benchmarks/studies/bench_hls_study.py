@@ -14,12 +14,12 @@ path (same quantizers, same statistics; `moec calibrate` fits attention projecti
 same q/k/v and o Hessians as `capture` below).
 
 Method spec: `<codec><bits>[:g<group>][:nogptq][:refit<N>][:noact][:had<B>][:L<n>]`, codec in hls, rtn, fp3, hqq,
-fp8 (no bits), vq, tcq (moec/calibrate/trellis.py: `L` its state bits, default 12; `g` its column block, default
-64; gptq its block LDLQ; `w` its column-weighted block error). `had<B>`: incoherence processing (QuIP#, QuaRot;
-issue 17) simulated exactly: each matrix is fitted in a rotated input basis, W' = W Rᵀ with H' = R H Rᵀ, R =
-blockdiag(Hadamard_B)·diag(±1) / √B (B a power of two, capped at the largest one dividing the input dim; random
-signs seeded per matrix), and W_hat = W'_hat R, which is what a kernel that rotates its input (or a neighbouring op
-that folds R in) would compute.
+fp8 (no bits), vq, tcq (moec/calibrate/trellis.py: `L` its state bits, default 12; `g` its column block, default 64;
+gptq its block LDLQ; `w` its column-weighted block error; `kd<N>` its row scales tuned end to end). `had<B>`:
+incoherence processing (QuIP#, QuaRot; issue 17) simulated exactly: each matrix is fitted in a rotated input basis,
+W' = W Rᵀ with H' = R H Rᵀ, R = blockdiag(Hadamard_B)·diag(±1) / √B (B a power of two, capped at the largest one
+dividing the input dim; random signs seeded per matrix), and W_hat = W'_hat R, which is what a kernel that rotates
+its input (or a neighbouring op that folds R in) would compute.
 Bits per weight are from the bytes of the stored parts (codes, codebooks, scales)
 over the targeted matrices; HQQ: b + 32/g (its fp16 scale and zero per group).
 """
@@ -189,10 +189,42 @@ def quantize_all(state: dict, H: dict, names: list[str], m: dict, kd_data=None) 
             Wh = Wh @ R  # back to the original basis
         numel += W3.numel()
         new[n] = Wh.reshape(W0.shape)
-    if m["kd"]:
+    if m["kd"] and m["codec"] == "tcq":  # the trellis codes stay; each row's fp16 scale is tuned
+        new.update(tune_row_scales(kd_data[0], state, {n: new[n] for n in names}, kd_data[1], m["kd"]))
+    elif m["kd"]:
         assert m["codec"] == "hls" and not m["had"], "kd tunes hls codebooks in the original basis"
         new.update(tune_luts(kd_data[0], state, fitted, m, kd_data[1], m["kd"]))
     return new, nbits / numel
+
+
+def tune_row_scales(args, state: dict, w_hat: dict, calib: torch.Tensor, steps: int, batch: int = 2,
+                    lr: float = 5e-3) -> dict:
+    """Each quantized row's scale tuned end to end (a factor exp(δ) per row; codes and rotations fixed: a row
+    scale commutes with the input rotation) to minimize KL(source || quantized) on the calibration tokens, as
+    tune_luts does for hls tables; the stored layout and bit count do not change (the fp16 scale absorbs it)."""
+    from torch.func import functional_call
+
+    teacher = build_model(args, state)
+    student = build_model(args, dict(state))
+    for p in list(teacher.parameters()) + list(student.parameters()):
+        p.requires_grad_(False)
+    delta = {n: torch.zeros(*w.shape[:-1], 1, requires_grad=True) for n, w in w_hat.items()}
+    opt = torch.optim.Adam(delta.values(), lr=lr)
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        b = calib[torch.randint(0, calib.shape[0], (batch,), generator=g)]
+        with torch.no_grad():
+            tl = torch.log_softmax(teacher(b), -1)
+        params = {n: w * torch.exp(delta[n]) for n, w in w_hat.items()}
+        sl = torch.log_softmax(functional_call(student, params, (b,)), -1)
+        loss = (tl.exp() * (tl - sl)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 10 == 0 or step == steps - 1:
+            print(f"kd step {step} kl {loss.item():.4f}", flush=True)
+    with torch.no_grad():  # the factor rounded to fp16 (the rounding of the stored product is not modelled)
+        return {n: w * torch.exp(delta[n]).half().float() for n, w in w_hat.items()}
 
 
 def tune_luts(args, state: dict, fitted: dict, m: dict, calib: torch.Tensor, steps: int, batch: int = 2,
