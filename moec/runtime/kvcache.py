@@ -127,7 +127,7 @@ class FP16Cache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         if mode == "static":
-            self.slots = torch.arange(max_len, device=device)
+            self.slots = torch.arange(max(self.cap), device=device)  # a ring's slots: a window-only cache stays fixed
             self.rows = torch.arange(batch, device=device)
             self.pos: torch.Tensor | None = None  # [B] int64, the engine's position buffer
             self.length: int | list[int] = [0] * batch  # host mirror of tokens held per row

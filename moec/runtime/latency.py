@@ -202,8 +202,13 @@ def kv_bytes_per_token(args: ModelArgs, kv: dict | None, codecs: list | None) ->
 
 
 def allocated_bytes(cache) -> int:
-    """Bytes of the device tensors a cache holds (buffers, mirror, views; each storage counted once)."""
+    """Bytes of the device tensors a cache holds (buffers, mirror, views; each storage counted once); a
+    kvcache.LayerSplitCache, those of its parts."""
+    from .kvcache import LayerSplitCache
     from .kvtiered import HistoryStore
+
+    if isinstance(cache, LayerSplitCache):
+        return sum(allocated_bytes(c) for c in cache.parts)
 
     seen: set[int] = set()
     total = 0

@@ -212,3 +212,24 @@ def test_static_engine_kernels_match_torch_path(kv, monkeypatch):
         if kv == "nuq":
             assert cache.inner.use_kernel == (mode == "1") and int(cache.inner.hist_len[0]) > 0
     torch.testing.assert_close(out["1"], out["0"], atol=2e-3, rtol=2e-3)
+
+
+def test_split_cache_bytes_per_token_of_capacity(tiny):
+    """The memory planner's measured bytes per token of capacity (latency.static_bytes_per_token) sees both parts of
+    the split cache, and the window layers' part does not grow with the capacity: a token of capacity costs about
+    what the full layer alone costs, about half of the same cache without windows (two full layers)."""
+    import dataclasses
+
+    from moec.runtime.latency import allocated_bytes, static_bytes_per_token
+
+    args, model = tiny
+    sec = {"codec": "nuq-outlier", "window": 8, "sinks": 2, "block": 4, "rope": None}
+    make = tiered_cache_factory(sec, _nuq_codecs(args), mode="static")
+    split = static_bytes_per_token(lambda b, n: make(model, b, n), 64, 128)
+    assert allocated_bytes(make(model, 1, 64).ring) == allocated_bytes(make(model, 1, 128).ring)
+    model.args = dataclasses.replace(args, layer_windows=[0, 0])  # the same model read as two full layers
+    try:
+        both = static_bytes_per_token(lambda b, n: make(model, b, n), 64, 128)
+    finally:
+        model.args = args
+    assert 0.45 * both < split < 0.55 * both, (split, both)
