@@ -1,8 +1,9 @@
 """GGUF architectures moec reads into transformers' own model types: `deepseek2` (DeepSeek-V2/V3, Kimi K2,
 Moonlight → `deepseek_v2` with softmax routing or `deepseek_v3` with sigmoid routing) and `gpt-oss`
-(→ `gpt_oss`). These types run on moec's transformers path (moec/hf), so the file is written as an HF
-directory in transformers' on-disk layout and then checked by transformers itself: loaded on the meta
-device, any key it reports missing, unexpected or mismatched refuses the file in one line.
+(→ `gpt_oss`). The file is written as an HF directory in transformers' on-disk layout, which both of moec's
+paths read (its engine implements these types, runtime/hf_layout.py; its transformers path, moec/hf), and then
+checked by transformers itself: loaded on the meta device, any key it reports missing, unexpected or mismatched
+refuses the file in one line.
 
 The layout facts (llama.cpp 0.3.36, src/models/deepseek2.cpp and openai-moe.cpp, and the per-tensor shapes
 its loader asks for), read as numpy arrays (GGUF dims innermost first, so reversed):

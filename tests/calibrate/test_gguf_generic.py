@@ -92,3 +92,20 @@ def test_gguf_tokenizer_read_or_left_out(tmp_path, monkeypatch, caplog):
     assert "pre-tokenizer 'gpt-2') is not one moec converts exactly" in caplog.text
     with pytest.raises(UserError, match="no tokenizer files"):
         sources.load_tokenizer(out)
+
+
+def test_gpt_oss_gguf_runs_in_the_engine(tmp_path, monkeypatch):
+    """A gpt-oss GGUF with MXFP4 experts, read by moec, runs in moec's own engine (gpt_oss is an engine type now)
+    with the logits transformers gives on the same directory."""
+    from moec.runtime.hf_layout import HFCheckpoint
+    from moec.runtime.model import build_model
+
+    monkeypatch.setenv("MOEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "oss.gguf"
+    write_gpt_oss(path, tiny_model("gpt_oss"))
+    out = resolve_model(str(path))
+    ck = HFCheckpoint(out)
+    engine = build_model(ck.args, {k: v.float() for k, v in ck.state_dict().items()})
+    with torch.no_grad():
+        want = T.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(X).logits
+        torch.testing.assert_close(engine(X), want, rtol=1e-5, atol=1e-4)
