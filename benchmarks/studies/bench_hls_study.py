@@ -202,29 +202,36 @@ def tune_row_scales(args, state: dict, w_hat: dict, calib: torch.Tensor, steps: 
     """Each quantized row's scale tuned end to end (a factor exp(δ) per row; codes and rotations fixed: a row
     scale commutes with the input rotation) to minimize KL(source || quantized) on the calibration tokens, as
     tune_luts does for hls tables; the stored layout and bit count do not change (the fp16 scale absorbs it)."""
+    delta = {n: torch.zeros(*w.shape[:-1], 1, requires_grad=True) for n, w in w_hat.items()}
+    kd_tune(args, state, lambda: {n: w * torch.exp(delta[n]) for n, w in w_hat.items()}, list(delta.values()),
+            calib, steps, batch, lr)
+    with torch.no_grad():  # the factor rounded to fp16 (the rounding of the stored product is not modelled)
+        return {n: w * torch.exp(delta[n]).half().float() for n, w in w_hat.items()}
+
+
+def kd_tune(args, state: dict, params, tunables: list, calib: torch.Tensor, steps: int, batch: int,
+            lr: float) -> None:
+    """Adam on `tunables` for `steps` steps, minimizing KL(source || model with params()) on batches of the
+    calibration tokens (one seeded draw per step): the loop tune_luts and tune_row_scales share."""
     from torch.func import functional_call
 
     teacher = build_model(args, state)
     student = build_model(args, dict(state))
     for p in list(teacher.parameters()) + list(student.parameters()):
         p.requires_grad_(False)
-    delta = {n: torch.zeros(*w.shape[:-1], 1, requires_grad=True) for n, w in w_hat.items()}
-    opt = torch.optim.Adam(delta.values(), lr=lr)
+    opt = torch.optim.Adam(tunables, lr=lr)
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
         b = calib[torch.randint(0, calib.shape[0], (batch,), generator=g)]
         with torch.no_grad():
             tl = torch.log_softmax(teacher(b), -1)
-        params = {n: w * torch.exp(delta[n]) for n, w in w_hat.items()}
-        sl = torch.log_softmax(functional_call(student, params, (b,)), -1)
+        sl = torch.log_softmax(functional_call(student, params(), (b,)), -1)
         loss = (tl.exp() * (tl - sl)).sum(-1).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
         if step % 10 == 0 or step == steps - 1:
             print(f"kd step {step} kl {loss.item():.4f}", flush=True)
-    with torch.no_grad():  # the factor rounded to fp16 (the rounding of the stored product is not modelled)
-        return {n: w * torch.exp(delta[n]).half().float() for n, w in w_hat.items()}
 
 
 def tune_luts(args, state: dict, fitted: dict, m: dict, calib: torch.Tensor, steps: int, batch: int = 2,
@@ -232,14 +239,9 @@ def tune_luts(args, state: dict, fitted: dict, m: dict, calib: torch.Tensor, ste
     """Codebook values tuned end to end (indices fixed) to minimize KL(source || quantized) on the
     calibration tokens, then stored again as int8 entries × fp16 scale; returns the dequantized
     targets. The stored layout and bit count do not change."""
-    from torch.func import functional_call
 
     from moec.formats import bitpack
 
-    teacher = build_model(args, state)
-    student = build_model(args, dict(state))
-    for p in list(teacher.parameters()) + list(student.parameters()):
-        p.requires_grad_(False)
     lut0, idx, delta, shapes = {}, {}, {}, {}
     for n, st in fitted.items():
         W0 = state[n]
@@ -250,24 +252,12 @@ def tune_luts(args, state: dict, fitted: dict, m: dict, calib: torch.Tensor, ste
         delta[n] = torch.zeros_like(lut0[n], requires_grad=True)
         shapes[n] = W0.shape
     rng = {n: lut0[n].abs().amax(-1, keepdim=True) for n in lut0}
-    opt = torch.optim.Adam(delta.values(), lr=lr)
-    g = torch.Generator().manual_seed(0)
 
     def luts():
         return {n: lut0[n] + rng[n] * delta[n] for n in lut0}
 
-    for step in range(steps):
-        b = calib[torch.randint(0, calib.shape[0], (batch,), generator=g)]
-        with torch.no_grad():
-            tl = torch.log_softmax(teacher(b), -1)
-        params = {n: lut.gather(-1, idx[n]).reshape(shapes[n]) for n, lut in luts().items()}
-        sl = torch.log_softmax(functional_call(student, params, (b,)), -1)
-        loss = (tl.exp() * (tl - sl)).sum(-1).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 10 == 0 or step == steps - 1:
-            print(f"kd step {step} kl {loss.item():.4f}", flush=True)
+    kd_tune(args, state, lambda: {n: lut.gather(-1, idx[n]).reshape(shapes[n]) for n, lut in luts().items()},
+            list(delta.values()), calib, steps, batch, lr)
     out = {}
     with torch.no_grad():
         for n, lut in luts().items():

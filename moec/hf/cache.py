@@ -28,7 +28,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -39,6 +38,7 @@ from ..formats import checkpoint
 from ..runtime.config import ModelArgs
 from ..runtime.kvtiered import TieredKVCache
 from ..runtime.loader import kv_cache_factory, kv_section
+from ..runtime.model import sdpa
 
 ATTENTION = "moec"
 _TAG = "_moec_history"  # attribute update() sets on the keys it returns: (cache, layer, s, h)
@@ -168,21 +168,15 @@ def moec_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.
 
 def _attention_with_sinks(query, key, value, attention_mask, scaling, sinks):
     """Attention with a learned logit per query head in the softmax's denominator (gpt-oss's `s_aux`), as its
-    eager attention computes it: SDPA over the keys plus a zero key/value scored by the sink (the mask, a sliding
-    window's included, applies to the real keys) -> ([B, T, H, d], None)."""
-    B, H, T, d = query.shape
-    S = key.shape[2]
+    eager attention computes it (runtime/model.sdpa; the mask, a sliding window's included, applies to the real
+    keys; transformers' float masks are 0 where a key is seen) -> ([B, T, H, d], None)."""
+    T, S = query.shape[2], key.shape[2]
     if attention_mask is None:
         allowed = torch.ones(T, S, dtype=torch.bool, device=query.device).tril(diagonal=S - T)
     else:
         allowed = attention_mask[..., :S]
-    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-    bias = bias.masked_fill(~allowed, float("-inf")) if allowed.dtype == torch.bool else allowed.to(query.dtype)
-    bias = bias.expand(B, H, T, S)
-    bias = torch.cat([bias, sinks.to(query.dtype).view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
-    zero = key.new_zeros(B, key.shape[1], 1, d)
-    out = F.scaled_dot_product_attention(query, torch.cat([key, zero], 2), torch.cat([value, zero], 2),
-                                         attn_mask=bias, scale=scaling, enable_gqa=True)
+        allowed = allowed if allowed.dtype == torch.bool else allowed == 0
+    out = sdpa(query, key, value, allowed, scaling, sinks.view(-1, 1))
     return out.transpose(1, 2).contiguous(), None
 
 

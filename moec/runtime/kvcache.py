@@ -43,11 +43,10 @@ tests/runtime/test_cache_modes.py (its modes must store byte-identical history).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .backend import kernels_enabled
 from .config import ModelArgs
-from .model import windowed_attention
+from .model import sdpa, windowed_attention
 
 MODES = ("dynamic", "static", "simulated")
 SPLIT = 128  # tokens per chunk of the split-K decode attention over the static fp16 cache
@@ -60,24 +59,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_po
     T, S = q.shape[2], k.shape[2]
     mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
     return sdpa(q, k, v, mask, scale, None if sinks is None else sinks.view(-1, 1))
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-         scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA (GQA-aware) with an optional boolean mask, and gpt-oss's sinks: sinks broadcastable to q.shape[:-1]
-    (one logit per query row: [H, 1] for q [B, H, T, d], [K, G] for a step's q viewed [b, K, G, d]) in the
-    softmax's denominator, as a zero key and value scored by it (the weights of the real keys shrink, nothing is
-    added to the output)."""
-    if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True)
-    lead, S = q.shape[:-1], k.shape[-2]
-    bias = torch.zeros((*lead, S), dtype=q.dtype, device=q.device)
-    if attn_mask is not None:
-        bias = bias.masked_fill(~attn_mask, float("-inf"))
-    bias = torch.cat([bias, sinks.to(q.dtype).expand(lead)[..., None]], dim=-1)
-    zk, zv = k.new_zeros(*k.shape[:-2], 1, k.shape[-1]), v.new_zeros(*v.shape[:-2], 1, v.shape[-1])
-    return F.scaled_dot_product_attention(q, torch.cat([k, zk], -2), torch.cat([v, zv], -2), attn_mask=bias,
-                                          scale=scale, enable_gqa=True)
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

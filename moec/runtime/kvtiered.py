@@ -434,7 +434,7 @@ class TieredKVCache(WindowSlots):
     def attend(self, layer: int, q, k, v, start_pos=None, sinks=None) -> torch.Tensor:
         """q: [B, H, T, d]; k, v: [B, K, T, d] at positions start_pos.. (static: one token at `pos`) ->
         [B, H, T, d]. Head_dim rotations wrap every path but the static kernel's, which rotates itself.
-        sinks [H]: gpt-oss's logits in every query's softmax denominator (kvcache.sdpa; the kernels' combine)."""
+        sinks [H]: gpt-oss's logits in every query's softmax denominator (model.sdpa; the kernels' combine)."""
         if self.mode == "static":
             if self.use_kernel:
                 return self._step_kernel(layer, q, k, v, sinks)

@@ -136,6 +136,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return x * cos + rotated * sin
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA (GQA-aware) with an optional boolean mask, and gpt-oss's sinks: sinks broadcastable to q.shape[:-1]
+    (one logit per query row: [H, 1] for q [B, H, T, d], [K, G] for a step's q viewed [b, K, G, d]) in the
+    softmax's denominator, as a zero key and value scored by it (the weights of the real keys shrink, nothing is
+    added to the output)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=True)
+    lead, S = q.shape[:-1], k.shape[-2]
+    bias = torch.zeros((*lead, S), dtype=q.dtype, device=q.device)
+    if attn_mask is not None:
+        bias = bias.masked_fill(~attn_mask, float("-inf"))
+    bias = torch.cat([bias, sinks.to(q.dtype).expand(lead)[..., None]], dim=-1)
+    zk, zv = k.new_zeros(*k.shape[:-2], 1, k.shape[-1]), v.new_zeros(*v.shape[:-2], 1, v.shape[-1])
+    return F.scaled_dot_product_attention(q, torch.cat([k, zk], -2), torch.cat([v, zv], -2), attn_mask=bias,
+                                          scale=scale, enable_gqa=True)
+
+
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_pos: torch.Tensor, window: int = 0,
                        sinks: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of the last T of the keys' positions: q [B, H, T, d] at positions key_pos[-T:], k, v [B, K, S, d]
@@ -148,8 +166,6 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_po
     allowed = key_pos[None, :] <= qp
     if window:
         allowed &= key_pos[None, :] > qp - window  # [T, S]
-    from .kvcache import sdpa  # the runtime's one SDPA with sinks (kvcache imports this module)
-
     return sdpa(q, k, v, allowed, scale, None if sinks is None else sinks.view(-1, 1))
 
 
