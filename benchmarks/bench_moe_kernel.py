@@ -3,7 +3,7 @@
     python3 -m benchmarks.bench_moe_kernel --out benchmarks/results/moe_kernel_h200.json   (~110 s cold)
     python3 -m benchmarks.bench_moe_kernel --out X.json --sweep --budget 95   (+ block sweeps: 122 s cold)
     python3 -m benchmarks.bench_moe_kernel --out /tmp/dry.json --dry          (CPU interpreter, toy shapes)
-    python3 -m benchmarks.bench_moe_kernel --out X.json --quick   (decode batch 1 only: bf16, hls2, vq2, vq3)
+    python3 -m benchmarks.bench_moe_kernel --out X.json --quick   (decode batch 1: bf16, hls2, vq2/3, tcq2/3)
 
 The committed file came from the second command on an H200 (2026-11-30); the JSON is rewritten
 after every record, so a run cut short keeps what it measured.
@@ -13,7 +13,8 @@ MoE layers: Mixtral-8x7B (8 experts, top-2, 4096 -> 14336) and Qwen3-30B-A3B (12
 Decode batches 1 and 16; prefill 2048 tokens. Quantized modes: hls2/hls3 layout (2/3-bit codes, one
 fp16 table per row: `lut`), fp8 e4m3 + fp32 row scales, vq2/vq3 vector codebooks (2 bits x d = 4: 8-bit
 codes, K = 256; 3 bits x d = 2: 6-bit codes, K = 64; fp16 codebook per expert matrix + fp16 row scales,
-kernels/dequant.gemv_vq; decode runs the word-chunk default, `config: {"vq_gather": true}` (codebook
+kernels/dequant.gemv_vq; tcq2/tcq3 trellis codes, runtime/tcq.py, MODE_TCQ with fp32 row scales; decode runs the
+word-chunk default, `config: {"vq_gather": true}` (codebook
 lookups by tl.gather, i.e. shared memory) and `{"words": false}` (byte codes), as separate records).
 hls2 decode runs twice: the default (the PTX prmt lookup with fp16x2 products, kernels/dequant.gemv_prmt)
 and `config: {"prmt": false}` (the previous select-tree / cubic path), as separate records. Peers: the
@@ -50,6 +51,7 @@ from moec.kernels.dequant import (
     MODE_DENSE,
     MODE_FP8,
     MODE_LUT,
+    MODE_TCQ,
     MODE_VQ,
     QWeight,
     use_prmt,
@@ -58,6 +60,7 @@ from moec.kernels.moe_decode import _PRMT_FAILED, moe_decode, moe_decode_ref
 from moec.kernels.moe_prefill import moe_grouped, moe_grouped_ref
 from moec.kernels.qlinear import qlinear, qlinear_ref
 from moec.runtime.experts import lut_poly
+from moec.runtime.tcq import hold_tcq, random_tcq
 from moec.runtime.weightcodecs import random_vq
 
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768)}
@@ -68,7 +71,7 @@ if "--dry" in sys.argv:
     SHAPES = {"toy-a": (4, 2, 64, 96), "toy-b": (8, 4, 64, 32)}
     BATCHES, ATTN, DEV = (1, 3, 40), ((64, 48),), "cpu"
 KINDS = {"hls2": (MODE_LUT, 2), "hls3": (MODE_LUT, 3), "fp8": (MODE_FP8, 8), "bf16": (MODE_DENSE, 16),
-         "vq2": (MODE_VQ, 2), "vq3": (MODE_VQ, 3)}
+         "vq2": (MODE_VQ, 2), "vq3": (MODE_VQ, 3), "tcq2": (MODE_TCQ, 2), "tcq3": (MODE_TCQ, 3)}
 VQ_DIM = {"vq2": 4, "vq3": 2}  # vector length d of the vq kinds
 T0 = time.time()
 
@@ -87,6 +90,9 @@ def make_weight(kind: str, E: int, O: int, n_in: int, gen, group: int = 0) -> QW
     if mode == MODE_FP8:
         w = torch.randn(E, O, n_in, device=DEV, generator=gen, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
         return QWeight(mode, bits, n_in, w, torch.rand(E, O, device=DEV, generator=gen) * 0.01)
+    if mode == MODE_TCQ:  # trellis streams + fp32 row scales (as runtime/tcq.hold_tcq holds them)
+        held = hold_tcq(bits, random_tcq(bits, (E, O, n_in), 0, DEV, gen))
+        return QWeight(mode, bits, n_in, held["codes"], held["scale"])
     if mode == MODE_VQ:  # BITSTREAM codes + fp16 codebook [E, K, d] + fp16 row scales
         st = random_vq(bits, (E, O, n_in), VQ_DIM[kind], DEV, gen)
         return QWeight(mode, bits, n_in, st["codes"], st["codebook"], st["row_scale"])
@@ -188,7 +194,7 @@ def bench_moe(timed, record, a, shape, E, A, D, I, N, L, ws, g):
             record(method="bf16-torch-grouped-mm", ms_median=ms, ms_eager=ms, **base)
         except Exception as ex:  # torch without _grouped_mm, or shapes it refuses
             record(method="bf16-torch-grouped-mm", error=f"{type(ex).__name__}: {str(ex)[:300]}", **base)
-    for kind in [k for k in ("bf16", "hls2", "hls3", "fp8", "vq2", "vq3") if k in KINDS]:
+    for kind in [k for k in ("bf16", "hls2", "hls3", "fp8", "vq2", "vq3", "tcq2", "tcq3") if k in KINDS]:
         act_bytes = sum(nbytes(w, n_active) for w in ws[kind][0])
         variants = []
         if N <= 16:
@@ -273,12 +279,12 @@ def main():
     ap.add_argument("--budget", type=float, default=140.0, help="seconds; sweeps stop when it is spent")
     ap.add_argument("--dry", action="store_true", help="CPU dry run at toy shapes (checks the script, no timings)")
     ap.add_argument("--quick", action="store_true",
-                    help="decode batch 1, bf16, hls2, vq2 and vq3 only (no prefill, attention)")
+                    help="decode batch 1, bf16, hls2, vq2, vq3, tcq2 and tcq3 only (no prefill, attention)")
     a = ap.parse_args()
     global BATCHES, KINDS, ATTN
     if a.quick:
         BATCHES, ATTN = (1,), ()
-        KINDS = {k: v for k, v in KINDS.items() if k in ("hls2", "bf16", "vq2", "vq3")}
+        KINDS = {k: v for k, v in KINDS.items() if k in ("hls2", "bf16", "vq2", "vq3", "tcq2", "tcq3")}
     from moec.cli.common import base_record, write_json_atomic
 
     bw = copy_bandwidth()

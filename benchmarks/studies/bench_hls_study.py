@@ -14,12 +14,12 @@ path (same quantizers, same statistics; `moec calibrate` fits attention projecti
 same q/k/v and o Hessians as `capture` below).
 
 Method spec: `<codec><bits>[:g<group>][:nogptq][:refit<N>][:noact][:had<B>][:L<n>]`, codec in hls, rtn, fp3, hqq,
-fp8 (no bits), vq, tcq (moec/calibrate/trellis.py: `L` its state bits, default 12; `g` its column block, default 64;
-gptq its block LDLQ; `w` its column-weighted block error; `kd<N>` its row scales tuned end to end). `had<B>`:
-incoherence processing (QuIP#, QuaRot; issue 17) simulated exactly: each matrix is fitted in a rotated input basis,
-W' = W Rᵀ with H' = R H Rᵀ, R = blockdiag(Hadamard_B)·diag(±1) / √B (B a power of two, capped at the largest one
-dividing the input dim; random signs seeded per matrix), and W_hat = W'_hat R, which is what a kernel that rotates
-its input (or a neighbouring op that folds R in) would compute.
+fp8 (no bits), vq, tcq (moec/calibrate/tcq.py, the tcq codec's fit: `L` its state bits, default 12; `g` its
+column block, default 64; gptq its block LDLQ; `w` its column-weighted block error; `kd<N>` its row scales tuned
+end to end). `had<B>`: incoherence processing (QuIP#, QuaRot; issue 17) simulated exactly: each matrix is fitted in
+a rotated input basis, W' = W Rᵀ with H' = R H Rᵀ, R = blockdiag(Hadamard_B)·diag(±1) / √B (B a power of two,
+capped at the largest one dividing the input dim; random signs seeded per matrix), and W_hat = W'_hat R, which is
+what a kernel that rotates its input (or a neighbouring op that folds R in) would compute.
 Bits per weight are from the bytes of the stored parts (codes, codebooks, scales)
 over the targeted matrices; HQQ: b + 32/g (its fp16 scale and zero per group).
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from moec.atomic import atomic_file
-from moec.calibrate import hls, trellis, vq
+from moec.calibrate import hls, tcq, vq
 from moec.calibrate.data import load_text, sample_windows
 from moec.calibrate.fit_experts import ExpertFitter
 from moec.calibrate.hessian import ExpertHessians, accumulate_hessian, regularize
@@ -170,10 +170,12 @@ def quantize_all(state: dict, H: dict, names: list[str], m: dict, kd_data=None) 
                                          compute_dtype=torch.float32)
             Wh = Quantizer.dequantize(q, meta).reshape(E, O, I).float()
             nbits += W3.numel() * (m["bits"] + 32 / g)
-        elif m["codec"] == "tcq":  # the trellis study (moec/calibrate/trellis.py); g: its column block
-            Wh, b = trellis.quantize(W3, Hn if m["gptq"] else None, m["bits"], m.get("L", 12), m["group"] or 64,
-                                     weighted=m.get("weighted", False))
-            nbits += W3.numel() * b
+        elif m["codec"] == "tcq":  # the tcq codec's fit (moec/calibrate/tcq.py); g: its block-LDLQ step
+            L = m.get("L", 12)
+            states, scale = tcq.fit(W3, Hn if m["gptq"] else None, m["bits"], L, m["group"] or 64,
+                                    weighted=m.get("weighted", False))
+            Wh = tcq.code_table(L)[states] * scale[..., None]
+            nbits += W3.numel() * m["bits"] + W3.shape[0] * W3.shape[1] * (16 + 32)  # + the lead word, fp16 scale
         elif m["codec"] == "vq":
             stored = vq.quantize_vq(W3, Hn, m["bits"], m["dim"] or 4, rounds=m["refit"])
             Wh = vq.fitted_weight(stored)

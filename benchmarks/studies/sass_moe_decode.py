@@ -1,6 +1,7 @@
-"""SASS instructions per 2-bit code in the fused MoE decode loops, compiled for sm_90 on any machine (no GPU).
+"""SASS instructions per code in the fused MoE decode loops, compiled for sm_90 on any machine (no GPU).
 
-    python3 -m benchmarks.studies.sass_moe_decode    (prmt and the previous cubic path, Mixtral shapes)
+    python3 -m benchmarks.studies.sass_moe_decode    (2-bit prmt and the previous cubic path, Mixtral shapes)
+    python3 -m benchmarks.studies.sass_moe_decode --paths prmt tcq2 tcq3   (the trellis codes, MODE_TCQ)
 
 Triton compiles the kernels for GPUTarget("cuda", 90, 32); nvdisasm (shipped with Triton) disassembles the
 cubin; the count is the instructions between the main loop's label and its backward branch, divided by the
@@ -50,22 +51,31 @@ def inner_loop(sass: str) -> list[str]:
 
 
 def main():
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options; --help says what it does
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--paths", nargs="*", default=["prmt", "cubic"], choices=["prmt", "cubic", "tcq2", "tcq3", "tcq4"])
+    a = ap.parse_args()
     BO, BK, NW = 16, 1024, 8
-    for prmt in (True, False):
+    for path in a.paths:
+        prmt, tcq = path == "prmt", path.startswith("tcq")
         C = 16 if prmt else 32
-        common = dict(A=2, MODE=0, BITS=2, C=C, BPC=4 if prmt else 8, G=1, BO=BO, BKC=BK // C, WORDS=True,
-                      POLY=not prmt, PRMT=prmt)
+        if tcq:  # MODE_TCQ: int32 words, the row scale fp32 [E, O] in a
+            bits = int(path[3:])
+            common = dict(A=2, MODE=6, BITS=bits, C=32, BPC=bits, G=1, BO=BO, BKC=BK // 32, WORDS=False,
+                          POLY=False, PRMT=False, ASM=True)  # the dp4a byte sum the CUDA launch takes
+        else:
+            common = dict(A=2, MODE=0, BITS=2, C=C, BPC=4 if prmt else 8, G=1, BO=BO, BKC=BK // C, WORDS=True,
+                          POLY=not prmt, PRMT=prmt)
+        a_t = "*i32" if prmt else "*fp32" if tcq else "*fp16"
         t = {"x_ptr": "*i32" if prmt else "*fp32", "ids_ptr": "*i32", "wts_ptr": "*fp32",
              "h_ptr": "*fp16" if prmt else "*fp32", "w1_ptr": "*i32", "w3_ptr": "*i32", "b1_ptr": "*fp32",
-             "b3_ptr": "*fp32", "a1_ptr": "*i32" if prmt else "*fp16", "a3_ptr": "*i32" if prmt else "*fp16"}
+             "b3_ptr": "*fp32", "a1_ptr": a_t, "a3_ptr": a_t, "bg_ptr": "*fp32", "bu_ptr": "*fp32"}
         gu = inner_loop(compile_sass(md._gate_up_kernel, t, dict(D=4096, GS=4096, **common), NW))
         t = {"h_ptr": "*i32" if prmt else "*fp32", "ids_ptr": "*i32", "w2_ptr": "*i32",
-             "a2_ptr": "*i32" if prmt else "*fp16", "b2_ptr": "*fp32", "out_ptr": "*fp32"}
+             "a2_ptr": a_t, "b2_ptr": "*fp32", "out_ptr": "*fp32", "wts_ptr": "*fp32", "bd_ptr": "*fp32"}
         dn = inner_loop(compile_sass(md._down_kernel, t, dict(I=14336, PER=7168, SPLIT=2, GS=14336, **common), NW))
         per_thread = BO * BK // (32 * NW)  # codes of one matrix a thread decodes per iteration
-        print(f"{'prmt' if prmt else 'cubic (prmt=False)'}: gate/up {len(gu) / (2 * per_thread):.2f}, "
-              f"down {len(dn) / per_thread:.2f} SASS instructions per code")
+        print(f"{'cubic (prmt=False)' if path == 'cubic' else path}: gate/up {len(gu) / (2 * per_thread):.2f}, "
+              f"down {len(dn) / per_thread:.2f} SASS instructions per code", flush=True)
 
 
 if __name__ == "__main__":

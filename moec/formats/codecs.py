@@ -10,6 +10,8 @@ ROTATION_PART = "had_signs"  # the stored part of a matrix fitted in a rotated b
 VQ_DIMS = (1, 2, 4, 8)  # vq vector lengths (WeightCodec.VQ): powers of two, so a code's inputs stay in one word
 VQ_MAX_WIDTH = 12  # bits per vq code: a codebook of at most 4096 vectors, a code spans at most two bytes
 VQ_WIDTHS = (2, 3, 4, 6, 8, 12)  # code widths bits·d the vq kernels take (kernels/dequant.py MODE_VQ)
+TCQ_STATE_BITS = 12  # bits of a tcq trellis state (WeightCodec.TCQ): a row's window of its bit stream
+TCQ_LEAD_BITS = 32  # the lead word of a tcq row (the first state's other bits, at its top)
 
 
 class WeightCodec(StrEnum):
@@ -47,6 +49,13 @@ class WeightCodec(StrEnum):
         fp32 first (compressed-tensors' `nvfp4-pack-quantized` convention: its weight_global_scale is the
         divisor). moec's fit writes power-of-two global scales, so every weight is exact in bf16.
         Both added within format version 2: a reader that predates them refuses the codec by name.
+    TCQ: trellis-coded (moec/codecs/tcq.py, runtime/tcq.py), k = bits, L = TCQ_STATE_BITS: codes uint8 [E, O,
+        4 · (1 + ceil(k·I / 32))], each row little-endian 32-bit words: word 0 holds the first state's other L − k
+        bits in its top bits (the rest zero), symbol b_t (k bits) at stream bit 32 + k·t, zero padding after the
+        last; row_scale fp16 [E, O]. The state of input t is the L stream bits ending with b_t, [32 + k·(t + 1) − L,
+        32 + k·(t + 1)), and w = row_scale · code(state), code computed from the state (runtime/tcq.code_of: 1MAD,
+        (byte sum of 34038481·s + 76625530 mod 2^32 − 510) / 128). Added within format version 3: a reader that
+        predates it refuses the codec by name.
 
     Any of them may carry one more part, `P.had_signs`, for a matrix fitted with incoherence processing
     (calibrate/recipe.Incoherence): the parts above then store W' = W·R with R = blockdiag(H_b)·diag(s)/√b
@@ -68,6 +77,7 @@ class WeightCodec(StrEnum):
     INTSYM = "intsym"
     MXFP4 = "mxfp4"
     NVFP4 = "nvfp4"
+    TCQ = "tcq"
 
 
 # Which canonical tensors count as "weights" for effective bits: every matrix inside the decoder

@@ -20,6 +20,11 @@ A weight row is a run of chunks along the input dim; each mode says what a chunk
               [E, K = 2^W, d] per matrix and a row scale [E, O], applied by the caller on the accumulated
               row like MODE_FP8's. Codes are extracted with shifts and masks, then each code gathers its d
               codebook entries (the codebook is ≤ 32 KiB and stays in L1/L2).
+  MODE_TCQ    trellis codes (runtime/tcq.py): each row a stream of int32 words, word 0 the lead word, the
+              k-bit symbols after it; the weight at input t is computed from the 12 stream bits ending with
+              its symbol (state s): (byte sum of 34038481·s + 76625530 mod 2^32 − 510) times the row scale
+              fp32 [E, O] (the held scale, already over 128), applied by the caller on the accumulated row like
+              MODE_FP8's. A chunk is 32 inputs = k words, read with the word before it (the states straddle).
 
 Two access patterns:
   `gemv_chunks` (CUDA cores, few tokens): accumulates Σ w·x into a 2-D register tile acc [BO, BK/C]
@@ -43,6 +48,7 @@ Two access patterns:
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -51,7 +57,11 @@ import triton.language as tl
 
 from ..formats.codecs import VQ_DIMS, VQ_WIDTHS
 
-MODE_LUT, MODE_AFFINE, MODE_FP8, MODE_DENSE, MODE_VQ, MODE_FP4 = 0, 1, 2, 3, 4, 5
+MODE_LUT, MODE_AFFINE, MODE_FP8, MODE_DENSE, MODE_VQ, MODE_FP4, MODE_TCQ = 0, 1, 2, 3, 4, 5, 6
+ROW_SCALED = (MODE_FP8, MODE_TCQ)  # the row scale a [E, O] fp32 is applied to the row's sum by the caller
+TCQ_L, TCQ_LEAD = 12, 32  # formats/codecs.py TCQ_STATE_BITS, TCQ_LEAD_BITS
+_TCQ_L, _TCQ_LEAD = tl.constexpr(TCQ_L), tl.constexpr(TCQ_LEAD)  # the same, as the kernels read globals
+_TCQ_MASK = tl.constexpr((1 << TCQ_L) - 1)
 _GROUPED = (MODE_LUT, MODE_AFFINE, MODE_FP4)  # codes + per-group operands [E, O, G, ...]
 
 
@@ -119,6 +129,12 @@ class QWeight(NamedTuple):
                 (self.a.dtype, self.a.shape, E, width)
             assert self.b is not None and self.b.shape == (E, O) and self.b.is_contiguous() \
                 and self.b.dtype in (torch.float16, torch.float32), "b: row scales fp16/fp32 [E, O]"
+        elif self.mode == MODE_TCQ:
+            words = 1 + self.bits * self.n_in // 32  # the lead word and the symbols
+            assert d.dtype == torch.uint8 and self.n_in % 32 == 0 and d.shape[2] == 4 * words, \
+                (d.dtype, d.shape, self.n_in, self.bits)
+            assert self.a.shape == (E, O) and self.a.dtype == torch.float32 and self.a.is_contiguous() \
+                and self.b is None, "a: row scales fp32 [E, O]"
         elif self.mode == MODE_FP8:
             assert d.dtype == torch.float8_e4m3fn and d.shape[2] == self.n_in, (d.dtype, d.shape)
             assert self.a.shape == (E, O) and self.a.dtype == torch.float32 and self.a.is_contiguous()
@@ -126,8 +142,9 @@ class QWeight(NamedTuple):
             assert d.dtype in (torch.bfloat16, torch.float16, torch.float32) and d.shape[2] == self.n_in
 
     def ptrs(self):
-        """(data, a, b) for a launch; unused slots point at `data` (never read)."""
-        return self.data, self.data if self.a is None else self.a, self.data if self.b is None else self.b
+        """(data, a, b) for a launch; unused slots point at `data` (never read). TCQ data as int32 words."""
+        d = self.data.view(torch.int32) if self.mode == MODE_TCQ else self.data
+        return d, d if self.a is None else self.a, d if self.b is None else self.b
 
     def row_stride_a(self) -> int:
         return self.a.stride(1) if self.a is not None and self.mode in _GROUPED else 0
@@ -191,11 +208,18 @@ def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     return N, D, A, E, I
 
 
+def tcq_asm(w: QWeight) -> bool:
+    """MODE_TCQ on CUDA (not the interpreter): the GEMV takes the dp4a byte sum."""
+    return w.mode == MODE_TCQ and w.data.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def codes_per_chunk(mode: int, bits: int) -> tuple[int, int]:
     """(codes per chunk, bytes per chunk) of a packed row (MODE_VQ: vq_static)."""
     assert mode != MODE_VQ, "vq chunks: vq_static"
     if mode in (MODE_FP8, MODE_DENSE):
         return 1, 1
+    if mode == MODE_TCQ:  # 32 inputs: `bits` int32 words (the kernels read the codes as int32)
+        return 32, bits
     return {2: (4, 1), 3: (8, 3), 4: (2, 1), 8: (1, 1)}[bits]  # 8: MODE_AFFINE int8 (codecs/intsym.py)
 
 
@@ -360,12 +384,62 @@ def _group_ptrs(a_ptr, b_ptr, offs_o, stride_ao, k0, G: tl.constexpr, GS: tl.con
 
 
 @triton.jit
+def _tcq_state(v0, v1, v2, v3, v4, s: tl.constexpr, BITS: tl.constexpr):
+    """The 12-bit trellis state of input s (0..31) of a chunk: the stream bits [lo, lo + 12) of the words
+    v0 (the word before the chunk), v1.. (the chunk's BITS words) as uint32, lo = 32 + BITS·(s + 1) − 12."""
+    lo: tl.constexpr = _TCQ_LEAD + BITS * (s + 1) - _TCQ_L
+    a: tl.constexpr = lo // 32
+    off: tl.constexpr = lo % 32
+    if a == 0:
+        w = v0
+        nxt = v1
+    elif a == 1:
+        w = v1
+        nxt = v2
+    elif a == 2:
+        w = v2
+        nxt = v3
+    elif a == 3:
+        w = v3
+        nxt = v4
+    else:  # the chunk's last word (4-bit): no window reaches past it
+        w = v4
+        nxt = v4
+    if off + _TCQ_L <= 32:
+        st = (w >> off) & _TCQ_MASK
+    else:  # the window straddles two words
+        st = ((w >> off) | (nxt << (32 - off))) & _TCQ_MASK
+    return st
+
+
+# The byte sum as one PTX dp4a (four byte products with 1, summed onto 0x4B000000: the fp32 bits of 2^23 + sum,
+# so one FADD of −(2^23 + 510) gives the centred code exactly, without an int-to-float conversion).
+TCQ_DP4A = tl.constexpr("dp4a.u32.u32 $0, $1, 16843009, 1258291200;")
+
+
+@triton.jit
+def _tcq_code(st, ASM: tl.constexpr = False):
+    """(byte sum of 34038481·st + 76625530 mod 2^32) − 510 as fp32 (st uint32): runtime/tcq.code_of times 128.
+    ASM (CUDA): the byte sum by dp4a; else shifts and masks (the interpreter's path; the same value)."""
+    x = st * 34038481 + 76625530
+    if ASM:
+        bits = tl.inline_asm_elementwise(asm=TCQ_DP4A, constraints="=r,r", args=[x], dtype=tl.uint32, is_pure=True,
+                                         pack=1)
+        code = bits.to(tl.float32, bitcast=True) - 8389118.0
+    else:
+        y = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)
+        code = ((y & 0xFFFF) + (y >> 16)).to(tl.float32) - 510.0
+    return code
+
+
+@triton.jit
 def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, n_in,
                 MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
                 G: tl.constexpr, GS: tl.constexpr, BKC: tl.constexpr, VD: tl.constexpr = 1,
-                VQF: tl.constexpr = 0):
+                VQF: tl.constexpr = 0, ASM: tl.constexpr = False):
     """acc [BO, BKC] += w·x over inputs [k0, k0 + BKC·C) of rows offs_o (x: fp32/bf16 vector). MODE_VQ:
-    gemv_vq with a_ptr the codebook (VD, VQF: vq_static), row scales left to the caller."""
+    gemv_vq with a_ptr the codebook (VD, VQF: vq_static), row scales left to the caller. ASM: MODE_TCQ's
+    byte sums by PTX dp4a (CUDA; tcq_asm)."""
     cidx = k0 // C + tl.arange(0, BKC)
     n_chunks = (n_in + C - 1) // C
     if MODE == 4:
@@ -376,6 +450,22 @@ def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stri
         w = tl.load(w_ptr + offs_o[:, None] * stride_wo + cidx[None, :], mask=m, other=0.0).to(tl.float32)
         xs = tl.load(x_ptr + cidx, mask=cidx < n_in, other=0.0).to(tl.float32)
         acc += w * xs[None, :]
+    elif MODE == 6:  # tcq: a chunk is BITS words of 32 symbols (w_ptr int32), read with the word before it
+        m = mask_o[:, None] & (cidx < n_chunks)[None, :]
+        p = w_ptr + offs_o[:, None] * stride_wo + (cidx * BITS)[None, :]
+        v0 = tl.load(p, mask=m, other=0).to(tl.uint32, bitcast=True)  # the previous chunk's last word
+        v1 = tl.load(p + 1, mask=m, other=0).to(tl.uint32, bitcast=True)
+        v2 = tl.load(p + 2, mask=m, other=0).to(tl.uint32, bitcast=True)
+        v3 = v2
+        v4 = v2
+        if BITS >= 3:
+            v3 = tl.load(p + 3, mask=m, other=0).to(tl.uint32, bitcast=True)
+        if BITS == 4:
+            v4 = tl.load(p + 4, mask=m, other=0).to(tl.uint32, bitcast=True)
+        for s in tl.static_range(C):
+            k = cidx * C + s
+            xs = tl.load(x_ptr + k, mask=k < n_in, other=0.0).to(tl.float32)
+            acc += _tcq_code(_tcq_state(v0, v1, v2, v3, v4, s, BITS), ASM) * xs[None, :]
     elif MODE == 5:  # fp4: a byte of two codes per chunk, each chunk's block scale loaded beside it (a tile
         # may span blocks, so the tile width is not bound to the 16/32-input block)
         v = _load_words(w_ptr, offs_o, mask_o, stride_wo, cidx, n_chunks, 1)
@@ -852,6 +942,16 @@ def dequant_tile(w_ptr, a_ptr, b_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, 
         k = k0 + tl.arange(0, BK)
         m = mask_o[:, None] & (k < n_in)[None, :]
         out = tl.load(w_ptr + offs_o[:, None] * stride_wo + k[None, :], mask=m, other=0.0).to(OUT)
+    elif MODE == 6:  # tcq, in natural order: each input reads the two words holding its state (cached)
+        k = k0 + tl.arange(0, BK)
+        m = mask_o[:, None] & (k < n_in)[None, :]
+        lo = _TCQ_LEAD + BITS * (k + 1) - _TCQ_L  # the state's first stream bit
+        p = w_ptr + offs_o[:, None] * stride_wo + (lo // 32)[None, :]
+        w0 = tl.load(p, mask=m, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+        spans = (lo % 32 + _TCQ_L > 32)[None, :]  # the next word only where the state straddles (never past a row)
+        w1 = tl.load(p + 1, mask=m & spans, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+        st = (((w1 << 32) | w0) >> (lo % 32).to(tl.uint64)[None, :]) & _TCQ_MASK
+        out = _tcq_code(st.to(tl.uint32)).to(OUT)
     elif MODE == 5:  # fp4, in natural order: each input reads its byte (cached for its pair) and block scale
         k = k0 + tl.arange(0, BK)
         m = mask_o[:, None] & (k < n_in)[None, :]
@@ -922,6 +1022,14 @@ def dequant_ref(w: QWeight) -> torch.Tensor:
         return w.a.float().gather(1, idx).reshape(E, O, w.n_in) * w.b.float()[..., None]
     if w.mode == MODE_FP8:
         return w.data.float() * w.a.float()[..., None]
+    if w.mode == MODE_TCQ:  # the window of each state, its 1MAD byte sum (runtime/tcq.held_dequantize_tcq: equal)
+        words = w.data.view(torch.int32).long() & 0xFFFFFFFF
+        words = torch.cat([words, torch.zeros_like(words[..., :1])], -1)
+        lo = TCQ_LEAD + w.bits * (torch.arange(w.n_in, device=w.data.device) + 1) - TCQ_L
+        st = ((words[..., lo // 32] | (words[..., lo // 32 + 1] << 32)) >> (lo % 32)) & ((1 << TCQ_L) - 1)
+        x = (34038481 * st + 76625530) & 0xFFFFFFFF
+        total = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        return (total - 510).float() * w.a[..., None]
     E, O, _ = w.data.shape
     G = w.a.shape[2]
     idx = bitpack.unpack(w.data, w.bits, w.n_in).view(E, O, G, w.n_in // G)

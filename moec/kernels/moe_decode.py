@@ -58,6 +58,7 @@ from .dequant import (
     pick_block_k,
     prmt_pairs,
     prmt_tab,
+    tcq_asm,
     use_prmt,
     use_words,
     vq_static,
@@ -87,7 +88,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
                     C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                     BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr, POLY: tl.constexpr,
                     PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0,
-                    HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 7.0):
+                    HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 7.0,
+                    ASM: tl.constexpr = False):
     t = tl.program_id(0)  # token-slot n·A + a
     n = t // A
     e = tl.load(ids_ptr + t).to(tl.int64)
@@ -114,12 +116,14 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
                                        BITS, G, GS, BKC, POLY)
         else:
             acc_g = gemv_chunks(acc_g, w1_ptr + e * stride_we, a1_ptr + e * stride_ae, b1_ptr + e * stride_ae, xr,
-                                offs_o, mask_o, stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BKC, VD, VQF)
+                                offs_o, mask_o, stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BKC, VD, VQF,
+                                ASM)
             acc_u = gemv_chunks(acc_u, w3_ptr + e * stride_we, a3_ptr + e * stride_ae, b3_ptr + e * stride_ae, xr,
-                                offs_o, mask_o, stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BKC, VD, VQF)
+                                offs_o, mask_o, stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BKC, VD, VQF,
+                                ASM)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
-    if MODE == 2:  # fp8: per-row scales commute with the row sum
+    if MODE == 2 or MODE == 6:  # fp8, tcq: per-row scales commute with the row sum
         g *= tl.load(a1_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
         u *= tl.load(a3_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
     if MODE == 4:  # vq: row scales [E, I] (b), likewise after the sum
@@ -145,7 +149,7 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
                  MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
                  G: tl.constexpr, GS: tl.constexpr, BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr,
                  POLY: tl.constexpr, PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0,
-                 HAS_BIAS: tl.constexpr = False):
+                 HAS_BIAS: tl.constexpr = False, ASM: tl.constexpr = False):
     n = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
     mask_o = offs_o < D
@@ -171,9 +175,9 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
             else:
                 acc = gemv_chunks(acc, w2_ptr + e * stride_we, a2_ptr + e * stride_ae, b2_ptr + e * stride_ae,
                                   h_ptr + t * I, offs_o, mask_o, stride_wo, stride_ao, k_start + kk, I,
-                                  MODE, BITS, C, BPC, G, GS, BKC, VD, VQF)
+                                  MODE, BITS, C, BPC, G, GS, BKC, VD, VQF, ASM)
         r = tl.sum(acc, axis=1)
-        if MODE == 2:
+        if MODE == 2 or MODE == 6:
             r *= tl.load(a2_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
         if MODE == 4:
             r *= tl.load(b2_ptr + e * D + offs_o, mask=mask_o, other=0.0).to(tl.float32)
@@ -192,14 +196,14 @@ def _static(w: QWeight, block_k: int, words: bool | None, poly: bool | None = No
     if w.mode == MODE_VQ:  # words=False: the byte-code variant (else word chunks where rows allow)
         st = vq_static(w, block_k, words is not False, vq_gather)
         bk = st.pop("BK")
-        return st | dict(BKC=bk // st["C"], WORDS=False, POLY=False, PRMT=False)
+        return st | dict(BKC=bk // st["C"], WORDS=False, POLY=False, PRMT=False, ASM=False)
     words = use_words(w) if words is None else words and use_words(w)
     poly = words and w.bits == 2 and w.b is not None and poly is not False and not prmt  # tables with cubics
     C, BPC = (16, 4) if prmt else (32, 4 * w.bits) if words else codes_per_chunk(w.mode, w.bits)
     G = w.groups
     bk = pick_block_k(w.n_in, w.tile_group, block_k, C)
     return dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=w.n_in // G, BKC=bk // C, WORDS=words,
-                POLY=poly, PRMT=prmt, VD=1, VQF=0)
+                POLY=poly, PRMT=prmt, VD=1, VQF=0, ASM=tcq_asm(w))
 
 
 _PRMT_FAILED: list[str] = []  # set when the prmt kernels fail to compile here: the auto choice then falls back

@@ -107,7 +107,7 @@ def _gate_up_kernel(x_ptr, sid_ptr, bexp_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3
         w3 = dequant_tile(w3_ptr + e * stride_we, a3_ptr + e * stride_ae, b3_ptr + e * stride_ae, offs_n, mask_n,
                           stride_wo, stride_ao, k0, D, MODE, BITS, C, BPC, G, GS, BK, DOT, VD)
         acc_u = tl.dot(xt, tl.trans(w3), acc_u)
-    if MODE == 2:  # fp8 row scales: one per output column of the tile
+    if MODE == 2 or MODE == 6:  # fp8, tcq row scales: one per output column of the tile
         acc_g *= tl.load(a1_ptr + e * stride_ae + offs_n, mask=mask_n, other=0.0)[None, :]
         acc_u *= tl.load(a3_ptr + e * stride_ae + offs_n, mask=mask_n, other=0.0)[None, :]
     if MODE == 4:  # vq row scales [E, I] (b)
@@ -144,7 +144,7 @@ def _down_kernel(h_ptr, sid_ptr, bexp_ptr, wts_ptr, w2_ptr, a2_ptr, b2_ptr, y_pt
         w2 = dequant_tile(w2_ptr + e * stride_we, a2_ptr + e * stride_ae, b2_ptr + e * stride_ae, offs_n, mask_n,
                           stride_wo, stride_ao, k0, I, MODE, BITS, C, BPC, G, GS, BK, DOT, VD)
         acc = tl.dot(ht, tl.trans(w2), acc)
-    if MODE == 2:
+    if MODE == 2 or MODE == 6:
         acc *= tl.load(a2_ptr + e * stride_ae + offs_n, mask=mask_n, other=0.0)[None, :]
     if MODE == 4:
         acc *= tl.load(b2_ptr + e * D + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]

@@ -27,6 +27,7 @@ from .dequant import (
     dequant_tile,
     gemv_chunks,
     pick_block_k,
+    tcq_asm,
     vq_static,
 )
 from .moe_prefill import dot_dtype
@@ -45,7 +46,7 @@ def _gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, O, stride_xm, stri
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                  C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                  BO: tl.constexpr, BKC: tl.constexpr, UNROLL: tl.constexpr, VD: tl.constexpr = 1,
-                 VQF: tl.constexpr = 0):
+                 VQF: tl.constexpr = 0, ASM: tl.constexpr = False):
     m = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
     mask_o = offs_o < O
@@ -55,9 +56,9 @@ def _gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, O, stride_xm, stri
     for k0 in range(0, K, BKC * C * UNROLL):
         for u in tl.static_range(UNROLL):
             acc = gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr + m * stride_xm, offs_o, mask_o, stride_wo,
-                              stride_ao, k0 + u * BKC * C, K, MODE, BITS, C, BPC, G, GS, BKC, VD, VQF)
+                              stride_ao, k0 + u * BKC * C, K, MODE, BITS, C, BPC, G, GS, BKC, VD, VQF, ASM)
     y = tl.sum(acc, axis=1)
-    if MODE == 2:
+    if MODE == 2 or MODE == 6:
         y *= tl.load(a_ptr + offs_o, mask=mask_o, other=0.0)
     if MODE == 4:  # vq row scales (b)
         y *= tl.load(b_ptr + offs_o, mask=mask_o, other=0.0).to(tl.float32)
@@ -83,7 +84,7 @@ def _gemm_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, M, O, stride_xm, s
         w = dequant_tile(w_ptr, a_ptr, b_ptr, offs_n, mask_n, stride_wo, stride_ao, k0, K,
                          MODE, BITS, C, BPC, G, GS, BK, DOT, VD)
         acc = tl.dot(xt, tl.trans(w), acc)
-    if MODE == 2:
+    if MODE == 2 or MODE == 6:
         acc *= tl.load(a_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if MODE == 4:
         acc *= tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -120,7 +121,7 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
         else:
             C, BPC = codes_per_chunk(w.mode, w.bits)
             G = w.groups
-            st = dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=K // G)
+            st = dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=K // G, ASM=tcq_asm(w))
             bk = pick_block_k(K, w.tile_group, c["block_k"], C)
         unroll = c.get("unroll", 1)
         while unroll > 1 and K % (bk * unroll):

@@ -1,0 +1,144 @@
+"""Trellis-coded quantization of weights (QTIP-style; issue 38): the fit of the tcq weight codec (moec/codecs/tcq.py;
+the trellis, the computed code and the stored stream in runtime/tcq.py) and its end-to-end tunable row scales.
+
+A row is one path through a bitshift trellis of L-bit states (each weight's k-bit symbol enters at the top of the
+state); the fit chooses the path whose codes, times the row's scale, best match the row.
+
+Fitting: Viterbi over the 2^L states (vectorized over rows: for each new state the best of its 2^k predecessors),
+in column blocks of `block` inputs carried from one block's final state to the next; with a Hessian the blocks are
+fitted in order with GPTQ's block update (the error of block j, (X_j − Q_j)·U_jj⁻¹, moved onto the later columns
+through U = chol(H⁻¹), upper), i.e. block LDLQ with the trellis as the block quantizer, each column's squared error
+weighted by the diagonal of the block's loss, U_jj⁻¹·U_jj⁻ᵀ; without one, plain squared error. Each block's path
+is searched over the block and the next `lookahead` columns (their targets before the block's feedback) and kept
+to the block's end: a path cut at the block's end alone would end in the state best for that block only.
+benchmarks/studies/bench_hls_study.py (method `tcq`) measured the choices (block 8, weighted, lookahead 32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.codecs import TCQ_STATE_BITS
+from ..runtime.tcq import CODE_STD, code_of, code_table, pack_states, unpack_states
+
+BLOCK = 8  # inputs per block-LDLQ step (a rule's group_size 0)
+LOOKAHEAD = 32
+# The row scale over rms / CODE_STD the paths are searched at: on Gaussian rows the trellis's squared error is
+# least near 1.0 at 2 bits and near 1.1 at 3 and 4 bits (0.0188 vs 0.0193 of the variance at 3 bits; L = 12)
+SCALE_GAIN = {2: 1.0, 3: 1.1, 4: 1.1}
+
+
+def viterbi(x: torch.Tensor, L: int, k: int, start: torch.Tensor | None, table: torch.Tensor,
+            weight: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, T] (targets in code units) -> states [N, T] int64 of the path of least (column-weighted: weight [T])
+    squared error. start [N]: the state before x[:, 0] (the path continues it), or None (any first state)."""
+    N, T = x.shape
+    S, low = 1 << L, 1 << (L - k)
+    dev = x.device
+    w = torch.ones(T, device=dev) if weight is None else weight
+    err0 = w[0] * (x[:, :1] - table[None]) ** 2
+    if start is None:
+        cost = err0
+    else:  # s_0's low L − k bits are the previous state's top ones
+        allowed = (torch.arange(S, device=dev)[None] & (low - 1)) == (start[:, None] >> k)
+        cost = torch.where(allowed, err0, torch.full((), float("inf"), device=dev))
+    back = torch.empty(T, N, low, dtype=torch.uint8, device=dev)
+    for t in range(1, T):
+        # s's predecessors are p = ((s mod 2^(L−k)) << k) | h: the best over h for each s mod 2^(L−k)
+        best, arg = cost.view(N, low, 1 << k).min(dim=2)
+        back[t] = arg.to(torch.uint8)
+        cost = best.repeat(1, 1 << k) + w[t] * (x[:, t : t + 1] - table[None]) ** 2
+    states = torch.empty(N, T, dtype=torch.int64, device=dev)
+    s = cost.argmin(dim=1)
+    states[:, -1] = s
+    rows = torch.arange(N, device=dev)
+    for t in range(T - 1, 0, -1):
+        q = s & (low - 1)
+        s = (q << k) | back[t][rows, q].long()
+        states[:, t - 1] = s
+    return states
+
+
+def fit(W: torch.Tensor, H: torch.Tensor | None, k: int, L: int = TCQ_STATE_BITS, block: int = BLOCK,
+        lookahead: int = LOOKAHEAD, weighted: bool = True, batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [E, O, I] (H [E, I, I] or None) -> (states [E, O, I] int64, row scales [E, O] fp32 holding fp16 values):
+    W_hat = code(states) · scale. weighted: False fits each block by its plain squared error (the study's
+    ablation)."""
+    E, O, I = W.shape
+    dev = W.device
+    table = code_table(L).to(dev)
+    all_states = torch.empty(E, O, I, dtype=torch.int64, device=dev)
+    scales = torch.empty(E, O, device=dev)
+    for e in range(E):
+        Wf = W[e].float().clone()
+        rms = Wf.pow(2).mean(1, keepdim=True).sqrt()
+        scale = (rms * SCALE_GAIN.get(k, 1.0) / CODE_STD).clamp_min(1e-7).half().float()  # [O, 1]
+        U = None
+        if H is not None:
+            He = H[e].double()
+            damp = 0.01 * He.diagonal().mean()
+            Hinv = torch.cholesky_inverse(torch.linalg.cholesky(He + damp * torch.eye(I, dtype=He.dtype, device=dev)))
+            U = torch.linalg.cholesky(Hinv, upper=True).float()
+        state = None
+        for c0 in range(0, I, block):
+            c1 = min(I, c0 + block)
+            c2 = min(I, c1 + lookahead)
+            X = Wf[:, c0:c2] / scale
+            weight = None
+            if U is not None and weighted:  # the block's loss (X − Q)·U⁻¹·U⁻ᵀ·(X − Q)ᵀ: its diagonal, per column
+                weight = torch.linalg.inv(U[c0:c2, c0:c2]).pow(2).sum(1)
+                weight = weight / weight.mean()
+            finals = []
+            for r0 in range(0, O, batch):
+                st = viterbi(X[r0 : r0 + batch], L, k, None if state is None else state[r0 : r0 + batch], table,
+                             weight)
+                all_states[e, r0 : r0 + batch, c0:c1] = st[:, : c1 - c0]
+                finals.append(st[:, c1 - c0 - 1])
+            state = torch.cat(finals)
+            Qb = table[all_states[e, :, c0:c1]] * scale
+            if U is not None and c1 < I:  # GPTQ's block update: the block's error onto the later columns
+                err = torch.linalg.solve_triangular(U[c0:c1, c0:c1], (Wf[:, c0:c1] - Qb).T, upper=True,
+                                                    left=True).T
+                Wf[:, c1:] -= err @ U[c0:c1, c1:]
+        scales[e] = scale[:, 0]
+    return all_states, scales
+
+
+def quantize_tcq_rule(W: torch.Tensor, H: torch.Tensor | None, rule) -> dict:
+    """The registry's `quantize` hook: stored parts {codes uint8 [E, O, 4 · row words], row_scale fp16 [E, O]}
+    (formats/codecs.py WeightCodec.TCQ). group_size: the block-LDLQ step (0: BLOCK); `gptq: false` fits each row
+    by plain squared error without error feedback."""
+    states, scale = fit(W, H if rule.gptq else None, rule.bits, block=rule.group_size or BLOCK)
+    return {"codes": pack_states(states, rule.bits), "row_scale": scale.half()}
+
+
+class TunedTCQ:
+    """A tcq matrix's tunable values (calibrate/tune.py protocol; the registry's `tune` hook): delta_s [E, O] on the
+    row scales (relative to each), stored back as fp16; the trellis paths stay fixed."""
+
+    def __init__(self, bits: int, shape: tuple, parts: dict, flat: bool, dev: torch.device):
+        E, O, I = shape
+        self.flat = flat
+        parts = {p: v.to(dev)[None] if flat else v.to(dev) for p, v in parts.items()}  # [E, ...]
+        self.code = code_of(unpack_states(parts["codes"], bits, I))  # [E, O, I] fp32
+        self.base_s = parts["row_scale"].float()
+        self.ref_s = self.base_s.abs().clamp_min(1e-12)
+        self.delta_s = torch.zeros_like(self.base_s, requires_grad=True)
+        self.deltas = [self.delta_s]
+
+    def scale(self) -> torch.Tensor:
+        return self.base_s + self.ref_s * self.delta_s
+
+    def weight(self) -> torch.Tensor:
+        """W_hat [E, O, I] (the stored basis: W·R under incoherence)."""
+        return self.code * self.scale()[..., None]
+
+    @torch.no_grad()
+    def round_to_stored(self) -> None:
+        self.delta_s.copy_((self.scale().half().float() - self.base_s) / self.ref_s)
+
+    @torch.no_grad()
+    def stored(self) -> dict[str, torch.Tensor]:
+        sc = self.scale()
+        assert torch.isfinite(sc).all(), "non-finite row scales after tuning"
+        return {"row_scale": (sc.half()[0] if self.flat else sc.half()).cpu().contiguous()}
