@@ -47,7 +47,8 @@ def viterbi(x: torch.Tensor, L: int, k: int, start: torch.Tensor | None, table: 
         # s's predecessors are p = ((s mod 2^(L−k)) << k) | h: the best over h for each s mod 2^(L−k)
         best, arg = cost.view(N, low, 1 << k).min(dim=2)
         back[t] = arg.to(torch.uint8)
-        cost = best.repeat(1, 1 << k) + w[t] * (x[:, t : t + 1] - table[None]) ** 2
+        err = (w[t] * (x[:, t : t + 1] - table[None]) ** 2).view(N, 1 << k, low)  # s = top · 2^(L−k) + low bits
+        cost = (err + best[:, None, :]).view(N, S)
     states = torch.empty(N, T, dtype=torch.int64, device=dev)
     s = cost.argmin(dim=1)
     states[:, -1] = s
