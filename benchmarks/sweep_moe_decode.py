@@ -1,6 +1,6 @@
 """Launch-config sweep of the fused 2-bit MoE decode kernels (issue 16 item 3), one phase at a time.
 
-    python3 -m benchmarks.sweep_moe_decode --out X.json [--budget 240] [--kind hls2|bf16|vq2|vq3]
+    python3 -m benchmarks.sweep_moe_decode --out X.json [--budget 240] [--kind hls2|bf16|vq2|vq3|tcq2|tcq3]
         [--batches 1,16] [--write-config DIR]
 
 For each shape (Mixtral-8x7B, Qwen3-30B-A3B) and batch (1, 16): the whole `moe_decode` (hls2, prmt path)
@@ -37,7 +37,8 @@ GATE_UP_DENSE = [dict(block_o=bo, block_k=bk, num_warps=nw) for bo, bk, nw in
                  itertools.product((8, 16, 32), (256, 512, 1024), (4, 8))]
 DOWN_DENSE = [dict(block_o_down=bo, block_k_down=bk, num_warps_down=nw, split=sp) for bo, bk, nw, sp in
               itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (None, 1))]
-# --kind vq2 / vq3 (vector codebooks: word-chunk codes, a codebook gather per code; bench_moe_kernel.VQ_DIM)
+# --kind vq2 / vq3 (vector codebooks: word-chunk codes, a codebook gather per code; bench_moe_kernel.VQ_DIM) and
+# tcq2 / tcq3 (trellis codes, MODE_TCQ: the same grid; they run the legacy config by default)
 GATE_UP_VQ = [dict(block_o=bo, block_k=bk, num_warps=nw) for bo, bk, nw in
               itertools.product((8, 16, 32), (512, 1024, 2048), (4, 8))]
 DOWN_VQ = [dict(block_o_down=bo, block_k_down=bk, num_warps_down=nw) for bo, bk, nw in
@@ -54,10 +55,12 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget", type=float, default=240.0, help="seconds, shared equally by the 4 (shape, batch)")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--kind", default="hls2", choices=("hls2", "bf16", "vq2", "vq3"))
+    ap.add_argument("--kind", default="hls2", choices=("hls2", "bf16", "vq2", "vq3", "tcq2", "tcq3"))
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--write-config", type=Path, help="write the winner into DIR/<device>.json")
     a = ap.parse_args()
+    if a.write_config and a.kind.startswith("tcq"):
+        raise SystemExit("--write-config: tcq runs the legacy config; it has no config slot of its own yet")
     grids = {"hls2": (("gate_up", GATE_UP), ("down", DOWN)), "bf16": (("gate_up", GATE_UP_DENSE), ("down", DOWN_DENSE))}
     grids = grids.get(a.kind, (("gate_up", GATE_UP_VQ), ("down", DOWN_VQ)))
     batches = [int(b) for b in a.batches.split(",")]

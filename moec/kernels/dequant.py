@@ -62,6 +62,9 @@ ROW_SCALED = (MODE_FP8, MODE_TCQ)  # the row scale a [E, O] fp32 is applied to t
 TCQ_L, TCQ_LEAD = 12, 32  # formats/codecs.py TCQ_STATE_BITS, TCQ_LEAD_BITS
 _TCQ_L, _TCQ_LEAD = tl.constexpr(TCQ_L), tl.constexpr(TCQ_LEAD)  # the same, as the kernels read globals
 _TCQ_MASK = tl.constexpr((1 << TCQ_L) - 1)
+# dequant_tile gathers two int32 words per input of a MODE_TCQ tile: the GEMM launches cap their software
+# pipeline at this many stages (4 stages of 128 x 64 tiles need 320 KiB of shared memory, the H100/H200 have 227)
+TCQ_MAX_STAGES = 2
 _GROUPED = (MODE_LUT, MODE_AFFINE, MODE_FP4)  # codes + per-group operands [E, O, G, ...]
 
 

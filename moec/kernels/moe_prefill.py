@@ -34,7 +34,9 @@ from .dequant import (
     EXPERT_ACT_IDS,
     MODE_DENSE,
     MODE_FP8,
+    MODE_TCQ,
     MODE_VQ,
+    TCQ_MAX_STAGES,
     QWeight,
     check_moe_args,
     codes_per_chunk,
@@ -185,6 +187,8 @@ def _launch(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight, cfg: dict, o
     h = torch.empty(T, I, dtype=torch.bfloat16, device=x.device)
     (d1, a1, b1), (d3, a3, b3), (d2, a2, b2) = w1.ptrs(), w3.ptrs(), w2.ptrs()
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if w1.mode == MODE_TCQ:  # two gathered int32 word tiles per dequant tile: 4 stages of 128 x 64 overflow smem
+        launch["num_stages"] = min(launch["num_stages"], TCQ_MAX_STAGES)
     bg, bu, bd = (weights,) * 3 if biases is None else (b.float().contiguous() for b in biases)
     _gate_up_kernel[(block_expert.numel(), triton.cdiv(I, BN))](
         x, sorted_ids, block_expert, d1, a1, b1, d3, a3, b3, h, bg, bu, T, I, E, x.stride(0),

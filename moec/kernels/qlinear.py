@@ -20,7 +20,9 @@ import triton.language as tl
 
 from . import launch_config
 from .dequant import (
+    MODE_TCQ,
     MODE_VQ,
+    TCQ_MAX_STAGES,
     QWeight,
     codes_per_chunk,
     dequant_ref,
@@ -143,7 +145,8 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
         _gemm_kernel[(triton.cdiv(M, c["block_m"]), triton.cdiv(O, c["block_n"]))](
             x2, d, a, b, bias_arg, y, M, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
             HAS_BIAS=bias is not None, BM=c["block_m"], BN=c["block_n"], BK=bk, DOT=dot_dtype(),
-            num_warps=c["num_warps"], num_stages=c["num_stages"], **st)
+            num_warps=c["num_warps"], num_stages=min(c["num_stages"], TCQ_MAX_STAGES) if w.mode == MODE_TCQ
+            else c["num_stages"], **st)
     return y.view(*lead, O)
 
 
