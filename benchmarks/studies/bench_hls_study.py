@@ -15,11 +15,12 @@ same q/k/v and o Hessians as `capture` below).
 
 Method spec: `<codec><bits>[:g<group>][:nogptq][:refit<N>][:noact][:had<B>][:L<n>]`, codec in hls, rtn, fp3, hqq,
 fp8 (no bits), vq, tcq (moec/calibrate/tcq.py, the tcq codec's fit: `L` its state bits, default 12; `g` its
-column block, default 64; gptq its block LDLQ; `w` its column-weighted block error; `kd<N>` its row scales tuned
-end to end). `had<B>`: incoherence processing (QuIP#, QuaRot; issue 17) simulated exactly: each matrix is fitted in
-a rotated input basis, W' = W Rᵀ with H' = R H Rᵀ, R = blockdiag(Hadamard_B)·diag(±1) / √B (B a power of two,
-capped at the largest one dividing the input dim; random signs seeded per matrix), and W_hat = W'_hat R, which is
-what a kernel that rotates its input (or a neighbouring op that folds R in) would compute.
+column block, default 64; gptq its block LDLQ; `w` its column-weighted block error; `la<N>` its lookahead, default
+32; `kd<N>` its row scales tuned end to end). `had<B>`: incoherence processing (QuIP#, QuaRot; issue 17) simulated
+exactly: each matrix is fitted in a rotated input basis, W' = W Rᵀ with H' = R H Rᵀ, R = blockdiag(Hadamard_B)·
+diag(±1) / √B (B a power of two, capped at the largest one dividing the input dim; random signs seeded per matrix),
+and W_hat = W'_hat R, which is what a kernel that rotates its input (or a neighbouring op that folds R in) would
+compute.
 Bits per weight are from the bytes of the stored parts (codes, codebooks, scales)
 over the targeted matrices; HQQ: b + 32/g (its fp16 scale and zero per group).
 """
@@ -74,6 +75,8 @@ def parse_method(spec: str) -> dict:
             m["L"] = int(o[1:])
         elif o == "w":  # tcq: column-weighted block error
             m["weighted"] = True
+        elif o.startswith("la") and o[2:].isdigit():  # tcq: lookahead columns of each block's path search
+            m["lookahead"] = int(o[2:])
         else:
             raise SystemExit(f"unknown method option {o!r} in {spec!r}")
     return m
@@ -173,7 +176,7 @@ def quantize_all(state: dict, H: dict, names: list[str], m: dict, kd_data=None) 
         elif m["codec"] == "tcq":  # the tcq codec's fit (moec/calibrate/tcq.py); g: its block-LDLQ step
             L = m.get("L", 12)
             states, scale = tcq.fit(W3, Hn if m["gptq"] else None, m["bits"], L, m["group"] or 64,
-                                    weighted=m.get("weighted", False))
+                                    lookahead=m.get("lookahead", tcq.LOOKAHEAD), weighted=m.get("weighted", False))
             Wh = tcq.code_table(L)[states] * scale[..., None]
             nbits += W3.numel() * m["bits"] + W3.shape[0] * W3.shape[1] * (16 + 32)  # + the lead word, fp16 scale
         elif m["codec"] == "vq":
