@@ -58,7 +58,6 @@ import triton.language as tl
 from ..formats.codecs import VQ_DIMS, VQ_WIDTHS
 
 MODE_LUT, MODE_AFFINE, MODE_FP8, MODE_DENSE, MODE_VQ, MODE_FP4, MODE_TCQ = 0, 1, 2, 3, 4, 5, 6
-ROW_SCALED = (MODE_FP8, MODE_TCQ)  # the row scale a [E, O] fp32 is applied to the row's sum by the caller
 TCQ_L, TCQ_LEAD = 12, 32  # formats/codecs.py TCQ_STATE_BITS, TCQ_LEAD_BITS
 _TCQ_L, _TCQ_LEAD = tl.constexpr(TCQ_L), tl.constexpr(TCQ_LEAD)  # the same, as the kernels read globals
 _TCQ_MASK = tl.constexpr((1 << TCQ_L) - 1)

@@ -25,11 +25,16 @@ CODE_CENTRE, CODE_DIV = 510, 128  # code = (byte sum − 510) / 128: a power of 
 CODE_STD = (4 * (256**2 - 1) / 12) ** 0.5 / CODE_DIV  # the sum of four uniform bytes, over 128
 
 
-def code_of(states: torch.Tensor) -> torch.Tensor:
-    """code(s) fp32 for int64 states of any shape (1MAD)."""
+def centred_sum(states: torch.Tensor) -> torch.Tensor:
+    """(byte sum of 34038481·s + 76625530 mod 2^32) − 510, fp32 (exact integers), for int64 states (1MAD)."""
     x = (MAD_A * states + MAD_B) & 0xFFFFFFFF
     total = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
-    return (total - CODE_CENTRE).float() / CODE_DIV
+    return (total - CODE_CENTRE).float()
+
+
+def code_of(states: torch.Tensor) -> torch.Tensor:
+    """code(s) fp32 for int64 states of any shape: the centred byte sum over 128."""
+    return centred_sum(states) / CODE_DIV
 
 
 def code_table(L: int = TCQ_STATE_BITS) -> torch.Tensor:
@@ -88,11 +93,8 @@ def hold_tcq(bits: int, stored: dict) -> dict:
 
 
 def held_dequantize_tcq(bits: int, shape: tuple[int, int, int], held: dict) -> torch.Tensor:
-    E, O, I = shape
-    states = unpack_states(held["codes"], bits, I)
-    x = (MAD_A * states + MAD_B) & 0xFFFFFFFF
-    total = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
-    return (total - CODE_CENTRE).float() * held["scale"][..., None]
+    """centred_sum(state) · (row scale / 128): what the kernels compute, equal to dequantize_tcq bit for bit."""
+    return centred_sum(unpack_states(held["codes"], bits, shape[2])) * held["scale"][..., None]
 
 
 def held_group_tcq(shape, held: dict) -> int:
