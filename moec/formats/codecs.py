@@ -51,11 +51,12 @@ class WeightCodec(StrEnum):
         Both added within format version 2: a reader that predates them refuses the codec by name.
     TCQ: trellis-coded (moec/codecs/tcq.py, runtime/tcq.py), k = bits, L = TCQ_STATE_BITS: codes uint8 [E, O,
         4 · (1 + ceil(k·I / 32))], each row little-endian 32-bit words: word 0 holds the first state's other L − k
-        bits in its top bits (the rest zero), symbol b_t (k bits) at stream bit 32 + k·t, zero padding after the
-        last; row_scale fp16 [E, O]. The state of input t is the L stream bits ending with b_t, [32 + k·(t + 1) − L,
-        32 + k·(t + 1)), and w = row_scale · code(state), code computed from the state (runtime/tcq.code_of: 1MAD,
-        (byte sum of 34038481·s + 76625530 mod 2^32 − 510) / 128). Added within format version 3: a reader that
-        predates it refuses the codec by name.
+        bits in its top bits and the row's fp16 scale in its low 16 bits (the bits between zero), symbol b_t (k bits)
+        at stream bit 32 + k·t, zero padding after the last. The state of input t is the L stream bits ending with
+        b_t, [32 + k·(t + 1) − L, 32 + k·(t + 1)), and w = scale · code(state), code computed from the state
+        (runtime/tcq.code_of: 1MAD, (byte sum of 34038481·s + 76625530 mod 2^32 − 510) / 128). Added within format
+        version 3: a reader that predates it refuses the codec by name. The first tcq packs (stop 50) stored the
+        scale as a part, row_scale fp16 [E, O], with those low bits zero; readers take both.
 
     Any of them may carry one more part, `P.had_signs`, for a matrix fitted with incoherence processing
     (calibrate/recipe.Incoherence): the parts above then store W' = W·R with R = blockdiag(H_b)·diag(s)/√b

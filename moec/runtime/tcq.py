@@ -9,9 +9,12 @@ table (QTIP's "1MAD": x = 34038481·s + 76625530 mod 2^32, the sum of x's four b
 [0, 1020], centred at 510 and divided by 128: exact in fp32 and fp16 arithmetic, standard deviation 1.155).
 
 Stored (formats/codecs.py WeightCodec.TCQ): codes uint8 [E, O, 4 · (1 + ceil(k·I / 32))], each row a stream of
-little-endian 32-bit words: word 0 holds the first state's other L − k bits in its top bits (the rest zero), b_t
-sits at stream bit 32 + k·t, so s_t = stream bits [32 + k·(t + 1) − L, 32 + k·(t + 1)); row_scale fp16 [E, O].
-A kernel reading 32/k weights of one word therefore needs that word and the one before it, nothing else.
+little-endian 32-bit words: word 0 (the lead word) holds the first state's other L − k bits in its top bits and the
+row's fp16 scale in its low 16 bits, b_t sits at stream bit 32 + k·t, so s_t = stream bits [32 + k·(t + 1) − L,
+32 + k·(t + 1)). A kernel reading 32/k weights of one word therefore needs that word and the one before it, nothing
+else; no state reaches below bit 32 − (L − k) ≥ 22 of the lead word, so the scale's bits never enter a state.
+Packs written before the scale moved into the lead word (stop 50) store it as a part, row_scale fp16 [E, O], with
+the lead word's low bits zero: row_scale() reads both.
 """
 
 from __future__ import annotations
@@ -47,13 +50,16 @@ def row_words(n_in: int, bits: int) -> int:
     return 1 + -(-bits * n_in // 32)
 
 
-def pack_states(states: torch.Tensor, bits: int, L: int = TCQ_STATE_BITS) -> torch.Tensor:
-    """states [..., I] int64 (each the previous one shifted down by `bits` with the new symbol on top) -> the
-    stored codes uint8 [..., 4 · row_words]."""
+def pack_states(states: torch.Tensor, bits: int, scale: torch.Tensor | None = None,
+                L: int = TCQ_STATE_BITS) -> torch.Tensor:
+    """states [..., I] int64 (each the previous one shifted down by `bits` with the new symbol on top) and the row
+    scales [...] (fp16 values; None: zero) -> the stored codes uint8 [..., 4 · row_words]."""
     *lead, I = states.shape
     k = bits
     words = torch.zeros(*lead, row_words(I, k), dtype=torch.int64, device=states.device)
     words[..., 0] = (states[..., 0] & ((1 << (L - k)) - 1)) << (TCQ_LEAD_BITS - (L - k))
+    if scale is not None:
+        words[..., 0] |= _fp16_bits(scale)
     sym = states >> (L - k)  # b_t, k bits
     pos = TCQ_LEAD_BITS + k * torch.arange(I, device=states.device)  # stream bit of b_t
     w, off = pos // 32, pos % 32
@@ -79,17 +85,39 @@ def unpack_states(codes: torch.Tensor, bits: int, n_in: int, L: int = TCQ_STATE_
     return (pair >> off) & ((1 << L) - 1)
 
 
+def _fp16_bits(scale: torch.Tensor) -> torch.Tensor:
+    """The fp16 bit patterns of `scale` as int64 in [0, 2^16)."""
+    return scale.to(torch.float16).contiguous().view(torch.int16).long() & 0xFFFF
+
+
+def lead_scale(codes: torch.Tensor) -> torch.Tensor:
+    """The row scales fp16 [...] held in the low 16 bits of each row's lead word (codes uint8 [..., 4 · words])."""
+    return codes[..., :2].contiguous().view(torch.float16)[..., 0]
+
+
+def with_lead_scale(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The codes with each lead word's scale bits replaced by `scale` [...] (fp16 values); the stream as it was."""
+    out = codes.clone()
+    out[..., :2] = scale.to(torch.float16).contiguous()[..., None].view(torch.uint8)
+    return out
+
+
+def row_scale(stored: dict) -> torch.Tensor:
+    """The fp16 row scales [E, O] of stored parts: the lead words', or a stop-50 pack's row_scale part."""
+    return stored["row_scale"] if "row_scale" in stored else lead_scale(stored["codes"])
+
+
 def dequantize_tcq(bits: int, shape: tuple[int, int, int], stored: dict) -> torch.Tensor:
-    """W_hat [E, O, I] fp32 = row_scale · code(s_t) (the reference)."""
+    """W_hat [E, O, I] fp32 = row scale · code(s_t) (the reference)."""
     E, O, I = shape
     states = unpack_states(stored["codes"], bits, I)
-    return code_of(states) * stored["row_scale"].float()[..., None]
+    return code_of(states) * row_scale(stored).float()[..., None]
 
 
 def hold_tcq(bits: int, stored: dict) -> dict:
     """Codes and the fp32 row scale over 128 (exact), so a kernel computes (byte sum − 510) · scale in one
     multiply: bit for bit dequantize_tcq's value."""
-    return {"codes": stored["codes"].contiguous(), "scale": (stored["row_scale"].float() / CODE_DIV).contiguous()}
+    return {"codes": stored["codes"].contiguous(), "scale": (row_scale(stored).float() / CODE_DIV).contiguous()}
 
 
 def held_dequantize_tcq(bits: int, shape: tuple[int, int, int], held: dict) -> torch.Tensor:
@@ -102,14 +130,16 @@ def held_group_tcq(shape, held: dict) -> int:
 
 
 def random_tcq(bits, shape, group_size, device, gen=None):
-    """Random streams (any bits are a valid path), row scale 0.02 / CODE_STD."""
+    """Random streams (any bits are a valid path), row scale 0.02 / CODE_STD (in the lead words)."""
     E, O, I = shape
     codes = torch.randint(0, 256, (E, O, 4 * row_words(I, bits)), dtype=torch.uint8, device=device, generator=gen)
-    codes[..., :4] = 0  # the lead word's low bits stay zero, as pack_states writes them
+    codes[..., :4] = 0  # the lead word's unused bits stay zero, as pack_states writes them
     codes[..., 3] = torch.randint(0, 256, (E, O), dtype=torch.uint8, device=device, generator=gen)
+    codes[..., :2] = torch.full((E, O), 0.02 / CODE_STD, device=device, dtype=torch.float16)[..., None].view(
+        torch.uint8)
     if (bits * I) % 32:  # padding bits past the last symbol stay zero
         used = (bits * I) % 32
         tail = codes[..., -4:].clone().view(torch.int32).long() & ((1 << used) - 1)
         codes[..., -4:] = ((tail[..., None] >> (8 * torch.arange(4, device=device))) & 0xFF).flatten(-2).to(
             torch.uint8)
-    return {"codes": codes, "row_scale": torch.full((E, O), 0.02 / CODE_STD, device=device, dtype=torch.float16)}
+    return {"codes": codes}
