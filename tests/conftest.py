@@ -35,17 +35,20 @@ def _tiny_tokenizer(path):
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory):
     """A 2-layer Mixtral (5 experts, top-2) with random weights and a 300-token BPE tokenizer."""
+    return make_tiny_mixtral(tmp_path_factory.mktemp("tiny-moe"), hidden_size=48, intermediate_size=40,
+                             num_attention_heads=6, num_local_experts=5)
+
+
+def make_tiny_mixtral(path, **config):
+    """A 2-layer top-2 Mixtral with random weights (seed 0, bf16) and the 300-token BPE tokenizer in `path`."""
     import torch
     import transformers as T
 
-    path = tmp_path_factory.mktemp("tiny-moe")
     vocab = _tiny_tokenizer(path)
     torch.manual_seed(0)
-    cfg = T.MixtralConfig(vocab_size=vocab, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
-                          num_attention_heads=6, num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=2,
-                          max_position_embeddings=512)
-    model = T.MixtralForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(path)
+    cfg = T.MixtralConfig(**{"vocab_size": vocab, "num_hidden_layers": 2, "num_key_value_heads": 2,
+                             "num_experts_per_tok": 2, "max_position_embeddings": 512, **config})
+    T.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return path
 
 

@@ -13,9 +13,9 @@ Sensitivity of a matrix at a width (what `sensitivity` picks):
               errors of different matrices are in different units.
 A unit is one stored matrix (`unit: matrix`: one [E, O, I] projection tensor, w1, w2 or w3 of a layer, or
 one attention projection; the stored format holds one bits value per such tensor, so experts of one
-projection share it) or the rule's matrices of one layer together (`unit: layer`: the fused MoE kernels
-take one bits value for w1, w3 and w2 of a layer, so a MoE layer with mixed widths runs the unfused path
-on CUDA).
+projection share it), a layer's w1 and w3 together with w2 alone (`unit: gate_up`: the fused MoE kernels
+take one bits value for the gate/up launch and one for the down launch, so a MoE layer whose w1 and w3
+differ runs the unfused path on CUDA) or the rule's matrices of one layer together (`unit: layer`).
 
 The choice is an exact dynamic program over the Pareto frontier of (bytes, error) of the units taken so
 far (bytes rounded up to `resolution`, so the budget is always met; exact when the resolution is 1).
@@ -86,9 +86,11 @@ def choose(units: Sequence[Sequence[Option]], budget_bytes: int, resolution: int
 
 
 def unit_key(param: str, unit: str) -> str:
-    """The allocation unit of a matrix: itself, or its layer's matrices together."""
+    """The allocation unit of a matrix: itself, its layer's w1 and w3 together, or its layer's matrices together."""
     if unit == "matrix":
         return param
+    if unit == "gate_up":
+        return re.sub(r"\.w3$", ".w1", param)  # w1 and w3 of a layer (experts or dense MLP) share a key
     return f"layers.{_LAYER.search(param).group(1)}"
 
 

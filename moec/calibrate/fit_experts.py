@@ -429,12 +429,11 @@ class ExpertFitter:
                         del self.tensors[k]
                 entry = self._entry(n)
                 entry.update(bits=b, rel_output_error=entry["candidates"][str(b)]["rel_output_error"])
-            mixed = sorted({int(n.split(".")[1]) for n in params if EXPERT_PARAM.search(n)
-                            and len({b for m, b in res["bits"].items() if m.startswith(n.rsplit(".", 1)[0] + ".")})
-                            > 1})
-            if mixed and a.unit == "matrix":
-                log.info("allocate: layers %s hold w1/w3/w2 of different widths; a routed-expert (MoE) layer "
-                         "then runs the unfused path on CUDA (unit: layer keeps one width per layer)", mixed)
+            mixed = sorted({int(n.split(".")[1]) for n in params if EXPERT_PARAM.search(n) and n.endswith(".w1")
+                            and res["bits"].get(n[:-1] + "3", res["bits"][n]) != res["bits"][n]})
+            if mixed:
+                log.info("allocate: layers %s hold w1 and w3 of different widths; a routed-expert (MoE) layer "
+                         "then runs the unfused path on CUDA (unit: gate_up keeps them together)", mixed)
             self.allocation.append({
                 "targets": rule.targets, "codec": rule.codec, "budget": a.budget, "candidates": a.bits,
                 "sensitivity": a.sensitivity, "unit": a.unit, "q_bits": round(res["q_bits"], 6),

@@ -94,15 +94,16 @@ class Allocate:
     sensitivity while the average q_bits over the rule's matrices (stored bytes: codes, codebooks, scales,
     signs) stays ≤ budget. A budget outside what the widths can reach is refused before any fitting.
     sensitivity: output (Σ tr(ΔW H ΔWᵀ), the fit's own output error) or relative (divided by tr(W H Wᵀ)).
-    unit: matrix (each stored [E, O, I] projection / attention matrix alone) or layer (a layer's matrices of
-    this rule share one width: the fused MoE kernels take one width for w1, w3 and w2).
+    unit: matrix (each stored [E, O, I] projection / attention matrix alone), gate_up (a layer's w1 and w3 share
+    one width, w2 has its own: what the fused MoE kernels take, one width for the gate/up launch and one for the
+    down launch) or layer (a layer's matrices of this rule share one width).
     keep_candidates: also write every candidate fit to calib.safetensors (`cand.<bits>.fit.<param>.<part>`),
     so allocate.reallocate can choose again at another budget or sensitivity without refitting."""
 
     budget: float
     bits: list[int] = field(default_factory=lambda: [2, 3, 4])
     sensitivity: Literal["output", "relative"] = "output"
-    unit: Literal["matrix", "layer"] = "matrix"
+    unit: Literal["matrix", "gate_up", "layer"] = "matrix"
     keep_candidates: bool = False
 
     def __post_init__(self):
@@ -146,8 +147,8 @@ class WeightRule:
         if self.allocate is not None:
             if not spec.allocate:
                 takers = ", ".join(n for n, s in weight_codecs().items() if s.allocate)
-                raise UserError(f"weights rule: allocate chooses widths of a LUT codec ({takers}), not "
-                                f"{self.codec!r}")
+                raise UserError(f"weights rule: allocate chooses among the widths of a codec that takes several "
+                                f"({takers}), not {self.codec!r}")
             if bad := [b for b in self.allocate.bits if b not in allowed]:
                 raise UserError(f"weights rule: allocate.bits {bad} not taken by codec {self.codec!r} "
                                 f"(it takes {{{', '.join(map(str, allowed))}}})")

@@ -32,7 +32,7 @@ def tcq_kernel_rule(bits: int, n_in: int, group_size: int) -> str | None:
 _R = "moec.runtime.tcq"
 register_weight(WeightCodecSpec(
     "tcq", bits=(2, 3, 4), quantize="moec.calibrate.tcq:quantize_tcq_rule", dequantize=f"{_R}:dequantize_tcq",
-    random_stored=f"{_R}:random_tcq", check_rule=check_tcq_rule, tune="moec.calibrate.tcq:TunedTCQ",
+    random_stored=f"{_R}:random_tcq", check_rule=check_tcq_rule, tune="moec.calibrate.tcq:TunedTCQ", allocate=True,
     hold=f"{_R}:hold_tcq", held_dequantize=f"{_R}:held_dequantize_tcq", held_group=f"{_R}:held_group_tcq",
     kernel_mode=MODE_TCQ, kernel_parts=("codes", "scale"), kernel_rule=tcq_kernel_rule, rows_concat=True,
     description="trellis-coded (QTIP-style bitshift trellis, computed codes): k bits per weight, an fp16 row scale"))

@@ -36,7 +36,7 @@ def vq_kernel_rule(bits: int, n_in: int, group_size: int) -> str | None:
 _W = "moec.runtime.weightcodecs"
 register_weight(WeightCodecSpec(
     "vq", bits=(2, 3, 4), quantize="moec.calibrate.vq:quantize_vq_rule", dequantize=f"{_W}:dequantize_vq",
-    random_stored=f"{_W}:random_vq", check_rule=check_vq_rule, tune="moec.calibrate.vq:TunedVQ",
+    random_stored=f"{_W}:random_vq", check_rule=check_vq_rule, tune="moec.calibrate.vq:TunedVQ", allocate=True,
     hold=f"{_W}:hold_vq", held_dequantize=f"{_W}:dequantize_vq", held_group=f"{_W}:held_group_vq", kernel_mode=4,
     kernel_parts=("codes", "codebook", "row_scale"), kernel_rule=vq_kernel_rule,
     description="vector codebooks: one code per group_size inputs, a codebook per matrix (GPTVQ-style)"))

@@ -201,7 +201,8 @@ def check_moe_args(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     A = ids.shape[1]
     E, I = w1.data.shape[:2]
     assert ids.shape == weights.shape == (N, A), (ids.shape, weights.shape, N, A)
-    assert w1.mode == w3.mode == w2.mode and w1.bits == w3.bits == w2.bits, "one mode for the three matrices"
+    # one mode for the three; one width for w1 and w3 (one gate/up launch), w2's own (the down launch)
+    assert w1.mode == w3.mode == w2.mode and w1.bits == w3.bits, "one mode for the three matrices, w1/w3 one width"
     assert w1.n_in == w3.n_in == D and w2.n_in == I, (w1.n_in, w2.n_in, D, I)
     w1.check(E, I)
     w3.check(E, I)

@@ -218,8 +218,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                h_rotate=None, vq_gather: bool = False, biases=None, act: str = "silu",
                limit: float = 7.0) -> torch.Tensor:
     """Fused MoE for few tokens. x [N, D]; ids, weights [N, A]; w1, w3 [E, I, D] and w2 [E, D, I] as
-    QWeight (all of one mode). Returns out [N, D] in out_dtype. vq: word chunks by default (codebook
-    gathers through L1), vq_gather=True their tl.gather variant, words=False the byte-code GEMV. prmt
+    QWeight (all of one mode, w1 and w3 of one width). Returns out [N, D] in out_dtype. vq: word chunks by
+    default (codebook gathers through L1), vq_gather=True their tl.gather variant, words=False the byte-code GEMV. prmt
     (default: where it applies, i.e. CUDA 2-bit fp16 tables in the word layout and words not turned off):
     the PTX prmt lookup with fp16x2 products (dequant.gemv_prmt); False: the previous select-tree / cubic
     path. h_rotate: a function applied to the intermediate h [T, I] fp32 between the two launches (the

@@ -187,7 +187,8 @@ def _launch(x, ids, weights, w1: QWeight, w3: QWeight, w2: QWeight, cfg: dict, o
     h = torch.empty(T, I, dtype=torch.bfloat16, device=x.device)
     (d1, a1, b1), (d3, a3, b3), (d2, a2, b2) = w1.ptrs(), w3.ptrs(), w2.ptrs()
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if w1.mode == MODE_TCQ:  # two gathered int32 word tiles per dequant tile: 4 stages of 128 x 64 overflow smem
+    if MODE_TCQ in (w1.mode, w2.mode):  # two gathered int32 word tiles per dequant tile: 4 stages of 128 x 64
+        # overflow shared memory
         launch["num_stages"] = min(launch["num_stages"], TCQ_MAX_STAGES)
     bg, bu, bd = (weights,) * 3 if biases is None else (b.float().contiguous() for b in biases)
     _gate_up_kernel[(block_expert.numel(), triton.cdiv(I, BN))](
@@ -211,9 +212,9 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: Q
                 out_dtype: torch.dtype | None = None, h_rotate=None, biases=None, act: str = "silu",
                 limit: float = 7.0) -> torch.Tensor:
     """Grouped quantized MoE. x [N, D] (bf16/fp16/fp32); ids, weights [N, A]; w1, w3 [E, I, D] and
-    w2 [E, D, I] as QWeight of one mode. Returns out [N, D] in out_dtype (default x.dtype). h_rotate: a
-    function applied to the intermediate h [T, I] between the launches (moe_decode's h_rotate); biases, act,
-    limit: moe_decode's."""
+    w2 [E, D, I] as QWeight of one mode (w1 and w3 of one width). Returns out [N, D] in out_dtype (default
+    x.dtype). h_rotate: a function applied to the intermediate h [T, I] between the launches (moe_decode's
+    h_rotate); biases, act, limit: moe_decode's."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     T = N * A
     configs = launch_config.config("moe_prefill", x.device)
@@ -234,7 +235,7 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: Q
             _WARNED.add("bk16")
             log.warning("grouped MoE: 16-input dequant tiles (D=%d, I=%d) run the torch reference on CUDA", D, I)
         return moe_grouped_ref(x, ids, weights, w1, w3, w2, h_rotate, biases, act, limit).to(out_dtype or x.dtype)
-    key = (w1.mode, w1.bits, D, I, *cfg.values())
+    key = (w1.mode, w1.bits, w2.bits, D, I, *cfg.values())
     if key in _BROKEN:
         cfg = dict(small_cfg)
     try:

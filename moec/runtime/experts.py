@@ -191,7 +191,7 @@ class ExpertWeights(nn.Module):
     def fused_ok(self, x: torch.Tensor) -> bool:
         ws = (self.w1, self.w3, self.w2)
         return (kernels_enabled(x.device) and all(isinstance(w, QuantMatrix) and w.kernel_ok() for w in ws)
-                and len({(w.codec, w.bits) for w in ws}) == 1 and self.shared_x)
+                and len({w.codec for w in ws}) == 1 and self.w1.bits == self.w3.bits and self.shared_x)
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, args=None,
               biases=None) -> torch.Tensor | None:

@@ -73,6 +73,10 @@ def test_allocate_units_and_sensitivities():
     for i in range(3):
         assert len({u["bits"][f"layers.{i}.moe.{p}"] for p in ("w1", "w3", "w2")}) == 1
     assert u["q_bits"] <= 3.0
+    gu = allocate(_cands(errs, energy), 3.0, "gate_up", "output")
+    assert all(gu["bits"][f"layers.{i}.moe.w1"] == gu["bits"][f"layers.{i}.moe.w3"] for i in range(3))
+    assert gu["q_bits"] <= 3.0 and any(gu["bits"][f"layers.{i}.moe.w2"] != gu["bits"][f"layers.{i}.moe.w1"]
+                                       for i in range(3))  # w2 (twice the error here) gets its own width
 
 
 @pytest.mark.parametrize("alloc,message", [
@@ -167,7 +171,7 @@ def test_mixed_widths_pipeline(tiny_moe_dir, tmp_path, unit):
     x = torch.randint(0, model.args.vocab_size, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
-    # the Triton kernels: one width per layer fuses; mixed widths in a layer take the torch path
+    # the Triton kernels: w1 and w3 of one width fuse (w2 may differ); otherwise the torch path
     for i in (0, 1):
         ew = model.layers[i].moe.codec
         h = torch.randn(2, model.args.dim)
@@ -175,7 +179,7 @@ def test_mixed_widths_pipeline(tiny_moe_dir, tmp_path, unit):
         wts = torch.softmax(torch.randn(2, 2), -1)
         with kernels_forced("1"):
             fused = ew.fused(h, wts, ids)
-        if len({bits[f"layers.{i}.moe.{p}"] for p in ("w1", "w2", "w3")}) > 1:
+        if bits[f"layers.{i}.moe.w1"] != bits[f"layers.{i}.moe.w3"]:  # one gate/up launch reads both
             assert fused is None
             continue
         want = sum(wts[:, a, None] * torch.stack([ew.expert(int(ids[n, a]), h[n : n + 1])[0] for n in range(2)])
@@ -225,3 +229,45 @@ def test_expert_parallel_merge_interleaves_candidates():
     tensors, merged = _merge([share([0, 2], [0.0, 0.2]), share([1], [0.1])], 3)
     assert torch.equal(tensors["cand.2.fit.layers.0.moe.w2.codes"], codes)
     assert merged["w2"]["candidates"]["2"]["output_error"] == [0.0, 0.1, 0.2]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe32_dir(tmp_path_factory):
+    """tiny_moe_dir with 64/32 inputs per matrix: whole 32-input chunks, as tcq's kernel rule asks."""
+    from tests.conftest import make_tiny_mixtral
+
+    return make_tiny_mixtral(tmp_path_factory.mktemp("tiny-moe32"), hidden_size=64, intermediate_size=32,
+                             num_attention_heads=4, num_local_experts=4)
+
+
+@pytest.mark.parametrize("codec, group_size", [("tcq", 0), ("vq", 2)])
+def test_allocate_takes_the_computed_and_vector_codecs(tiny_moe32_dir, tmp_path, codec, group_size):
+    """allocate over tcq / vq widths: mixed widths within the budget, and the packed model decodes each matrix at
+    its own width (the torch path equals the source with W = dequant(parts))."""
+    from moec.calibrate.allocate import candidate_bytes
+
+    src = HFCheckpoint(tiny_moe32_dir).state_dict()
+    shapes = {n: tuple(t.shape) for n, t in src.items() if ".moe.w" in n}
+    per = {b: sum(candidate_bytes(codec, b, s, group_size, 0) for s in shapes.values()) for b in (2, 3)}
+    budget = 8.0 * (per[2] + per[3]) / 2 / sum(torch.Size(s).numel() for s in shapes.values())
+    rule = {"targets": ["experts"], "codec": codec, "group_size": group_size, "allocate": {"budget": budget,
+                                                                                          "bits": [2, 3]}}
+    recipe = parse_recipe({"name": "alloc", "weights": [rule],
+                           "calibration": {"expert_policy": "all-experts-for-stats", "min_expert_tokens": 0}})
+    calib, packed = tmp_path / "calib", tmp_path / "packed"
+    report = calibrate(tiny_moe32_dir, "tiny", recipe, "ptb", "valid", 4, 64, 0, calib)
+    bits = report["allocation"][0]["bits"]
+    assert len(bits) == len(shapes) and set(bits.values()) == {2, 3}, bits
+    man = pack(tiny_moe32_dir, "tiny", calib, packed)
+    assert man["effective_bits"]["q_bits"] == pytest.approx(_q_bits(report, tiny_moe32_dir), abs=1e-5)
+    assert _q_bits(report, tiny_moe32_dir) <= budget + 1e-6  # (the report rounds per-matrix q_bits)
+    stored, tensors = _stored(packed), json.loads((packed / "moec.json").read_text())["tensors"]
+    for n, b in bits.items():
+        assert tensors[f"{n}.codes"]["bits"] == b
+        parts = {k.removeprefix(n + "."): v for k, v in stored.items() if k.startswith(n + ".")}
+        src[n] = dequantize(codec, b, tuple(src[n].shape), parts)
+    model, _ = load_model(packed)
+    ref = build_model(model.args, src, dtype=torch.float32)
+    x = torch.randint(0, model.args.vocab_size, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)

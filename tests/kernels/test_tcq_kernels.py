@@ -39,25 +39,28 @@ def test_kernel_reference_is_the_runtime_dequant(bits):
     assert torch.equal(dequant_ref(w), tcq.dequantize_tcq(bits, (2, 5, 64), stored))
 
 
-def _moe(bits, N, A, E, D, I, seed):
+def _moe(bits, N, A, E, D, I, seed, down_bits=None):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, D, generator=g).to(DEVICE)
     ids = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(N)]).to(DEVICE)
     wts = torch.rand(N, A, generator=g).to(DEVICE)
-    return x, ids, wts, tcq_weight(bits, E, I, D, g), tcq_weight(bits, E, I, D, g), tcq_weight(bits, E, D, I, g)
+    return x, ids, wts, tcq_weight(bits, E, I, D, g), tcq_weight(bits, E, I, D, g), \
+        tcq_weight(down_bits or bits, E, D, I, g)
 
 
-@pytest.mark.parametrize("bits,N,A,E,D,I", [(2, 1, 2, 3, 64, 32), (3, 2, 2, 4, 32, 64), (4, 1, 2, 3, 64, 32)])
-def test_moe_decode_tcq(bits, N, A, E, D, I):
-    x, ids, wts, w1, w3, w2 = _moe(bits, N, A, E, D, I, bits + N)
+# (2, 3): w2 of its own width (allocate's unit gate_up), the down launch reads it alone
+@pytest.mark.parametrize("bits,N,A,E,D,I,down", [(2, 1, 2, 3, 64, 32, 2), (3, 2, 2, 4, 32, 64, 3),
+                                                 (4, 1, 2, 3, 64, 32, 4), (2, 1, 2, 3, 64, 32, 3)])
+def test_moe_decode_tcq(bits, N, A, E, D, I, down):
+    x, ids, wts, w1, w3, w2 = _moe(bits, N, A, E, D, I, bits + N, down)
     got = moe_decode(x, ids, wts, w1, w3, w2, block_o=16, block_k=64, block_o_down=16, block_k_down=32)
     want = moe_decode_ref(x, ids, wts, w1, w3, w2)
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item() + 1e-6
 
 
-@pytest.mark.parametrize("bits", [2, 3])
-def test_moe_grouped_tcq(bits):
-    x, ids, wts, w1, w3, w2 = _moe(bits, 5, 2, 3, 64, 32, 7)
+@pytest.mark.parametrize("bits,down", [(2, 2), (3, 3), (3, 2)])
+def test_moe_grouped_tcq(bits, down):
+    x, ids, wts, w1, w3, w2 = _moe(bits, 5, 2, 3, 64, 32, 7, down)
     got = moe_grouped(x, ids, wts, w1, w3, w2, block_m=16, block_n=16, block_k=32, num_warps=4)
     want = moe_grouped_ref(x, ids, wts, w1, w3, w2)
     # h is stored bf16 (and the CUDA dot runs on bf16 operands): ~1e-2 of the output scale
