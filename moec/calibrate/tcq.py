@@ -28,7 +28,10 @@ LOOKAHEAD = 32
 SCALE_GAIN = {2: 1.0, 3: 1.1, 4: 1.1}
 
 
-HISTORY_BYTES = 512 << 20  # the cost history a Viterbi call keeps (rows are searched in chunks under it)
+# The cost history a Viterbi call keeps (rows are searched in chunks under it), and the rows one call of the fit
+# searches: on a GPU wide calls amortize the ~6 kernel launches per input, on a CPU 512 rows already fill the cores
+HISTORY_BYTES = {"cpu": 512 << 20, "cuda": 4 << 30}
+FIT_ROWS = {"cpu": 512, "cuda": 8192}
 
 
 def viterbi(x: torch.Tensor, L: int, k: int, start: torch.Tensor | None, table: torch.Tensor,
@@ -37,7 +40,7 @@ def viterbi(x: torch.Tensor, L: int, k: int, start: torch.Tensor | None, table: 
     squared error. start [N]: the state before x[:, 0] (the path continues it), or None (any first state).
     workspace: a list the caller keeps between calls (the cost history's buffer is reused from it)."""
     N, T = x.shape
-    rows = max(1, HISTORY_BYTES // (T * (4 << L)))
+    rows = max(1, HISTORY_BYTES.get(x.device.type, HISTORY_BYTES["cpu"]) // (T * (4 << L)))
     if N > rows:
         return torch.cat([viterbi(x[r : r + rows], L, k, None if start is None else start[r : r + rows], table,
                                   weight, workspace) for r in range(0, N, rows)])
@@ -78,12 +81,14 @@ def viterbi(x: torch.Tensor, L: int, k: int, start: torch.Tensor | None, table: 
 
 
 def fit(W: torch.Tensor, H: torch.Tensor | None, k: int, L: int = TCQ_STATE_BITS, block: int = BLOCK,
-        lookahead: int = LOOKAHEAD, weighted: bool = True, batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+        lookahead: int = LOOKAHEAD, weighted: bool = True,
+        batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """W [E, O, I] (H [E, I, I] or None) -> (states [E, O, I] int64, row scales [E, O] fp32 holding fp16 values):
     W_hat = code(states) · scale. weighted: False fits each block by its plain squared error (the study's
-    ablation)."""
+    ablation). batch: rows per Viterbi call (None: FIT_ROWS of the device)."""
     E, O, I = W.shape
     dev = W.device
+    batch = batch or FIT_ROWS.get(dev.type, FIT_ROWS["cpu"])
     table = code_table(L).to(dev)
     workspace: list = []
     all_states = torch.empty(E, O, I, dtype=torch.int64, device=dev)

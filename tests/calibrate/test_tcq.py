@@ -48,7 +48,7 @@ def test_viterbi_in_row_chunks_matches_one_search(monkeypatch):
     x = torch.randn(7, 10, generator=torch.Generator().manual_seed(1)) * rt.CODE_STD
     start = torch.arange(7) * 5 % (1 << L)
     whole = tcq.viterbi(x, L, k, start, table)
-    monkeypatch.setattr(tcq, "HISTORY_BYTES", 3 * 10 * (4 << L))  # 3 rows per chunk
+    monkeypatch.setattr(tcq, "HISTORY_BYTES", {"cpu": 3 * 10 * (4 << L)})  # 3 rows per chunk
     assert torch.equal(tcq.viterbi(x, L, k, start, table), whole)
 
 
