@@ -109,6 +109,9 @@ def main() -> None:
                             **({"tune": report["tune"]} if "tune" in report else {})},
             "eval_seconds": round(eval_s, 1), "baseline_eval_seconds": round(base_s, 1), "peer": {},
         }
+        if report.get("allocation"):  # what each matrix got (allocate rules)
+            rec["allocation"] = [{k: x[k] for k in ("budget", "unit", "sensitivity", "q_bits", "bits", "histogram")}
+                                 for x in report["allocation"]]
         if r_ood is not None:
             rec["ood"] = ood_record(ood, r_ood, a.score_from)
         print(json.dumps({k: rec[k] for k in ("recipe", "q_bits", "ppl", "ppl_base", "delta_pct", "kld", "top1")}

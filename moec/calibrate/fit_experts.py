@@ -459,7 +459,7 @@ class ExpertFitter:
         self.tune_report = tune_codebooks(args, state, self.tensors, codecs, tokens, cal.tune_steps, cal.tune_lr,
                                           cal.tune_batch, seed, device, holdout=cal.tune_holdout,
                                           eval_every=cal.tune_eval_every, patience=cal.tune_patience,
-                                          lr_drops=cal.tune_lr_drops)
+                                          lr_drops=cal.tune_lr_drops, norms=cal.tune_norms)
         self.tune_report["seconds"] = round(time.time() - t0, 2)
 
 

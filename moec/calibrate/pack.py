@@ -25,6 +25,7 @@ from .fit_experts import HEAD, check_kernel_rules
 from .pack_kv import encode_kv_tensors
 from .recipe import Recipe, load_recipe
 from .sources import TOKENIZER_FILES
+from .tune import TUNED
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -58,6 +59,10 @@ def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe, fitted: dict[
         rule = recipe.rule_for(name, ffn_kinds)
         spec = weight_codec(rule.codec) if rule else default_weight()
         codec = spec.name
+        if spec.identity and f"{TUNED}{name}" in fitted:  # a norm gain tuned end to end (tune.py), fp32
+            tensors[name] = fitted[f"{TUNED}{name}"]
+            info[name] = {"codec": codec, "bits": 32, "param": name, "tuned": True}
+            continue
         if spec.identity:  # exactly as the source stores it, dtype included: bit-exact and never larger
             tensors[name] = t
             info[name] = {"codec": codec, "bits": 8 * t.element_size(), "param": name}
@@ -151,13 +156,19 @@ def _meta_file(path: str) -> dict[str, torch.Tensor]:
 def _source_loader(ckpt: HFCheckpoint, names: set[str], calib_file: str):
     """load(stored name) for write_packed: a source tensor (`names`: the canonical ones; its decoder layer
     read once and kept until the next one is asked for, as shards take tensors in state_dict order, the
-    global tensors likewise) or a fitted part (`<param>.<part>`, `fit.<param>.<part>` in calib)."""
+    global tensors likewise), a fitted part (`<param>.<part>`, `fit.<param>.<part>` in calib) or a tuned norm
+    gain (`tuned.<name>` in calib, stored under the source's name)."""
     held: dict = {"key": None, "sd": {}}
+    with safe_open(calib_file, "pt") as f:
+        tuned = {k.removeprefix(TUNED) for k in f.keys() if k.startswith(TUNED)}
 
     def load(name: str) -> torch.Tensor:
         if name not in names:
             with safe_open(calib_file, "pt") as f:
                 return f.get_tensor(f"fit.{name}")
+        if name in tuned:
+            with safe_open(calib_file, "pt") as f:
+                return f.get_tensor(f"{TUNED}{name}")
         m = _LAYER.match(name)
         key = int(m.group(1)) if m else "global"
         if held["key"] != key:

@@ -26,6 +26,7 @@
       tune_eval_every: 10     # steps between held-back evaluations
       tune_patience: 0        # > 0: stop after this many evaluations without improvement
       tune_lr_drops: 0        # plateau restarts from the best state at lr / 3 before stopping
+      tune_norms: false       # also tune the norm gains (packed in place of the source's)
 
 The resolved recipe (every default filled in) is written beside every output (`recipe.yaml`). An
 empty recipe is an error (the identity recipe is moec/recipes/fp16.yaml, `--recipe fp16`); YAML errors
@@ -202,6 +203,9 @@ class CalibrationConfig:
     tune_eval_every: int = 10
     tune_patience: int = 0  # 0: run every step, still keep the held-back best
     tune_lr_drops: int = 0
+    # the model's norm gains (every `*norm.weight` the recipe keeps) tuned with the codebooks, the one fp
+    # parameter per input channel in front of each quantized matmul; packed in place of the source's (fp32)
+    tune_norms: bool = False
 
     def __post_init__(self):
         if self.samples < 0 or self.seq_len < 0 or self.seq_len == 1:
@@ -219,6 +223,8 @@ class CalibrationConfig:
         if (self.tune_patience or self.tune_lr_drops) and not self.tune_holdout:
             raise UserError("calibration: tune_patience and tune_lr_drops act on the held-back KL: set tune_holdout "
                             "(e.g. 0.25)")
+        if self.tune_norms and not self.tune_steps:
+            raise UserError("calibration: tune_norms tunes the norm gains with the codebooks: set tune_steps")
         if self.tune_lr_drops and not self.tune_patience:
             raise UserError("calibration: tune_lr_drops restarts on a plateau of tune_patience evaluations: set "
                             "tune_patience")

@@ -10,6 +10,11 @@ PV-tuning, restricted to codebooks and scales so the stored layout and the bit c
 Steps are parameterized relative to each codebook's largest magnitude (each scale's magnitude), so
 one learning rate serves matrices of any scale. Runs on the calibration device.
 
+With `tune_norms` the model's norm gains (`*norm.weight`, kept unquantized) are tuned too, additive steps
+relative to each gain vector's rms: in front of a quantized matmul a norm gain is a per-input-channel scale of
+it, the one such degree of freedom that costs no stored bit (the tuned gains replace the source's in the pack,
+`tuned.<name>` in calib.safetensors, fp32). QuIP# and AQLM fine-tune the unquantized parameters likewise.
+
 Held-back windows (`tune_holdout`): a seeded share of the calibration sequences is not trained on; the
 KL on them is measured before the first step and every `tune_eval_every` steps, the state with the
 lowest held-back KL is kept, and tuning stops after `tune_patience` evaluations without improvement
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +44,8 @@ from ..runtime.model import build_model
 log = logging.getLogger(__name__)
 
 LR_DROP = 1 / 3  # the learning rate after each plateau restart (tune_lr_drops)
+NORM_GAIN = re.compile(r"(^|\.)[a-z_]*norm\.weight$")  # attn_norm, ffn_norm, the final norm, q/k norms, MLA's
+TUNED = "tuned."  # calib.safetensors prefix of a kept tensor's tuned value (calibrate/pack.py stores it instead)
 
 
 def holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,13 +63,14 @@ def holdout_split(n: int, holdout: float, seed: int) -> tuple[torch.Tensor, torc
 def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict[str, torch.Tensor],
                    codecs: dict[str, tuple[str, int]], tokens: torch.Tensor, steps: int, lr: float, batch: int,
                    seed: int, device: str = "cpu", holdout: float = 0.0, eval_every: int = 10, patience: int = 0,
-                   lr_drops: int = 0) -> dict:
+                   lr_drops: int = 0, norms: bool = False) -> dict:
     """Tune the fitted parameters in `fitted` (`fit.<param>.<part>`, replaced in place).
 
     state: source model tensors (canonical names); codecs: (codec, bits) of each tuned param (a 2-D
     param, an attention projection, stores its parts without the E axis); tokens [N, L] calibration
     sequences. Without `holdout` every sequence is tuned on for `steps` steps and the last state is
-    kept; with it, see the module docstring. Returns the report (provenance of the calibration)."""
+    kept; with it, see the module docstring. norms: the norm gains tuned too, written to `fitted` as
+    `tuned.<name>` fp32. Returns the report (provenance of the calibration)."""
     dev = torch.device(device)
     st = {k: v.to(dev, torch.float32) for k, v in state.items()}
     teacher = build_model(args, st)
@@ -80,10 +89,12 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
     # incoherence: the codebooks reconstruct W·R (fit_experts.rotation_signs); the model needs W = (W·R)·Rᵀ
     signs = {n: _signs(fitted, n, state[n].shape[-1]).to(dev) for n in params
              if f"fit.{n}.{ROTATION_PART}" in fitted}
+    gains = {n: _Gain(st[n]) for n in st if norms and NORM_GAIN.search(n) and st[n].dim() == 1}
 
     def weights() -> dict[str, torch.Tensor]:
         w = {n: p.weight().reshape(state[n].shape) for n, p in params.items()}
-        return {n: x if n not in signs else rotate(x, signs[n], inverse=True) for n, x in w.items()}
+        return {n: x if n not in signs else rotate(x, signs[n], inverse=True) for n, x in w.items()} | \
+            {n: g.value() for n, g in gains.items()}
 
     def kl(b: torch.Tensor, w: dict) -> torch.Tensor:
         """Mean per-token KL(p_source || p_quantized) over the sequences b [n, L]."""
@@ -102,7 +113,7 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
         return sum(kl(hold_tokens[i : i + batch], w).item() * len(hold_tokens[i : i + batch])
                    for i in range(0, len(hold_tokens), batch)) / len(hold_tokens)
 
-    deltas = [d for p in params.values() for d in p.deltas]
+    deltas = [d for p in params.values() for d in p.deltas] + [g.delta for g in gains.values()]
     opt = torch.optim.Adam(deltas, lr=lr)
     g = torch.Generator().manual_seed(seed)
     kls: list[float] = []
@@ -148,12 +159,13 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
     for n, p in params.items():
         fitted.update({f"fit.{n}.{part}": t for part, t in p.stored().items()})
         p.round_to_stored()
+    fitted.update({f"{TUNED}{n}": g.value().detach().cpu().contiguous() for n, g in gains.items()})
     # the held-back KL of what is stored: hls entries round to int8 steps of 1/127 of the group's largest,
     # which can undo moves smaller than that
     kl_stored = held_back_kl() if len(hold_tokens) else None
     k = max(1, min(10, len(kls) // 5))  # batch KL averaged over the first and the last k steps
     report = {"steps": steps, "steps_run": step, "lr": lr, "batch": batch,
-              "codecs": sorted({c for c, _ in codecs.values()}),
+              "codecs": sorted({c for c, _ in codecs.values()}), "norms": sorted(gains),
               "kl_fit_first": _mean(kls[:k]), "kl_fit_last": _mean(kls[-k:])}
     if len(hold_tokens):
         report |= {"holdout": holdout, "holdout_sequences": hold_ix.tolist(), "fit_sequences": len(fit_ix),
@@ -162,6 +174,18 @@ def tune_codebooks(args: ModelArgs, state: dict[str, torch.Tensor], fitted: dict
                    "kl_holdout_best": best, "kl_holdout_stored": kl_stored,
                    "kl_holdout_history": [[s, float(f"{v:.6g}")] for s, v in history]}
     return report
+
+
+class _Gain:
+    """A norm gain g0 [D] tuned as g0 + rms(g0)·delta (fp32 throughout)."""
+
+    def __init__(self, g0: torch.Tensor):
+        self.g0 = g0.detach().float()
+        self.ref = self.g0.pow(2).mean().sqrt().clamp_min(1e-6)
+        self.delta = torch.zeros_like(self.g0, requires_grad=True)
+
+    def value(self) -> torch.Tensor:
+        return self.g0 + self.ref * self.delta
 
 
 def _signs(fitted: dict[str, torch.Tensor], name: str, n_in: int) -> torch.Tensor:

@@ -135,6 +135,7 @@ def test_tuning_lowers_held_back_kl_and_tunes_fp3_scales(tiny_moe_dir):
     ({"tune_steps": 10, "tune_patience": 3}, "set tune_holdout"),
     ({"tune_steps": 10, "tune_holdout": 0.25, "tune_lr_drops": 1}, "set tune_patience"),
     ({"tune_steps": 10, "tune_holdout": 0.25, "tune_eval_every": 0}, "tune_eval_every must be >= 1"),
+    ({"tune_norms": True}, "set tune_steps"),
 ])
 def test_bad_tune_options(cal, message):
     with pytest.raises(UserError, match=message):
@@ -155,6 +156,59 @@ def test_bad_holdout_is_a_one_line_error(tiny_moe_dir, tmp_path):
         last = r.stderr.strip().splitlines()[-1]  # after the "calibrating ..." log line
         assert "Traceback" not in r.stderr and last.startswith("moec: error: ") and message in last, r.stderr
         assert not (tmp_path / f"c{i}").exists()
+
+
+def test_tuned_norm_gains_are_packed_in_place_of_the_source(tiny_moe_dir, tmp_path):
+    """calibration.tune_norms: the norm gains are tuned with the codebooks (the held-back KL falls), and the pack
+    stores them (fp32, marked tuned) where the source's were: the loaded model is the source
+    with the dequantized experts and the tuned gains."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from moec.calibrate.pack import pack
+    from moec.calibrate.run import calibrate
+    from moec.runtime.loader import load_model
+
+    args, state, fitted, codecs = _fitted(tiny_moe_dir)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, args.vocab_size, (1, 32), generator=g).expand(6, 32).clone()
+    tokens[:, 16:] = torch.randint(0, args.vocab_size, (6, 16), generator=g)
+    reps = {}
+    for norms in (False, True):
+        f = dict(fitted)
+        reps[norms] = tune_codebooks(args, state, f, codecs, tokens, steps=10, lr=0.02, batch=2, seed=0,
+                                     holdout=0.34, eval_every=5, norms=norms)
+    assert reps[True]["norms"] == sorted(n for n in state if n.endswith("norm.weight")) and not reps[False]["norms"]
+    assert reps[True]["kl_holdout_best"] < reps[True]["kl_holdout_first"], reps[True]
+
+    recipe = parse_recipe({"name": "tn", "weights": [{"targets": ["experts"], "codec": "hls", "bits": 2}],
+                           "calibration": {"tune_steps": 6, "tune_lr": 0.02, "tune_norms": True,
+                                           "expert_policy": "all-experts-for-stats", "min_expert_tokens": 0}})
+    calib, packed = tmp_path / "calib", tmp_path / "packed"
+    report = calibrate(tiny_moe_dir, "tiny", recipe, "ptb", "valid", 4, 32, 0, calib)
+    assert report["tune"]["norms"]
+    tuned = {k.removeprefix("tuned."): v for k, v in load_file(str(calib / "calib.safetensors")).items()
+             if k.startswith("tuned.")}
+    assert set(tuned) == set(report["tune"]["norms"])
+    src = HFCheckpoint(tiny_moe_dir).state_dict()
+    assert any(not torch.equal(v, src[n].float()) for n, v in tuned.items())  # they moved
+    pack(tiny_moe_dir, "tiny", calib, packed)
+    entries = json.loads((packed / "moec.json").read_text())["tensors"]
+    stored = {}
+    for f in packed.glob("model-*.safetensors"):
+        stored.update(load_file(str(f)))
+    for n, v in tuned.items():
+        assert entries[n]["tuned"] and entries[n]["dtype"] in ("float32", "F32") and torch.equal(stored[n], v)
+    ref_state = dict(src) | tuned
+    for n in [n for n in src if n.endswith(("moe.w1", "moe.w2", "moe.w3"))]:
+        parts = {k.removeprefix(n + "."): v for k, v in stored.items() if k.startswith(n + ".")}
+        ref_state[n] = dequantize("hls", 2, tuple(src[n].shape), parts)
+    model, _ = load_model(packed)
+    x = torch.randint(0, args.vocab_size, (2, 16))
+    with torch.no_grad():
+        want = build_model(args, {k: v.float() for k, v in ref_state.items()})(x)
+        torch.testing.assert_close(model(x).float(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_kjv_out_of_domain_scoring(tiny_moe_dir):
