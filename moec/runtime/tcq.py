@@ -58,8 +58,6 @@ def pack_states(states: torch.Tensor, bits: int, scale: torch.Tensor | None = No
     k = bits
     words = torch.zeros(*lead, row_words(I, k), dtype=torch.int64, device=states.device)
     words[..., 0] = (states[..., 0] & ((1 << (L - k)) - 1)) << (TCQ_LEAD_BITS - (L - k))
-    if scale is not None:
-        words[..., 0] |= _fp16_bits(scale)
     sym = states >> (L - k)  # b_t, k bits
     pos = TCQ_LEAD_BITS + k * torch.arange(I, device=states.device)  # stream bit of b_t
     w, off = pos // 32, pos % 32
@@ -69,8 +67,8 @@ def pack_states(states: torch.Tensor, bits: int, scale: torch.Tensor | None = No
     if spill.any():
         hi = torch.where(spill, sym >> (32 - off), torch.zeros_like(sym))
         words.scatter_add_(-1, (w + 1).clamp_max(words.shape[-1] - 1).expand_as(sym), hi)
-    b = (words[..., None] >> (8 * torch.arange(4, device=states.device))) & 0xFF
-    return b.flatten(-2).to(torch.uint8)
+    b = ((words[..., None] >> (8 * torch.arange(4, device=states.device))) & 0xFF).flatten(-2).to(torch.uint8)
+    return b if scale is None else with_lead_scale(b, scale)
 
 
 def unpack_states(codes: torch.Tensor, bits: int, n_in: int, L: int = TCQ_STATE_BITS) -> torch.Tensor:
@@ -83,11 +81,6 @@ def unpack_states(codes: torch.Tensor, bits: int, n_in: int, L: int = TCQ_STATE_
     w, off = start // 32, start % 32
     pair = words[..., w] | (words[..., w + 1] << 32)  # the 64 bits holding the window
     return (pair >> off) & ((1 << L) - 1)
-
-
-def _fp16_bits(scale: torch.Tensor) -> torch.Tensor:
-    """The fp16 bit patterns of `scale` as int64 in [0, 2^16)."""
-    return scale.to(torch.float16).contiguous().view(torch.int16).long() & 0xFFFF
 
 
 def lead_scale(codes: torch.Tensor) -> torch.Tensor:
@@ -135,8 +128,7 @@ def random_tcq(bits, shape, group_size, device, gen=None):
     codes = torch.randint(0, 256, (E, O, 4 * row_words(I, bits)), dtype=torch.uint8, device=device, generator=gen)
     codes[..., :4] = 0  # the lead word's unused bits stay zero, as pack_states writes them
     codes[..., 3] = torch.randint(0, 256, (E, O), dtype=torch.uint8, device=device, generator=gen)
-    codes[..., :2] = torch.full((E, O), 0.02 / CODE_STD, device=device, dtype=torch.float16)[..., None].view(
-        torch.uint8)
+    codes = with_lead_scale(codes, torch.full((E, O), 0.02 / CODE_STD, device=device))
     if (bits * I) % 32:  # padding bits past the last symbol stay zero
         used = (bits * I) % 32
         tail = codes[..., -4:].clone().view(torch.int32).long() & ((1 << used) - 1)
