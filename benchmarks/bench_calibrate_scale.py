@@ -11,18 +11,18 @@ recipe's expert fits (ExpertHessians → ExpertFitter.on_layer), expert parallel
     OMP_NUM_THREADS=1 python3 -m benchmarks.bench_calibrate_scale --mid --device cpu --layers 1 --samples 8 \
         --seq-len 256 --trace          # CPU memory timeline: peak live tensor bytes per phase, what is alive
 
-Record fields: shape, recipe, gpus (processes), layers, samples, seq_len, wall_s (the layer loop, fits
-included), tokens_per_s (samples × seq_len × layers / wall_s), peak_gpu_gb (torch.cuda.max_memory_allocated
-of rank 0), one_layer_plus_act_gb (from the shapes, per rank: one layer's fp32 weights on the device, the
-hidden states, and rank 0's share of the statistics: E/world expert Hessians of D² + I² fp32, plus the
-all-token H1 (D²) and H2 of its experts under all-experts-for-stats: 8 × 14336² fp32 alone is 6.6 GB),
-peak_host_gb (ru_maxrss of rank 0), extrapolated_model_wall_s (wall_s per layer × the shape's model_layers),
-peak_ratio (the peak over one_layer_plus_act_gb: the GPU's allocator
-peak, or with --trace the peak of live CPU tensor bytes), offload_activations (--offload-activations: the
-bound then counts one batch of hidden states), memory_fraction (--memory-fraction: usable GPU memory capped
-at that many times one_layer_plus_act_gb), trace (--trace: peak per phase and the largest tensors alive at
-the peak). Results are for random weights: routing is near uniform, which is the costly case for
-per-expert statistics.
+Record fields: shape, recipe, gpus (processes), layers, samples, seq_len, wall_s (the layer loop, fits included),
+fit_s (the expert fits alone), extrapolated_layer_fit_s (fit_s per layer and expert × the shape's expert count:
+with --experts N fewer than the shape's), tokens_per_s (samples × seq_len × layers / wall_s), peak_gpu_gb
+(torch.cuda.max_memory_allocated of rank 0), one_layer_plus_act_gb (from the shapes, per rank: one layer's fp32
+weights on the device, the hidden states, and rank 0's share of the statistics: E/world expert Hessians of D² + I²
+fp32, plus the all-token H1 (D²) and H2 of its experts under all-experts-for-stats: 8 × 14336² fp32 alone is 6.6
+GB), peak_host_gb (ru_maxrss of rank 0), extrapolated_model_wall_s (wall_s per layer × the shape's model_layers),
+peak_ratio (the peak over one_layer_plus_act_gb: the GPU's allocator peak, or with --trace the peak of live CPU
+tensor bytes), offload_activations (--offload-activations: the bound then counts one batch of hidden states),
+memory_fraction (--memory-fraction: usable GPU memory capped at that many times one_layer_plus_act_gb), trace
+(--trace: peak per phase and the largest tensors alive at the peak). Results are for random weights: routing is
+near uniform, which is the costly case for per-expert statistics.
 """
 
 from __future__ import annotations
@@ -190,6 +190,9 @@ def main() -> None:
     ap.add_argument("--mid", action="store_true", help="dim 1024, expert_dim 3584 (CPU memory timelines)")
     ap.add_argument("--dim", type=int, default=None, help="override the shape's hidden size")
     ap.add_argument("--expert-dim", type=int, default=None, help="override the shape's expert width")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="override the shape's expert count (a slow per-expert fit timed on fewer experts: the fits "
+                         "loop over experts of one shape, so the record extrapolates the layer's fit time)")
     ap.add_argument("--trace", action="store_true",
                     help="track live tensor bytes per phase (LiveTensors below; slow, meant for the CPU)")
     ap.add_argument("--offload-activations", action="store_true",
@@ -202,7 +205,8 @@ def main() -> None:
     if a.dry:
         a.device, a.samples, a.seq_len, a.layers = "cpu", 4, 64, min(a.layers, 2)
     size = dict(TOY if a.dry else MID if a.mid else {})
-    size.update({k: v for k, v in (("dim", a.dim), ("expert_dim", a.expert_dim)) if v is not None})
+    size.update({k: v for k, v in (("dim", a.dim), ("expert_dim", a.expert_dim), ("n_experts", a.experts))
+                 if v is not None})
     args = dataclasses.replace(PRESETS[a.shape], n_layers=a.layers, ffn_kinds=[], **size)
     recipe = load_recipe(a.recipe)
     cal = recipe.calibration
@@ -243,10 +247,14 @@ def main() -> None:
     assert len(fitter.report) == a.layers and all(f"fit.layers.{i}.moe.w1.codes" in fitter.tensors
                                                   for i in range(a.layers)), sorted(fitter.tensors)[:4]
     rec = base_record("calibrate-scale", a.device) | {
-        "shape": a.shape + (" (toy)" if a.dry else f" (dim {args.dim}, expert_dim {args.expert_dim})" if size else ""),
+        "shape": a.shape + (" (toy)" if a.dry else f" (dim {args.dim}, expert_dim {args.expert_dim}, "
+                                                   f"{args.n_experts} experts)" if size else ""),
         "recipe": recipe.name, "gpus": dist.world, "layers": a.layers,
         "samples": a.samples, "seq_len": a.seq_len, "offload_activations": a.offload_activations,
         "wall_s": round(wall, 2),
+        "fit_s": round(fitter.seconds, 2),  # the expert fits alone (inside wall_s)
+        # the shape's own layer: its fit time scaled by its expert count (fits of one expert shape, one by one)
+        "extrapolated_layer_fit_s": round(fitter.seconds / a.layers / args.n_experts * PRESETS[a.shape].n_experts, 1),
         "tokens_per_s": round(a.samples * a.seq_len * a.layers / wall, 1),
         # the whole model at this rate: every layer costs the same (same shapes, same token count)
         "model_layers": PRESETS[a.shape].n_layers,

@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (the point); cpu checks the script")
     a = ap.parse_args()
     data = torch.load(ROOT / "benchmarks/data/demo-moe_ptb_ids.pt", weights_only=True)
-    use_carried_ids(data["calib"].long(), data["text_tokens"])
+    use_carried_ids(data["calib"].long(), data["text_tokens"], "benchmarks/data/demo-moe_ptb_ids.pt")
     model_dir = resolve_model("demo-moe")
     records = []
     for rpath in a.recipes:
