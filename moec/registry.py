@@ -155,6 +155,8 @@ class WeightCodecSpec:
     kernel_parts: tuple[str, ...] = ()
     kernel_rule: Hook = None
     rows_concat: bool = False
+    # parts a rule with `shared_codebook` stores once for all experts of a matrix (leading axis 1 instead of E)
+    shared_parts: tuple[str, ...] = ()
     exports: dict[str, Hook] = field(default_factory=dict)
     export_tensors: dict[str, Hook] = field(default_factory=dict)
     description: str = ""

@@ -1,6 +1,7 @@
 """Bit allocation at a fixed budget (recipe `allocate:`, calibrate/recipe.Allocate): every targeted matrix
-is fitted at each candidate bit width during the layer loop (fit_experts.ExpertFitter), and once every
-layer is fitted one width per allocation unit is chosen so that the average q_bits over the rule's
+is fitted under each candidate during the layer loop (fit_experts.ExpertFitter): each bit width of the rule's
+codec, or each codec-width-settings entry of `allocate.candidates` (recipe.WeightRule.candidate_rules), and
+once every layer is fitted one candidate per allocation unit is chosen so that the average q_bits over the rule's
 matrices (stored bytes: codes, codebooks, scales, signs) stays within the budget while the summed
 sensitivity is smallest (HAWQ-V2, Dong et al. 2020; the error-vs-bytes knapsack of mixed-precision
 quantizers such as SqueezeLLM's and Slim-LLM's allocation).
@@ -15,7 +16,10 @@ A unit is one stored matrix (`unit: matrix`: one [E, O, I] projection tensor, w1
 one attention projection; the stored format holds one bits value per such tensor, so experts of one
 projection share it), a layer's w1 and w3 together with w2 alone (`unit: gate_up`: the fused MoE kernels
 take one bits value for the gate/up launch and one for the down launch, so a MoE layer whose w1 and w3
-differ runs the unfused path on CUDA) or the rule's matrices of one layer together (`unit: layer`).
+differ runs the unfused path on CUDA) or the rule's matrices of one layer together (`unit: layer`). With
+candidates of several codecs, `unit: gate_up` also keeps a layer's w2 in its w1's codec (the fused kernels
+read one codec per layer, widths may differ): the layer's two units become one whose options are the pairs
+of same-codec candidates.
 
 The choice is an exact dynamic program over the Pareto frontier of (bytes, error) of the units taken so
 far (bytes rounded up to `resolution`, so the budget is always met; exact when the resolution is 1).
@@ -40,9 +44,10 @@ MAX_FRONTIER = 200_000  # partial solutions kept per step at most (the resolutio
 
 @dataclass(frozen=True)
 class Option:
-    """One candidate of a unit: its width, stored bytes and sensitivity (summed over the unit's matrices)."""
+    """One choice for a unit: what it picks (a candidate key, or a tuple of them for a unit of several parts),
+    its stored bytes and sensitivity (summed over the unit's matrices)."""
 
-    bits: int
+    key: object
     nbytes: int
     error: float
 
@@ -94,13 +99,16 @@ def unit_key(param: str, unit: str) -> str:
     return f"layers.{_LAYER.search(param).group(1)}"
 
 
-def candidate_bytes(codec: str, bits: int, shape: tuple[int, ...], group_size: int, signs_block: int) -> int:
+def candidate_bytes(codec: str, bits: int, shape: tuple[int, ...], group_size: int, signs_block: int,
+                    shared: bool = False) -> int:
     """Bytes a matrix of `shape` ([E, O, I], or [O, I] for attention) stores under `codec` at `bits`,
-    from the codec's own stand-in on the meta device (the shapes and dtypes it stores), plus the
-    bit-packed rotation signs when signs_block > 0 (rotation.pack_signs)."""
+    from the codec's own stand-in on the meta device (the shapes and dtypes it stores; `shared`: the codec's
+    shared_parts once for all experts), plus the bit-packed rotation signs when signs_block > 0
+    (rotation.pack_signs)."""
     stacked = tuple(shape) if len(shape) == 3 else (1, *shape)
-    parts = weight_codec(codec).hook("random_stored")(bits, stacked, group_size, "meta", None)
-    n = sum(t.numel() * t.element_size() for t in parts.values())
+    spec = weight_codec(codec)
+    parts = spec.hook("random_stored")(bits, stacked, group_size, "meta", None)
+    n = sum((t[:1] if shared and k in spec.shared_parts else t).numel() * t.element_size() for k, t in parts.items())
     if signs_block:
         n += shape[-1] // signs_block * bitstream_width([1] * signs_block)
     return n
@@ -111,14 +119,17 @@ def check_budget(ri: int, rule, shapes: dict[str, tuple[int, ...]]) -> tuple[flo
     UserError (before any fitting) when the budget is outside that range."""
     a = rule.allocate
     n = sum(torch.Size(s).numel() for s in shapes.values())
-    per = {b: sum(candidate_bytes(rule.codec, b, s, rule.group_size,
-                                  rule.incoherence.block_for(s[-1]) if rule.incoherence else 0)
-                  for s in shapes.values()) for b in a.bits}
+    per = {k: sum(candidate_bytes(r.codec, r.bits, s, r.group_size,
+                                  r.incoherence.block_for(s[-1]) if r.incoherence else 0, r.shared_codebook)
+                  for s in shapes.values()) for k, r in rule.candidate_rules().items()}
     lo, hi = 8.0 * min(per.values()) / n, 8.0 * max(per.values()) / n
     if not lo <= a.budget <= hi:
-        raise UserError(f"weights rule {ri}: allocate.budget {a.budget} q_bits cannot be met by bits {a.bits} "
-                        f"on its {len(shapes)} matrices: achievable {lo:.4f} (all {min(a.bits)}-bit) to {hi:.4f} "
-                        f"(all {max(a.bits)}-bit) q_bits")
+        what = f"bits {a.bits}" if a.candidates is None else f"candidates {', '.join(per)}"
+        least, most = min(per, key=per.get), max(per, key=per.get)
+        raise UserError(f"weights rule {ri}: allocate.budget {a.budget} q_bits cannot be met by {what} "
+                        f"on its {len(shapes)} matrices: achievable {lo:.4f} (all {least}"
+                        f"{'-bit' if a.candidates is None else ''}) to {hi:.4f} "
+                        f"(all {most}{'-bit' if a.candidates is None else ''}) q_bits")
     return lo, hi
 
 
@@ -129,29 +140,48 @@ def check_budgets(recipe, targets: dict, shapes: dict[str, tuple[int, ...]]) -> 
             check_budget(ri, rule, {n: shapes[n] for n, r in targets.items() if r is rule})
 
 
-def allocate(cands: dict[str, dict[int, dict]], budget: float, unit: str, sensitivity: str) -> dict:
-    """Chosen bits per matrix for one rule. cands: {param: {bits: {"nbytes", "numel", "output_error",
-    "output_energy"}}} (sums over experts). Returns {"budget", "q_bits" (achieved), "bits": {param: b},
-    "error": the chosen total sensitivity}."""
-    keys: dict[str, list[str]] = {}
+def _ffn_of(param: str) -> str | None:
+    """The MoE block / dense MLP a w1, w2 or w3 belongs to (None: any other matrix)."""
+    head, _, tail = param.rpartition(".")
+    return head if tail in ("w1", "w2", "w3") else None
+
+
+def allocate(cands: dict[str, dict], budget: float, unit: str, sensitivity: str,
+             codec_of: dict | None = None) -> dict:
+    """The chosen candidate per matrix for one rule. cands: {param: {key: {"nbytes", "numel", "output_error",
+    "output_energy"}}} (sums over experts; key: a width or a candidate_rules key); codec_of: {key: codec} where
+    the keys span several codecs. Returns {"budget", "q_bits" (achieved), "choice": {param: key}, "error": the
+    chosen total sensitivity}."""
+    groups: dict[str, list[str]] = {}
     for p in cands:
-        keys.setdefault(unit_key(p, unit), []).append(p)
-    widths = sorted(set.intersection(*(set(c) for c in cands.values())))
-    units = []
-    for ps in keys.values():
-        opts = []
-        for b in widths:
-            err = 0.0
-            for p in ps:
-                c = cands[p][b]
-                err += c["output_error"] / (c["output_energy"] if sensitivity == "relative" else 1.0)
-            opts.append(Option(b, sum(cands[p][b]["nbytes"] for p in ps), err))
-        units.append(opts)
+        groups.setdefault(unit_key(p, unit), []).append(p)
+    common = set.intersection(*(set(c) for c in cands.values()))
+    keys = [k for k in next(iter(cands.values())) if k in common]
+
+    def options(ps: list[str]) -> list[Option]:
+        return [Option(k, sum(cands[p][k]["nbytes"] for p in ps),
+                       sum(cands[p][k]["output_error"] / (cands[p][k]["output_energy"] if sensitivity == "relative"
+                                                         else 1.0) for p in ps)) for k in keys]
+
+    # units: (the params of each part, the options; an option's key holds one candidate key per part)
+    units = [([ps], [Option((o.key,), o.nbytes, o.error) for o in options(ps)]) for ps in groups.values()]
+    if unit == "gate_up" and codec_of and len({codec_of[k] for k in keys}) > 1:  # one codec per MoE / MLP block
+        by_block: dict[str, list] = {}
+        for ps, opts in units:
+            by_block.setdefault(_ffn_of(ps[0][0]) or ps[0][0], []).append((ps, opts))
+        units = []
+        for parts in by_block.values():
+            if len(parts) == 1:
+                units.append(parts[0])
+                continue
+            (pa, oa), (pb, ob) = parts
+            units.append((pa + pb, [Option(x.key + y.key, x.nbytes + y.nbytes, x.error + y.error)
+                                    for x in oa for y in ob if codec_of[x.key[0]] == codec_of[y.key[0]]]))
     numel = sum(next(iter(c.values()))["numel"] for c in cands.values())
     budget_bytes = int(budget * numel / 8)
-    total_min = sum(min(o.nbytes for o in opts) for opts in units)
-    picks = choose(units, budget_bytes, resolution=max(1, (budget_bytes - total_min) // 20_000))
-    bits = {p: units[u][k].bits for u, (ps, k) in enumerate(zip(keys.values(), picks, strict=True)) for p in ps}
-    nbytes = sum(units[u][k].nbytes for u, k in enumerate(picks))
-    return {"budget": budget, "q_bits": 8.0 * nbytes / numel, "bits": bits,
-            "error": sum(units[u][k].error for u, k in enumerate(picks))}
+    total_min = sum(min(o.nbytes for o in opts) for _, opts in units)
+    picks = choose([opts for _, opts in units], budget_bytes, resolution=max(1, (budget_bytes - total_min) // 20_000))
+    choice = {p: key for (parts, opts), k in zip(units, picks, strict=True)
+              for ps, key in zip(parts, opts[k].key, strict=True) for p in ps}
+    return {"budget": budget, "q_bits": 8.0 * sum(opts[k].nbytes for (_, opts), k in zip(units, picks, strict=True))
+            / numel, "choice": choice, "error": sum(opts[k].error for (_, opts), k in zip(units, picks, strict=True))}

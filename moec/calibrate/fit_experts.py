@@ -19,7 +19,6 @@ embedding stays as it is).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import time
@@ -97,15 +96,14 @@ def check_kernel_rule(ri: int, rule: WeightRule, name: str, n_in: int) -> None:
     (W4A16's 128 on SmolLM2's 576, named with the matrix and its dim), or breaks a rule of the kernels that
     read its codec (WeightCodecSpec.kernel_rule: e.g. LUT groups of multiples of 16 inputs), for every width
     the rule may give it; checked before any work instead of a silent torch fallback at run time."""
-    if rule.group_size and n_in % rule.group_size:  # every grouped codec (the fitters and packers assume it)
-        divs = [d for d in range(8, n_in + 1, 8) if n_in % d == 0]
-        raise UserError(f"weights rule {ri} (codec {rule.codec}): group_size {rule.group_size} does not divide the "
-                        f"input dim {n_in} of {name} (divisors that are multiples of 8: {divs}; or 0 for one group "
-                        f"per row)")
-    spec = weight_codec(rule.codec)
-    for bits in rule.allocate.bits if rule.allocate is not None else [rule.bits]:
-        if (why := spec.kernel_error(bits, n_in, rule.group_size)) is not None:
-            raise UserError(f"weights rule {ri} (codec {rule.codec}, bits {bits}, group_size {rule.group_size}) on "
+    for r in rule.candidate_rules().values() or [rule]:
+        if r.group_size and n_in % r.group_size:  # every grouped codec (the fitters and packers assume it)
+            divs = [d for d in range(8, n_in + 1, 8) if n_in % d == 0]
+            raise UserError(f"weights rule {ri} (codec {r.codec}): group_size {r.group_size} does not divide the "
+                            f"input dim {n_in} of {name} (divisors that are multiples of 8: {divs}; or 0 for one "
+                            f"group per row)")
+        if (why := weight_codec(r.codec).kernel_error(r.bits, n_in, r.group_size)) is not None:
+            raise UserError(f"weights rule {ri} (codec {r.codec}, bits {r.bits}, group_size {r.group_size}) on "
                             f"{name}: {why}")
 
 
@@ -216,20 +214,25 @@ class ExpertFitter:
             entry["incoherence_block"] = signs.shape[1]
         return parts, entry
 
-    def _fit_widths(self, name: str, Ws: list[torch.Tensor], Hs: list[torch.Tensor],
-                    rule: WeightRule) -> tuple[dict, dict]:
+    def _fit_widths(self, name: str, Ws: list[torch.Tensor], Hs: list[torch.Tensor], rule: WeightRule,
+                    H_all: torch.Tensor | None = None) -> tuple[dict, dict]:
         """Fit W [1, O, I] (or [O, I]) of each expert (Ws, with its Hessian in Hs) under `rule`: the stored
         tensors ({f"fit.{name}.{part}"}: the experts concatenated, the rotation signs once) and the report
-        entry. A rule with `allocate` is fitted at each candidate width, stored as `cand.<bits>.fit.<name>.*`,
-        its entry holding each width's errors per expert (allocate_bits chooses once every layer is fitted)."""
-        widths = rule.allocate.bits if rule.allocate else [rule.bits]
+        entry. A rule with `allocate` is fitted under each candidate (WeightRule.candidate_rules), stored as
+        `cand.<key>.fit.<name>.*`, its entry holding each candidate's errors per expert (allocate_bits chooses
+        once every layer is fitted). A rule with a shared codebook fits every expert at once (H_all: the
+        Hessians stacked, as the caller holds them, else Hs concatenated)."""
+        cands = rule.candidate_rules() or {"": rule}
         tensors, entry = {}, {}
         if rule.allocate is not None:  # tr(W H Wᵀ) per expert (the same in the rotated basis: R is orthogonal)
-            energy = [float(torch.einsum("...oi,...ij,...oj->", W, H, W)) for W, H in zip(Ws, Hs, strict=True)]
-        for b in widths:
-            r = rule if rule.allocate is None else dataclasses.replace(rule, bits=b, allocate=None)
-            fits = [self._fit(name, W, H, r) for W, H in zip(Ws, Hs, strict=True)]
-            pre = "fit" if rule.allocate is None else f"cand.{b}.fit"
+            energy = [float(x) for W, H in zip(Ws, Hs, strict=True)
+                      for x in torch.einsum("...oi,...ij,...oj->...", W, H, W).reshape(-1)]
+        for key, r in cands.items():
+            if r.shared_codebook and len(Ws) > 1:  # one codebook: the experts in one fit
+                fits = [self._fit(name, torch.cat(Ws), torch.cat(Hs) if H_all is None else H_all, r)]
+            else:
+                fits = [self._fit(name, W, H, r) for W, H in zip(Ws, Hs, strict=True)]
+            pre = "fit" if rule.allocate is None else f"cand.{key}.fit"
             # the rotation's signs are the layer's, not per expert: kept once
             # attention (one 2-D matrix): its parts as they are; experts: concatenated along E
             tensors.update({f"{pre}.{name}.{part}": fits[0][0][part] if part == ROTATION_PART or Ws[0].dim() == 2
@@ -238,10 +241,10 @@ class ExpertFitter:
             if rule.allocate is None:
                 entry = e
                 continue
-            entry.setdefault("candidates", {})[str(b)] = {
+            entry.setdefault("candidates", {})[key] = {
                 "rel_output_error": e["rel_output_error"], "output_energy": energy,
                 "output_error": [x * y for x, y in zip(e["rel_output_error"], energy, strict=True)]}
-            entry.update({k: v for k, v in e.items() if k not in ("bits", "rel_output_error")})
+            entry.update({k: v for k, v in e.items() if k not in ("codec", "bits", "group_size", "rel_output_error")})
         return tensors, entry
 
     def _hessians(self, stats: dict, key: str, experts: list[int]) -> tuple[torch.Tensor, list[dict]]:
@@ -290,11 +293,12 @@ class ExpertFitter:
             H = H2 if p == "w2" else H1
             # one expert at a time, so a fit's temporaries (GPTQ's Cholesky factors of I x I, the Lloyd
             # distance tables) are one expert's, not E times that; experts fit independently (the expert-
-            # parallel ranks rely on it too), so the stored parts are the same as from one batched call.
+            # parallel ranks rely on it too), so the stored parts are the same as from one batched call;
+            # a shared codebook is the exception: one fit of every expert (run.calibrate refuses it sharded).
             # Fits run where the statistics are (cpu or cuda).
-            fitted, entry[p] = self._fit_widths(name, [sd[name][e : e + 1].to(H.device, torch.float32)
-                                                       for e in experts], [H[j : j + 1] for j in range(len(experts))],
-                                                rule)
+            Ws = [sd[name][e : e + 1].to(H.device, torch.float32) for e in experts]
+            fitted, entry[p] = self._fit_widths(name, Ws, [H[j : j + 1] for j in range(len(experts))], rule, H_all=H)
+            del Ws
             if rule.allocate is not None:
                 entry[p]["shape"] = list(sd[name].shape)  # all experts' (a rank fits its share)
             tensors.update(fitted)
@@ -388,12 +392,9 @@ class ExpertFitter:
         m = ATTN_PARAM.search(name)
         return layer["attention"][m.group(2)] if m else layer[name.rsplit(".", 1)[-1]]
 
-    def bits_of(self, name: str) -> int:
-        """The width matrix `name` is stored at: its rule's, or the one allocate_bits chose."""
-        for a in self.allocation or []:
-            if name in a["bits"]:
-                return a["bits"][name]
-        return self.targets[name].bits
+    def rule_of(self, name: str) -> WeightRule:
+        """The rule matrix `name` is stored under: its rule, or the candidate allocate_bits chose for it."""
+        return self.targets[name].chosen(name, self.allocation or [])
 
     def allocate_bits(self) -> None:
         """Once every layer is fitted: per rule with `allocate`, one width per unit at the rule's budget
@@ -412,23 +413,28 @@ class ExpertFitter:
                 numel = 1
                 for d in entry["shape"]:
                     numel *= d
-                cands[n] = {int(b): {"nbytes": sum(t.numel() * t.element_size() for k, t in self.tensors.items()
-                                                   if k.startswith(f"cand.{b}.fit.{n}.")),
-                                     "numel": numel, "output_error": sum(c["output_error"]),
-                                     "output_energy": sum(c["output_energy"])}
-                            for b, c in entry["candidates"].items()}
+                cands[n] = {key: {"nbytes": sum(t.numel() * t.element_size() for k, t in self.tensors.items()
+                                                if k.startswith(f"cand.{key}.fit.{n}.")),
+                                  "numel": numel, "output_error": sum(c["output_error"]),
+                                  "output_energy": sum(c["output_energy"])}
+                            for key, c in entry["candidates"].items()}
             a = rule.allocate
-            res = allocate.allocate(cands, a.budget, a.unit, a.sensitivity)
+            crules = rule.candidate_rules()
+            res = allocate.allocate(cands, a.budget, a.unit, a.sensitivity,
+                                    codec_of={k: r.codec for k, r in crules.items()})
+            res["bits"] = {n: crules[k].bits for n, k in res["choice"].items()}
             for n in params:
-                b = res["bits"][n]
-                for k in [k for k in self.tensors if k.startswith(f"cand.{b}.fit.{n}.")]:
+                key = res["choice"][n]
+                for k in [k for k in self.tensors if k.startswith(f"cand.{key}.fit.{n}.")]:
                     t = self.tensors[k].clone() if a.keep_candidates else self.tensors.pop(k)
-                    self.tensors[k.removeprefix(f"cand.{b}.")] = t
+                    self.tensors[k.removeprefix(f"cand.{key}.")] = t
                 if not a.keep_candidates:
                     for k in [k for k in self.tensors if k.startswith("cand.") and f".fit.{n}." in k]:
                         del self.tensors[k]
                 entry = self._entry(n)
-                entry.update(bits=b, rel_output_error=entry["candidates"][str(b)]["rel_output_error"])
+                r = crules[key]
+                entry.update(codec=r.codec, bits=r.bits, group_size=r.group_size,
+                             rel_output_error=entry["candidates"][key]["rel_output_error"])
             mixed = sorted({int(n.split(".")[1]) for n in params if EXPERT_PARAM.search(n) and n.endswith(".w1")
                             and res["bits"].get(n[:-1] + "3", res["bits"][n]) != res["bits"][n]})
             if mixed:
@@ -437,10 +443,10 @@ class ExpertFitter:
             self.allocation.append({
                 "targets": rule.targets, "codec": rule.codec, "budget": a.budget, "candidates": a.bits,
                 "sensitivity": a.sensitivity, "unit": a.unit, "q_bits": round(res["q_bits"], 6),
-                "error": res["error"], "bits": res["bits"],
-                "q_bits_per_matrix": {n: round(8.0 * c[res["bits"][n]]["nbytes"] / c[res["bits"][n]]["numel"], 6)
+                "error": res["error"], "bits": res["bits"], "choice": res["choice"],
+                "q_bits_per_matrix": {n: round(8.0 * c[res["choice"][n]]["nbytes"] / c[res["choice"][n]]["numel"], 6)
                                       for n, c in cands.items()},
-                "histogram": {str(b): sum(1 for n in params if res["bits"][n] == b) for b in a.bits}})
+                "histogram": {k: sum(1 for n in params if res["choice"][n] == k) for k in crules}})
         self.seconds += time.time() - t0
 
     def tune(self, args: ModelArgs, state: dict[str, torch.Tensor], tokens: torch.Tensor, cal, seed: int,
@@ -449,13 +455,14 @@ class ExpertFitter:
         calibration config `cal`; other codecs are left as fitted."""
         from .tune import tune_codebooks
 
-        tuned = {n: r for n, r in self.targets.items() if weight_codec(r.codec).tunable}
+        tuned = {n: self.rule_of(n) for n in self.targets}
+        tuned = {n: r for n, r in tuned.items() if weight_codec(r.codec).tunable}
         if not tuned:
             tunable = ", ".join(n for n, s in weight_codecs().items() if s.tunable)
             raise UserError(f"calibration.tune_steps tunes codebooks end to end, and no weights rule of this recipe "
                             f"uses a codec that has them ({tunable})")
         t0 = time.time()
-        codecs = {n: (r.codec, self.bits_of(n)) for n, r in tuned.items()}  # bits: allocate's choice where made
+        codecs = {n: (r.codec, r.bits) for n, r in tuned.items()}  # allocate's choice where made
         self.tune_report = tune_codebooks(args, state, self.tensors, codecs, tokens, cal.tune_steps, cal.tune_lr,
                                           cal.tune_batch, seed, device, holdout=cal.tune_holdout,
                                           eval_every=cal.tune_eval_every, patience=cal.tune_patience,

@@ -39,24 +39,22 @@ def read_calib(calib_dir: Path) -> tuple[Recipe, dict]:
     return load_recipe(calib_dir / "recipe.yaml"), json.loads((calib_dir / "report.json").read_text())
 
 
-def allocated_bits(report: dict) -> dict[str, int]:
-    """{param: bits} that a calibration's `allocate` rules chose (calibrate/allocate.py); {} without them."""
-    return {n: b for a in report.get("allocation") or [] for n, b in a["bits"].items()}
-
-
 def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe, fitted: dict[str, torch.Tensor] | None = None,
-                   bits: dict[str, int] | None = None, ffn_kinds: list[str] | None = None) -> tuple[dict, dict]:
+                   allocation: list[dict] | None = None, ffn_kinds: list[str] | None = None) -> tuple[dict, dict]:
     """(stored tensors, per-tensor info) under the recipe's first-match rules (ffn_kinds: the model's,
     which tells `experts` from `mlp`, as calibration planned them).
 
     Quantized parameters are stored as the parts calibration fitted (`fit.<param>.<part>` in
     calib.safetensors, see formats/codecs.py), each named `<param>.<part>` and carrying `param`;
-    `bits`: the width of each matrix an `allocate` rule chose (allocated_bits), else the rule's.
+    `allocation`: the calibration report's records of its `allocate` rules, whose chosen candidate (codec, width,
+    group size) each of their matrices is stored under (WeightRule.chosen).
     """
     tensors, info = {}, {}
-    fitted, bits = fitted or {}, bits or {}
+    fitted = fitted or {}
     for name, t in tracked(state.items(), "packing tensors", len(state)):
         rule = recipe.rule_for(name, ffn_kinds)
+        if rule is not None:
+            rule = rule.chosen(name, allocation or [])
         spec = weight_codec(rule.codec) if rule else default_weight()
         codec = spec.name
         if spec.identity and f"{TUNED}{name}" in fitted:  # a norm gain tuned end to end (tune.py), fp32
@@ -73,7 +71,7 @@ def encode_tensors(state: dict[str, torch.Tensor], recipe: Recipe, fitted: dict[
                             f"re-run `moec calibrate` with this recipe")
         for part, v in parts.items():
             tensors[f"{name}.{part}"] = v
-            info[f"{name}.{part}"] = {"codec": codec, "bits": bits.get(name, rule.bits), "param": name,
+            info[f"{name}.{part}"] = {"codec": codec, "bits": rule.bits, "param": name,
                                       "group_size": rule.group_size, "param_shape": list(t.shape)}
     return tensors, info
 
@@ -124,7 +122,7 @@ def pack(model_dir: Path, model_spec: str, calib_dir: Path, out_dir: Path) -> di
         args = dataclasses.replace(args, tie_embeddings=False)
         config = {**config, "tie_word_embeddings": False}
     calib_file = str(calib_dir / "calib.safetensors")
-    tensors, info = encode_tensors(state, recipe, _meta_file(calib_file), allocated_bits(report), args.ffn_kinds)
+    tensors, info = encode_tensors(state, recipe, _meta_file(calib_file), report.get("allocation"), args.ffn_kinds)
     bits = effective_bits(state, tensors, info)
     kv_tensors, kv_info, kv_section = encode_kv_tensors(calib_dir, recipe, args)
     tensors.update(kv_tensors)

@@ -89,25 +89,50 @@ class Incoherence:
 
 
 @dataclass
+class Candidate:
+    """One choice `allocate.candidates` offers every matrix of the rule: a width and, where they differ from the
+    rule's, the codec and its settings (unset: the rule's)."""
+
+    bits: int
+    codec: str | None = None
+    group_size: int | None = None
+    shared_codebook: bool | None = None
+
+
+@dataclass
 class Allocate:
     """Per-matrix bit widths at a fixed budget (calibrate/allocate.py): each targeted matrix is fitted at
-    every width in `bits`, and after the last layer one width per unit is chosen, minimizing the summed
-    sensitivity while the average q_bits over the rule's matrices (stored bytes: codes, codebooks, scales,
-    signs) stays ≤ budget. A budget outside what the widths can reach is refused before any fitting.
+    every width in `bits` (the rule's codec), or under every entry of `candidates` (codec, width and settings
+    each: allocation across codecs), and after the last layer one candidate per unit is chosen, minimizing the
+    summed sensitivity while the average q_bits over the rule's matrices (stored bytes: codes, codebooks,
+    scales, signs) stays ≤ budget. A budget outside what the candidates can reach is refused before any fitting.
     sensitivity: output (Σ tr(ΔW H ΔWᵀ), the fit's own output error) or relative (divided by tr(W H Wᵀ)).
     unit: matrix (each stored [E, O, I] projection / attention matrix alone), gate_up (a layer's w1 and w3 share
-    one width, w2 has its own: what the fused MoE kernels take, one width for the gate/up launch and one for the
-    down launch) or layer (a layer's matrices of this rule share one width).
-    keep_candidates: also write every candidate fit to calib.safetensors (`cand.<bits>.fit.<param>.<part>`),
-    so allocate.reallocate can choose again at another budget or sensitivity without refitting."""
+    one candidate, w2 has its own: what the fused MoE kernels take, one width for the gate/up launch and one for
+    the down launch; with candidates of several codecs a layer's w2 also keeps its w1's codec, as the fused
+    kernels read one codec per layer) or layer (a layer's matrices of this rule share one candidate).
+    keep_candidates: also write every candidate fit to calib.safetensors (`cand.<key>.fit.<param>.<part>`, key
+    the width, or WeightRule.candidate_rules' key), so allocate.reallocate can choose again at another budget or
+    sensitivity without refitting."""
 
     budget: float
-    bits: list[int] = field(default_factory=lambda: [2, 3, 4])
+    bits: list[int] | None = None  # default [2, 3, 4]; with candidates: their widths (give one or the other)
+    candidates: list[Candidate] | None = None
     sensitivity: Literal["output", "relative"] = "output"
     unit: Literal["matrix", "gate_up", "layer"] = "matrix"
     keep_candidates: bool = False
 
     def __post_init__(self):
+        if self.candidates is not None:
+            widths = sorted({c.bits for c in self.candidates})
+            if not self.candidates:
+                raise UserError("weights rule: allocate.candidates must list at least one candidate")
+            if self.bits is not None and sorted(self.bits) != widths:
+                raise UserError(f"weights rule: allocate.candidates gives the widths ({widths}); leave allocate.bits "
+                                f"out (got {self.bits})")
+            self.bits = widths
+        elif self.bits is None:
+            self.bits = [2, 3, 4]
         if not self.bits or len(set(self.bits)) != len(self.bits):
             raise UserError(f"weights rule: allocate.bits must list distinct candidate widths, got {self.bits}")
         self.bits = sorted(self.bits)
@@ -128,6 +153,9 @@ class WeightRule:
     actorder: bool = True
     incoherence: Incoherence | None = None  # fit and run in a randomized block-Hadamard basis (above)
     allocate: Allocate | None = None  # per-matrix widths at a budget (above); `bits` is then the widest
+    # one codebook per layer's matrix shared by its experts instead of one per expert (codecs with shared_parts:
+    # vq): the codebook's bytes are paid once, which is what small experts' bits are made of
+    shared_codebook: bool = False
 
     def __post_init__(self):
         if not self.targets:
@@ -145,7 +173,12 @@ class WeightRule:
             raise UserError(f"weights rule: group_size must be >= 0, got {self.group_size}")
         spec = weight_codec(self.codec)
         allowed = None if spec.identity else spec.bits
-        if self.allocate is not None:
+        if self.allocate is not None and self.allocate.candidates is not None:
+            if self.bits not in (16, max(self.allocate.bits)):
+                raise UserError(f"weights rule: with allocate.candidates, give the widths there, not bits: {self.bits}")
+            self.bits = max(self.allocate.bits)
+            self.candidate_rules()  # each candidate checked as a rule of its own
+        elif self.allocate is not None:
             if not spec.allocate:
                 takers = ", ".join(n for n, s in weight_codecs().items() if s.allocate)
                 raise UserError(f"weights rule: allocate chooses among the widths of a codec that takes several "
@@ -162,9 +195,47 @@ class WeightRule:
                             f"got {self.bits} (weight bits must be one of 2, 3, 4, 8)")
         if not spec.identity and (check := spec.hook("check_rule")) is not None:
             check(self)
+        if self.shared_codebook and not spec.shared_parts:
+            takers = ", ".join(n for n, s in weight_codecs().items() if s.shared_parts)
+            raise UserError(f"weights rule: shared_codebook shares a codebook between experts; codec {self.codec!r} "
+                            f"has none to share (codecs with one: {takers})")
         if self.incoherence is not None and spec.identity:
             raise UserError(f"weights rule: incoherence applies to quantized weights; codec {self.codec} stores them "
                             f"as is")
+
+    def candidate_rules(self) -> dict[str, WeightRule]:
+        """The rules `allocate` chooses among, each without allocate, by key: the width for `allocate.bits`
+        (`cand.2.fit.*`), else codec, width, `g<group_size>` where nonzero and `s` for a shared codebook
+        (`cand.tcq2.fit.*`, `cand.vq2g4s.fit.*`); {} without allocate."""
+        a = self.allocate
+        if a is None:
+            return {}
+        if a.candidates is None:
+            return {str(b): dataclasses.replace(self, bits=b, allocate=None) for b in a.bits}
+        out: dict[str, WeightRule] = {}
+        for i, c in enumerate(a.candidates):
+            codec = c.codec or self.codec
+            if weight_codec(codec).identity:
+                raise UserError(f"weights rule: allocate.candidates[{i}]: codec {codec!r} stores weights as they are; "
+                                f"a candidate quantizes")
+            r = dataclasses.replace(self, codec=codec, bits=c.bits, allocate=None,
+                                    group_size=self.group_size if c.group_size is None else c.group_size,
+                                    shared_codebook=(self.shared_codebook and bool(weight_codec(codec).shared_parts)
+                                                     if c.shared_codebook is None else c.shared_codebook))
+            key = f"{r.codec}{r.bits}{f'g{r.group_size}' if r.group_size else ''}{'s' if r.shared_codebook else ''}"
+            if key in out:
+                raise UserError(f"weights rule: allocate.candidates lists {key} twice")
+            out[key] = r
+        return out
+
+    def chosen(self, name: str, allocation: list[dict]) -> WeightRule:
+        """The rule matrix `name` is stored under given a calibration's `allocation` records (report.json): the
+        candidate chosen for it (`choice`: its candidate_rules key; records written before cross-codec allocation
+        hold only `bits`, the key of a width), or this rule itself."""
+        for a in allocation:
+            if name in a["bits"]:
+                return self.candidate_rules()[a.get("choice", {}).get(name, str(a["bits"][name]))]
+        return self
 
     def patterns(self) -> list[re.Pattern]:
         return [re.compile(TARGET_PATTERNS.get(t, t)) for t in self.targets]

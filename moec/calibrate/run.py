@@ -122,6 +122,10 @@ def calibrate(model_dir: Path, model_spec: str, recipe: Recipe, data: str, split
     if propagate == "quantized" and any(r.allocate for r in targets.values()):
         raise UserError("--propagate quantized feeds each layer's fitted weights forward, and `allocate` chooses "
                         "widths only once every layer is fitted: use --propagate fp with allocate")
+    if dist.grouped and (shared := [n for n, r in targets.items()
+                                    if any(c.shared_codebook for c in [r, *r.candidate_rules().values()])]):
+        raise UserError(f"shared_codebook fits one codebook from every expert of a layer, and expert-parallel ranks "
+                        f"each hold a share of them ({shared[0]}): run it in one process (no --gpus / torchrun)")
     if recipe.calibration.tune_steps:  # the held-back share must leave sequences to tune on (before any work)
         holdout_split(samples, recipe.calibration.tune_holdout, seed)
     if not resume:

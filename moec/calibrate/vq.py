@@ -10,7 +10,12 @@ one fp16 scale per row (rows of different norms share the codebook):
     w[e, o, j·d : (j+1)·d] = s[e, o] · C[e, idx[e, o, j]]
 
 so a code costs bits·d bits and the codebook K·d·16 bits per matrix (256 × 4 at 2 bits: 2 KiB, 0.02 bit
-per weight on a 576 × 1536 matrix). Fitting (GPTVQ, van Baalen et al. 2024, in the variant below):
+per weight on a 576 × 1536 matrix). With `shared` (the rule's `shared_codebook`) the experts of a layer's
+matrix share one codebook, C [1, K, d]: small experts pay K·d·16 bits once instead of E times (demo-moe's
+[8, 160, 256] at 2 bits and d = 4: 0.4 bit per weight with a codebook per expert, 0.05 shared); its fit pools
+every expert's vectors and normal equations (each expert still under its own Hessian).
+
+Fitting (GPTVQ, van Baalen et al. 2024, in the variant below):
   1. scales: the RMS of each row; codebook initialised at the product grid of a 1-D weighted Lloyd
      quantizer with 2^bits levels over the matrix's normalized weights (so step 2 starts from a scalar
      quantizer and can only lower the weighted error), then weighted k-means on the d-vectors with the
@@ -64,9 +69,10 @@ def weighted_kmeans(V: torch.Tensor, h: torch.Tensor, C: torch.Tensor, iters: in
 
 
 def init_codebook(Wn: torch.Tensor, hdiag: torch.Tensor, bits: int, dim: int, iters: int = 20) -> torch.Tensor:
-    """C [K, d] for one matrix: normalized weights Wn [O, I], importances hdiag [I]."""
+    """C [K, d] for one matrix: normalized weights Wn [O, I], importances hdiag [I] (or [O, I]: per row, for rows
+    of several experts pooled under one codebook)."""
     O, I = Wn.shape
-    hw = hdiag.clamp_min(0)[None].expand(O, I)
+    hw = hdiag.clamp_min(0).expand(O, I)
     levels = weighted_lloyd(Wn.reshape(1, -1), hw.reshape(1, -1), 1 << bits)[0]  # [L]
     grid = torch.cartesian_prod(*[levels] * dim) if dim > 1 else levels[:, None]  # [K, d], first coord slowest
     V, h = Wn.reshape(-1, dim), hw.reshape(-1, dim)
@@ -103,32 +109,36 @@ def gptq_assign_vq(Wn: torch.Tensor, U: torch.Tensor, C: torch.Tensor, block: in
 
 
 def reconstruct(C: torch.Tensor, s: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """W_hat [E, O, I] from codebooks C [E, K, d], row scales s [E, O], codes idx [E, O, J]."""
+    """W_hat [E, O, I] from codebooks C [E, K, d] (or [1, K, d]: shared), row scales s [E, O], codes idx [E, O, J]."""
     E, O, J = idx.shape
     d = C.shape[2]
-    q = C.float().gather(1, idx.reshape(E, O * J, 1).expand(E, O * J, d)).reshape(E, O, J * d)
+    q = C.float().expand(E, -1, -1).gather(1, idx.reshape(E, O * J, 1).expand(E, O * J, d)).reshape(E, O, J * d)
     return q * s.float()[..., None]
 
 
 def refit_codebook(W: torch.Tensor, H: torch.Tensor, s: torch.Tensor, idx: torch.Tensor, C: torch.Tensor,
                    iters: int = 30) -> torch.Tensor:
-    """Codebooks minimizing tr((W − Ŵ) H (W − Ŵ)ᵀ) for fixed codes and scales, per expert (a quadratic in
-    C: conjugate gradients on its normal equations, at most `iters` steps)."""
-    return torch.stack([_codebook_cg(W[e].float(), H[e].float(), s[e].float(), idx[e], C[e].float(), iters)
-                        for e in range(W.shape[0])])
+    """Codebooks minimizing Σ_e tr((W_e − Ŵ_e) H_e (W_e − Ŵ_e)ᵀ) for fixed codes and scales (a quadratic in C:
+    conjugate gradients on its normal equations, at most `iters` steps): per expert for C [E, K, d], pooled over
+    the experts for a shared C [1, K, d]."""
+    if C.shape[0] == 1:
+        return _codebook_cg(W.float(), H.float(), s.float(), idx, C[0].float(), iters)[None]
+    return torch.stack([_codebook_cg(W[e : e + 1].float(), H[e : e + 1].float(), s[e : e + 1].float(),
+                                     idx[e : e + 1], C[e].float(), iters) for e in range(W.shape[0])])
 
 
 def _codebook_cg(W: torch.Tensor, H: torch.Tensor, s: torch.Tensor, idx: torch.Tensor, C0: torch.Tensor,
                  iters: int) -> torch.Tensor:
-    """One matrix of refit_codebook: W [O, I], H [I, I], s [O], idx [O, J], C0 [K, d] -> C [K, d]."""
+    """One codebook of refit_codebook for the matrices that use it: W [n, O, I], H [n, I, I], s [n, O],
+    idx [n, O, J], C0 [K, d] -> C [K, d]."""
     K, d = C0.shape
     flat = idx.reshape(-1)
 
     def normal(X: torch.Tensor) -> torch.Tensor:  # Aᵀ H A X: the quadratic form's matrix applied to X [K, d]
-        R = (reconstruct(X[None], s[None], idx[None])[0] @ H) * s[:, None]  # [O, I]
+        R = (reconstruct(X[None], s, idx) @ H) * s[..., None]  # [n, O, I]
         return torch.zeros(K, d, device=X.device).index_add_(0, flat, R.reshape(-1, d))
 
-    rhs = torch.zeros(K, d, device=W.device).index_add_(0, flat, ((W @ H) * s[:, None]).reshape(-1, d))
+    rhs = torch.zeros(K, d, device=W.device).index_add_(0, flat, ((W @ H) * s[..., None]).reshape(-1, d))
     x = C0.clone()
     r = rhs - normal(x)
     p, rs = r.clone(), (r * r).sum()
@@ -156,9 +166,10 @@ def refit_scales(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, idx: torch.T
 
 
 def quantize_vq(W: torch.Tensor, H: torch.Tensor | None, bits: int, dim: int, rounds: int = 1,
-                kmeans_iters: int = 20) -> dict:
-    """Stored parts {"codes": int64 [E, O, J], "codebook": fp16 [E, K, d], "row_scale": fp16 [E, O]} for
-    W [E, O, I] (see the module docstring). H None: identity (plain least squares, no error feedback)."""
+                kmeans_iters: int = 20, shared: bool = False) -> dict:
+    """Stored parts {"codes": int64 [E, O, J], "codebook": fp16 [E, K, d] ([1, K, d] when shared), "row_scale":
+    fp16 [E, O]} for W [E, O, I] (see the module docstring). H None: identity (plain least squares, no error
+    feedback)."""
     E, O, I = W.shape
     if I % dim:
         raise ValueError(f"vector length {dim} does not divide the input dim {I}")
@@ -167,18 +178,22 @@ def quantize_vq(W: torch.Tensor, H: torch.Tensor | None, bits: int, dim: int, ro
     s = W.pow(2).mean(-1).sqrt().clamp_min(1e-8)  # [E, O]
     Wn = W / s[..., None]
     hdiag = Hf.diagonal(dim1=-2, dim2=-1)
-    C = torch.stack([init_codebook(Wn[e], hdiag[e], bits, dim, kmeans_iters) for e in range(E)])
+    if shared:  # one codebook from every expert's vectors, each weighted by its own expert's importances
+        C = init_codebook(Wn.reshape(E * O, I), hdiag[:, None, :].expand(E, O, I).reshape(E * O, I), bits, dim,
+                          kmeans_iters)[None]
+    else:
+        C = torch.stack([init_codebook(Wn[e], hdiag[e], bits, dim, kmeans_iters) for e in range(E)])
     s, C = s.half().float(), C.half().float()
     if H is None:
         V = (W / s[..., None]).reshape(E, -1, dim)
-        idx = torch.stack([_nearest(V[e], torch.ones_like(V[e]), C[e]) for e in range(E)])
+        idx = torch.stack([_nearest(V[e], torch.ones_like(V[e]), C[0 if shared else e]) for e in range(E)])
         return {"codes": idx.view(E, O, I // dim), "codebook": C.half(), "row_scale": s.half()}
     _, U = gptq_factor(Hf, act_order=False)
-    idx = gptq_assign_vq(W / s[..., None], U, C)
+    idx = gptq_assign_vq(W / s[..., None], U, C.expand(E, -1, -1))
     for _ in range(rounds):
         C = refit_codebook(W, Hf, s, idx, C).half().float()
         s = refit_scales(W, Hf, C, idx, s).half().float()
-        idx = gptq_assign_vq(W / s[..., None], U, C)
+        idx = gptq_assign_vq(W / s[..., None], U, C.expand(E, -1, -1))
     return {"codes": idx, "codebook": C.half(), "row_scale": s.half()}
 
 
@@ -191,16 +206,16 @@ def quantize_vq_rule(W: torch.Tensor, H: torch.Tensor | None, rule) -> dict:
     """The registry's `quantize` hook: stored parts {codes uint8 [E, O, bytes] (BITSTREAM), codebook fp16
     [E, K, d], row_scale fp16 [E, O]} (formats/codecs.py). `gptq: false` assigns without error feedback."""
     d = rule.group_size
-    st = quantize_vq(W, H if rule.gptq else None, rule.bits, d)
+    st = quantize_vq(W, H if rule.gptq else None, rule.bits, d, shared=rule.shared_codebook)
     E, O, J = st["codes"].shape
     st["codes"] = bitpack.pack_bits(st["codes"], [vq_code_width(rule.bits, d)] * J)
     return st
 
 
 class TunedVQ:
-    """A vq matrix's tunable values (calibrate/tune.py protocol; the registry's `tune` hook): delta [E, K, d] on
-    the codebook (relative to its largest entry) and delta_s [E, O] on the row scales (relative to each),
-    stored back as fp16; the codes stay fixed."""
+    """A vq matrix's tunable values (calibrate/tune.py protocol; the registry's `tune` hook): delta [E, K, d] ([1, K,
+    d] shared) on the codebook (relative to its largest entry) and delta_s [E, O] on the row scales (relative to
+    each), stored back as fp16; the codes stay fixed."""
 
     def __init__(self, bits: int, shape: tuple, parts: dict, flat: bool, dev: torch.device):
         E, O, I = shape

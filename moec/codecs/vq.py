@@ -1,6 +1,6 @@
 """vq: vector codebooks (GPTVQ-style), one code per group_size consecutive inputs and a codebook per
-matrix; fitted by calibrate/vq.py, its runtime half in runtime/weightcodecs.py, stored layout in
-formats/codecs.py."""
+expert matrix, or one per layer's matrix shared by its experts (`shared_codebook: true`); fitted by
+calibrate/vq.py, its runtime half in runtime/weightcodecs.py, stored layout in formats/codecs.py."""
 
 from __future__ import annotations
 
@@ -38,5 +38,5 @@ register_weight(WeightCodecSpec(
     "vq", bits=(2, 3, 4), quantize="moec.calibrate.vq:quantize_vq_rule", dequantize=f"{_W}:dequantize_vq",
     random_stored=f"{_W}:random_vq", check_rule=check_vq_rule, tune="moec.calibrate.vq:TunedVQ", allocate=True,
     hold=f"{_W}:hold_vq", held_dequantize=f"{_W}:dequantize_vq", held_group=f"{_W}:held_group_vq", kernel_mode=4,
-    kernel_parts=("codes", "codebook", "row_scale"), kernel_rule=vq_kernel_rule,
+    kernel_parts=("codes", "codebook", "row_scale"), kernel_rule=vq_kernel_rule, shared_parts=("codebook",),
     description="vector codebooks: one code per group_size inputs, a codebook per matrix (GPTVQ-style)"))

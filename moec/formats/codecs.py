@@ -34,7 +34,9 @@ class WeightCodec(StrEnum):
         bits wide (≤ 12), K = 2^w; codes uint8 [E, O, ceil(I/d · w / 8)] (formats/bitpack.py BITSTREAM: code
         j of a row at bits w·j .. w·j + w − 1, LSB first), codebook fp16 [E, K, d] (one per expert matrix),
         row_scale fp16 [E, O]; w[e, o, j·d + a] = row_scale[e, o] · codebook[e, code_j, a] (calibrate/vq.py).
-        Added within format version 2: a reader that predates it refuses the codec by name.
+        Added within format version 2: a reader that predates it refuses the codec by name. A codebook
+        [1, K, d] is shared by every expert of the matrix (a rule's `shared_codebook`: codebook[0] for each e);
+        a reader that predates sharing refuses its shape.
     INTSYM: symmetric integers (moec/codecs/intsym.py), bits b = 4 or 8: codes uint8 [E, O, row_bytes] (ROW
         layout; code = q + 2^(b-1) for the signed level q in [-2^(b-1), 2^(b-1) - 1]), scale fp16 [E, O, G];
         w = scale · (code - 2^(b-1)) (calibrate/intsym.py). Added within format version 2: a reader that

@@ -113,6 +113,8 @@ def check_quant_parts(path, manifest: dict) -> None:
         if set(parts) != set(want):
             raise FormatError(f"{where}: stored parts {sorted(parts)}, the codec stores {sorted(want)}")
         for k, e in parts.items():
+            if k in spec.shared_parts and not attention and e["shape"][:1] == [1]:
+                want[k] = want[k][:1]  # one for every expert of the matrix (a rule's shared_codebook)
             if (e["shape"], e["dtype"]) != (list(want[k].shape), checkpoint.dtype_name(want[k].dtype)):
                 raise FormatError(f"{where}: part {k!r} is {e['dtype']} {e['shape']}, the codec stores "
                                   f"{checkpoint.dtype_name(want[k].dtype)} {list(want[k].shape)}")

@@ -72,7 +72,7 @@ def vq_codes(stored: dict, n_in: int) -> torch.Tensor:
 
 def dequantize_vq(bits, shape, stored):
     E, O, I = shape
-    cb = stored["codebook"].float()  # [E, K, d]
+    cb = stored["codebook"].float().expand(E, -1, -1)  # [E, K, d] (stored [1, K, d]: shared by the experts)
     d = cb.shape[-1]
     idx = vq_codes(stored, I).reshape(E, O * (I // d), 1).expand(-1, -1, d)
     return (cb.gather(1, idx).reshape(E, O, I) * stored["row_scale"].float()[..., None])
@@ -133,8 +133,10 @@ def held_group_row(shape, held: dict) -> int:
 
 def hold_vq(bits: int, stored: dict) -> dict:
     """vq: the stored parts as the kernels read them (MODE_VQ): BITSTREAM codes uint8 [E, O, bytes], the fp16
-    codebook [E, 2^(bits·d), d], fp16 row scales [E, O]."""
-    return {"codes": stored["codes"].contiguous(), "codebook": stored["codebook"].half().contiguous(),
+    codebook [E, 2^(bits·d), d] (a shared one, stored [1, K, d], copied per expert: the kernels index it by
+    expert, and E copies of ≤ 32 KiB cost nothing beside the codes), fp16 row scales [E, O]."""
+    E = stored["codes"].shape[0]
+    return {"codes": stored["codes"].contiguous(), "codebook": stored["codebook"].half().expand(E, -1, -1).contiguous(),
             "row_scale": stored["row_scale"].contiguous()}
 
 

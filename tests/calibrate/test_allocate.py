@@ -64,19 +64,45 @@ def test_allocate_units_and_sensitivities():
             for i in range(3) for p in ("w1", "w3", "w2")}
     energy = {p: 100.0 * (int(p.split(".")[1]) + 1) ** 2 for p in errs}
     a = allocate(_cands(errs, energy), 3.0, "matrix", "output")
-    assert a["q_bits"] <= 3.0 and set(a["bits"]) == set(errs)
-    assert a["bits"]["layers.2.moe.w2"] > a["bits"]["layers.0.moe.w1"]  # the largest errors get the bits
+    assert a["q_bits"] <= 3.0 and set(a["choice"]) == set(errs)
+    assert a["choice"]["layers.2.moe.w2"] > a["choice"]["layers.0.moe.w1"]  # the largest errors get the bits
     r = allocate(_cands(errs, energy), 3.0, "matrix", "relative")
-    assert r["bits"] != a["bits"] and r["q_bits"] <= 3.0  # depth-normalized: layer 0 now weighs most
-    assert r["bits"]["layers.0.moe.w2"] >= r["bits"]["layers.2.moe.w2"]
+    assert r["choice"] != a["choice"] and r["q_bits"] <= 3.0  # depth-normalized: layer 0 now weighs most
+    assert r["choice"]["layers.0.moe.w2"] >= r["choice"]["layers.2.moe.w2"]
     u = allocate(_cands(errs, energy), 3.0, "layer", "output")
     for i in range(3):
-        assert len({u["bits"][f"layers.{i}.moe.{p}"] for p in ("w1", "w3", "w2")}) == 1
+        assert len({u["choice"][f"layers.{i}.moe.{p}"] for p in ("w1", "w3", "w2")}) == 1
     assert u["q_bits"] <= 3.0
     gu = allocate(_cands(errs, energy), 3.0, "gate_up", "output")
-    assert all(gu["bits"][f"layers.{i}.moe.w1"] == gu["bits"][f"layers.{i}.moe.w3"] for i in range(3))
-    assert gu["q_bits"] <= 3.0 and any(gu["bits"][f"layers.{i}.moe.w2"] != gu["bits"][f"layers.{i}.moe.w1"]
+    assert all(gu["choice"][f"layers.{i}.moe.w1"] == gu["choice"][f"layers.{i}.moe.w3"] for i in range(3))
+    assert gu["q_bits"] <= 3.0 and any(gu["choice"][f"layers.{i}.moe.w2"] != gu["choice"][f"layers.{i}.moe.w1"]
                                        for i in range(3))  # w2 (twice the error here) gets its own width
+
+
+def test_gate_up_across_codecs_keeps_one_codec_per_block():
+    """Candidates of two codecs (keys a2, a3, b2, b3; b cheaper and better on w2 here): unit gate_up gives w1 and w3
+    one candidate and w2 one of the same codec, and among such choices it is the brute-force optimum."""
+    rnd = random.Random(3)
+    codec_of = {"a2": "a", "a3": "a", "b2": "b", "b3": "b"}
+    params = [f"layers.{i}.moe.{p}" for i in range(2) for p in ("w1", "w3", "w2")]
+    cands = {p: {k: {"nbytes": (40 if k.endswith("2") else 60) - (5 if k[0] == "b" else 0), "numel": 200,
+                     "output_error": rnd.random() * (0.3 if k[0] == "b" and p.endswith("w2") else 1.0)
+                     * (4.0 if k.endswith("2") else 1.0), "output_energy": 1.0} for k in codec_of} for p in params}
+    for budget in (1.7, 2.0, 2.3):
+        got = allocate(cands, budget, "gate_up", "output", codec_of=codec_of)
+        c = got["choice"]
+        assert got["q_bits"] <= budget
+        best = float("inf")
+        for picks in itertools.product(codec_of, repeat=4):  # (w1/w3, w2) of layers 0 and 1
+            ch = {f"layers.{i}.moe.{p}": picks[2 * i + (p == "w2")] for i in range(2) for p in ("w1", "w3", "w2")}
+            if any(codec_of[ch[f"layers.{i}.moe.w1"]] != codec_of[ch[f"layers.{i}.moe.w2"]] for i in range(2)):
+                continue
+            if 8.0 * sum(cands[p][k]["nbytes"] for p, k in ch.items()) / 1200 <= budget:
+                best = min(best, sum(cands[p][k]["output_error"] for p, k in ch.items()))
+        for i in range(2):
+            assert c[f"layers.{i}.moe.w1"] == c[f"layers.{i}.moe.w3"]
+            assert codec_of[c[f"layers.{i}.moe.w1"]] == codec_of[c[f"layers.{i}.moe.w2"]]
+        assert got["error"] == pytest.approx(best, rel=1e-12)
 
 
 @pytest.mark.parametrize("alloc,message", [
@@ -112,6 +138,28 @@ def _q_bits(report, model_dir) -> float:
     shapes = {k: v.shape.numel() for k, v in HFCheckpoint(model_dir).state_dict().items()}
     per = {n: q for a in report["allocation"] for n, q in a["q_bits_per_matrix"].items()}
     return sum(q * shapes[n] for n, q in per.items()) / sum(shapes[n] for n in per)
+
+
+def _assert_packed_is_source(packed, src):
+    """The packed model computes the source model whose matrices are `src` (the stored parts dequantized)."""
+    model, _ = load_model(packed)
+    ref = build_model(model.args, src, dtype=torch.float32)
+    x = torch.randint(0, model.args.vocab_size, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
+    return model
+
+
+def _fused_and_per_expert(ew, dim, ids):
+    """(the fused Triton kernels' output or None, the per-expert torch reference) for two tokens routed to `ids`."""
+    h = torch.randn(2, dim)
+    ids = torch.tensor(ids)
+    wts = torch.softmax(torch.randn(2, 2), -1)
+    with kernels_forced("1"):
+        fused = ew.fused(h, wts, ids)
+    want = sum(wts[:, a, None] * torch.stack([ew.expert(int(ids[n, a]), h[n : n + 1])[0] for n in range(2)])
+               for a in range(2))
+    return fused, want
 
 
 def _stored(packed):
@@ -166,24 +214,13 @@ def test_mixed_widths_pipeline(tiny_moe_dir, tmp_path, unit):
         assert tensors[f"{n}.had_signs"]["bits"] == b
         signs = unpack_signs(parts.pop("had_signs"), src[n].shape[-1])
         src[n] = rotate(dequantize("hls", b, tuple(src[n].shape), parts), signs, inverse=True)
-    model, _ = load_model(packed)
-    ref = build_model(model.args, src, dtype=torch.float32)
-    x = torch.randint(0, model.args.vocab_size, (2, 24))
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
+    model = _assert_packed_is_source(packed, src)
     # the Triton kernels: w1 and w3 of one width fuse (w2 may differ); otherwise the torch path
     for i in (0, 1):
-        ew = model.layers[i].moe.codec
-        h = torch.randn(2, model.args.dim)
-        ids = torch.tensor([[0, 3], [2, 4]])
-        wts = torch.softmax(torch.randn(2, 2), -1)
-        with kernels_forced("1"):
-            fused = ew.fused(h, wts, ids)
+        fused, want = _fused_and_per_expert(model.layers[i].moe.codec, model.args.dim, [[0, 3], [2, 4]])
         if bits[f"layers.{i}.moe.w1"] != bits[f"layers.{i}.moe.w3"]:  # one gate/up launch reads both
             assert fused is None
             continue
-        want = sum(wts[:, a, None] * torch.stack([ew.expert(int(ids[n, a]), h[n : n + 1])[0] for n in range(2)])
-                   for a in range(2))
         torch.testing.assert_close(fused.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
     json.dumps(report)  # the report (allocation included) is plain JSON
     if unit == "matrix":  # attention projections of mixed widths: the qlinear kernel per QLinear
@@ -266,8 +303,58 @@ def test_allocate_takes_the_computed_and_vector_codecs(tiny_moe32_dir, tmp_path,
         assert tensors[f"{n}.codes"]["bits"] == b
         parts = {k.removeprefix(n + "."): v for k, v in stored.items() if k.startswith(n + ".")}
         src[n] = dequantize(codec, b, tuple(src[n].shape), parts)
-    model, _ = load_model(packed)
-    ref = build_model(model.args, src, dtype=torch.float32)
-    x = torch.randint(0, model.args.vocab_size, (2, 24))
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
+    _assert_packed_is_source(packed, src)
+
+
+def test_allocate_across_codecs(tiny_moe32_dir, tmp_path):
+    """allocate.candidates of two codecs (tcq 2-bit, hls 3-bit) under unit gate_up, then tuning: each matrix tuned
+    and stored under its chosen codec and width (manifest, parts), a layer's w1, w3 and w2 in one codec, the budget
+    held, the torch path equal to the source with W = dequant(parts), and the fused kernels taking each layer."""
+    from moec.calibrate.allocate import candidate_bytes
+
+    src = HFCheckpoint(tiny_moe32_dir).state_dict()
+    shapes = {n: tuple(t.shape) for n, t in src.items() if ".moe.w" in n}
+    numel = sum(torch.Size(s).numel() for s in shapes.values())
+    lo = sum(candidate_bytes("tcq", 2, s, 0, 0) for s in shapes.values())
+    hi = sum(candidate_bytes("hls", 3, s, 0, 0) for s in shapes.values())
+    budget = 8.0 * (lo + hi) / 2 / numel
+    rule = {"targets": ["experts"], "codec": "tcq", "allocate": {
+        "budget": budget, "unit": "gate_up", "candidates": [{"bits": 2}, {"codec": "hls", "bits": 3}]}}
+    recipe = parse_recipe({"name": "alloc-x", "weights": [rule],
+                           "calibration": {"expert_policy": "all-experts-for-stats", "min_expert_tokens": 0,
+                                           "tune_steps": 2, "tune_batch": 2}})
+    assert list(recipe.weights[0].candidate_rules()) == ["tcq2", "hls3"]
+    calib, packed = tmp_path / "calib", tmp_path / "packed"
+    report = calibrate(tiny_moe32_dir, "tiny", recipe, "ptb", "valid", 4, 64, 0, calib)
+    alloc = report["allocation"][0]
+    choice = alloc["choice"]
+    codec = {n: {"tcq2": "tcq", "hls3": "hls"}[k] for n, k in choice.items()}
+    assert set(codec.values()) == {"tcq", "hls"}, choice  # both codecs chosen somewhere at this budget
+    for i in (0, 1):
+        assert len({codec[f"layers.{i}.moe.{p}"] for p in ("w1", "w3", "w2")}) == 1
+    assert alloc["bits"] == {n: 2 if k == "tcq2" else 3 for n, k in choice.items()}
+    assert sorted(report["tune"]["codecs"]) == ["hls", "tcq"]  # each matrix tuned as its chosen codec
+    man = pack(tiny_moe32_dir, "tiny", calib, packed)
+    assert man["effective_bits"]["q_bits"] == pytest.approx(_q_bits(report, tiny_moe32_dir), abs=1e-5)
+    assert _q_bits(report, tiny_moe32_dir) <= budget + 1e-6
+    stored, tensors = _stored(packed), json.loads((packed / "moec.json").read_text())["tensors"]
+    for n, b in alloc["bits"].items():
+        assert (tensors[f"{n}.codes"]["codec"], tensors[f"{n}.codes"]["bits"]) == (codec[n], b)
+        parts = {k.removeprefix(n + "."): v for k, v in stored.items() if k.startswith(n + ".")}
+        src[n] = dequantize(codec[n], b, tuple(src[n].shape), parts)
+    model = _assert_packed_is_source(packed, src)
+    for i in (0, 1):
+        fused, want = _fused_and_per_expert(model.layers[i].moe.codec, model.args.dim, [[0, 3], [2, 1]])
+        torch.testing.assert_close(fused.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("alloc,message", [
+    ({"budget": 3, "bits": [2], "candidates": [{"bits": 2}, {"bits": 3}]}, "leave allocate.bits out"),
+    ({"budget": 3, "candidates": [{"bits": 2}, {"bits": 2, "codec": "hls"}, {"bits": 2}]}, "lists hls2 twice"),
+    ({"budget": 3, "candidates": [{"bits": 2}, {"bits": 16, "codec": "keep"}]}, "candidates[1]: codec 'keep'"),
+    ({"budget": 3, "candidates": [{"bits": 2}, {"bits": 2, "codec": "vq", "group_size": 3}]}, "group_size must be"),
+    ({"budget": 3, "candidates": [{"bits": 2, "shared_codebook": True}]}, "codec 'hls' has none to share"),
+])
+def test_bad_allocate_candidates(alloc, message):
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_recipe({"weights": [{"targets": ["experts"], "codec": "hls", "allocate": alloc}]})

@@ -8,13 +8,14 @@ import torch
 from safetensors.torch import load_file
 
 from moec.calibrate import hls, vq
+from moec.calibrate.distributed import Dist
 from moec.calibrate.pack import pack
 from moec.calibrate.recipe import WeightRule, parse_recipe
 from moec.calibrate.run import calibrate
 from moec.errors import FormatError, UserError
 from moec.rotation import rotate, unpack_signs
 from moec.runtime.hf_layout import HFCheckpoint
-from moec.runtime.loader import load_model
+from moec.runtime.loader import check_quant_parts, load_model
 from moec.runtime.model import build_model
 from moec.runtime.weightcodecs import dequantize_vq, random_vq
 
@@ -62,28 +63,54 @@ def test_vector_gptq_matches_sequential_columns():
     assert torch.equal(got[0], torch.stack(want, -1))
 
 
-def test_refit_codebook_solves_the_least_squares_problem():
-    W, H = _problem(O=24, I=32)
+@pytest.mark.parametrize("E", [1, 3])  # 3: one codebook shared by three experts (each under its own H)
+def test_refit_codebook_solves_the_least_squares_problem(E):
+    W, H = _problem(E=E, O=24, I=32)
     s = W.pow(2).mean(-1).sqrt()
     C0 = torch.randn(1, 16, 2)
-    idx = torch.randint(0, 16, (1, 24, 16))
+    idx = torch.randint(0, 16, (E, 24, 16))
     C = vq.refit_codebook(W, H, s, idx, C0, iters=200)
-    # closed form: vec(C) = M⁻¹ b with M = Σ_o s_o² A_oᵀ H A_o
-    A = torch.zeros(24, 32, 32)  # A_o [I, K·d]: input j·d + a reads entry (idx[o, j], a)
-    for o in range(24):
-        for j in range(16):
-            for a in range(2):
-                A[o, j * 2 + a, idx[0, o, j] * 2 + a] = 1
-    M = torch.einsum("o,oik,ij,ojl->kl", s[0] ** 2, A, H[0], A)
-    b = torch.einsum("o,oik,ij,oj->k", s[0], A, H[0], W[0])
+    # closed form: vec(C) = M⁻¹ b with M = Σ_e Σ_o s_eo² A_eoᵀ H_e A_eo
+    A = torch.zeros(E, 24, 32, 32)  # A_eo [I, K·d]: input j·d + a reads entry (idx[e, o, j], a)
+    for e in range(E):
+        for o in range(24):
+            for j in range(16):
+                for a in range(2):
+                    A[e, o, j * 2 + a, idx[e, o, j] * 2 + a] = 1
+    M = torch.einsum("eo,eoik,eij,eojl->kl", s**2, A, H, A)
+    b = torch.einsum("eo,eoik,eij,eoj->k", s, A, H, W)
     want = torch.linalg.lstsq(M, b[:, None]).solution[:, 0].view(16, 2)
     used = torch.zeros(16, dtype=torch.bool)
     used[idx.unique()] = True
     torch.testing.assert_close(C[0][used], want[used], rtol=1e-3, atol=1e-3)
-    e0 = hls.output_error(W, vq.reconstruct(C0, s, idx), H)
-    assert hls.output_error(W, vq.reconstruct(C, s, idx), H) < e0
-    s2 = vq.refit_scales(W, H, C, idx, s)
-    assert hls.output_error(W, vq.reconstruct(C, s2, idx), H) <= hls.output_error(W, vq.reconstruct(C, s, idx), H)
+    def err(C, s):  # summed over the experts that share C
+        return hls.output_error(W, vq.reconstruct(C, s, idx), H).sum()
+
+    assert err(C, s) < err(C0, s)
+    assert err(C, vq.refit_scales(W, H, C, idx, s)) <= err(C, s)
+
+
+def test_shared_codebook_fit():
+    """One codebook [1, K, d] for four experts: stored layout, the reconstruction the runtime computes, and an
+    error no worse than the best shared codebook one expert's own fit offers (each expert's codebook is a
+    candidate the pooled fit could have kept)."""
+    W, H = _problem(E=4, O=16, I=64)
+    rule = WeightRule(targets=["experts"], codec="vq", bits=2, group_size=4, shared_codebook=True)
+    st = vq.quantize_vq_rule(W, H, rule)
+    assert st["codebook"].shape == (1, 256, 4) and st["row_scale"].shape == (4, 16)
+    ref = vq.quantize_vq(W, H, 2, 4, shared=True)
+    shared_err = hls.output_error(W, vq.fitted_weight(ref), H).sum()
+    assert torch.equal(dequantize_vq(2, W.shape, st), vq.fitted_weight(ref))
+    own = vq.quantize_vq(W, H, 2, 4)
+    _, U = hls.gptq_factor(H.float(), act_order=False)
+    borrowed = []
+    for e in range(4):  # expert e's codebook for every expert, codes and scales refitted to it
+        C = own["codebook"][e : e + 1].float()
+        s = own["row_scale"].float()
+        idx = vq.gptq_assign_vq(W / s[..., None], U, C.expand(4, -1, -1))
+        s = vq.refit_scales(W, H, C, idx, s)
+        borrowed.append(hls.output_error(W, vq.reconstruct(C, s, idx), H).sum())
+    assert shared_err < min(borrowed), (shared_err, borrowed)
 
 
 @pytest.mark.parametrize("bits,d", [(2, 4), (3, 2), (2, 2), (3, 4), (2, 1)])
@@ -106,11 +133,20 @@ def test_bad_vq_rules(bits, d, msg):
         WeightRule(targets=["experts"], codec="vq", bits=bits, group_size=d)
 
 
-def test_vq_pipeline(tiny_moe_dir, tmp_path):
+def test_shared_codebook_needs_a_codebook_to_share():
+    with pytest.raises(UserError, match="codec 'hls' has none to share.*vq"):
+        WeightRule(targets=["experts"], codec="hls", bits=2, shared_codebook=True)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_vq_pipeline(tiny_moe_dir, tmp_path, shared):
     """calibrate (with incoherence and a few tuning steps) → pack → load: the loaded model computes the
-    source model with each expert matrix replaced by its stored vq reconstruction (rotation undone)."""
+    source model with each expert matrix replaced by its stored vq reconstruction (rotation undone).
+    shared: one codebook per layer's matrix, stored [1, K, d]; a manifest's codebook of another leading size
+    is refused."""
     calib, packed = tmp_path / "calib", tmp_path / "packed"
-    rules = [{"targets": ["experts"], "codec": "vq", "bits": 2, "group_size": 4, "incoherence": {"block": 8}}]
+    rules = [{"targets": ["experts"], "codec": "vq", "bits": 2, "group_size": 4, "incoherence": {"block": 8},
+              "shared_codebook": shared}]
     recipe = parse_recipe({"name": "vq", "weights": rules,
                            "calibration": {"expert_policy": "all-experts-for-stats", "min_expert_tokens": 0,
                                            "tune_steps": 3, "tune_batch": 2}})
@@ -130,6 +166,7 @@ def test_vq_pipeline(tiny_moe_dir, tmp_path):
             for k, v in parts.items():
                 assert torch.equal(v, fitted[f"fit.{name}.{k}"]), (name, k)
             assert man["tensors"][f"{name}.codebook"]["codec"] == "vq"
+            assert parts["codebook"].shape[0] == (1 if shared else src[name].shape[0])
             signs = unpack_signs(parts.pop("had_signs"), src[name].shape[-1])
             src[name] = rotate(dequantize_vq(2, tuple(src[name].shape), parts), signs, inverse=True)
     tuned = json.loads((calib / "report.json").read_text())["tune"]
@@ -142,6 +179,12 @@ def test_vq_pipeline(tiny_moe_dir, tmp_path):
         # the CPU reference dequantizes one expert at a time: expert e alone == row e of all experts
         q = model.layers[0].moe.codec.w2
         torch.testing.assert_close(q.dequant_ref(1), q.dequant_ref()[1], rtol=0, atol=0)
+    if shared:  # a codebook for two of the five experts is neither shared nor one per expert
+        man_bad = json.loads(json.dumps(man))
+        man_bad["tensors"]["layers.0.moe.w2.codebook"]["shape"][0] = 2
+        check_quant_parts(packed, man)  # (the shards' own shapes are checked against the manifest first)
+        with pytest.raises(FormatError, match=r"w2 \(vq, 2 bits\): part 'codebook' is float16 \[2, 256, 4\]"):
+            check_quant_parts(packed, man_bad)
     # a manifest whose vq group_size is not a vector length is a FormatError, not a traceback
     for bad in (0, 3):
         man_bad = json.loads(json.dumps(man))
@@ -151,3 +194,13 @@ def test_vq_pipeline(tiny_moe_dir, tmp_path):
         (packed / "moec.json").write_text(json.dumps(man_bad))
         with pytest.raises(FormatError, match="group_size"):
             load_model(packed)
+
+
+def test_shared_codebook_refused_expert_parallel(tiny_moe_dir, tmp_path):
+    """Expert-parallel ranks each fit a share of the experts; a shared codebook needs them all in one fit."""
+    rules = [{"targets": ["experts"], "codec": "vq", "bits": 2, "group_size": 4, "shared_codebook": True}]
+    recipe = parse_recipe({"name": "vq-shared", "weights": rules})
+    with pytest.raises(UserError, match="shared_codebook fits one codebook from every expert.*one process"):
+        calibrate(tiny_moe_dir, "tiny", recipe, "ptb", "valid", 4, 64, 0, tmp_path / "calib",
+                  dist=Dist(grouped=True))
+    assert not (tmp_path / "calib").exists()

@@ -127,15 +127,21 @@ def test_qlinear_matches_reference(bits, d, M):
         assert rel_err(qlinear(x, w, bias, vq_gather=True), want) <= tol
 
 
-@pytest.mark.parametrize("N", [1, 3])  # decode GEMV, grouped kernel
-def test_runtime_fused_path(N):
+@pytest.mark.parametrize("N,shared", [(1, False), (3, False), (1, True), (3, True)])  # decode GEMV, grouped
+def test_runtime_fused_path(N, shared):
     """QuantMatrix("vq") hands the stored parts to the kernels (kernel_mode 4) and ExpertWeights.fused
-    (MOEC_KERNELS=1: the interpreter on the CPU) matches the torch reference path."""
+    (MOEC_KERNELS=1: the interpreter on the CPU) matches the torch reference path. shared: one codebook
+    stored for every expert ([1, K, d], a rule's shared_codebook), held per expert."""
     gen = torch.Generator().manual_seed(N)
     E, D, I, bits, d = 4, 64, 32, 2, 4
-    qs = [QuantMatrix("vq", bits, (E, o, i), random_vq(bits, (E, o, i), d, "cpu", gen))
-          for o, i in ((I, D), (I, D), (D, I))]
+    stored = [random_vq(bits, (E, o, i), d, "cpu", gen) for o, i in ((I, D), (I, D), (D, I))]
+    if shared:
+        stored = [st | {"codebook": st["codebook"][1:2]} for st in stored]
+    qs = [QuantMatrix("vq", bits, (E, o, i), st) for (o, i), st in zip(((I, D), (I, D), (D, I)), stored, strict=True)]
     assert all(q.kernel_mode == MODE_VQ and q.kernel_ok() for q in qs)
+    for q, st in zip(qs, stored, strict=True):  # every expert reads the one stored codebook
+        assert q.codebook.shape[0] == E and torch.equal(q.codebook, st["codebook"].expand(E, -1, -1))
+        assert torch.equal(q.dequant_ref(), dequantize_vq(bits, q.shape, st))
     ew = ExpertWeights(*qs).to(DEVICE)
     x = torch.randn(N, D, generator=gen).to(DEVICE)
     ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(N)]).to(DEVICE)
