@@ -53,6 +53,10 @@ a property of one prompt, a wrong slot, rotation or codec field shows on any); t
 prompt's numbers and the first's under `first_prompt` (2026-12-06: smollm2-mlp-tcq2-had's static path flipped
 one of 25 steps, rel_l2_exact 0.064 against a bound of 0.036, while its dynamic path sat at the floor).
 
+Calibration's own kernels run once, outside the recipes (record recipe "(calibration)"): `tcq-viterbi`, the
+trellis fit's Viterbi kernel (kernels/tcq_viterbi.py) against the torch search on the GPU at a Mixtral row
+count, 2 and 3 bits, which must give the same states bit for bit.
+
 Records (one per check): recipe, check, ok, error, and for logit checks max_abs_err, rel_l2_err, kernel
 (whether the default path took the fused kernel), graphs; every record carries `source_tree`, the content
 hash of moec/ (scripts/source_tree.sh), which the submitter compares with the landed tree.
@@ -228,6 +232,42 @@ def _checked(name: str, work: Path, tokenizer_dir: Path, device: str, shape: str
     return recs, time.time() - t0
 
 
+def check_calibration_kernels(device: str) -> list[dict]:
+    """The calibration kernels against their torch versions on `device` (module docstring); [] on the CPU."""
+    if device != "cuda":
+        return []
+    import os
+
+    from moec.calibrate.tcq import viterbi
+    from moec.kernels.tcq_viterbi import viterbi_rows
+    from moec.runtime.tcq import code_table
+
+    out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    table = code_table(12).cuda()
+    for k in (2, 3):
+        t0 = time.time()
+        rec = {"recipe": "(calibration)", "check": f"tcq-viterbi-k{k}", "shape": "rows 4096, 40 steps"}
+        try:
+            x = torch.randn(4096, 40, device="cuda", generator=g) * 1.2
+            w = torch.rand(40, device="cuda", generator=g) + 0.3
+            start = torch.randint(0, 4096, (4096,), device="cuda", generator=g)
+            os.environ["MOEC_TCQ_VITERBI"] = "torch"
+            try:
+                want = viterbi(x, 12, k, start, table, w)
+            finally:
+                del os.environ["MOEC_TCQ_VITERBI"]
+            got = viterbi_rows(x, table, k, w, start)
+            rows_differ = int((got != want).any(1).sum())
+            rec |= {"ok": rows_differ == 0, "error": None if rows_differ == 0 else f"{rows_differ} rows differ",
+                    "rows_differ": rows_differ}
+        except Exception as e:  # recorded: the gate fails, the rest of the smoke still runs
+            rec |= {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        rec["seconds"] = round(time.time() - t0, 2)
+        out.append(rec)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_smoke_h200.json")
@@ -254,7 +294,10 @@ def main() -> int:
     jobs += [(GLM_SHAPE, n) for n in names if GLM_SHAPE in a.shapes and n in GLM_RECIPES]
     jobs += [(OSS_SHAPE, n) for n in names if OSS_SHAPE in a.shapes and n in OSS_RECIPES]
     t_start = time.time()
-    records = []
+    records = [base_record("gpu-smoke", a.device) | {"source_tree": tree} | r
+               for r in check_calibration_kernels(a.device)]
+    for r in records:
+        print(f"[{r['recipe']} {r['check']}] {'ok' if r['ok'] else 'FAILED: ' + str(r['error'])}", flush=True)
     # Triton compiles (CPU-bound) dominate: recipes run in `--jobs` processes on the one GPU
     with tempfile.TemporaryDirectory(prefix="moec-smoke-") as tmp, ProcessPoolExecutor(
             a.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -267,7 +310,8 @@ def main() -> int:
             bad = [r for r in recs if not r["ok"]]
             print(f"[{shape} {name}] {'ok' if not bad else 'FAILED'} in {secs:.1f} s"
                   + "".join(f"\n   {r['check']}: {r['error']}" for r in bad), flush=True)
-            records.sort(key=lambda r: (r["shape"] != SHAPE, names.index(r["recipe"]), r["check"]))
+            records.sort(key=lambda r: (r["recipe"] != "(calibration)", r["shape"] != SHAPE,
+                                        names.index(r["recipe"]) if r["recipe"] in names else -1, r["check"]))
             write_json_atomic(a.out, records)
     n_bad = sum(not r["ok"] for r in records)
     print(f"gpu smoke: {len(records) - n_bad}/{len(records)} checks ok over {len(jobs)} recipe runs in "

@@ -201,7 +201,8 @@ def pack_random(args, shape_name: str, recipe: Recipe, out_dir: Path, device: st
                                 f"matrices only; recipe rule {rule.targets} ({rule.codec}) also matches {name!r}")
             stacked = shape if is_expert else (1, *shape)  # plain linear parts are stored without the E axis
             parts = {k: (v if is_expert else v[0]).cpu() for k, v in
-                     random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen).items()}
+                     random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen,
+                                   rule.shared_codebook).items()}
             for part, v in (parts | random_rotation(rule, name, shape[-1])).items():  # signs: no E axis
                 tensors[f"{name}.{part}"] = v
                 info[f"{name}.{part}"] = {"codec": rule.codec, "bits": rule.bits, "param": name,

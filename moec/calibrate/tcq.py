@@ -16,6 +16,8 @@ benchmarks/studies/bench_hls_study.py (method `tcq`) measured the choices (block
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..formats.codecs import TCQ_STATE_BITS
@@ -28,8 +30,9 @@ LOOKAHEAD = 32
 SCALE_GAIN = {2: 1.0, 3: 1.1, 4: 1.1}
 
 
-# The cost history a Viterbi call keeps (rows are searched in chunks under it), and the rows one call of the fit
-# searches: on a GPU wide calls amortize the ~6 kernel launches per input, on a CPU 512 rows already fill the cores
+# The cost history a Viterbi call of the torch search keeps (rows are searched in chunks under it), and the rows one
+# call of the fit searches: on a GPU (the Viterbi kernel: 2^(L-k) bytes of backpointers per row and input) wide calls
+# fill the device, on a CPU 512 rows already fill the cores
 HISTORY_BYTES = {"cpu": 512 << 20, "cuda": 4 << 30}
 FIT_ROWS = {"cpu": 512, "cuda": 8192}
 
@@ -38,7 +41,14 @@ def viterbi(x: torch.Tensor, L: int, k: int, start: torch.Tensor | None, table: 
             weight: torch.Tensor | None = None, workspace: list | None = None) -> torch.Tensor:
     """x [N, T] (targets in code units) -> states [N, T] int64 of the path of least (column-weighted: weight [T])
     squared error. start [N]: the state before x[:, 0] (the path continues it), or None (any first state).
-    workspace: a list the caller keeps between calls (the cost history's buffer is reused from it)."""
+    workspace: a list the caller keeps between calls (the cost history's buffer is reused from it). On CUDA the
+    Triton kernel of kernels/tcq_viterbi.py gives the same states (MOEC_TCQ_VITERBI=torch: this code there too)."""
+    if x.device.type == "cuda" and os.environ.get("MOEC_TCQ_VITERBI") != "torch":
+        # one launch, the path costs in registers (kernels/tcq_viterbi.py): the same states, ~6 launches per
+        # input fewer and no cost history in global memory
+        from ..kernels.tcq_viterbi import viterbi_rows
+
+        return viterbi_rows(x, table, k, weight, start)
     N, T = x.shape
     rows = max(1, HISTORY_BYTES.get(x.device.type, HISTORY_BYTES["cpu"]) // (T * (4 << L)))
     if N > rows:

@@ -36,9 +36,10 @@ def signature_of(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
 
 
 def compile_cuda(fn, types: dict[str, str], constexprs: dict, num_warps: int, capability: int = 90,
-                 maxnreg: int | None = None):
+                 maxnreg: int | None = None, enable_fp_fusion: bool = True):
     """The compiled kernel (asm dict: ttgir, ptx, cubin) of a @gluon.jit or @triton.jit function. Pointer
-    arguments are assumed 16-byte aligned, as a launch with torch tensors specializes them."""
+    arguments are assumed 16-byte aligned, as a launch with torch tensors specializes them; enable_fp_fusion:
+    the launch option of that name (False: no fused multiply-adds)."""
     sig = signature_of(fn, types, constexprs)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     if getattr(fn, "is_gluon", lambda: False)():
@@ -46,7 +47,8 @@ def compile_cuda(fn, types: dict[str, str], constexprs: dict, num_warps: int, ca
     else:
         from triton.compiler import ASTSource as Source
     src = Source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": num_warps} | ({"maxnreg": maxnreg} if maxnreg else {})
+    options = ({"num_warps": num_warps, "enable_fp_fusion": enable_fp_fusion}
+               | ({"maxnreg": maxnreg} if maxnreg else {}))
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 
@@ -97,12 +99,15 @@ def loop_histogram(rows: list[tuple[int, str]], marker: str) -> Counter:
 
 
 def report(module: str, kernel: str, types: dict[str, str], constexprs: dict, num_warps: int,
-           maxnreg: int | None = None, loop_marker: str | None = None) -> dict:
-    """Compile module.kernel for sm_90: {"resources": resources(), "loop": loop_histogram(marker) or {}}."""
+           maxnreg: int | None = None, loop_marker: str | None = None, enable_fp_fusion: bool = True) -> dict:
+    """Compile module.kernel for sm_90: {"resources": resources(), "loop": loop_histogram(marker) or {},
+    "opcodes": the whole kernel's opcode counts}."""
     fn = getattr(importlib.import_module(module), kernel)
-    k = compile_cuda(fn, types, constexprs, num_warps, maxnreg=maxnreg)
-    loop = loop_histogram(sass(k.asm["cubin"]), loop_marker) if loop_marker else Counter()
-    return {"resources": resources(k.asm["cubin"]), "loop": dict(loop)}
+    k = compile_cuda(fn, types, constexprs, num_warps, maxnreg=maxnreg, enable_fp_fusion=enable_fp_fusion)
+    rows = sass(k.asm["cubin"])
+    loop = loop_histogram(rows, loop_marker) if loop_marker else Counter()
+    return {"resources": resources(k.asm["cubin"]), "loop": dict(loop),
+            "opcodes": dict(Counter(opcode(t) for _, t in rows))}
 
 
 def report_in_subprocess(jobs: list[dict]) -> list[dict]:

@@ -34,12 +34,14 @@ EXPERT_PARAM = ("w1", "w2", "w3")
 # -- random models -------------------------------------------------------------------------------------
 
 def random_stored(codec: str, bits: int, shape: tuple[int, int, int], group_size: int, device,
-                  gen: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """Random stored parts of `codec` for a stacked matrix [E, O, I] (its registered `random_stored` hook)."""
+                  gen: torch.Generator | None = None, shared: bool = False) -> dict[str, torch.Tensor]:
+    """Random stored parts of `codec` for a stacked matrix [E, O, I] (its registered `random_stored` hook);
+    shared: the codec's shared_parts once for every expert (a rule's shared_codebook), as calibration stores them."""
     spec = weight_codec(codec)
     if spec.random_stored is None:
         raise ValueError(f"weight codec {codec!r} has no random stand-in")
-    return spec.hook("random_stored")(bits, shape, group_size, device, gen)
+    parts = spec.hook("random_stored")(bits, shape, group_size, device, gen)
+    return {k: v[:1].contiguous() if shared and k in spec.shared_parts else v for k, v in parts.items()}
 
 
 def random_rotation(rule, name: str, n_in: int) -> dict[str, torch.Tensor]:
@@ -76,7 +78,7 @@ def random_model(args: ModelArgs, rule_for, device, dtype=torch.bfloat16, seed: 
         is_attn = LINEAR_PARAM.search(name) is not None
         if rule is not None and not weight_codec(rule.codec).identity and (is_expert or is_attn):
             stacked = shape if is_expert else (1, *shape)  # a plain linear weight is one "expert"
-            stored = random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen)
+            stored = random_stored(rule.codec, rule.bits, stacked, rule.group_size, device, gen, rule.shared_codebook)
             if not is_expert:  # stored without the E axis, as a packed checkpoint stores it (fp8 scales [O])
                 stored = {k: v[0] for k, v in stored.items()}
             quant[name] = QuantMatrix(rule.codec, rule.bits, shape, stored | random_rotation(rule, name, shape[-1]))

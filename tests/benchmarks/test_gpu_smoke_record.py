@@ -66,3 +66,10 @@ def test_one_source_tree(records):
     if trees != {here}:
         warnings.warn(f"gpu_smoke_h200.json was made on moec/ tree {next(iter(trees))[:12]}, this checkout is "
                       f"{here[:12]}: rerun benchmarks/gpu_smoke.sh on the GPU", stacklevel=1)
+
+
+def test_calibration_kernels_checked(records):
+    """The trellis fit's Viterbi kernel is compared with the torch search on the GPU (gpu_smoke.py)."""
+    if {r["source_tree"] for r in records} == {checkout_tree()}:
+        checks = {r["check"] for r in records if r["recipe"] == "(calibration)"}
+        assert {"tcq-viterbi-k2", "tcq-viterbi-k3"} <= checks, checks

@@ -204,3 +204,21 @@ def test_shared_codebook_refused_expert_parallel(tiny_moe_dir, tmp_path):
         calibrate(tiny_moe_dir, "tiny", recipe, "ptb", "valid", 4, 64, 0, tmp_path / "calib",
                   dist=Dist(grouped=True))
     assert not (tmp_path / "calib").exists()
+
+
+def test_random_pack_stores_the_shared_layout(tmp_path):
+    """`moec pack --random` with a shared-codebook recipe stores one codebook per matrix, as calibration does (the
+    GPU smoke and the latency models run that layout), and the model loads with it held per expert."""
+    from moec.calibrate.pack import pack_random
+    from moec.calibrate.recipe import load_recipe
+    from moec.formats import checkpoint
+    from moec.runtime.config import ModelArgs
+
+    args = ModelArgs(arch="mixtral", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                     max_seq_len=128, n_experts=4, top_k=2, expert_dim=16)
+    pack_random(args, "tiny", load_recipe("moec/recipes/experts-vq2-d4-had-shared.yaml"), tmp_path / "ck")
+    man = json.loads((tmp_path / "ck" / checkpoint.MANIFEST).read_text())
+    assert man["tensors"]["layers.1.moe.w2.codebook"]["shape"] == [1, 256, 4]
+    model, _ = load_model(tmp_path / "ck")
+    w2 = model.layers[1].moe.codec.w2
+    assert w2.codebook.shape == (4, 256, 4) and torch.equal(w2.codebook[0], w2.codebook[3])
