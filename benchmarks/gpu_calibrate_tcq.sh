@@ -2,7 +2,7 @@
 # Calibration time of the trellis (tcq) recipes on the GPU (issue 38): demo-moe whole (calibrate, pack, ppl),
 # SmolLM2-135M's shape (random weights, SmolLM2's tokenization of the PTB windows; gpu_calibrate_demo_moe.py
 # says what such a time means) and the fit of one Mixtral-8x7B layer (bench_calibrate_scale.py, fits only; 2 of
-# its 8 experts, extrapolated: a whole layer did not finish in 400 s on an H100).
+# its 8 experts, extrapolated; MOEC_TCQ_VITERBI=torch times the torch search instead of the kernel).
 # Each part under its own timeout, its record in OUT_DIR as soon as it is made.
 # Usage, from the repo root:  bash benchmarks/gpu_calibrate_tcq.sh OUT_DIR [demo] [smollm2] [mixtral]
 set -uo pipefail
