@@ -1,9 +1,11 @@
-"""Softmax top-k routing in one launch (issue 16: fewer kernels per decode layer).
+"""Top-k routing in one launch (issue 16: fewer kernels per decode layer; sigmoid group routing: issues 35, 36).
 
 Shape legend: N = tokens, E = experts, A = experts per token (top_k).
 
     route_topk(logits [N, E], top_k, norm) -> weights [N, A] fp32, ids [N, A] int32
     route_gemv_topk(x [N, D], router [E, D], top_k, norm) -> the same, the router GEMV included
+    route_sigmoid_topk(logits [N, E], score_bias [E] | None, top_k, norm, n_group, topk_group, scale)
+        -> DeepSeek-V3 / GLM-4.5 routing (sigmoid scores, correction bias, group top-2) the same way
 
 The same as `moec.runtime.model.route` after its router GEMV: softmax in fp32, the top_k largest
 probabilities in descending order, optionally renormalized to sum 1. torch runs this as ~6 kernels at
@@ -164,6 +166,69 @@ def route_gemv_topk(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: boo
     return w, ids
 
 
+@triton.jit
+def _route_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_n, scale,
+                          G: tl.constexpr, G_P2: tl.constexpr, EG: tl.constexpr, EG_P2: tl.constexpr,
+                          KG: tl.constexpr, A: tl.constexpr, A_P2: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          NORM: tl.constexpr):
+    """One token: sigmoid scores, + the correction bias for the choice, the KG groups of largest top-2 sums kept
+    (KG < G), the top A experts of those, their unbiased scores (renormalized) times `scale`. Experts as
+    [G_P2, EG_P2] tiles: group g holds experts g·EG .. g·EG + EG - 1."""
+    n = tl.program_id(0)
+    g = tl.arange(0, G_P2)
+    j = tl.arange(0, EG_P2)
+    m = (g[:, None] < G) & (j[None, :] < EG)
+    e = g[:, None] * EG + j[None, :]
+    s = tl.sigmoid(tl.load(logits_ptr + n * stride_n + e, mask=m, other=0.0).to(tl.float32))
+    c = s + tl.load(bias_ptr + e, mask=m, other=0.0).to(tl.float32) if HAS_BIAS else s
+    c = tl.where(m, c, float("-inf"))
+    if KG < G:  # group_top2: a group's score is the sum of its two largest biased scores
+        t1 = tl.max(c, axis=1)
+        i1 = tl.min(tl.where(c == t1[:, None], j[None, :], EG_P2), axis=1)
+        t2 = tl.max(tl.where(j[None, :] == i1[:, None], float("-inf"), c), axis=1)
+        gs = tl.where(g < G, t1 + t2, float("-inf"))
+        keep = g < 0
+        for _ in tl.static_range(KG):
+            best = tl.max(gs, axis=0)
+            gi = tl.min(tl.where(gs == best, g, G_P2), axis=0)  # the lowest index among equals
+            keep = keep | (g == gi)
+            gs = tl.where(g == gi, float("-inf"), gs)
+        c = tl.where(keep[:, None], c, float("-inf"))
+    offs_a = tl.arange(0, A_P2)
+    top_w = tl.zeros((A_P2,), dtype=tl.float32)
+    top_i = tl.zeros((A_P2,), dtype=tl.int32)
+    for a in tl.static_range(A):
+        best = tl.max(tl.max(c, axis=1), axis=0)
+        idx = tl.min(tl.min(tl.where(c == best, e, G_P2 * EG_P2), axis=1), axis=0)
+        top_w = tl.where(offs_a == a, tl.sum(tl.sum(tl.where(e == idx, s, 0.0), axis=1), axis=0), top_w)
+        top_i = tl.where(offs_a == a, idx, top_i)
+        c = tl.where(e == idx, float("-inf"), c)
+    if NORM:
+        top_w = top_w / (tl.sum(top_w, axis=0) + 1e-20)
+    tl.store(w_ptr + n * A + offs_a, top_w * scale, mask=offs_a < A)
+    tl.store(ids_ptr + n * A + offs_a, top_i, mask=offs_a < A)
+
+
+def route_sigmoid_topk(logits: torch.Tensor, score_bias: torch.Tensor | None, top_k: int, norm: bool,
+                       n_group: int = 1, topk_group: int = 1, scale: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """weights [N, A] fp32 and ids [N, A] int32 of DeepSeek-V3 / GLM-4.5 routing (model.route with router_score
+    sigmoid, topk_method greedy or group_top2) over logits [N, E]: one program per token instead of torch's ~15
+    launches (sigmoid, bias add, two topks over groups, scatter, masked fill, topk, gather, sum, div, scale)."""
+    N, E = logits.shape
+    assert logits.stride(1) == 1 and E % n_group == 0 and 1 <= topk_group <= n_group, (logits.stride(), E, n_group)
+    assert 1 <= top_k <= E // n_group * topk_group, (top_k, E, n_group, topk_group)
+    eg = E // n_group
+    w = torch.empty(N, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(N, top_k, dtype=torch.int32, device=logits.device)
+    bias = score_bias if score_bias is not None else w  # not read without HAS_BIAS
+    _route_sigmoid_kernel[(N,)](logits, bias, w, ids, logits.stride(0), float(scale), G=n_group,
+                                G_P2=triton.next_power_of_2(n_group), EG=eg, EG_P2=triton.next_power_of_2(eg),
+                                KG=topk_group, A=top_k, A_P2=triton.next_power_of_2(top_k),
+                                HAS_BIAS=score_bias is not None, NORM=norm, num_warps=1 if E <= 128 else 4)
+    return w, ids
+
+
 def route_topk_ref(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference (moec.runtime.model.route after its GEMV): weights fp32, ids int32."""
     probs = torch.softmax(logits.float(), dim=-1)
@@ -173,4 +238,4 @@ def route_topk_ref(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.
     return w, ids.to(torch.int32)
 
 
-__all__ = ["route_gemv_topk", "route_topk", "route_topk_ref"]
+__all__ = ["route_gemv_topk", "route_sigmoid_topk", "route_topk", "route_topk_ref"]

@@ -68,7 +68,8 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
 
     Routing: the router GEMV, softmax, top-k and renormalization in one kernel at decode batch sizes and up
     to 32 experts (kernels/route_topk.py route_gemv_topk), else the GEMV then one kernel for the rest
-    (route_topk; torch's route is a GEMM and ~6 small kernels). Quantized
+    (route_topk, or route_sigmoid_topk for DeepSeek-V3 / GLM-4.5's sigmoid group routing; torch's route is a
+    GEMM and ~6-15 small kernels). Quantized
     experts go through their fused kernels (QuantExperts.fused); unquantized (bf16) routed experts through
     the same fused kernels in their dense mode (kernels/dequant.py MODE_DENSE), which read only the chosen
     experts; without them, a gather of the chosen experts' matrices ([N·A, I, D] copies: capturable, but the
@@ -87,9 +88,8 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
         w, ids = _route(x, moe.router.weight, a.top_k, a.norm_topk)  # [N, A] ×2
     elif softmax_topk_routing(moe):  # gpt-oss: the softmax over the kept logits is softmax, top-k, renormalize
         w, ids = _route(x, moe.router.weight, a.top_k, True, moe.router.bias, a)
-    else:  # DeepSeek's scores, groups, bias and scale: torch's route (no host sync: capturable)
-        _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk, a, getattr(moe, "score_bias", None),
-                          moe.router.bias)
+    else:  # DeepSeek's / GLM's scores, groups, bias and scale: one kernel where it applies, else torch's route
+        w, ids = _route_scored(moe, x)
     if moe.codec is not None:
         out = moe.codec.fused(x, w, ids, a, moe.biases())
     else:
@@ -139,6 +139,28 @@ def _route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool, bias: 
             _ROUTE_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             log.warning("routing kernel failed (%s); using torch's routing", _ROUTE_FAILED[0])
     _, w, ids = route(x, router, top_k, norm, args, None, bias)
+    return w, ids
+
+
+def _route_scored(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) of model.route for routing other than plain softmax: sigmoid scores with the correction bias
+    and group top-2 (DeepSeek-V3, GLM-4.5) in one kernel after the router GEMV (kernels/route_topk.py
+    route_sigmoid_topk; torch's route is ~15 small launches a layer), anything else (DeepSeek-V2's group_max)
+    through torch's route; no host sync either way (capturable)."""
+    a, bias = moe.args, getattr(moe, "score_bias", None)
+    if a.router_score == "sigmoid" and a.topk_method in ("greedy", "group_top2") and not _ROUTE_FAILED:
+        groups = (a.n_group, a.topk_group) if a.topk_method == "group_top2" else (1, 1)
+        try:
+            from ..kernels.route_topk import route_sigmoid_topk
+
+            return route_sigmoid_topk(F.linear(x, moe.router.weight, moe.router.bias), bias, a.top_k, a.norm_topk,
+                                      *groups, a.routed_scale)
+        except Exception as e:  # the warm-up step (outside capture) meets compile errors first
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            _ROUTE_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            log.warning("routing kernel failed (%s); using torch's routing", _ROUTE_FAILED[0])
+    _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk, a, bias, moe.router.bias)
     return w, ids
 
 

@@ -61,3 +61,47 @@ def test_route_gemv_topk_matches_torch_route(N, E, A, norm, dtype):
             top = probs.topk(min(A + 1, E), -1).values
             clear = (top[:, A - 1] - (top[:, A] if A < E else 0)) > 1e-2
             assert torch.equal(ids[clear].sort(-1).values, ids_ref.to(torch.int32)[clear].sort(-1).values)
+
+
+# (tokens, experts, groups, groups kept, top_k, bias, renormalize, scale): DeepSeek-V3, GLM-4.5-Air, the
+# smoke-mla shape, no correction bias, a decode batch of 16 without renormalization
+SIGMOID_CASES = [(1, 256, 8, 4, 8, True, True, 2.5), (1, 128, 1, 1, 8, True, True, 1.0),
+                 (3, 8, 4, 2, 2, True, True, 1.0), (2, 64, 4, 2, 6, False, True, 1.0),
+                 (16, 32, 4, 3, 4, True, False, 1.5)]
+
+
+@pytest.mark.parametrize("N,E,G,KG,A,bias,norm,scale", SIGMOID_CASES)
+def test_route_sigmoid_topk_matches_torch_route(N, E, G, KG, A, bias, norm, scale):
+    """DeepSeek-V3 / GLM-4.5 routing (model.route: sigmoid scores, the correction bias for the choice only, group
+    top-2) in one program per token: the same experts in the same order, their weights to fp32 rounding."""
+    from types import SimpleNamespace
+
+    from moec.kernels.route_topk import route_sigmoid_topk
+    from moec.runtime.model import route
+
+    g = torch.Generator().manual_seed(N * 1000 + E + G)
+    x, router = torch.randn(N, 64, generator=g), torch.randn(E, 64, generator=g) / 4
+    sb = torch.randn(E, generator=g) * 0.3 if bias else None
+    args = SimpleNamespace(router_score="sigmoid", topk_method="greedy" if G == 1 else "group_top2", n_group=G,
+                           topk_group=KG, routed_scale=scale)
+    logits, w_ref, ids_ref = route(x, router, A, norm, args, sb)
+    w, ids = route_sigmoid_topk(logits.to(DEV), None if sb is None else sb.to(DEV), A, norm, G, KG, scale)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == w.shape == (N, A)
+    assert torch.equal(ids.cpu().long(), ids_ref), (ids, ids_ref)
+    torch.testing.assert_close(w.cpu(), w_ref, atol=1e-6, rtol=1e-5)
+    if G > 1:  # every chosen expert is in one of the KG kept groups
+        assert all(len(set((ids_ref[n] // (E // G)).tolist())) <= KG for n in range(N))
+
+
+def test_route_sigmoid_compiles_for_sm90():
+    """The engine falls back to torch's route when the kernel fails to compile (a warning, not an error), so CI
+    compiles it for sm_90 at DeepSeek-V3's and GLM-4.5-Air's configurations (aot.report_in_subprocess)."""
+    from moec.kernels import aot
+
+    types = {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i32", "stride_n": "i32",
+             "scale": "fp32"}
+    jobs = [{"module": "moec.kernels.route_topk", "kernel": "_route_sigmoid_kernel", "types": types, "num_warps": nw,
+             "constexprs": {"G": G, "G_P2": G, "EG": E // G, "EG_P2": E // G, "KG": KG, "A": 8, "A_P2": 8,
+                            "HAS_BIAS": True, "NORM": True}} for E, G, KG, nw in ((256, 8, 4, 4), (128, 1, 1, 1))]
+    for rep in aot.report_in_subprocess(jobs):
+        assert rep["resources"]["stack"] == 0, rep["resources"]

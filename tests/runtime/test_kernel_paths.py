@@ -112,21 +112,35 @@ def test_switch_bad_values(monkeypatch):
         kernels_enabled("cpu")
 
 
-@pytest.mark.parametrize("recipe", [None, "experts-hls2"])
-def test_graph_safe_moe_routes_through_the_kernel(recipe, monkeypatch):
+# DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, the correction bias, group top-2 (kernels/route_topk.py
+# route_sigmoid_topk)
+SIGMOID_GROUPS = dict(n_experts=8, router_score="sigmoid", topk_method="group_top2", n_group=4, topk_group=2,
+                      router_bias=True, routed_scale=2.0)
+
+
+@pytest.mark.parametrize("recipe,routing", [(None, {}), ("experts-hls2", {}), ("experts-hls2", SIGMOID_GROUPS)])
+def test_graph_safe_moe_routes_through_the_kernel(recipe, routing, monkeypatch):
     """decode.graph_safe_moe (the static engine's MoE step: routing kernel + fused expert kernels) for dense
-    experts (the fused kernels' dense mode) and 2-bit HLS experts: against the same expert kernels routed by
-    torch's route (equal up to fp32 rounding: a wrong id or weight moves the output by O(1)), and against
-    MoE.forward on the torch path (the expert kernels' own rounding: fp16 products, ~3e-3 here)."""
+    experts (the fused kernels' dense mode) and 2-bit HLS experts, softmax or sigmoid group routing: against the
+    same expert kernels routed by torch's route (equal up to fp32 rounding: a wrong id or weight moves the output
+    by O(1)), and against MoE.forward on the torch path (the expert kernels' own rounding: fp16 products, ~3e-3
+    here)."""
+    from moec.kernels import route_topk
     from moec.runtime import decode
 
-    args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
-                     max_seq_len=64, n_experts=4, top_k=2, expert_dim=32, ffn_kinds=["moe"])
+    args = ModelArgs(**{"arch": "mixtral", "vocab_size": 64, "dim": 64, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2,
+                        "head_dim": 16, "max_seq_len": 64, "n_experts": 4, "top_k": 2, "expert_dim": 32,
+                        "ffn_kinds": ["moe"]} | routing)
+    calls = []
+    sigmoid_kernel = route_topk.route_sigmoid_topk
+    monkeypatch.setattr(route_topk, "route_sigmoid_topk", lambda *a: calls.append(1) or sigmoid_kernel(*a))
     rule_for = (lambda name: None) if recipe is None else \
         load_recipe(os.path.join(RECIPES, f"{recipe}.yaml")).rule_for
     m = random_model(args, rule_for, "cpu", dtype=torch.float32, seed=3)
     moe = m.layers[0].moe
     x = torch.randn(3, args.dim, generator=torch.Generator().manual_seed(2))
+    if routing:  # a correction bias that moves the choice (the model starts it at zero)
+        moe.score_bias.data = torch.randn(args.n_experts, generator=torch.Generator().manual_seed(4)) * 0.3
     with torch.no_grad(), kernels_forced("0"):
         torch_path = moe(x, 0)
     with torch.no_grad(), kernels_forced("1"):
@@ -139,3 +153,4 @@ def test_graph_safe_moe_routes_through_the_kernel(recipe, monkeypatch):
 
     assert rel(got, torch_routed) < 1e-5
     assert rel(got, torch_path) < 1e-2
+    assert len(calls) == (1 if routing else 0)  # the sigmoid routing kernel ran (not torch's route) where it applies
