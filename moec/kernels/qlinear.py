@@ -132,22 +132,44 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
             x2, d, a, b, bias_arg, y, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
             HAS_BIAS=bias is not None, BO=c["block_o"], BKC=bk // C, UNROLL=unroll, num_warps=c["num_warps"], **st)
     else:
-        c = (configs["small_gemm"] if M <= 64 else configs["gemm"]) | cfg
-        if w.mode == MODE_VQ:
-            st = vq_static(w, c["block_k"], words=False)
-            bk = st.pop("BK")
-            del st["VQF"]
-        else:
-            C, BPC = codes_per_chunk(w.mode, w.bits)
-            G = w.groups
-            st = dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=K // G)
-            bk = pick_block_k(K, w.tile_group, c["block_k"], C)
-        _gemm_kernel[(triton.cdiv(M, c["block_m"]), triton.cdiv(O, c["block_n"]))](
-            x2, d, a, b, bias_arg, y, M, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
-            HAS_BIAS=bias is not None, BM=c["block_m"], BN=c["block_n"], BK=bk, DOT=dot_dtype(),
-            num_warps=c["num_warps"], num_stages=min(c["num_stages"], TCQ_MAX_STAGES) if w.mode == MODE_TCQ
-            else c["num_stages"], **st)
+        small = configs["small_gemm"] | cfg
+        c = small if M <= 64 else configs["gemm"] | cfg
+        key = (w.mode, w.bits, K, *c.values())
+        if key in _BROKEN:
+            c = small
+        try:
+            _gemm(x2, w, d, a, b, bias, bias_arg, y, c)
+        except RuntimeError as ex:  # a Triton compile failure (first call of a config only)
+            if "PassManager" not in str(ex) or c == small:
+                raise
+            _BROKEN.add(key)
+            _gemm(x2, w, d, a, b, bias, bias_arg, y, small)
     return y.view(*lead, O)
+
+
+# GEMM configs whose compile failed: Triton 3.6's TritonGPUOptimizeDotOperands fails on the 3-bit table-dequant
+# tile with BM >= 64 ("Illegal shared layout", sm_90; moe_prefill meets the same); they run the small config
+_BROKEN: set = set()
+
+
+def _gemm(x2, w: QWeight, d, a, b, bias, bias_arg, y, c: dict) -> None:
+    """One _gemm_kernel launch of qlinear with block config c."""
+    M, K = x2.shape
+    O = y.shape[1]
+    if w.mode == MODE_VQ:
+        st = vq_static(w, c["block_k"], words=False)
+        bk = st.pop("BK")
+        del st["VQF"]
+    else:
+        C, BPC = codes_per_chunk(w.mode, w.bits)
+        G = w.groups
+        st = dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=K // G)
+        bk = pick_block_k(K, w.tile_group, c["block_k"], C)
+    _gemm_kernel[(triton.cdiv(M, c["block_m"]), triton.cdiv(O, c["block_n"]))](
+        x2, d, a, b, bias_arg, y, M, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
+        HAS_BIAS=bias is not None, BM=c["block_m"], BN=c["block_n"], BK=bk, DOT=dot_dtype(),
+        num_warps=c["num_warps"], num_stages=min(c["num_stages"], TCQ_MAX_STAGES) if w.mode == MODE_TCQ
+        else c["num_stages"], **st)
 
 
 def qlinear_ref(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

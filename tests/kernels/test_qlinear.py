@@ -55,3 +55,48 @@ def test_qlinear_module_attached_to_attention():
     assert isinstance(model.layers[0].attn.wq, QLinear)
     got = model(tokens)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_gemm_compile_failure_runs_the_small_config(monkeypatch):
+    """A GEMM config Triton cannot compile (3-bit tables with BM >= 64 on sm_90: TritonGPUOptimizeDotOperands
+    fails) runs the small GEMM config, a kernel, not the torch path; remembered, so the next call goes there
+    directly."""
+    from moec.kernels import launch_config
+    from moec.kernels import qlinear as ql
+
+    g = torch.Generator().manual_seed(5)
+    w = qweight("lut3", 1, 24, 64, 1, g, DEVICE)
+    x = torch.randn(70, 64, generator=g).to(DEVICE)  # M > 64: the large GEMM config
+    small = launch_config.config("qlinear", x.device)["small_gemm"]
+    real, tried = ql._gemm, []
+
+    def gemm(*a):
+        tried.append(a[-1])
+        if a[-1] != small:
+            raise RuntimeError("PassManager::run failed")
+        return real(*a)
+
+    monkeypatch.setattr(ql, "_gemm", gemm)
+    monkeypatch.setattr(ql, "_BROKEN", set())
+    want = qlinear_ref(x, w)
+    for _ in range(2):
+        got = qlinear(x, w)
+        assert (got.float() - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+    assert tried[1:] == [small, small] and tried[0] != small and len(ql._BROKEN) == 1
+
+
+def test_3bit_table_gemm_small_config_compiles_for_sm90():
+    """The config that 3-bit table GEMMs fall back to compiles for sm_90 (aot.report_in_subprocess)."""
+    from moec.kernels import aot
+    from moec.kernels.dequant import MODE_LUT, codes_per_chunk
+    from moec.kernels.launch_config import config
+
+    c = config("qlinear", "cuda")["small_gemm"]
+    C, BPC = codes_per_chunk(MODE_LUT, 3)
+    types = {"x_ptr": "*bf16", "w_ptr": "*u8", "a_ptr": "*fp32", "b_ptr": "*fp32", "bias_ptr": "*bf16",
+             "y_ptr": "*bf16", "M": "i32", "O": "i32", "stride_xm": "i32", "stride_wo": "i32", "stride_ao": "i32"}
+    consts = {"K": 768, "HAS_BIAS": False, "MODE": MODE_LUT, "BITS": 3, "C": C, "BPC": BPC, "G": 1, "GS": 768,
+              "BM": c["block_m"], "BN": c["block_n"], "BK": c["block_k"], "DOT": "bf16", "VD": 1}
+    [rep] = aot.report_in_subprocess([{"module": "moec.kernels.qlinear", "kernel": "_gemm_kernel", "types": types,
+                                       "constexprs": consts, "num_warps": c["num_warps"]}])
+    assert rep["resources"]["stack"] == 0, rep["resources"]
