@@ -22,18 +22,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize("k,T,start,weighted", [(2, 40, True, True), (2, 40, False, False), (3, 24, True, True),
                                                  (3, 8, False, True), (2, 1, True, False)])
-def test_kernel_states_equal_the_torch_search(k, T, start, weighted):
+def test_kernel_states_equal_the_torch_search(k, T, start, weighted, monkeypatch):
     g = torch.Generator().manual_seed(k * 100 + T)
     N = 5
     x = (torch.randn(N, T, generator=g) * 1.2).to(DEVICE)
     w = (torch.rand(T, generator=g) + 0.3).to(DEVICE) if weighted else None
     st = torch.randint(0, 4096, (N,), generator=g).to(DEVICE) if start else None
     table = code_table(12).to(DEVICE)
-    os.environ["MOEC_TCQ_VITERBI"] = "torch"  # the torch search also on CUDA
-    try:
-        want = viterbi(x, 12, k, st, table, w)
-    finally:
-        del os.environ["MOEC_TCQ_VITERBI"]
+    monkeypatch.setenv("MOEC_TCQ_VITERBI", "torch")  # the torch search also on CUDA
+    want = viterbi(x, 12, k, st, table, w)
+    monkeypatch.delenv("MOEC_TCQ_VITERBI")
     got = viterbi_rows(x, table, k, w, st)
     assert torch.equal(got, want)
     if st is not None:  # the path continues the start state: s_0's low L - k bits are its top ones
