@@ -129,6 +129,7 @@ def _tail(text: str, n: int = 300) -> str:
 
 def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda", shape: str = SHAPE) -> list[dict]:
     from moec.kernels import gluon_kv_attention as gka
+    from moec.kernels import gluon_moe_decode as gmd
     from moec.runtime.backend import kernels_forced
     from moec.runtime.loader import load_model
     from moec.runtime.pathcheck import compare_paths
@@ -164,15 +165,15 @@ def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda
         # which path meets such a flip in the scored steps is chance (2026-12-02: smollm2-mlp-hls2-had, the
         # static fused path and the dynamic reference at 0.089, the static reference at 0.009)
         floor = max(r["rel_l2_floor"] for r in res.values())
-        runs = [("", res, gluon_launches)]
+        runs = [("", res, gluon_launches, 0)]
         if codec == "nuq-outlier":  # the KV kernels' paths forced: `tl`, and Gluon wherever it supports the cache
             for mode in ("tl", "gluon"):  # (the default sends this short cache to tl: gluon_kv_attention.faster)
                 with kernels_forced(mode):
-                    n0 = gka.LAUNCHES
+                    n0, m0 = gka.LAUNCHES, gmd.LAUNCHES
                     res_mode = compare_paths(model, info.get("kv"), info.get("kv_tensors", {}), ids, PROMPT_TOKENS,
                                              exact=exact)
-                runs.append((f"-{mode}", res_mode, gka.LAUNCHES - n0))
-        for suffix, rs, launches in runs:
+                runs.append((f"-{mode}", res_mode, gka.LAUNCHES - n0, gmd.LAUNCHES - m0))
+        for suffix, rs, launches, moe_launches in runs:
             for engine, r in rs.items():
                 bound = SLACK_FACTOR * floor + SLACK_ABS
                 ok = r["rel_l2_exact"] <= bound
@@ -189,7 +190,7 @@ def check_recipe(name: str, work: Path, tokenizer_dir: Path, device: str = "cuda
                     bound = SLACK_FACTOR * max(r2["rel_l2_floor"], floor) + SLACK_ABS
                     r, ok = r2, r2["rel_l2_exact"] <= bound
                 recs.append({"recipe": name, "shape": shape, "check": engine + suffix, "ok": ok, "bound": bound,
-                             "kv_codec": codec, "gluon_kv_launches": launches,
+                             "kv_codec": codec, "gluon_kv_launches": launches, "gluon_moe_launches": moe_launches,
                              "error": None if ok else f"rel_l2_exact {r['rel_l2_exact']:.4g} > bound {bound:.4g}",
                              "wall_s": round(time.time() - t0, 2)} | r | ({"first_prompt": first} if first else {}))
     except Exception as e:
@@ -268,6 +269,50 @@ def check_calibration_kernels(device: str) -> list[dict]:
     return out
 
 
+def check_gluon_moe(device: str) -> list[dict]:
+    """The Gluon 2-bit hls MoE decode kernels (kernels/gluon_moe_decode.py, opt-in under MOEC_KERNELS=gluon) against
+    moe_decode_ref at small shapes: batch 1 and 3, plain silu and gpt-oss's biased clamped SwiGLU, the down
+    kernel's split over programs; max |err| / max |ref| <= 2e-3 (fp16 products, fp32 sums)."""
+    if device != "cuda":
+        return []
+    from moec.kernels import gluon_moe_decode as gmd
+    from moec.kernels.dequant import MODE_LUT, QWeight
+    from moec.kernels.moe_decode import moe_decode_ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def hls2(E, O, n_in):
+        codes = torch.randint(0, 256, (E, O, n_in // 4), dtype=torch.uint8, device="cuda", generator=g)
+        lut = (torch.randn(E, O, 1, 4, device="cuda", generator=g).sort(-1).values * 0.05).half()
+        return QWeight(MODE_LUT, 2, n_in, codes, lut)
+
+    out = []
+    E, A, D, I = 6, 2, 512, 384  # I: 3 chunks, so the down kernel's masked (uneven) path runs too
+    w1, w3, w2 = hls2(E, I, D), hls2(E, I, D), hls2(E, D, I)
+    for N, act, split in ((1, "silu", 1), (3, "silu", 2), (3, "clamped_swiglu", 1)):
+        t0 = time.time()
+        rec = {"recipe": "(kernels)", "check": f"gluon-moe-decode-n{N}-{act}-split{split}",
+               "shape": f"E {E}, top-{A}, {D} -> {I}"}
+        try:
+            x = torch.randn(N, D, device="cuda", generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:A] for _ in range(N)]).int()
+            wts = torch.softmax(torch.randn(N, A, device="cuda", generator=g), -1)
+            biases = None
+            if act != "silu":
+                biases = (torch.randn(E, I, device="cuda", generator=g), torch.randn(E, I, device="cuda", generator=g),
+                          torch.randn(E, D, device="cuda", generator=g))
+            want = moe_decode_ref(x, ids, wts, w1, w3, w2, biases=biases, act=act)
+            got = gmd.gluon_moe_decode(x, ids, wts, w1, w3, w2, A, biases=biases, act=act, split=split,
+                                       block_m_down=16, warps_down=2)
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            rec |= {"ok": err <= 2e-3, "max_rel_err": err, "error": None if err <= 2e-3 else f"max_rel_err {err:.3g}"}
+        except Exception as e:
+            rec |= {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        rec["seconds"] = round(time.time() - t0, 2)
+        out.append(rec)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_smoke_h200.json")
@@ -295,7 +340,7 @@ def main() -> int:
     jobs += [(OSS_SHAPE, n) for n in names if OSS_SHAPE in a.shapes and n in OSS_RECIPES]
     t_start = time.time()
     records = [base_record("gpu-smoke", a.device) | {"source_tree": tree} | r
-               for r in check_calibration_kernels(a.device)]
+               for r in check_calibration_kernels(a.device) + check_gluon_moe(a.device)]
     for r in records:
         print(f"[{r['recipe']} {r['check']}] {'ok' if r['ok'] else 'FAILED: ' + str(r['error'])}", flush=True)
     # Triton compiles (CPU-bound) dominate: recipes run in `--jobs` processes on the one GPU
@@ -310,7 +355,7 @@ def main() -> int:
             bad = [r for r in recs if not r["ok"]]
             print(f"[{shape} {name}] {'ok' if not bad else 'FAILED'} in {secs:.1f} s"
                   + "".join(f"\n   {r['check']}: {r['error']}" for r in bad), flush=True)
-            records.sort(key=lambda r: (r["recipe"] != "(calibration)", r["shape"] != SHAPE,
+            records.sort(key=lambda r: (r["recipe"] not in ("(calibration)", "(kernels)"), r["shape"] != SHAPE,
                                         names.index(r["recipe"]) if r["recipe"] in names else -1, r["check"]))
             write_json_atomic(a.out, records)
     n_bad = sum(not r["ok"] for r in records)

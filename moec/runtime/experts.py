@@ -37,7 +37,7 @@ from ..errors import FormatError
 from ..formats.codecs import ROTATION_PART
 from ..registry import weight_codec, weight_codecs
 from ..rotation import hadamard, rotate, signs_error, unpack_signs
-from .backend import kernels_enabled
+from .backend import gluon_enabled, gluon_forced, kernels_enabled
 from .model import expert_act
 from .weightcodecs import lut_poly  # noqa: F401  (kernel tests and benchmarks import it from here)
 
@@ -206,6 +206,13 @@ class ExpertWeights(nn.Module):
         if x.shape[0] <= DECODE_MAX_TOKENS:
             from ..kernels.moe_decode import moe_decode
 
+            if gluon_forced() and gluon_enabled(x.device):  # opt-in: measured no faster than `tl` (gluon_moe_decode.py)
+                from ..kernels import gluon_moe_decode as gmd
+
+                if gmd.supports(*qs, h_rotate):
+                    out = gmd.gluon_moe_decode(xr.contiguous(), ids.to(torch.int32).contiguous(),
+                                               weights.float().contiguous(), *qs, ids.shape[1], biases=biases, **act)
+                    return out.to(x.dtype)
             return moe_decode(xr, ids, weights, *qs, out_dtype=x.dtype, h_rotate=h_rotate, biases=biases, **act)
         from ..kernels.moe_prefill import moe_grouped
 
