@@ -96,9 +96,18 @@ def _gemm_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, M, O, stride_xm, s
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg) -> torch.Tensor:
+def gluon_measured_faster(device) -> bool:
+    """Whether this device's launch config sends 4-bit affine decode GEMVs to the Gluon kernel (gluon_qlinear.py):
+    `gluon4` in the gemv settings, set where benchmarks/bench_gluon_qlinear.py measured it faster."""
+    return bool(launch_config.config("qlinear", device)["gemv"].get("gluon4", False))
+
+
+def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, gluon: bool = False,
+            **cfg) -> torch.Tensor:
     """x [..., K] -> [..., O] in x.dtype. w: QWeight with data [1, O, ...]. cfg overrides the block
-    config of the path taken (the gemv or gemm keys of launch_config.config("qlinear", device))."""
+    config of the path taken (the gemv or gemm keys of launch_config.config("qlinear", device)). gluon: decode
+    rows (M <= 8) of the weights gluon_qlinear.supports take the Gluon GEMV (the caller decides: the runtime's
+    MOEC_KERNELS switch and gluon_measured_faster)."""
     K = x.shape[-1]
     O = w.data.shape[1]
     assert w.n_in == K and w.data.shape[0] == 1, (w.n_in, w.data.shape, K)
@@ -113,6 +122,13 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, **cfg
     d, a, b = w.ptrs()
     bias_arg = bias if bias is not None else d
     configs = launch_config.config("qlinear", x.device)
+    if gluon and M <= GEMV_MAX_M:
+        from . import gluon_qlinear as gq
+
+        if gq.supports(w, M):
+            c = configs["gemv"]
+            return gq.gluon_qlinear(x2, w, bias, y, c.get("gluon_block_m", 32), c.get("gluon_warps", 4)).view(
+                *lead, O)
     if M <= GEMV_MAX_M:
         c = configs["gemv"] | cfg
         if w.mode == MODE_VQ:  # cfg words=False: the byte-code variant, vq_gather=True: tl.gather (gemv_vq)

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import weight_codec
-from .backend import kernels_enabled
+from .backend import gluon_enabled, gluon_forced, kernels_enabled
 from .config import ModelArgs
 from .experts import QLinear
 from .kvcache import dense_cache
@@ -251,9 +251,10 @@ class _QuantQKV(torch.nn.Module):
         return cls(qw, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..kernels.qlinear import qlinear
+        from ..kernels.qlinear import gluon_measured_faster, qlinear
 
-        return qlinear(x, self.qw, self.bias)
+        gluon = gluon_enabled(x.device) and (gluon_forced() or gluon_measured_faster(x.device))
+        return qlinear(x, self.qw, self.bias, gluon=gluon)
 
 
 class DecodeEngine:

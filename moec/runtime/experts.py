@@ -233,10 +233,11 @@ class QLinear(nn.Module):
         x = self.q.rotate_input(x)
         key = (self.q.codec, self.q.bits, tuple(self.q.shape), x.shape[0] > 1, x.dtype)
         if kernels_enabled(x.device) and self.q.kernel_ok() and key not in _QLINEAR_FAILED:
-            from ..kernels.qlinear import qlinear
+            from ..kernels.qlinear import gluon_measured_faster, qlinear
 
             try:
-                return qlinear(x, self.q.qweight(), self.bias)
+                gluon = gluon_enabled(x.device) and (gluon_forced() or gluon_measured_faster(x.device))
+                return qlinear(x, self.q.qweight(), self.bias, gluon=gluon)
             except Exception as e:  # a configuration Triton cannot compile here (met outside graph capture)
                 if torch.cuda.is_current_stream_capturing():
                     raise
