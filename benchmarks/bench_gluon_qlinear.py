@@ -30,7 +30,8 @@ from moec.provenance import environment
 
 SHAPES = {"mixtral-qkv": (4096, 6144), "mixtral-o": (4096, 4096), "qwen3-qkv": (2048, 5120), "qwen3-o": (4096, 2048),
           "glm-qkv": (4096, 14336), "glm-o": (12288, 4096)}
-CONFIGS = [(32, 4), (16, 4), (64, 4), (32, 8), (32, 2), (16, 8), (16, 2)]
+CONFIGS = [(16, 8, 0), (16, 8, 1), (16, 8, 2), (16, 4, 1), (32, 8, 1), (32, 4, 1), (16, 16, 1), (32, 16, 1),
+           (32, 4, 2)]  # (BM, KW, prefetch: 0 none, 1 words and scales, 2 and x)
 
 
 def rtn4(O: int, K: int, gen) -> QWeight:
@@ -70,15 +71,16 @@ def bench_shape(record, copy: float, shape: str, K: int, O: int, gen) -> None:
                 qlinear(x, w)
 
         timed("tl", tl, q_bytes, err(qlinear(x, ws[0])))
-        for bm, kw in CONFIGS:
-            def glu(bm=bm, kw=kw):
+        for bm, kw, pf in CONFIGS:
+            def glu(bm=bm, kw=kw, pf=pf):
                 for w in ws:
-                    gq.gluon_qlinear(x, w, None, y, bm, kw)
+                    gq.gluon_qlinear(x, w, None, y, bm, kw, pf)
             try:
-                e = err(gq.gluon_qlinear(x, ws[0], None, y, bm, kw))
-                timed("gluon", glu, q_bytes, e, block_m=bm, warps=kw)
+                e = err(gq.gluon_qlinear(x, ws[0], None, y, bm, kw, pf))
+                timed("gluon", glu, q_bytes, e, block_m=bm, warps=kw, prefetch=pf)
             except Exception as ex:  # a setting that does not compile here: recorded, not fatal
-                record(**base, path="gluon", block_m=bm, warps=kw, error=f"{type(ex).__name__}: {str(ex)[:300]}")
+                record(**base, path="gluon", block_m=bm, warps=kw, prefetch=pf,
+                       error=f"{type(ex).__name__}: {str(ex)[:300]}")
 
     for M in (1, 4):
         batch(M)

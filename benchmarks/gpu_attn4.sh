@@ -4,13 +4,15 @@
 # launch config as shipped, and of `latency-hls2-nuq2-attn4` again with the Gluon 4-bit GEMV turned on
 # (qlinear.gemv.gluon4 in a config dir of its own: MOEC_KERNEL_CONFIG_DIR), so the attn4 saving is read in one call.
 # Usage, from the repo root on the GPU machine:  bash benchmarks/gpu_attn4.sh OUT_DIR [SHAPES]
+# (SHAPES: bench_latency's --shapes, default mixtral-8x7b; SKIP_SWEEP=1 leaves the GEMV sweep out)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_attn4.sh OUT_DIR [SHAPES]}
 SHAPES=${2:-mixtral-8x7b}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
-python3 -m benchmarks.bench_gluon_qlinear --out "$OUT/gluon_qlinear.json" > "$OUT/gluon_qlinear.log" 2>&1
+[ "${SKIP_SWEEP:-0}" = 1 ] || python3 -m benchmarks.bench_gluon_qlinear --out "$OUT/gluon_qlinear.json" \
+  > "$OUT/gluon_qlinear.log" 2>&1
 LAT=(--steps 50 --contexts 32768 --batches 1 --prefill none --no-breakdown --no-peer --shapes "$SHAPES" --budget 300)
 python3 -m benchmarks.bench_latency --out "$OUT/latency_attn4_tl.json" "${LAT[@]}" \
   --recipes moec/recipes/latency-hls2-nuq2.yaml moec/recipes/latency-hls2-nuq2-attn4.yaml > "$OUT/latency_tl.log" 2>&1

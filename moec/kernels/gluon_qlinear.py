@@ -75,21 +75,25 @@ def _b_field(v, B_L: gl.constexpr, KW: gl.constexpr):
 
 
 @gluon.jit
-def _x_fields(x_ptr, M, chunk, live, K: gl.constexpr, B_L: gl.constexpr, KW: gl.constexpr):
-    """x's tokens over the warps' chunks as four B operands [KW, 32, 8] fp16 (fields q = 0..3): lane 4n + c reads
-    token n's inputs 32c .. 32c + 31 of its warp's chunk."""
+def _x_load(x_ptr, M, chunk, K: gl.constexpr, KW: gl.constexpr):
+    """x's tokens over the warps' chunks, [KW, 8 (n), 4 (c), 32] in x's dtype: lane 4n + c reads token n's inputs
+    32c .. 32c + 31 of its warp's chunk (four 16-byte loads; zeros past the row and for n >= M)."""
     XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [KW, 1, 1, 1], [3, 2, 1, 0])
     w = gl.arange(0, KW, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
     n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
     c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
     i = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
     ck = gl.convert_layout(chunk, w.type.layout)
-    lk = gl.convert_layout(live, w.type.layout)
     off = ((ck * 128)[:, None, None, None] + (n * K)[None, :, None, None] + (32 * c)[None, None, :, None]
            + i[None, None, None, :])
-    m = lk[:, None, None, None] & (n < M)[None, :, None, None]
-    v = gl.load(x_ptr + off, mask=m, other=0.0).to(gl.float16)
-    v = gl.reshape(v, [KW, 8, 4, 2, 2, 2, 2, 2])  # [w, n, c, ws1, ws0, r0, qh, ql]: input 8ws + 4r0 + 2qh + ql
+    m = (ck < K // 128)[:, None, None, None] & (n < M)[None, :, None, None]
+    return gl.load(x_ptr + off, mask=m, other=0.0)
+
+
+@gluon.jit
+def _x_fields(v, B_L: gl.constexpr, KW: gl.constexpr):
+    """_x_load's tile as four B operands [KW, 32, 8] fp16 (fields q = 0..3), split in registers."""
+    v = gl.reshape(v.to(gl.float16), [KW, 8, 4, 2, 2, 2, 2, 2])  # [w, n, c, ws1, ws0, r0, qh, ql]: 8ws + 4r0 + q
     even, odd = gl.split(v)
     v0, v2 = gl.split(even)
     v1, v3 = gl.split(odd)
@@ -104,8 +108,30 @@ def _half_pair(p, rows, G: gl.constexpr, g):
 
 
 @gluon.jit
+def _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, i, NC: gl.constexpr, G: gl.constexpr, GC: gl.constexpr,
+                 KW: gl.constexpr):
+    """Iteration i's code words [KW, BM, 16] and the rows' scale and zero pairs of its groups (chunks past the row:
+    words 0, the last group's scales; their x is 0)."""
+    chunk = i * KW + wk
+    w = gl.load(base + i * KW * 16, mask=(chunk < NC)[:, None, None], other=0)  # masked per warp: wide loads stay
+    g = gl.minimum(chunk, NC - 1) // GC
+    s = zero + _half_pair(s_ptr, rows[None, :], G, g[:, None])[:, :, None]
+    z = zero + _half_pair(z_ptr, rows[None, :], G, g[:, None])[:, :, None]
+    return w, s, z
+
+
+@gluon.jit
+def _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L: gl.constexpr, KW: gl.constexpr, BM: gl.constexpr):
+    acc = mma_v2(_a_field(w, s, z, 0, A_L, KW, BM), b0, acc)
+    acc = mma_v2(_a_field(w, s, z, 1, A_L, KW, BM), b1, acc)
+    acc = mma_v2(_a_field(w, s, z, 2, A_L, KW, BM), b2, acc)
+    return mma_v2(_a_field(w, s, z, 3, A_L, KW, BM), b3, acc)
+
+
+@gluon.jit
 def _gemv4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, O,
-                  K: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr, HAS_BIAS: gl.constexpr):
+                  K: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  PREFETCH: gl.constexpr = 1):
     """Grid (cdiv(O, BM),): y[:M, rows] = x[:M] Wᵀ (+ bias) for W's 4-bit codes [O, K/8] int32 words, scale and zero
     [O, G]; y in y_ptr's dtype."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[KW, 1, 1], instr_shape=[1, 16, 8])
@@ -125,21 +151,32 @@ def _gemv4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, O,
     zero = gl.full([KW, BM, 16], 0, gl.int32, WL)
     base = w_ptr + (rows * NW)[None, :, None] + (wk * 16)[:, None, None] + ww[None, None, :]
     acc = gl.zeros([KW, BM, 8], gl.float32, MMA)
-    for i in range(NIT):
-        chunk = i * KW + wk
-        live = chunk < NC
-        if NC % KW == 0:
-            w = gl.load(base + i * KW * 16)
-        else:
-            w = gl.load(base + i * KW * 16, mask=live[:, None, None], other=0)
-        g = gl.minimum(chunk, NC - 1) // GC
-        s = zero + _half_pair(s_ptr, rows[None, :], G, g[:, None])[:, :, None]
-        z = zero + _half_pair(z_ptr, rows[None, :], G, g[:, None])[:, :, None]
-        b0, b1, b2, b3 = _x_fields(x_ptr, M, chunk, live, K, B_L, KW)
-        acc = mma_v2(_a_field(w, s, z, 0, A_L, KW, BM), b0, acc)
-        acc = mma_v2(_a_field(w, s, z, 1, A_L, KW, BM), b1, acc)
-        acc = mma_v2(_a_field(w, s, z, 2, A_L, KW, BM), b2, acc)
-        acc = mma_v2(_a_field(w, s, z, 3, A_L, KW, BM), b3, acc)
+    if PREFETCH == 2:  # the next chunk's words, scales, zeros and x are in flight during this chunk's math
+        w, s, z = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, 0, NC, G, GC, KW)
+        xv = _x_load(x_ptr, M, wk, K, KW)
+        for i in range(NIT):
+            w_n, s_n, z_n = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, i + 1, NC, G, GC, KW)
+            xv_n = _x_load(x_ptr, M, (i + 1) * KW + wk, K, KW)
+            b0, b1, b2, b3 = _x_fields(xv, B_L, KW)
+            acc = _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L, KW, BM)
+            w = w_n
+            s = s_n
+            z = z_n
+            xv = xv_n
+    elif PREFETCH == 1:  # the words, scales and zeros only (x comes from L2: fewer registers)
+        w, s, z = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, 0, NC, G, GC, KW)
+        for i in range(NIT):
+            w_n, s_n, z_n = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, i + 1, NC, G, GC, KW)
+            b0, b1, b2, b3 = _x_fields(_x_load(x_ptr, M, i * KW + wk, K, KW), B_L, KW)
+            acc = _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L, KW, BM)
+            w = w_n
+            s = s_n
+            z = z_n
+    else:
+        for i in range(NIT):
+            w, s, z = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, i, NC, G, GC, KW)
+            b0, b1, b2, b3 = _x_fields(_x_load(x_ptr, M, i * KW + wk, K, KW), B_L, KW)
+            acc = _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L, KW, BM)
     y = gl.sum(acc, axis=0)  # [BM, 8]: the warps' partial sums
     orow = r0 + gl.arange(0, BM, layout=gl.SliceLayout(1, y.type.layout))
     ocol = gl.arange(0, 8, layout=gl.SliceLayout(0, y.type.layout))
@@ -162,8 +199,8 @@ def supports(w: QWeight, M: int) -> bool:
 LAUNCHES = 0  # host-side count of launches (the GPU smoke records which path ran)
 
 
-def gluon_qlinear(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor, block_m: int = 32,
-                  warps: int = 4) -> torch.Tensor:
+def gluon_qlinear(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor, block_m: int = 16,
+                  warps: int = 8, prefetch: int = 1) -> torch.Tensor:
     """qlinear's decode path for the weights `supports` accepts: x2 [M, K] contiguous rows, y [M, O] (written)."""
     global LAUNCHES
     LAUNCHES += 1
@@ -172,5 +209,5 @@ def gluon_qlinear(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: to
     d = w.data.view(torch.int32)  # [1, O, K/8]
     _gemv4_kernel[(triton.cdiv(O, block_m),)](
         x2, d, w.a, w.b, bias if bias is not None else d, y, M, O,
-        K=K, G=w.groups, BM=block_m, KW=warps, HAS_BIAS=bias is not None, num_warps=warps)
+        K=K, G=w.groups, BM=block_m, KW=warps, HAS_BIAS=bias is not None, PREFETCH=prefetch, num_warps=warps)
     return y
