@@ -770,21 +770,20 @@ def gemv_words2(acc_g, acc_u, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_ptr, b3_ptr, x_
 # its nibbles (2c, 2c + 1, 2c', 2c' + 1) pick the two bytes of fp16 table entries c and c' out of the 8-byte
 # pool {entry0 | entry1 << 16, entry2 | entry3 << 16} (the row's fp16 table viewed as two int32), so each
 # prmt yields two fp16 weights, multiplied by two fp16 activations with one fma.f16x2. Field j of the four
-# bytes gives two selectors (bytes 0,1 and bytes 2,3), built on the multiply pipe, not the ALU:
-#   field at bits 0-1 of each byte, m = w & 0x03030303:  lo(m·0x22) and hi(m·0x220000) = (m·0x22) >> 16
-#   field at bits 6-7, m = w & 0xC0C0C0C0:              hi(m·0x88000000) = (m·0x22) >> 6, hi(m·0x8800) = >> 22
-# (+0x10101010 as the IMAD addend; the bits of the other two bytes land above bit 15 or below the binary
-# point, which prmt and the floor drop; no carries: every raw selector is <= 0x6666). Fields 0 and 3 are
-# read in place, field 1 as bits 6-7 of w << 4 and field 2 as bits 0-1 of w >> 4. Per word: 8 prmt,
-# 8 HFMA2, 8 IMAD, 4 masks, 2 shifts, then the fp16x2 partial (8 products per half) is converted and
-# summed in fp32, so the reduction over the row stays fp32.
+# bytes gives two selectors (bytes 0,1 and bytes 2,3): m = ((w >> 2j) & 0x03030303) | 0x78f0f4 (one LOP3 masks
+# the field and ORs in a constant), s0 = m·0x22 + 0xfa8 (one IMAD), s1 = s0 >> 16. The constants make the
+# selectors' low halves c·0x22 + 0x1010 (0xf0f4·0x22 + 0xfa8 = 0x201010; the high half gains 0x78·0x22 + the
+# carry 0x20 = 0x1010), no carries between bytes (every raw selector <= 0x7676). Per word: 8 prmt, 8 HFMA2,
+# 4 IMAD, 4 LOP3, 7 shifts, then the fp16x2 partial (8 products per half) is converted and summed in fp32, so the
+# reduction over the row stays fp32. s1 was a multiply-high, hi(m·0x220000), until 2026-12-06: the same bits, but
+# Hopper issues IMAD.HI at a quarter of the rate of SHF (benchmarks/studies/int_pipe_throughput.py).
 PRMT_ASM = tl.constexpr("""{
 .reg .b32 m, t, s0, s1, p, acc;
 .reg .b16 ha, hb;
 .reg .f32 fa, fb;
 lop3.b32 m, $1, 0x03030303, 0x78f0f4, 0xEA;
 mad.lo.u32 s0, m, 0x22, 0xfa8;
-mul.hi.u32 s1, m, 0x220000;
+shr.b32 s1, s0, 16;
 prmt.b32 p, $2, $3, s0;
 mul.rn.f16x2 acc, p, $4;
 prmt.b32 p, $2, $3, s1;
@@ -792,7 +791,7 @@ fma.rn.f16x2 acc, p, $5, acc;
 shr.b32 t, $1, 2;
 lop3.b32 m, t, 0x03030303, 0x78f0f4, 0xEA;
 mad.lo.u32 s0, m, 0x22, 0xfa8;
-mul.hi.u32 s1, m, 0x220000;
+shr.b32 s1, s0, 16;
 prmt.b32 p, $2, $3, s0;
 fma.rn.f16x2 acc, p, $6, acc;
 prmt.b32 p, $2, $3, s1;
@@ -800,7 +799,7 @@ fma.rn.f16x2 acc, p, $7, acc;
 shr.b32 t, $1, 4;
 lop3.b32 m, t, 0x03030303, 0x78f0f4, 0xEA;
 mad.lo.u32 s0, m, 0x22, 0xfa8;
-mul.hi.u32 s1, m, 0x220000;
+shr.b32 s1, s0, 16;
 prmt.b32 p, $2, $3, s0;
 fma.rn.f16x2 acc, p, $8, acc;
 prmt.b32 p, $2, $3, s1;
@@ -808,7 +807,7 @@ fma.rn.f16x2 acc, p, $9, acc;
 shr.b32 t, $1, 6;
 lop3.b32 m, t, 0x03030303, 0x78f0f4, 0xEA;
 mad.lo.u32 s0, m, 0x22, 0xfa8;
-mul.hi.u32 s1, m, 0x220000;
+shr.b32 s1, s0, 16;
 prmt.b32 p, $2, $3, s0;
 fma.rn.f16x2 acc, p, $10, acc;
 prmt.b32 p, $2, $3, s1;

@@ -17,7 +17,7 @@ How codes reach the tensor cores (one warp per program, mma.sync m16n8k16, fp16 
     permute of the unpacked values, *is* the mma operand layout: convert_layout(..., assert_trivial=True) holds
     at compile time, so no value moves between threads. The channel order inside a block is the one that makes
     this true (_key_channel, _value_channel); q is loaded and the output stored in that order.
-  - the level lookup (_unpack4): per word and bit field a shift (a multiply-high, on the FMA pipe), a mask, one
+  - the level lookup (_unpack4): per word and bit field a shift, a mask, one
     IMAD building the byte selectors and two `prmt` picking fp16 levels out of two registers holding the
     layer's four levels (_vector_reg keeps them in vector registers): 23 instructions per 16 codes.
   - values need a token pair per register: two tokens' words are byte-interleaved by two `prmt` (_interleave).
@@ -67,17 +67,19 @@ VALUE_WORDS = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
 
 @gluon.jit
 def _unpack4(w, j: gl.constexpr, tab_lo, tab_hi):
-    """Bit field j of the four bytes of each int32 word -> four fp16 levels (byte order). Per word: shift (as a
-    multiply-high, on the FMA pipe), mask, selector byte = code·0x22 + 0x10 (nibbles 2c, 2c + 1: level c's
-    two bytes in {tab_hi, tab_lo}), two `prmt`; the selector's high half by a multiply-high too."""
+    """Bit field j of the four bytes of each int32 word -> four fp16 levels (byte order). Per word: shift, mask,
+    selector byte = code·0x22 + 0x10 (nibbles 2c, 2c + 1: level c's two bytes in {tab_hi, tab_lo}), two `prmt`;
+    the selector's high half by a shift. Shifts, not multiply-highs: Hopper issues IMAD.HI at a quarter of the
+    rate of SHF, LOP3, IMAD and PRMT (benchmarks/studies/int_pipe_throughput.py: 32 against ~124 lanes per clock
+    per SM on an H100); until 2026-12-06 both shifts were multiply-highs."""
     return gl.inline_asm_elementwise(
         asm=f"""{{
         .reg .b32 r, s, t, u, v;
-        {"mul.hi" if j else "mul.lo"}.u32 r, $4, {2 ** (32 - 2 * j) if j else 1};
+        shr.b32 r, $4, {2 * j};
         and.b32 r, r, 0x03030303;
         mad.lo.u32 s, r, 34, 0x10101010;
         prmt.b32 u, $5, $6, s;
-        mul.hi.u32 t, s, 65536;
+        shr.b32 t, s, 16;
         prmt.b32 v, $5, $6, t;
         mov.b32 {{$0, $1}}, u;
         mov.b32 {{$2, $3}}, v;

@@ -57,21 +57,22 @@ N_COLS = 8  # the mma's N: column 0 is the token, the other seven are zero
 @gluon.jit
 def _lookup4(w4, lo4, hi4, j: gl.constexpr):
     """Bit field j of each word -> its four bytes' fp16 levels as two fp16 pairs (gluon_kv_attention._unpack4's
-    arithmetic: the field's shift as a multiply-high, a mask, the selector code·0x22 + 0x10 of two codes by one
-    multiply-add (nibbles 2c, 2c + 1 pick level c's bytes out of the table's eight), its high half by a multiply-
-    high, one prmt per two codes: 23 instructions per word). The inputs come four times over (_four) so that one
-    asm instance yields four fp16 packed in two 32-bit registers, the form the mma operand takes: with four 16-bit
-    outputs ptxas re-packed them, a move per pair (measured: 571 -> 489 instructions per loop step). A variant
-    with dequant.PRMT_ASM's shift-free selectors for fields 1 and 3 (mad.hi with an addend) compiled to more
-    instructions (573)."""
+    arithmetic: the field's shift, a mask, the selector code·0x22 + 0x10 of two codes by one multiply-add (nibbles
+    2c, 2c + 1 pick level c's bytes out of the table's eight), its high half by a shift, one prmt per two codes:
+    23 instructions per word, every one issued at the full integer rate: a multiply-high, which the shifts once
+    were, issues at a quarter of it on Hopper (benchmarks/studies/int_pipe_throughput.py). The inputs come four
+    times over (_four) so that one asm instance yields four fp16 packed in two 32-bit registers, the form the mma
+    operand takes: with four 16-bit outputs ptxas re-packed them, a move per pair (measured: 571 -> 489
+    instructions per loop step). A variant with dequant.PRMT_ASM's shift-free selectors for fields 1 and 3 (mad.hi
+    with an addend) compiled to more instructions (573)."""
     return gl.inline_asm_elementwise(
         asm=f"""{{
         .reg .b32 r, s;
-        {"mul.hi" if j else "mul.lo"}.u32 r, $2, {2 ** (32 - 2 * j) if j else 1};
+        shr.b32 r, $2, {2 * j};
         and.b32 r, r, 0x03030303;
         mad.lo.u32 s, r, 34, 0x10101010;
         prmt.b32 $0, $6, $10, s;
-        mul.hi.u32 s, s, 65536;
+        shr.b32 s, s, 16;
         prmt.b32 $1, $6, $10, s;
         }}""",
         constraints="=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",

@@ -71,3 +71,22 @@ def test_supports_only_what_the_kernels_read(monkeypatch):
     assert not gmd.supports(_hls2(4, 256, 64), _hls2(4, 256, 64), _hls2(4, 64, 256))  # 64 inputs: half a chunk
     assert not gmd.supports(w1, w3, _hls2(4, 128, 256, torch.float32))  # fp32 tables
     assert not gmd.supports(w1, w3, _hls2(4, 128, 256, groups=2))  # per-group tables
+
+
+def test_prmt_selector_high_half_is_a_shift():
+    """dequant.PRMT_ASM builds the second selector of a field as s0 >> 16 (a full-rate shift) where it once took
+    the multiply-high hi(m·0x220000) (a quarter-rate IMAD.HI on Hopper): the same 16 bits for every code quadruple,
+    and both selectors are c·0x22 + 0x1010 per code pair (nibbles 2c, 2c + 1)."""
+    from itertools import product
+
+    from moec.kernels.dequant import PRMT_ASM
+
+    asm = PRMT_ASM.value
+    assert "mul.hi" not in asm and asm.count("shr.b32 s1, s0, 16;") == 4
+    assert asm.count("lop3.b32 m, ") == 4 and "0x78f0f4" in asm and "mad.lo.u32 s0, m, 0x22, 0xfa8;" in asm
+    for c in product(range(4), repeat=4):
+        m = (c[0] | c[1] << 8 | c[2] << 16 | c[3] << 24) | 0x78F0F4
+        s0 = (m * 0x22 + 0xFA8) & 0xFFFFFFFF
+        assert (s0 >> 16) & 0xFFFF == ((m * 0x220000) >> 32) & 0xFFFF
+        assert s0 & 0xFFFF == c[0] * 0x22 + c[1] * 0x2200 + 0x1010
+        assert (s0 >> 16) & 0xFFFF == c[2] * 0x22 + c[3] * 0x2200 + 0x1010
