@@ -55,7 +55,10 @@ one of 25 steps, rel_l2_exact 0.064 against a bound of 0.036, while its dynamic 
 
 Calibration's own kernels run once, outside the recipes (record recipe "(calibration)"): `tcq-viterbi`, the
 trellis fit's Viterbi kernel (kernels/tcq_viterbi.py) against the torch search on the GPU at a Mixtral row
-count, 2 and 3 bits, which must give the same states bit for bit.
+count, 2 and 3 bits, which must give the same states bit for bit. Two Gluon kernels are checked directly too
+(record recipe "(kernels)"): `gluon-moe-decode-*` (kernels/gluon_moe_decode.py, opt-in under MOEC_KERNELS=gluon;
+the recipes' `-gluon` checks count its launches as `gluon_moe_launches`) and `gluon-qlinear-*`
+(kernels/gluon_qlinear.py, the default 4-bit decode GEMV, which every attn4 recipe's logit checks also run).
 
 Records (one per check): recipe, check, ok, error, and for logit checks max_abs_err, rel_l2_err, kernel
 (whether the default path took the fused kernel), graphs; every record carries `source_tree`, the content
@@ -313,6 +316,41 @@ def check_gluon_moe(device: str) -> list[dict]:
     return out
 
 
+def check_gluon_qlinear(device: str) -> list[dict]:
+    """The Gluon 4-bit decode GEMV (kernels/gluon_qlinear.py, qlinear's default for 4-bit rtn decode where the
+    launch config says gluon4) against qlinear_ref: batch 1 and 3, with a bias, 200 outputs (a partial last block),
+    the shipped launch and the prefetching one; max |err| / max |ref| <= 5e-3 (fp16 weights as dequantized)."""
+    if device != "cuda":
+        return []
+    from moec.kernels import gluon_qlinear as gq
+    from moec.kernels.dequant import MODE_AFFINE, QWeight
+    from moec.kernels.qlinear import qlinear_ref
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    K, O, G = 512, 200, 4
+    scale = (torch.rand(1, O, G, device="cuda", generator=g) * 0.01 + 1e-3).half()
+    w = QWeight(MODE_AFFINE, 4, K, torch.randint(0, 256, (1, O, K // 2), dtype=torch.uint8, device="cuda",
+                                                    generator=g), scale, (-8 * scale.float()).half())
+    bias = torch.randn(O, device="cuda", generator=g) * 0.1
+    out = []
+    for M, prefetch in ((1, 0), (3, 0), (3, 2)):
+        t0 = time.time()
+        rec = {"recipe": "(kernels)", "check": f"gluon-qlinear-m{M}-prefetch{prefetch}",
+               "shape": f"{K} -> {O}, rtn4 g128"}
+        try:
+            x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+            want = qlinear_ref(x, w, bias)
+            got = gq.gluon_qlinear(x, w, bias, torch.empty(M, O, dtype=torch.bfloat16, device="cuda"),
+                                   prefetch=prefetch).float()
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            rec |= {"ok": err <= 5e-3, "max_rel_err": err, "error": None if err <= 5e-3 else f"max_rel_err {err:.3g}"}
+        except Exception as e:
+            rec |= {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        rec["seconds"] = round(time.time() - t0, 2)
+        out.append(rec)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu_smoke_h200.json")
@@ -340,7 +378,7 @@ def main() -> int:
     jobs += [(OSS_SHAPE, n) for n in names if OSS_SHAPE in a.shapes and n in OSS_RECIPES]
     t_start = time.time()
     records = [base_record("gpu-smoke", a.device) | {"source_tree": tree} | r
-               for r in check_calibration_kernels(a.device) + check_gluon_moe(a.device)]
+               for r in check_calibration_kernels(a.device) + check_gluon_moe(a.device) + check_gluon_qlinear(a.device)]
     for r in records:
         print(f"[{r['recipe']} {r['check']}] {'ok' if r['ok'] else 'FAILED: ' + str(r['error'])}", flush=True)
     # Triton compiles (CPU-bound) dominate: recipes run in `--jobs` processes on the one GPU

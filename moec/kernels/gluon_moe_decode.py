@@ -22,16 +22,17 @@ w, w + KW, ...: adjacent warps read adjacent 32-byte pieces of a row), each with
 across warps at the end (gl.sum over the warp axis, through shared memory once per program). The next chunk's
 words are loaded before the current chunk's math (PREFETCH).
 
-Measured (benchmarks/bench_gluon_moe.py -> results/gluon_moe_h100.json, one H100, copy 3.02 TB/s; Mixtral shape,
-batch 1): correct (max |err| / max |ref| 1.1e-4 against the `tl` path's 5e-4) but not faster: gate/up 40.6 us a layer
-(48% of copy), down 26.9 us (36%), the whole MoE 67.1 us against the `tl` kernels' 62.9; Qwen3 equal (20.7 vs
-20.8 us), batch 4 slower (Mixtral 211 vs 177 us). A cp.async pipeline of 3-6 stages (STAGES) did not help, so
-the loads are not what bounds it. What does: the lookup's integer work. A loop step is 537 SASS instructions for
-256 codes, ~470 of them integer (IMAD, PRMT, LOP3, IADD3), and Hopper issues 32-bit integer multiply-add, logic,
-shift and permute at 64 per clock per SM, half the fp32 rate: 1.84 integer instructions per code caps the kernel
-at ~2.0 TB/s of codes on an H100 (66% of copy; it reaches 72% of that cap), and the lookup alone (23 per 16
-codes) at 2.9 TB/s on an H200, ~67% of its copy bandwidth. So MOEC_KERNELS=gluon sends 2-bit hls layers here
-(runtime/experts.ExpertWeights.fused); the default stays on the `tl` kernels.
+Measured (benchmarks/bench_gluon_moe.py -> results/gluon_moe_h100.json, one H100, copy 3.03 TB/s, 2026-12-06):
+correct (max |err| / max |ref| 1.1e-4, the `tl` path's 5e-4) but not faster as a whole. Mixtral shape, batch 1:
+gate/up 37.1 us a layer (53% of copy), down 25.7 us (38%), the whole MoE 63.5 us against the `tl` kernels' 60.1;
+Qwen3 20.0 vs 20.6 us; batch 4 194 vs 172 us (Mixtral). What was tried: a cp.async pipeline of 3-6 stages
+(STAGES: no gain, so the loads are not what bounds it), 16-64 rows a program, 2-8 warps, and removing the
+multiply-highs from the lookup (Hopper issues IMAD.HI at a quarter of the full integer rate,
+benchmarks/studies/int_pipe_throughput.py: gate/up 40.6 -> 37.1 us). The loop is now 489 full-rate instructions
+per 256 codes of a thread (1.91 a code), which could feed 3.9 TB/s of codes on an H100: neither issue nor a pipe
+is the bound at 53%, and what is (latency with ~16 warps an SM, memory parallelism of 32-byte row pieces) needs a
+profiler this machine lacks. So MOEC_KERNELS=gluon sends 2-bit hls layers here (runtime/experts.ExpertWeights.fused);
+the default stays on the `tl` kernels.
 
 Not here (the `tl` kernels serve them): 3/4-bit codes, per-group tables, fp32 tables, vq/fp8/tcq, an h rotation,
 inputs not a multiple of 128. Gluon has no CPU interpreter: tests/kernels/test_gluon_moe_decode.py compiles these
