@@ -30,12 +30,14 @@ from moec.kernels.moe_decode import moe_decode, moe_decode_ref
 from moec.provenance import environment
 
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336, 4), "qwen3-30b-a3b": (128, 8, 2048, 768, 16)}  # E, A, D, I, layers
-# gate/up (BM, KW, prefetch, cp.async stages); down (BM, KW, SPLIT, stages)
-GATE_UP = [(32, 4, True, 0), (32, 4, True, 3), (32, 4, True, 4), (32, 2, True, 4), (16, 4, True, 4),
-           (32, 4, True, 6), (64, 4, True, 4), (32, 2, True, 0), (16, 4, True, 0)]
-DOWN = {"mixtral-8x7b": [(16, 8, 1, 0), (16, 8, 1, 4), (16, 4, 2, 4), (32, 8, 2, 4), (32, 4, 2, 4), (16, 8, 2, 4),
-                         (16, 4, 2, 0), (32, 8, 2, 0)],
-        "qwen3-30b-a3b": [(16, 4, 1, 0), (16, 4, 1, 3), (16, 2, 1, 3), (16, 2, 2, 3), (32, 2, 1, 3)]}
+# gate/up (BM, KW, prefetch, cp.async stages, tiled codes); down (BM, KW, SPLIT, stages, tiled). Stages 3-6
+# measured no faster than none (results/gluon_moe_h100.json, 2026-12-06): the sweep keeps one of them.
+GATE_UP = [(32, 4, True, 0, False), (16, 4, True, 0, False), (32, 4, True, 4, False), (32, 4, True, 0, True),
+           (16, 4, True, 0, True), (32, 2, True, 0, True), (64, 4, True, 0, True), (32, 8, True, 0, True)]
+DOWN = {"mixtral-8x7b": [(16, 8, 1, 0, False), (16, 8, 2, 0, False), (16, 8, 2, 4, False), (16, 8, 1, 0, True),
+                         (16, 8, 2, 0, True), (32, 8, 2, 0, True), (16, 4, 2, 0, True), (32, 4, 1, 0, True)],
+        "qwen3-30b-a3b": [(16, 4, 1, 0, False), (16, 4, 1, 0, True), (16, 2, 1, 0, True), (32, 4, 1, 0, True),
+                          (16, 2, 2, 0, True)]}
 
 
 def hls2(E: int, O: int, n_in: int, gen) -> QWeight:
@@ -60,6 +62,7 @@ def bench_case(record, copy: float, quick: bool, shape: str, A: int, layers: lis
     wts = torch.softmax(torch.randn(N, A, device="cuda", generator=gen), -1)
     w1, w3, w2 = layers[0]
     want = moe_decode_ref(x, ids, wts, w1, w3, w2)
+    tiles = [tuple(gmd.tile_codes(w.data) for w in lw) for lw in layers]  # the TILED layout's copies
     bytes_gu = N * A * 2 * I * (D // 4 + 8)
     bytes_dn = N * A * D * (I // 4 + 8)
     base = dict(shape=shape, batch=N, layers=L)
@@ -81,26 +84,29 @@ def bench_case(record, copy: float, quick: bool, shape: str, A: int, layers: lis
         record(**base, kernel="moe", path=path, ms=ms, max_rel_err=rel_err(got, want),
                pct_of_copy=pct(bytes_gu + bytes_dn, ms))
     hs = [torch.empty(N * A, I, dtype=torch.float16, device="cuda") for _ in range(L)]
-    for bm, kw, pf, st in GATE_UP[:1] if quick else GATE_UP:
-        def gu(bm=bm, kw=kw, pf=pf, st=st):
-            for (a, b, _), h in zip(layers, hs, strict=True):
-                gmd.launch_gate_up(x, ids, wts, a, b, h, A, block_m=bm, warps=kw, prefetch=pf, stages=st)
-        cfg = dict(block_m=bm, warps=kw, prefetch=pf, stages=st)
+    for bm, kw, pf, st, tl in GATE_UP[:1] if quick else GATE_UP:
+        def gu(bm=bm, kw=kw, pf=pf, st=st, tl=tl):
+            for (a, b, _), h, t in zip(layers, hs, tiles, strict=True):
+                gmd.launch_gate_up(x, ids, wts, a, b, h, A, block_m=bm, warps=kw, prefetch=pf, stages=st,
+                                   tiled=t[:2] if tl else None)
+        cfg = dict(block_m=bm, warps=kw, prefetch=pf, stages=st, tiled=tl)
         try:
-            err = rel_err(gmd.gluon_moe_decode(x, ids, wts, w1, w3, w2, A, **cfg), want)
+            err = rel_err(gmd.gluon_moe_decode(x, ids, wts, w1, w3, w2, A, block_m=bm, warps=kw, prefetch=pf,
+                                               stages=st, tiled=tiles[0] if tl else None), want)
             ms = per_layer_ms(gu, L)
             record(**base, kernel="gate_up", path="gluon", **cfg, ms=ms, max_rel_err=err, pct_of_copy=pct(bytes_gu, ms))
         except Exception as ex:  # a setting that does not compile here: recorded, not fatal
             record(**base, kernel="gate_up", path="gluon", **cfg, error=f"{type(ex).__name__}: {str(ex)[:300]}")
     outs = [torch.zeros(N, D, device="cuda") for _ in range(L)]
-    for bm, kw, sp, st in DOWN[shape][:1] if quick else DOWN[shape]:
-        def dn(bm=bm, kw=kw, sp=sp, st=st):
-            for (_, _, c), h, o in zip(layers, hs, outs, strict=True):
-                gmd.launch_down(h, ids, wts, c, o, A, block_m=bm, warps=kw, split=sp, stages=st)
-        cfg = dict(block_m=bm, warps=kw, split=sp, stages=st)
+    for bm, kw, sp, st, tl in DOWN[shape][:1] if quick else DOWN[shape]:
+        def dn(bm=bm, kw=kw, sp=sp, st=st, tl=tl):
+            for (_, _, c), h, o, t in zip(layers, hs, outs, tiles, strict=True):
+                gmd.launch_down(h, ids, wts, c, o, A, block_m=bm, warps=kw, split=sp, stages=st,
+                                tiled=t[2] if tl else None)
+        cfg = dict(block_m=bm, warps=kw, split=sp, stages=st, tiled=tl)
         try:
             err = rel_err(gmd.gluon_moe_decode(x, ids, wts, w1, w3, w2, A, block_m_down=bm, warps_down=kw, split=sp,
-                                               stages_down=st), want)
+                                               stages_down=st, tiled=tiles[0] if tl else None), want)
             ms = per_layer_ms(dn, L)
             record(**base, kernel="down", path="gluon", **cfg, ms=ms, max_rel_err=err, pct_of_copy=pct(bytes_dn, ms))
         except Exception as ex:

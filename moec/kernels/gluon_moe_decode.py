@@ -176,13 +176,44 @@ def _chunk_mma(acc, w, tlo, thi, b0, b1, b2, b3, A_L: gl.constexpr, KW: gl.const
 
 
 @gluon.jit
-def _words(p, live, EVEN: gl.constexpr):
-    """A chunk's code words [KW, BM, 8] (live [KW]: the warp's chunk exists; past the row end: 0, against x = 0)."""
+def _words(p, live, EVEN: gl.constexpr, TILED: gl.constexpr = False, WL: gl.constexpr = None, BM: gl.constexpr = 16):
+    """A chunk's code words [KW, BM, 8] in WL (live [KW]: the warp's chunk exists; past the row end: 0, against
+    x = 0). TILED: p points into tile_codes' layout ([KW, BM/16, 8, 4, 4]: 16 contiguous bytes a lane, 512 a warp
+    and m-tile), and the tile is renamed into WL's placement (no value moves: assert_trivial)."""
     if EVEN:
-        return gl.load(p)
+        v = gl.load(p)
     else:
-        lk = gl.convert_layout(live, gl.SliceLayout(1, gl.SliceLayout(2, p.type.layout)))
-        return gl.load(p, mask=lk[:, None, None], other=0)
+        if TILED:
+            lk = gl.convert_layout(live, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
+                4, p.type.layout)))))
+            v = gl.load(p, mask=lk[:, None, None, None, None], other=0)
+        else:
+            lk = gl.convert_layout(live, gl.SliceLayout(1, gl.SliceLayout(2, p.type.layout)))
+            v = gl.load(p, mask=lk[:, None, None], other=0)
+    if TILED:
+        KW: gl.constexpr = v.shape[0]
+        v = gl.reshape(v, [KW, BM // 16, 8, 4, 2, 2])  # [w, t16, n, c, rowhi, ws]
+        v = gl.reshape(gl.permute(v, [0, 1, 4, 2, 3, 5]), [KW, BM, 8])  # [w, t16, rowhi, n, c, ws]
+        v = gl.convert_layout(v, WL, assert_trivial=True)
+    return v
+
+
+@gluon.jit
+def _tile_offsets(RB, NC: gl.constexpr, rb0, c0, KW: gl.constexpr, BM: gl.constexpr):
+    """Word offsets [KW, BM/16, 8, 4, 4] (the last axis: 2·rowhi + ws, one 16-byte load) of the warps' first chunks
+    (c0 + w) of row blocks rb0 .. rb0 + BM/16 - 1 in tile_codes' layout [RB, NC, 32 lanes, 4 words] (one
+    matrix); row blocks past RB read the last one."""
+    TL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [KW, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    L4: gl.constexpr = gl.SliceLayout(4, TL)
+    L34: gl.constexpr = gl.SliceLayout(3, L4)
+    w = gl.arange(0, KW, layout=gl.SliceLayout(1, gl.SliceLayout(2, L34)))
+    t = gl.arange(0, BM // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L34)))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L34)))
+    c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, TL)))))
+    rb = gl.minimum(rb0 + t, RB - 1)
+    return ((c0 + w)[:, None, None, None, None] * 128 + (rb * NC * 128)[None, :, None, None, None]
+            + (n * 16)[None, None, :, None, None] + (c * 4)[None, None, None, :, None] + q[None, None, None, None, :])
 
 
 @gluon.jit
@@ -228,7 +259,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, t1_ptr, w3_ptr, t3_ptr, h_p
                     I,
                     D: gl.constexpr, A: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr,
                     HAS_BIAS: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr, PREFETCH: gl.constexpr,
-                    STAGES: gl.constexpr = 0):
+                    STAGES: gl.constexpr = 0, TILED: gl.constexpr = False):
     """Grid (T token-slots, cdiv(I, BM)): h[t, rows] = weight · act(W1[e] x_n, W3[e] x_n) as fp16, stored in the
     B order (_b_order; I % 128 == 0).
     w*_ptr: codes as int32 [E, I, D/16]; t*_ptr: fp16 tables as int32 [E, I, 2]; x fp16/bf16/fp32 [N, D]."""
@@ -253,7 +284,11 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, t1_ptr, w3_ptr, t3_ptr, h_p
     zero = gl.full([KW, BM, 8], 0, gl.int32, WL)
     glo, ghi = _row_tables(t1_ptr + e * I * 2, rows, zero)
     ulo, uhi = _row_tables(t3_ptr + e * I * 2, rows, zero)
-    base = (rows * NW)[None, :, None] + (wk * 8)[:, None, None] + ww[None, None, :]
+    STEP: gl.constexpr = KW * 128 if TILED else KW * 8  # words from one of a warp's chunks to its next
+    if TILED:  # tile_codes' layout [E, I/16, NC, 32, 4]
+        base = _tile_offsets(I // 16, NC, r0 // 16, 0, KW, BM)
+    else:
+        base = (rows * NW)[None, :, None] + (wk * 8)[:, None, None] + ww[None, None, :]
     p1 = w1_ptr + e * I * NW + base  # contiguous [E, I, NW]: the expert's offset is a multiple of NW (wide loads)
     p3 = w3_ptr + e * I * NW + base
     xr = x_ptr + n * D
@@ -279,12 +314,12 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, t1_ptr, w3_ptr, t3_ptr, h_p
             acc_u = _chunk_mma(acc_u, wu, ulo, uhi, b0, b1, b2, b3, A_L, KW, BM)
         cp.wait_group(0)
     elif PREFETCH:  # the next chunk's words are in flight during this chunk's math
-        wg = _words(p1, wk < NC, EVEN)
-        wu = _words(p3, wk < NC, EVEN)
+        wg = _words(p1, wk < NC, EVEN, TILED, WL, BM)
+        wu = _words(p3, wk < NC, EVEN, TILED, WL, BM)
         for i in range(NIT):
             chunk = i * KW + wk
-            wg_n = _words(p1 + (i + 1) * KW * 8, chunk + KW < NC, EVEN)
-            wu_n = _words(p3 + (i + 1) * KW * 8, chunk + KW < NC, EVEN)
+            wg_n = _words(p1 + (i + 1) * STEP, chunk + KW < NC, EVEN, TILED, WL, BM)
+            wu_n = _words(p3 + (i + 1) * STEP, chunk + KW < NC, EVEN, TILED, WL, BM)
             b0, b1, b2, b3 = _b_tiles(xr, chunk, chunk < NC, B_L, KW, EVEN)
             acc_g = _chunk_mma(acc_g, wg, glo, ghi, b0, b1, b2, b3, A_L, KW, BM)
             acc_u = _chunk_mma(acc_u, wu, ulo, uhi, b0, b1, b2, b3, A_L, KW, BM)
@@ -293,8 +328,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, t1_ptr, w3_ptr, t3_ptr, h_p
     else:
         for i in range(NIT):
             chunk = i * KW + wk
-            wg = _words(p1 + i * KW * 8, chunk < NC, EVEN)
-            wu = _words(p3 + i * KW * 8, chunk < NC, EVEN)
+            wg = _words(p1 + i * STEP, chunk < NC, EVEN, TILED, WL, BM)
+            wu = _words(p3 + i * STEP, chunk < NC, EVEN, TILED, WL, BM)
             b0, b1, b2, b3 = _b_tiles(xr, chunk, chunk < NC, B_L, KW, EVEN)
             acc_g = _chunk_mma(acc_g, wg, glo, ghi, b0, b1, b2, b3, A_L, KW, BM)
             acc_u = _chunk_mma(acc_u, wu, ulo, uhi, b0, b1, b2, b3, A_L, KW, BM)
@@ -314,7 +349,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, t1_ptr, w3_ptr, t3_ptr, h_p
 def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, t2_ptr, out_ptr, bd_ptr,
                  Dout,
                  I: gl.constexpr, A: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr, SPLIT: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr = 0):
+                 HAS_BIAS: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr = 0,
+                 TILED: gl.constexpr = False):
     """Grid (N tokens, cdiv(D, BM), SPLIT): out[n, rows] (+)= Σ_a W2[e_a] h[n·A + a] (+ weight · b2[e_a]), fp32;
     SPLIT > 1: each program a 1/SPLIT of the inputs, added with fp32 atomics into a zeroed out. h fp16 [T, I] in the
     B order (the routing weight folded in by the gate/up kernel); w2 codes int32 [E, D, I/16]."""
@@ -338,7 +374,11 @@ def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, t2_ptr, out_ptr, bd_ptr,
     rows = gl.minimum(r0 + wr, Dout - 1)
     zero = gl.full([KW, BM, 8], 0, gl.int32, WL)
     c0 = split * CPS
-    base = (rows * NW)[None, :, None] + ((c0 + wk) * 8)[:, None, None] + ww[None, None, :]
+    STEP: gl.constexpr = KW * 128 if TILED else KW * 8
+    if TILED:
+        base = _tile_offsets(Dout // 16, NC, r0 // 16, c0, KW, BM)
+    else:
+        base = (rows * NW)[None, :, None] + ((c0 + wk) * 8)[:, None, None] + ww[None, None, :]
     orow = r0 + gl.arange(0, BM, layout=OUT_L)
     om = orow < Dout
     acc = gl.zeros([KW, BM, 8], gl.float32, MMA)
@@ -366,10 +406,10 @@ def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, t2_ptr, out_ptr, bd_ptr,
                 acc = _chunk_mma(acc, w, tlo, thi, b0, b1, b2, b3, A_L, KW, BM)
             cp.wait_group(0)
         elif PREFETCH:
-            w = _words(p2, (wk < CPS) & (c0 + wk < NC), EVEN)
+            w = _words(p2, (wk < CPS) & (c0 + wk < NC), EVEN, TILED, WL, BM)
             for i in range(NIT):
                 k = i * KW + wk
-                w_n = _words(p2 + (i + 1) * KW * 8, (k + KW < CPS) & (c0 + k + KW < NC), EVEN)
+                w_n = _words(p2 + (i + 1) * STEP, (k + KW < CPS) & (c0 + k + KW < NC), EVEN, TILED, WL, BM)
                 b0, b1, b2, b3 = _b_tiles_perm(hr, c0 + k, (k < CPS) & (c0 + k < NC), B_L, KW, EVEN)
                 acc = _chunk_mma(acc, w, tlo, thi, b0, b1, b2, b3, A_L, KW, BM)
                 w = w_n
@@ -377,7 +417,7 @@ def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, t2_ptr, out_ptr, bd_ptr,
             for i in range(NIT):
                 k = i * KW + wk
                 live = (k < CPS) & (c0 + k < NC)
-                w = _words(p2 + i * KW * 8, live, EVEN)
+                w = _words(p2 + i * STEP, live, EVEN, TILED, WL, BM)
                 b0, b1, b2, b3 = _b_tiles_perm(hr, c0 + k, live, B_L, KW, EVEN)
                 acc = _chunk_mma(acc, w, tlo, thi, b0, b1, b2, b3, A_L, KW, BM)
         if HAS_BIAS:  # h carries the routing weight, the bias [E, D] does not: added once (split 0)
@@ -399,47 +439,63 @@ def supports(w1: QWeight, w3: QWeight, w2: QWeight, h_rotate=None) -> bool:
     return h_rotate is None and all(ok(w) for w in (w1, w3, w2))
 
 
+def tile_codes(data: torch.Tensor) -> torch.Tensor:
+    """2-bit codes uint8 [E, O, n/4] (O % 16 == 0, n % 128 == 0) -> int32 [E, O/16, n/128, 32, 4], the TILED layout:
+    for each 16-row block and 128-input chunk, lane 4n + c's four words (rows n and n + 8, words 2c and 2c + 1 of
+    the chunk) side by side, so a warp reads its m-tile's chunk as 512 contiguous bytes, 16 a lane (row-major codes
+    give it 32-byte pieces of 16 rows)."""
+    E, O, nb = data.shape
+    NC = nb // 32
+    w = data.contiguous().view(torch.int32).view(E, O // 16, 2, 8, NC, 4, 2)  # [e, rb, rowhi, n, ch, c, ws]
+    return w.permute(0, 1, 4, 3, 5, 2, 6).contiguous().view(E, O // 16, NC, 32, 4)
+
+
 LAUNCHES = 0  # host-side count of launches (captures under CUDA graphs): the GPU smoke records which path ran
 
 
 def launch_gate_up(x, ids, weights, w1: QWeight, w3: QWeight, h, A: int, biases=None, act: str = "silu",
                    limit: float = 7.0, block_m: int = 32, warps: int = 4, prefetch: bool = True,
-                   stages: int = 0) -> None:
-    """The gate/up launch: h [T, I] fp16 (B order) from x [N, D]."""
+                   stages: int = 0, tiled: tuple | None = None) -> None:
+    """The gate/up launch: h [T, I] fp16 (B order) from x [N, D]. tiled: (w1, w3) codes in tile_codes' layout."""
     T, I = h.shape
-    d1, d3 = w1.data.view(torch.int32), w3.data.view(torch.int32)
+    d1, d3 = (w1.data.view(torch.int32), w3.data.view(torch.int32)) if tiled is None else tiled
     t1, t3 = (w.a.contiguous().view(torch.int32) for w in (w1, w3))  # [E, O, 1, 4] fp16 -> 2 int32 a row
     bg, bu = (weights, weights) if biases is None else (biases[0].float().contiguous(), biases[1].float().contiguous())
     _gate_up_kernel[(T, triton.cdiv(I, block_m))](
         x, ids, weights, d1, t1, d3, t3, h, bg, bu, I,
         D=x.shape[1], A=A, BM=block_m, KW=warps, HAS_BIAS=biases is not None, ACT=EXPERT_ACT_IDS[act],
-        LIMIT=float(limit), PREFETCH=prefetch, STAGES=stages, num_warps=warps)
+        LIMIT=float(limit), PREFETCH=prefetch, STAGES=stages, TILED=tiled is not None, num_warps=warps)
 
 
 def launch_down(h, ids, weights, w2: QWeight, out, A: int, biases=None, block_m: int = 16, warps: int = 8,
-                split: int = 1, prefetch: bool = True, stages: int = 0) -> None:
-    """The down launch: out [N, D] fp32 (zeroed by the caller when split > 1) from h [T, I] (B order)."""
+                split: int = 1, prefetch: bool = True, stages: int = 0, tiled: torch.Tensor | None = None) -> None:
+    """The down launch: out [N, D] fp32 (zeroed by the caller when split > 1) from h [T, I] (B order). tiled: w2's
+    codes in tile_codes' layout."""
     N, D = out.shape
-    d2, t2 = w2.data.view(torch.int32), w2.a.contiguous().view(torch.int32)
+    d2 = w2.data.view(torch.int32) if tiled is None else tiled
+    t2 = w2.a.contiguous().view(torch.int32)
     bd = weights if biases is None else biases[2].float().contiguous()
     _down_kernel[(N, triton.cdiv(D, block_m), split)](
         h, ids, weights, d2, t2, out, bd, D,
         I=h.shape[1], A=A, BM=block_m, KW=warps, SPLIT=split, HAS_BIAS=biases is not None, PREFETCH=prefetch,
-        STAGES=stages, num_warps=warps)
+        STAGES=stages, TILED=tiled is not None, num_warps=warps)
 
 
 def gluon_moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
                      w2: QWeight, A: int, biases=None, act: str = "silu", limit: float = 7.0,
                      block_m: int = 32, warps: int = 4, block_m_down: int = 16, warps_down: int = 8,
-                     split: int = 1, prefetch: bool = True, stages: int = 0, stages_down: int = 0) -> torch.Tensor:
+                     split: int = 1, prefetch: bool = True, stages: int = 0, stages_down: int = 0,
+                     tiled: tuple | None = None) -> torch.Tensor:
     """moe_decode's contract for the layers `supports` accepts (x [N, D]; ids int32 and weights fp32 [N, A],
-    contiguous; shapes checked by the caller): out [N, D] fp32."""
+    contiguous; shapes checked by the caller): out [N, D] fp32. tiled: (w1, w3, w2) codes in tile_codes' layout."""
     global LAUNCHES
     LAUNCHES += 1
     N, D = x.shape
     I = w1.data.shape[1]
     h = torch.empty(N * A, I, dtype=torch.float16, device=x.device)
-    launch_gate_up(x, ids, weights, w1, w3, h, A, biases, act, limit, block_m, warps, prefetch, stages)
+    launch_gate_up(x, ids, weights, w1, w3, h, A, biases, act, limit, block_m, warps, prefetch, stages,
+                   None if tiled is None else tiled[:2])
     out = (torch.empty if split == 1 else torch.zeros)(N, D, dtype=torch.float32, device=x.device)
-    launch_down(h, ids, weights, w2, out, A, biases, block_m_down, warps_down, split, prefetch, stages_down)
+    launch_down(h, ids, weights, w2, out, A, biases, block_m_down, warps_down, split, prefetch, stages_down,
+                None if tiled is None else tiled[2])
     return out

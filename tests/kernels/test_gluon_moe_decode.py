@@ -21,13 +21,17 @@ DOWN_TYPES = {"h_ptr": "*fp16", "ids_ptr": "*i32", "wts_ptr": "*fp32", "w2_ptr":
               "out_ptr": "*fp32", "bd_ptr": "*fp32", "Dout": "i32"}
 LOOP = "0x3030303"  # the chunk loop: the innermost loop holding the code mask
 # (kernel, constexprs, warps): Mixtral's gate/up at the default, Qwen3's down (uneven: 6 chunks over 4 warps), the
-# cp.async pipeline
+# cp.async pipeline, both kernels on tile_codes' layout (its rename into the operand placement is assert_trivial)
 CASES = [("_gate_up_kernel", {"D": 4096, "A": 2, "BM": 32, "KW": 4, "HAS_BIAS": False, "ACT": 0, "LIMIT": 7.0,
                               "PREFETCH": True, "STAGES": 0}, 4),
          ("_down_kernel", {"I": 768, "A": 8, "BM": 16, "KW": 4, "SPLIT": 1, "HAS_BIAS": True, "PREFETCH": True,
                            "STAGES": 0}, 4),
          ("_gate_up_kernel", {"D": 2048, "A": 8, "BM": 32, "KW": 4, "HAS_BIAS": True, "ACT": 1, "LIMIT": 7.0,
-                              "PREFETCH": True, "STAGES": 3}, 4)]
+                              "PREFETCH": True, "STAGES": 3}, 4),
+         ("_gate_up_kernel", {"D": 4096, "A": 2, "BM": 32, "KW": 4, "HAS_BIAS": False, "ACT": 0, "LIMIT": 7.0,
+                              "PREFETCH": True, "STAGES": 0, "TILED": True}, 4),
+         ("_down_kernel", {"I": 768, "A": 8, "BM": 16, "KW": 4, "SPLIT": 1, "HAS_BIAS": False, "PREFETCH": True,
+                           "STAGES": 0, "TILED": True}, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +94,20 @@ def test_prmt_selector_high_half_is_a_shift():
         assert (s0 >> 16) & 0xFFFF == ((m * 0x220000) >> 32) & 0xFFFF
         assert s0 & 0xFFFF == c[0] * 0x22 + c[1] * 0x2200 + 0x1010
         assert (s0 >> 16) & 0xFFFF == c[2] * 0x22 + c[3] * 0x2200 + 0x1010
+
+
+def test_tile_codes_puts_each_lanes_words_side_by_side():
+    """tile_codes: for 16-row block rb and 128-input chunk ch, lane 4n + c's words q = 0..3 are rows
+    rb·16 + n (q < 2) and rb·16 + 8 + n (q >= 2), words ch·8 + 2c + q % 2 of the row-major codes."""
+    g = torch.Generator().manual_seed(0)
+    E, O, n = 2, 32, 256
+    data = torch.randint(0, 256, (E, O, n // 4), dtype=torch.uint8, generator=g)
+    t = gmd.tile_codes(data)
+    words = data.view(torch.int32).view(E, O, n // 16)
+    assert t.shape == (E, O // 16, n // 128, 32, 4)
+    lane = torch.arange(32)
+    for q in range(4):
+        rows = (torch.arange(O // 16)[:, None, None] * 16 + 8 * (q // 2) + (lane // 4)[None, None, :])
+        cols = (torch.arange(n // 128)[None, :, None] * 8 + 2 * (lane % 4)[None, None, :] + q % 2)
+        rows, cols = torch.broadcast_tensors(rows, cols)
+        assert torch.equal(t[..., q], words[:, rows, cols])
