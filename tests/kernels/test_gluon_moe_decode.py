@@ -23,11 +23,11 @@ LOOP = "0x3030303"  # the chunk loop: the innermost loop holding the code mask
 # (kernel, constexprs, warps): Mixtral's gate/up at the default, Qwen3's down (uneven: 6 chunks over 4 warps), the
 # cp.async pipeline, both kernels on tile_codes' layout (its rename into the operand placement is assert_trivial)
 CASES = [("_gate_up_kernel", {"D": 4096, "A": 2, "BM": 32, "KW": 4, "HAS_BIAS": False, "ACT": 0, "LIMIT": 7.0,
-                              "PREFETCH": True, "STAGES": 0}, 4),
+                              "PREFETCH": True, "STAGES": 0, "TILED": False}, 4),
          ("_down_kernel", {"I": 768, "A": 8, "BM": 16, "KW": 4, "SPLIT": 1, "HAS_BIAS": True, "PREFETCH": True,
-                           "STAGES": 0}, 4),
+                           "STAGES": 0, "TILED": False}, 4),
          ("_gate_up_kernel", {"D": 2048, "A": 8, "BM": 32, "KW": 4, "HAS_BIAS": True, "ACT": 1, "LIMIT": 7.0,
-                              "PREFETCH": True, "STAGES": 3}, 4),
+                              "PREFETCH": True, "STAGES": 3, "TILED": False}, 4),
          ("_gate_up_kernel", {"D": 4096, "A": 2, "BM": 32, "KW": 4, "HAS_BIAS": False, "ACT": 0, "LIMIT": 7.0,
                               "PREFETCH": True, "STAGES": 0, "TILED": True}, 4),
          ("_down_kernel", {"I": 768, "A": 8, "BM": 16, "KW": 4, "SPLIT": 1, "HAS_BIAS": False, "PREFETCH": True,
