@@ -22,17 +22,18 @@ w, w + KW, ...: adjacent warps read adjacent 32-byte pieces of a row), each with
 across warps at the end (gl.sum over the warp axis, through shared memory once per program). The next chunk's
 words are loaded before the current chunk's math (PREFETCH).
 
-Measured (benchmarks/bench_gluon_moe.py -> results/gluon_moe_h100.json, one H100, copy 3.03 TB/s, 2026-12-06):
-correct (max |err| / max |ref| 1.1e-4, the `tl` path's 5e-4) but not faster as a whole. Mixtral shape, batch 1:
-gate/up 37.1 us a layer (53% of copy), down 25.7 us (38%), the whole MoE 63.5 us against the `tl` kernels' 60.1;
-Qwen3 20.0 vs 20.6 us; batch 4 194 vs 172 us (Mixtral). What was tried: a cp.async pipeline of 3-6 stages
-(STAGES: no gain, so the loads are not what bounds it), 16-64 rows a program, 2-8 warps, and removing the
-multiply-highs from the lookup (Hopper issues IMAD.HI at a quarter of the full integer rate,
-benchmarks/studies/int_pipe_throughput.py: gate/up 40.6 -> 37.1 us). The loop is now 489 full-rate instructions
-per 256 codes of a thread (1.91 a code), which could feed 3.9 TB/s of codes on an H100: neither issue nor a pipe
-is the bound at 53%, and what is (latency with ~16 warps an SM, memory parallelism of 32-byte row pieces) needs a
-profiler this machine lacks. So MOEC_KERNELS=gluon sends 2-bit hls layers here (runtime/experts.ExpertWeights.fused);
-the default stays on the `tl` kernels.
+Measured (benchmarks/bench_gluon_moe.py -> results/gluon_moe_h100.json, one H100, copy 3.02 TB/s, 2026-12-06):
+correct (max |err| / max |ref| 1.1e-4, the `tl` path's 5e-4) but not enough faster to be the default. Mixtral
+shape, batch 1: gate/up 36.9 us a layer (53% of copy), down 22.0 us (44%, split over 2 programs); on the TILED
+code layout (tile_codes: a warp reads its m-tile's chunk as 512 contiguous bytes) 34.9 us (56%) and 20.2 us (48%),
+together 55 us against the `tl` kernels' 60.6 for the whole MoE; Qwen3 about equal (19.7 vs 20.2 us); batch 4
+slower (192 vs 169 us, Mixtral). What was tried: a cp.async pipeline of 3-6 stages (STAGES: no gain, so load
+latency is not the bound), 16-64 rows a program, 2-8 warps, the tiled layout, and removing the multiply-highs from
+the lookup (Hopper issues IMAD.HI at a quarter of the full integer rate, benchmarks/studies/int_pipe_throughput.py:
+gate/up 40.6 -> 36.9 us). The loop is now 489-516 full-rate instructions per 256 codes of a thread (~2 a code),
+enough for ~3.9 TB/s of codes on an H100: neither issue nor a pipe bounds it at 56%, and what does needs a
+profiler this machine lacks. So MOEC_KERNELS=gluon sends 2-bit hls layers here (runtime/experts.ExpertWeights.fused,
+row-major codes: the runtime holds no tiled copy); the default stays on the `tl` kernels.
 
 Not here (the `tl` kernels serve them): 3/4-bit codes, per-group tables, fp32 tables, vq/fp8/tcq, an h rotation,
 inputs not a multiple of 128. Gluon has no CPU interpreter: tests/kernels/test_gluon_moe_decode.py compiles these
@@ -483,15 +484,20 @@ def launch_down(h, ids, weights, w2: QWeight, out, A: int, biases=None, block_m:
 
 def gluon_moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
                      w2: QWeight, A: int, biases=None, act: str = "silu", limit: float = 7.0,
-                     block_m: int = 32, warps: int = 4, block_m_down: int = 16, warps_down: int = 8,
-                     split: int = 1, prefetch: bool = True, stages: int = 0, stages_down: int = 0,
+                     block_m: int = 32, warps: int = 4, block_m_down: int = 16, warps_down: int | None = None,
+                     split: int | None = None, prefetch: bool = True, stages: int = 0, stages_down: int = 0,
                      tiled: tuple | None = None) -> torch.Tensor:
     """moe_decode's contract for the layers `supports` accepts (x [N, D]; ids int32 and weights fp32 [N, A],
-    contiguous; shapes checked by the caller): out [N, D] fp32. tiled: (w1, w3, w2) codes in tile_codes' layout."""
+    contiguous; shapes checked by the caller): out [N, D] fp32. tiled: (w1, w3, w2) codes in tile_codes' layout.
+    Down launch, unless given (bench_gluon_moe.py's sweep): 8 warps and the inputs split over 2 programs where a
+    row has 32 chunks or more (Mixtral's 112: 22.0 us against 28.3 unsplit), else 4 warps unsplit (Qwen3's 6)."""
     global LAUNCHES
     LAUNCHES += 1
     N, D = x.shape
     I = w1.data.shape[1]
+    long_rows = I // CHUNK >= 32
+    warps_down = warps_down or (8 if long_rows else 4)
+    split = split or (2 if long_rows else 1)
     h = torch.empty(N * A, I, dtype=torch.float16, device=x.device)
     launch_gate_up(x, ids, weights, w1, w3, h, A, biases, act, limit, block_m, warps, prefetch, stages,
                    None if tiled is None else tiled[:2])
