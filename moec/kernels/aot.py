@@ -98,10 +98,20 @@ def loop_histogram(rows: list[tuple[int, str]], marker: str) -> Counter:
     return Counter(opcode(t) for a, t in rows if best[0] <= a <= best[1])
 
 
+def _constexpr(v):
+    """A constexpr as a job gives it: {"tl_dtype": "bf16"} is a Triton dtype (a job travels as JSON), else v."""
+    if isinstance(v, dict) and set(v) == {"tl_dtype"}:
+        import triton.language as tl
+
+        return tl.dtype(v["tl_dtype"])
+    return v
+
+
 def report(module: str, kernel: str, types: dict[str, str], constexprs: dict, num_warps: int,
            maxnreg: int | None = None, loop_marker: str | None = None, enable_fp_fusion: bool = True) -> dict:
     """Compile module.kernel for sm_90: {"resources": resources(), "loop": loop_histogram(marker) or {},
-    "opcodes": the whole kernel's opcode counts}."""
+    "opcodes": the whole kernel's opcode counts}. A dtype constexpr is given as {"tl_dtype": name}."""
+    constexprs = {k: _constexpr(v) for k, v in constexprs.items()}
     fn = getattr(importlib.import_module(module), kernel)
     k = compile_cuda(fn, types, constexprs, num_warps, maxnreg=maxnreg, enable_fp_fusion=enable_fp_fusion)
     rows = sass(k.asm["cubin"])

@@ -22,16 +22,13 @@ w, w + KW, ...: adjacent warps read adjacent 32-byte pieces of a row), each with
 across warps at the end (gl.sum over the warp axis, through shared memory once per program). The next chunk's
 words are loaded before the current chunk's math (PREFETCH).
 
-Measured (benchmarks/bench_gluon_moe.py -> results/gluon_moe_h100.json, one H100, copy 3.02 TB/s, 2026-12-06):
-correct (max |err| / max |ref| 1.1e-4, the `tl` path's 5e-4) but not enough faster to be the default. Mixtral
-shape, batch 1: gate/up 36.9 us a layer (53% of copy), down 22.0 us (44%, split over 2 programs); on the TILED
-code layout (tile_codes: a warp reads its m-tile's chunk as 512 contiguous bytes) 34.9 us (56%) and 20.2 us (48%),
-together 55 us against the `tl` kernels' 60.6 for the whole MoE; Qwen3 about equal (19.7 vs 20.2 us); batch 4
-slower (192 vs 169 us, Mixtral). What was tried: a cp.async pipeline of 3-6 stages (STAGES: no gain, so load
+Measured (benchmarks/bench_gluon_moe.py -> results/gluon_moe_h100.json; the figures are in docs/results.md,
+"Issue 32"): correct, and on the Mixtral shape at batch 1 faster than the `tl` kernels only with the TILED code
+layout (tile_codes: a warp reads its m-tile's chunk as 512 contiguous bytes), still well short of copy bandwidth;
+Qwen3 about equal, batch 4 slower. What was tried: a cp.async pipeline of 3-6 stages (STAGES: no gain, so load
 latency is not the bound), 16-64 rows a program, 2-8 warps, the tiled layout, and removing the multiply-highs from
-the lookup (Hopper issues IMAD.HI at a quarter of the full integer rate, benchmarks/studies/int_pipe_throughput.py:
-gate/up 40.6 -> 36.9 us). The loop is now 489-516 full-rate instructions per 256 codes of a thread (~2 a code),
-enough for ~3.9 TB/s of codes on an H100: neither issue nor a pipe bounds it at 56%, and what does needs a
+the lookup (Hopper issues IMAD.HI at a quarter of the full integer rate, benchmarks/studies/int_pipe_throughput.py).
+The loop is ~2 full-rate instructions a code, so neither issue nor a pipe is what bounds it, and what does needs a
 profiler this machine lacks. So MOEC_KERNELS=gluon sends 2-bit hls layers here (runtime/experts.ExpertWeights.fused,
 row-major codes: the runtime holds no tiled copy); the default stays on the `tl` kernels.
 
@@ -490,7 +487,7 @@ def gluon_moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     """moe_decode's contract for the layers `supports` accepts (x [N, D]; ids int32 and weights fp32 [N, A],
     contiguous; shapes checked by the caller): out [N, D] fp32. tiled: (w1, w3, w2) codes in tile_codes' layout.
     Down launch, unless given (bench_gluon_moe.py's sweep): 8 warps and the inputs split over 2 programs where a
-    row has 32 chunks or more (Mixtral's 112: 22.0 us against 28.3 unsplit), else 4 warps unsplit (Qwen3's 6)."""
+    row has 32 chunks or more (Mixtral's 112: the split was the faster there), else 4 warps unsplit (Qwen3's 6)."""
     global LAUNCHES
     LAUNCHES += 1
     N, D = x.shape

@@ -19,13 +19,11 @@ rest zero). The KW warps of a program split the inputs (warp w takes chunks w, w
 the end; a chunk lies in one quantization group (groups of a multiple of 128 inputs), so a lane reads each of its
 rows' scale and zero once per chunk, for 32 codes.
 
-Measured (benchmarks/bench_gluon_qlinear.py -> results/gluon_qlinear_h100.json, one H100, copy 3.04 TB/s,
-2026-12-06; shipped: 16 rows a program, 8 warps, no prefetch (configs/nvidia_h200.json qlinear.gemv): the best or
-within 4% of it on every shape, and the prefetching variants spill with a bias at 8 warps): at batch 1 Mixtral
-q/k/v 4096 -> 6144 9.9 us against the `tl` GEMV's 17.4 and cuBLAS bf16's 21.9, o 8.6 / 13.0 / 17.7 us, GLM-4.5-Air
-q/k/v 19.0 / 33.7 / 42.5 us, Qwen3 q/k/v 6.0 / 8.6 / 11.0 us; at batch 4 the `tl` GEMV re-reads the weights per
-token (55 us on Mixtral's q/k/v), this kernel does not (10.7 us). In the decode step: benchmarks/gpu_attn4.sh and
-docs/results.md.
+Measured (benchmarks/bench_gluon_qlinear.py -> results/gluon_qlinear_h100.json, benchmarks/gpu_attn4.sh ->
+results/latency_attn4_h100/; figures in docs/results.md, "Issue 32"): faster than the `tl` GEMV and than cuBLAS's bf16
+GEMV on every projection shape measured (Mixtral, Qwen3, GLM-4.5-Air) at batch 1 and 4, where the `tl` GEMV re-reads
+the weights per token; shipped: 16 rows a program, 8 warps, no prefetch (configs/nvidia_h200.json qlinear.gemv:
+the best or near it on every shape; the prefetching variants spill with a bias at 8 warps).
 
 Gluon has no CPU interpreter: tests/kernels/test_gluon_qlinear.py compiles it for sm_90 (layouts, registers, the
 loop's instructions) and the GPU smoke checks it against qlinear_ref (benchmarks/gpu_smoke.py `(kernels)`, and

@@ -96,7 +96,7 @@ def test_3bit_table_gemm_small_config_compiles_for_sm90():
     types = {"x_ptr": "*bf16", "w_ptr": "*u8", "a_ptr": "*fp32", "b_ptr": "*fp32", "bias_ptr": "*bf16",
              "y_ptr": "*bf16", "M": "i32", "O": "i32", "stride_xm": "i32", "stride_wo": "i32", "stride_ao": "i32"}
     consts = {"K": 768, "HAS_BIAS": False, "MODE": MODE_LUT, "BITS": 3, "C": C, "BPC": BPC, "G": 1, "GS": 768,
-              "BM": c["block_m"], "BN": c["block_n"], "BK": c["block_k"], "DOT": "bf16", "VD": 1}
+              "BM": c["block_m"], "BN": c["block_n"], "BK": c["block_k"], "DOT": {"tl_dtype": "bf16"}, "VD": 1}
     [rep] = aot.report_in_subprocess([{"module": "moec.kernels.qlinear", "kernel": "_gemm_kernel", "types": types,
                                        "constexprs": consts, "num_warps": c["num_warps"]}])
     assert rep["resources"]["stack"] == 0, rep["resources"]
