@@ -8,9 +8,9 @@ decode batch (1, 4): first the check — both paths against the fp32 torch refer
 = max |err| / max |ref|) — then the times: each call runs L layers with their own weights (more bytes than the
 L2), captured in one CUDA graph and replayed; per layer, median of 50 replays. Records: the whole MoE (both
 paths; `tl` as the runtime launches it, prmt_pairs included), and each Gluon kernel alone over a sweep of its
-launch settings (gate/up: rows per program BM, warps splitting the inputs KW, prefetch; down: BM, KW, programs
-splitting the inputs SPLIT). Bytes: the codes and tables of the experts a step reads; `pct_of_copy` = bytes /
-time against a device-to-device copy (read + write) measured in the same run.
+launch settings (gate/up: rows per program BM, warps splitting the inputs KW, row-major or tiled codes; down: BM,
+KW, programs splitting the inputs SPLIT, codes likewise). Bytes: the codes and tables of the experts a step
+reads; `pct_of_copy` = bytes / time against a device-to-device copy (read + write) measured in the same run.
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ from moec.kernels.moe_decode import moe_decode, moe_decode_ref
 from moec.provenance import environment
 
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336, 4), "qwen3-30b-a3b": (128, 8, 2048, 768, 16)}  # E, A, D, I, layers
-# gate/up (BM, KW, prefetch, cp.async stages, tiled codes); down (BM, KW, SPLIT, stages, tiled). Stages 3-6
-# measured no faster than none (results/gluon_moe_h100.json, 2026-12-06): the sweep keeps one of them.
-GATE_UP = [(32, 4, True, 0, False), (16, 4, True, 0, False), (32, 4, True, 4, False), (32, 4, True, 0, True),
-           (16, 4, True, 0, True), (32, 2, True, 0, True), (64, 4, True, 0, True), (32, 8, True, 0, True)]
-DOWN = {"mixtral-8x7b": [(16, 8, 1, 0, False), (16, 8, 2, 0, False), (16, 8, 2, 4, False), (16, 8, 1, 0, True),
-                         (16, 8, 2, 0, True), (32, 8, 2, 0, True), (16, 4, 2, 0, True), (32, 4, 1, 0, True)],
-        "qwen3-30b-a3b": [(16, 4, 1, 0, False), (16, 4, 1, 0, True), (16, 2, 1, 0, True), (32, 4, 1, 0, True),
-                          (16, 2, 2, 0, True)]}
+# gate/up (BM, KW, tiled codes); down (BM, KW, SPLIT, tiled). A cp.async pipeline of 3-6 stages and loops
+# without the one-chunk prefetch were measured no faster (the `stages` / `prefetch` records of
+# results/gluon_moe_h100.json, 2026-12-06) and removed from the kernels.
+GATE_UP = [(32, 4, False), (16, 4, False), (32, 4, True), (16, 4, True), (32, 2, True), (64, 4, True), (32, 8, True)]
+DOWN = {"mixtral-8x7b": [(16, 8, 1, False), (16, 8, 2, False), (16, 8, 1, True), (16, 8, 2, True), (32, 8, 2, True),
+                         (16, 4, 2, True), (32, 4, 1, True)],
+        "qwen3-30b-a3b": [(16, 4, 1, False), (16, 4, 1, True), (16, 2, 1, True), (32, 4, 1, True), (16, 2, 2, True)]}
 
 
 def hls2(E: int, O: int, n_in: int, gen) -> QWeight:
@@ -84,29 +83,27 @@ def bench_case(record, copy: float, quick: bool, shape: str, A: int, layers: lis
         record(**base, kernel="moe", path=path, ms=ms, max_rel_err=rel_err(got, want),
                pct_of_copy=pct(bytes_gu + bytes_dn, ms))
     hs = [torch.empty(N * A, I, dtype=torch.float16, device="cuda") for _ in range(L)]
-    for bm, kw, pf, st, tl in GATE_UP[:1] if quick else GATE_UP:
-        def gu(bm=bm, kw=kw, pf=pf, st=st, tl=tl):
+    for bm, kw, tl in GATE_UP[:1] if quick else GATE_UP:
+        def gu(bm=bm, kw=kw, tl=tl):
             for (a, b, _), h, t in zip(layers, hs, tiles, strict=True):
-                gmd.launch_gate_up(x, ids, wts, a, b, h, A, block_m=bm, warps=kw, prefetch=pf, stages=st,
-                                   tiled=t[:2] if tl else None)
-        cfg = dict(block_m=bm, warps=kw, prefetch=pf, stages=st, tiled=tl)
+                gmd.launch_gate_up(x, ids, wts, a, b, h, A, block_m=bm, warps=kw, tiled=t[:2] if tl else None)
+        cfg = dict(block_m=bm, warps=kw, tiled=tl)
         try:
-            err = rel_err(gmd.gluon_moe_decode(x, ids, wts, w1, w3, w2, A, block_m=bm, warps=kw, prefetch=pf,
-                                               stages=st, tiled=tiles[0] if tl else None), want)
+            err = rel_err(gmd.gluon_moe_decode(x, ids, wts, w1, w3, w2, A, block_m=bm, warps=kw,
+                                               tiled=tiles[0] if tl else None), want)
             ms = per_layer_ms(gu, L)
             record(**base, kernel="gate_up", path="gluon", **cfg, ms=ms, max_rel_err=err, pct_of_copy=pct(bytes_gu, ms))
         except Exception as ex:  # a setting that does not compile here: recorded, not fatal
             record(**base, kernel="gate_up", path="gluon", **cfg, error=f"{type(ex).__name__}: {str(ex)[:300]}")
     outs = [torch.zeros(N, D, device="cuda") for _ in range(L)]
-    for bm, kw, sp, st, tl in DOWN[shape][:1] if quick else DOWN[shape]:
-        def dn(bm=bm, kw=kw, sp=sp, st=st, tl=tl):
+    for bm, kw, sp, tl in DOWN[shape][:1] if quick else DOWN[shape]:
+        def dn(bm=bm, kw=kw, sp=sp, tl=tl):
             for (_, _, c), h, o, t in zip(layers, hs, outs, tiles, strict=True):
-                gmd.launch_down(h, ids, wts, c, o, A, block_m=bm, warps=kw, split=sp, stages=st,
-                                tiled=t[2] if tl else None)
-        cfg = dict(block_m=bm, warps=kw, split=sp, stages=st, tiled=tl)
+                gmd.launch_down(h, ids, wts, c, o, A, block_m=bm, warps=kw, split=sp, tiled=t[2] if tl else None)
+        cfg = dict(block_m=bm, warps=kw, split=sp, tiled=tl)
         try:
             err = rel_err(gmd.gluon_moe_decode(x, ids, wts, w1, w3, w2, A, block_m_down=bm, warps_down=kw, split=sp,
-                                               stages_down=st, tiled=tiles[0] if tl else None), want)
+                                               tiled=tiles[0] if tl else None), want)
             ms = per_layer_ms(dn, L)
             record(**base, kernel="down", path="gluon", **cfg, ms=ms, max_rel_err=err, pct_of_copy=pct(bytes_dn, ms))
         except Exception as ex:

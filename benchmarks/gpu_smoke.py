@@ -319,7 +319,7 @@ def check_gluon_moe(device: str) -> list[dict]:
 def check_gluon_qlinear(device: str) -> list[dict]:
     """The Gluon 4-bit decode GEMV (kernels/gluon_qlinear.py, qlinear's default for 4-bit rtn decode where the
     launch config says gluon4) against qlinear_ref: batch 1 and 3, with a bias, 200 outputs (a partial last block),
-    the shipped launch and the prefetching one; max |err| / max |ref| <= 5e-3 (fp16 weights as dequantized)."""
+    the shipped launch and 32-row programs of 4 warps; max |err| / max |ref| <= 5e-3 (fp16 weights as dequantized)."""
     if device != "cuda":
         return []
     from moec.kernels import gluon_qlinear as gq
@@ -333,15 +333,15 @@ def check_gluon_qlinear(device: str) -> list[dict]:
                                                     generator=g), scale, (-8 * scale.float()).half())
     bias = torch.randn(O, device="cuda", generator=g) * 0.1
     out = []
-    for M, prefetch in ((1, 0), (3, 0), (3, 2)):
+    for M, block_m, warps in ((1, 16, 8), (3, 16, 8), (3, 32, 4)):
         t0 = time.time()
-        rec = {"recipe": "(kernels)", "check": f"gluon-qlinear-m{M}-prefetch{prefetch}",
+        rec = {"recipe": "(kernels)", "check": f"gluon-qlinear-m{M}-bm{block_m}-w{warps}",
                "shape": f"{K} -> {O}, rtn4 g128"}
         try:
             x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
             want = qlinear_ref(x, w, bias)
-            got = gq.gluon_qlinear(x, w, bias, torch.empty(M, O, dtype=torch.bfloat16, device="cuda"),
-                                   prefetch=prefetch).float()
+            got = gq.gluon_qlinear(x, w, bias, torch.empty(M, O, dtype=torch.bfloat16, device="cuda"), block_m,
+                                   warps).float()
             err = ((got - want).abs().max() / want.abs().max()).item()
             rec |= {"ok": err <= 5e-3, "max_rel_err": err, "error": None if err <= 5e-3 else f"max_rel_err {err:.3g}"}
         except Exception as e:

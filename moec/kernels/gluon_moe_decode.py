@@ -20,17 +20,18 @@ Work split: a program takes BM rows of one token-slot (gate/up) or one token (do
 the same accumulator, so the combine is free) and its KW warps split the input dim (warp w reads chunks
 w, w + KW, ...: adjacent warps read adjacent 32-byte pieces of a row), each with its own accumulator, summed
 across warps at the end (gl.sum over the warp axis, through shared memory once per program). The next chunk's
-words are loaded before the current chunk's math (PREFETCH).
+words are loaded before the current chunk's math.
 
 Measured (benchmarks/bench_gluon_moe.py -> results/gluon_moe_h100.json; the figures are in docs/results.md,
 "Issue 32"): correct, and on the Mixtral shape at batch 1 faster than the `tl` kernels only with the TILED code
 layout (tile_codes: a warp reads its m-tile's chunk as 512 contiguous bytes), still well short of copy bandwidth;
-Qwen3 about equal, batch 4 slower. What was tried: a cp.async pipeline of 3-6 stages (STAGES: no gain, so load
-latency is not the bound), 16-64 rows a program, 2-8 warps, the tiled layout, and removing the multiply-highs from
-the lookup (Hopper issues IMAD.HI at a quarter of the full integer rate, benchmarks/studies/int_pipe_throughput.py).
-The loop is ~2 full-rate instructions a code, so neither issue nor a pipe is what bounds it, and what does needs a
-profiler this machine lacks. So MOEC_KERNELS=gluon sends 2-bit hls layers here (runtime/experts.ExpertWeights.fused,
-row-major codes: the runtime holds no tiled copy); the default stays on the `tl` kernels.
+Qwen3 about equal, batch 4 slower. What was tried: a cp.async pipeline of 3-6 stages (no gain, so load latency
+is not the bound; measured, then removed: the `stages` records of the results file), 16-64 rows a program, 2-8
+warps, the tiled layout, and removing the multiply-highs from the lookup (Hopper issues IMAD.HI at a quarter of
+the full integer rate, benchmarks/studies/int_pipe_throughput.py). The loop is ~2 full-rate instructions a code,
+so neither issue nor a pipe is what bounds it, and what does needs a profiler this machine lacks. So
+MOEC_KERNELS=gluon sends 2-bit hls layers here (runtime/experts.ExpertWeights.fused, row-major codes: the runtime
+holds no tiled copy); the default stays on the `tl` kernels.
 
 Not here (the `tl` kernels serve them): 3/4-bit codes, per-group tables, fp32 tables, vq/fp8/tcq, an h rotation,
 inputs not a multiple of 128. Gluon has no CPU interpreter: tests/kernels/test_gluon_moe_decode.py compiles these
@@ -44,10 +45,9 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .dequant import EXPERT_ACT_IDS, MODE_LUT, QWeight
+from .dequant import EXPERT_ACT_IDS, MODE_LUT, QWeight, gated_act
 
 CHUNK = 128  # inputs per row and chunk: 8 int32 words of 16 codes
 N_COLS = 8  # the mma's N: column 0 is the token, the other seven are zero
@@ -215,18 +215,6 @@ def _tile_offsets(RB, NC: gl.constexpr, rb0, c0, KW: gl.constexpr, BM: gl.conste
 
 
 @gluon.jit
-def _issue(smem, p, live, EVEN: gl.constexpr):
-    """cp.async of a chunk's code words into one pipeline stage (masked-off words arrive as zeros) and the commit.
-    Each thread later reads back only the words it copied, so a wait_group needs no barrier."""
-    if EVEN:
-        cp.async_copy_global_to_shared(smem, p)
-    else:
-        lk = gl.convert_layout(live, gl.SliceLayout(1, gl.SliceLayout(2, p.type.layout)))
-        cp.async_copy_global_to_shared(smem, p, mask=lk[:, None, None])
-    cp.commit_group()
-
-
-@gluon.jit
 def _row_tables(t_ptr, rows, zero):
     """A row's fp16 table as two int32 words, broadcast over the words tile `zero` [KW, BM, 8]."""
     p = t_ptr + rows * 2
@@ -243,21 +231,10 @@ def _col0(acc, OUT_L: gl.constexpr):
 
 
 @gluon.jit
-def _act(g, u, ACT: gl.constexpr, LIMIT: gl.constexpr):
-    """dequant.gated_act: ACT 0 silu(g)·u, ACT 1 gpt-oss's clamped SwiGLU."""
-    if ACT == 1:
-        g = gl.minimum(g, LIMIT)
-        u = gl.minimum(gl.maximum(u, -LIMIT), LIMIT)
-        return g / (1.0 + gl.exp(-1.702 * g)) * (u + 1.0)
-    return g / (1.0 + gl.exp(-g)) * u
-
-
-@gluon.jit
 def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, t1_ptr, w3_ptr, t3_ptr, h_ptr, bg_ptr, bu_ptr,
                     I,
                     D: gl.constexpr, A: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr, PREFETCH: gl.constexpr,
-                    STAGES: gl.constexpr = 0, TILED: gl.constexpr = False):
+                    HAS_BIAS: gl.constexpr, ACT: gl.constexpr, LIMIT: gl.constexpr, TILED: gl.constexpr = False):
     """Grid (T token-slots, cdiv(I, BM)): h[t, rows] = weight · act(W1[e] x_n, W3[e] x_n) as fp16, stored in the
     B order (_b_order; I % 128 == 0).
     w*_ptr: codes as int32 [E, I, D/16]; t*_ptr: fp16 tables as int32 [E, I, 2]; x fp16/bf16/fp32 [N, D]."""
@@ -292,45 +269,18 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, t1_ptr, w3_ptr, t3_ptr, h_p
     xr = x_ptr + n * D
     acc_g = gl.zeros([KW, BM, 8], gl.float32, MMA)
     acc_u = gl.zeros([KW, BM, 8], gl.float32, MMA)
-    if STAGES > 1:  # a cp.async pipeline: STAGES - 1 chunks of words in flight ahead of the math, in shared memory
-        SHL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-        sg = gl.allocate_shared_memory(gl.int32, [STAGES, KW, BM, 8], SHL)
-        su = gl.allocate_shared_memory(gl.int32, [STAGES, KW, BM, 8], SHL)
-        for st in gl.static_range(STAGES - 1):
-            _issue(sg.index(st), p1 + st * KW * 8, st * KW + wk < NC, EVEN)
-            _issue(su.index(st), p3 + st * KW * 8, st * KW + wk < NC, EVEN)
-        for i in range(NIT):
-            chunk = i * KW + wk
-            cp.wait_group(2 * (STAGES - 2))  # chunk i's two groups have landed
-            wg = sg.index(i % STAGES).load(WL)
-            wu = su.index(i % STAGES).load(WL)
-            nxt = i + STAGES - 1  # into the stage read one iteration ago
-            _issue(sg.index(nxt % STAGES), p1 + nxt * KW * 8, nxt * KW + wk < NC, False)
-            _issue(su.index(nxt % STAGES), p3 + nxt * KW * 8, nxt * KW + wk < NC, False)
-            b0, b1, b2, b3 = _b_tiles(xr, chunk, chunk < NC, B_L, KW, EVEN)
-            acc_g = _chunk_mma(acc_g, wg, glo, ghi, b0, b1, b2, b3, A_L, KW, BM)
-            acc_u = _chunk_mma(acc_u, wu, ulo, uhi, b0, b1, b2, b3, A_L, KW, BM)
-        cp.wait_group(0)
-    elif PREFETCH:  # the next chunk's words are in flight during this chunk's math
-        wg = _words(p1, wk < NC, EVEN, TILED, WL, BM)
-        wu = _words(p3, wk < NC, EVEN, TILED, WL, BM)
-        for i in range(NIT):
-            chunk = i * KW + wk
-            wg_n = _words(p1 + (i + 1) * STEP, chunk + KW < NC, EVEN, TILED, WL, BM)
-            wu_n = _words(p3 + (i + 1) * STEP, chunk + KW < NC, EVEN, TILED, WL, BM)
-            b0, b1, b2, b3 = _b_tiles(xr, chunk, chunk < NC, B_L, KW, EVEN)
-            acc_g = _chunk_mma(acc_g, wg, glo, ghi, b0, b1, b2, b3, A_L, KW, BM)
-            acc_u = _chunk_mma(acc_u, wu, ulo, uhi, b0, b1, b2, b3, A_L, KW, BM)
-            wg = wg_n
-            wu = wu_n
-    else:
-        for i in range(NIT):
-            chunk = i * KW + wk
-            wg = _words(p1 + i * STEP, chunk < NC, EVEN, TILED, WL, BM)
-            wu = _words(p3 + i * STEP, chunk < NC, EVEN, TILED, WL, BM)
-            b0, b1, b2, b3 = _b_tiles(xr, chunk, chunk < NC, B_L, KW, EVEN)
-            acc_g = _chunk_mma(acc_g, wg, glo, ghi, b0, b1, b2, b3, A_L, KW, BM)
-            acc_u = _chunk_mma(acc_u, wu, ulo, uhi, b0, b1, b2, b3, A_L, KW, BM)
+    # the next chunk's words are in flight during this chunk's math
+    wg = _words(p1, wk < NC, EVEN, TILED, WL, BM)
+    wu = _words(p3, wk < NC, EVEN, TILED, WL, BM)
+    for i in range(NIT):
+        chunk = i * KW + wk
+        wg_n = _words(p1 + (i + 1) * STEP, chunk + KW < NC, EVEN, TILED, WL, BM)
+        wu_n = _words(p3 + (i + 1) * STEP, chunk + KW < NC, EVEN, TILED, WL, BM)
+        b0, b1, b2, b3 = _b_tiles(xr, chunk, chunk < NC, B_L, KW, EVEN)
+        acc_g = _chunk_mma(acc_g, wg, glo, ghi, b0, b1, b2, b3, A_L, KW, BM)
+        acc_u = _chunk_mma(acc_u, wu, ulo, uhi, b0, b1, b2, b3, A_L, KW, BM)
+        wg = wg_n
+        wu = wu_n
     g = _col0(acc_g, OUT_L)
     u = _col0(acc_u, OUT_L)
     orow = r0 + gl.arange(0, BM, layout=OUT_L)
@@ -339,7 +289,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, t1_ptr, w3_ptr, t3_ptr, h_p
         g += gl.load(bg_ptr + e * I + orow, mask=om, other=0.0)
         u += gl.load(bu_ptr + e * I + orow, mask=om, other=0.0)
     wt = gl.load(wts_ptr + t).to(gl.float32)
-    h = _act(g, u, ACT, LIMIT) * wt
+    h = gated_act(g, u, ACT, LIMIT) * wt
     gl.store(h_ptr + t * I + _b_order(orow), h.to(gl.float16), mask=om)  # in the B order: the down kernel's loads
 
 
@@ -347,8 +297,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, t1_ptr, w3_ptr, t3_ptr, h_p
 def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, t2_ptr, out_ptr, bd_ptr,
                  Dout,
                  I: gl.constexpr, A: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr, SPLIT: gl.constexpr,
-                 HAS_BIAS: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr = 0,
-                 TILED: gl.constexpr = False):
+                 HAS_BIAS: gl.constexpr, TILED: gl.constexpr = False):
     """Grid (N tokens, cdiv(D, BM), SPLIT): out[n, rows] (+)= Σ_a W2[e_a] h[n·A + a] (+ weight · b2[e_a]), fp32;
     SPLIT > 1: each program a 1/SPLIT of the inputs, added with fp32 atomics into a zeroed out. h fp16 [T, I] in the
     B order (the routing weight folded in by the gate/up kernel); w2 codes int32 [E, D, I/16]."""
@@ -381,43 +330,19 @@ def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, t2_ptr, out_ptr, bd_ptr,
     om = orow < Dout
     acc = gl.zeros([KW, BM, 8], gl.float32, MMA)
     y = gl.zeros([BM], gl.float32, OUT_L)
-    if STAGES > 1:
-        SHL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-        sw = gl.allocate_shared_memory(gl.int32, [STAGES, KW, BM, 8], SHL)
     for a in gl.static_range(A):  # the slots share the accumulator: Σ_a W2[e_a] h_a
         t = n * A + a
         e = gl.load(ids_ptr + t).to(gl.int64)
         tlo, thi = _row_tables(t2_ptr + e * Dout * 2, rows, zero)
         p2 = w2_ptr + e * Dout * NW + base
         hr = h_ptr + t * I
-        if STAGES > 1:  # the cp.async pipeline of the gate/up kernel, restarted per slot
-            for st in gl.static_range(STAGES - 1):
-                _issue(sw.index(st), p2 + st * KW * 8, (st * KW + wk < CPS) & (c0 + st * KW + wk < NC), EVEN)
-            for i in range(NIT):
-                k = i * KW + wk
-                cp.wait_group(STAGES - 2)
-                w = sw.index(i % STAGES).load(WL)
-                nxt = i + STAGES - 1
-                _issue(sw.index(nxt % STAGES), p2 + nxt * KW * 8, (nxt * KW + wk < CPS) & (c0 + nxt * KW + wk < NC),
-                       False)
-                b0, b1, b2, b3 = _b_tiles_perm(hr, c0 + k, (k < CPS) & (c0 + k < NC), B_L, KW, EVEN)
-                acc = _chunk_mma(acc, w, tlo, thi, b0, b1, b2, b3, A_L, KW, BM)
-            cp.wait_group(0)
-        elif PREFETCH:
-            w = _words(p2, (wk < CPS) & (c0 + wk < NC), EVEN, TILED, WL, BM)
-            for i in range(NIT):
-                k = i * KW + wk
-                w_n = _words(p2 + (i + 1) * STEP, (k + KW < CPS) & (c0 + k + KW < NC), EVEN, TILED, WL, BM)
-                b0, b1, b2, b3 = _b_tiles_perm(hr, c0 + k, (k < CPS) & (c0 + k < NC), B_L, KW, EVEN)
-                acc = _chunk_mma(acc, w, tlo, thi, b0, b1, b2, b3, A_L, KW, BM)
-                w = w_n
-        else:
-            for i in range(NIT):
-                k = i * KW + wk
-                live = (k < CPS) & (c0 + k < NC)
-                w = _words(p2 + i * STEP, live, EVEN, TILED, WL, BM)
-                b0, b1, b2, b3 = _b_tiles_perm(hr, c0 + k, live, B_L, KW, EVEN)
-                acc = _chunk_mma(acc, w, tlo, thi, b0, b1, b2, b3, A_L, KW, BM)
+        w = _words(p2, (wk < CPS) & (c0 + wk < NC), EVEN, TILED, WL, BM)  # one chunk ahead, as gate/up
+        for i in range(NIT):
+            k = i * KW + wk
+            w_n = _words(p2 + (i + 1) * STEP, (k + KW < CPS) & (c0 + k + KW < NC), EVEN, TILED, WL, BM)
+            b0, b1, b2, b3 = _b_tiles_perm(hr, c0 + k, (k < CPS) & (c0 + k < NC), B_L, KW, EVEN)
+            acc = _chunk_mma(acc, w, tlo, thi, b0, b1, b2, b3, A_L, KW, BM)
+            w = w_n
         if HAS_BIAS:  # h carries the routing weight, the bias [E, D] does not: added once (split 0)
             wt = gl.where(split == 0, gl.load(wts_ptr + t).to(gl.float32), 0.0)
             y += wt * gl.load(bd_ptr + e * Dout + orow, mask=om, other=0.0)
@@ -452,8 +377,7 @@ LAUNCHES = 0  # host-side count of launches (captures under CUDA graphs): the GP
 
 
 def launch_gate_up(x, ids, weights, w1: QWeight, w3: QWeight, h, A: int, biases=None, act: str = "silu",
-                   limit: float = 7.0, block_m: int = 32, warps: int = 4, prefetch: bool = True,
-                   stages: int = 0, tiled: tuple | None = None) -> None:
+                   limit: float = 7.0, block_m: int = 32, warps: int = 4, tiled: tuple | None = None) -> None:
     """The gate/up launch: h [T, I] fp16 (B order) from x [N, D]. tiled: (w1, w3) codes in tile_codes' layout."""
     T, I = h.shape
     d1, d3 = (w1.data.view(torch.int32), w3.data.view(torch.int32)) if tiled is None else tiled
@@ -462,11 +386,11 @@ def launch_gate_up(x, ids, weights, w1: QWeight, w3: QWeight, h, A: int, biases=
     _gate_up_kernel[(T, triton.cdiv(I, block_m))](
         x, ids, weights, d1, t1, d3, t3, h, bg, bu, I,
         D=x.shape[1], A=A, BM=block_m, KW=warps, HAS_BIAS=biases is not None, ACT=EXPERT_ACT_IDS[act],
-        LIMIT=float(limit), PREFETCH=prefetch, STAGES=stages, TILED=tiled is not None, num_warps=warps)
+        LIMIT=float(limit), TILED=tiled is not None, num_warps=warps)
 
 
 def launch_down(h, ids, weights, w2: QWeight, out, A: int, biases=None, block_m: int = 16, warps: int = 8,
-                split: int = 1, prefetch: bool = True, stages: int = 0, tiled: torch.Tensor | None = None) -> None:
+                split: int = 1, tiled: torch.Tensor | None = None) -> None:
     """The down launch: out [N, D] fp32 (zeroed by the caller when split > 1) from h [T, I] (B order). tiled: w2's
     codes in tile_codes' layout."""
     N, D = out.shape
@@ -475,14 +399,14 @@ def launch_down(h, ids, weights, w2: QWeight, out, A: int, biases=None, block_m:
     bd = weights if biases is None else biases[2].float().contiguous()
     _down_kernel[(N, triton.cdiv(D, block_m), split)](
         h, ids, weights, d2, t2, out, bd, D,
-        I=h.shape[1], A=A, BM=block_m, KW=warps, SPLIT=split, HAS_BIAS=biases is not None, PREFETCH=prefetch,
-        STAGES=stages, TILED=tiled is not None, num_warps=warps)
+        I=h.shape[1], A=A, BM=block_m, KW=warps, SPLIT=split, HAS_BIAS=biases is not None,
+        TILED=tiled is not None, num_warps=warps)
 
 
 def gluon_moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
                      w2: QWeight, A: int, biases=None, act: str = "silu", limit: float = 7.0,
                      block_m: int = 32, warps: int = 4, block_m_down: int = 16, warps_down: int | None = None,
-                     split: int | None = None, prefetch: bool = True, stages: int = 0, stages_down: int = 0,
+                     split: int | None = None,
                      tiled: tuple | None = None) -> torch.Tensor:
     """moe_decode's contract for the layers `supports` accepts (x [N, D]; ids int32 and weights fp32 [N, A],
     contiguous; shapes checked by the caller): out [N, D] fp32. tiled: (w1, w3, w2) codes in tile_codes' layout.
@@ -496,9 +420,9 @@ def gluon_moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     warps_down = warps_down or (8 if long_rows else 4)
     split = split or (2 if long_rows else 1)
     h = torch.empty(N * A, I, dtype=torch.float16, device=x.device)
-    launch_gate_up(x, ids, weights, w1, w3, h, A, biases, act, limit, block_m, warps, prefetch, stages,
+    launch_gate_up(x, ids, weights, w1, w3, h, A, biases, act, limit, block_m, warps,
                    None if tiled is None else tiled[:2])
     out = (torch.empty if split == 1 else torch.zeros)(N, D, dtype=torch.float32, device=x.device)
-    launch_down(h, ids, weights, w2, out, A, biases, block_m_down, warps_down, split, prefetch, stages_down,
+    launch_down(h, ids, weights, w2, out, A, biases, block_m_down, warps_down, split,
                 None if tiled is None else tiled[2])
     return out

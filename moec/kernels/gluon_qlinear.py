@@ -22,8 +22,9 @@ rows' scale and zero once per chunk, for 32 codes.
 Measured (benchmarks/bench_gluon_qlinear.py -> results/gluon_qlinear_h100.json, benchmarks/gpu_attn4.sh ->
 results/latency_attn4_h100/; figures in docs/results.md, "Issue 32"): faster than the `tl` GEMV and than cuBLAS's bf16
 GEMV on every projection shape measured (Mixtral, Qwen3, GLM-4.5-Air) at batch 1 and 4, where the `tl` GEMV re-reads
-the weights per token; shipped: 16 rows a program, 8 warps, no prefetch (configs/nvidia_h200.json qlinear.gemv:
-the best or near it on every shape; the prefetching variants spill with a bias at 8 warps).
+the weights per token; shipped: 16 rows a program, 8 warps (configs/nvidia_h200.json qlinear.gemv: the best or near
+it on every shape). Variants that loaded the next chunk's words (and x) during this chunk's math were no faster and
+spilled with a bias at 8 warps: measured (the `prefetch` records of the results file), then removed.
 
 Gluon has no CPU interpreter: tests/kernels/test_gluon_qlinear.py compiles it for sm_90 (layouts, registers, the
 loop's instructions) and the GPU smoke checks it against qlinear_ref (benchmarks/gpu_smoke.py `(kernels)`, and
@@ -137,8 +138,7 @@ def _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L: gl.constexpr, KW: gl.constexpr
 
 @gluon.jit
 def _gemv4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, O,
-                  K: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  PREFETCH: gl.constexpr = 1):
+                  K: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr, HAS_BIAS: gl.constexpr):
     """Grid (cdiv(O, BM),): y[:M, rows] = x[:M] Wᵀ (+ bias) for W's 4-bit codes [O, K/8] int32 words, scale and zero
     [O, G]; y in y_ptr's dtype."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[KW, 1, 1], instr_shape=[1, 16, 8])
@@ -158,32 +158,10 @@ def _gemv4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, O,
     zero = gl.full([KW, BM, 16], 0, gl.int32, WL)
     base = w_ptr + (rows * NW)[None, :, None] + (wk * 16)[:, None, None] + ww[None, None, :]
     acc = gl.zeros([KW, BM, 8], gl.float32, MMA)
-    if PREFETCH == 2:  # the next chunk's words, scales, zeros and x are in flight during this chunk's math
-        w, s, z = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, 0, NC, G, GC, KW)
-        xv = _x_load(x_ptr, M, wk, K, KW)
-        for i in range(NIT):
-            w_n, s_n, z_n = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, i + 1, NC, G, GC, KW)
-            xv_n = _x_load(x_ptr, M, (i + 1) * KW + wk, K, KW)
-            b0, b1, b2, b3 = _x_fields(xv, B_L, KW)
-            acc = _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L, KW, BM)
-            w = w_n
-            s = s_n
-            z = z_n
-            xv = xv_n
-    elif PREFETCH == 1:  # the words, scales and zeros only (x comes from L2: fewer registers)
-        w, s, z = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, 0, NC, G, GC, KW)
-        for i in range(NIT):
-            w_n, s_n, z_n = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, i + 1, NC, G, GC, KW)
-            b0, b1, b2, b3 = _x_fields(_x_load(x_ptr, M, i * KW + wk, K, KW), B_L, KW)
-            acc = _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L, KW, BM)
-            w = w_n
-            s = s_n
-            z = z_n
-    else:
-        for i in range(NIT):
-            w, s, z = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, i, NC, G, GC, KW)
-            b0, b1, b2, b3 = _x_fields(_x_load(x_ptr, M, i * KW + wk, K, KW), B_L, KW)
-            acc = _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L, KW, BM)
+    for i in range(NIT):
+        w, s, z = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, i, NC, G, GC, KW)
+        b0, b1, b2, b3 = _x_fields(_x_load(x_ptr, M, i * KW + wk, K, KW), B_L, KW)
+        acc = _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L, KW, BM)
     y = gl.sum(acc, axis=0)  # [BM, 8]: the warps' partial sums
     orow = r0 + gl.arange(0, BM, layout=gl.SliceLayout(1, y.type.layout))
     ocol = gl.arange(0, 8, layout=gl.SliceLayout(0, y.type.layout))
@@ -207,7 +185,7 @@ LAUNCHES = 0  # host-side count of launches (the GPU smoke records which path ra
 
 
 def gluon_qlinear(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor, block_m: int = 16,
-                  warps: int = 8, prefetch: int = 0) -> torch.Tensor:
+                  warps: int = 8) -> torch.Tensor:
     """qlinear's decode path for the weights `supports` accepts: x2 [M, K] contiguous rows, y [M, O] (written)."""
     global LAUNCHES
     LAUNCHES += 1
@@ -216,5 +194,5 @@ def gluon_qlinear(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: to
     d = w.data.view(torch.int32)  # [1, O, K/8]
     _gemv4_kernel[(triton.cdiv(O, block_m),)](
         x2, d, w.a, w.b, bias if bias is not None else d, y, M, O,
-        K=K, G=w.groups, BM=block_m, KW=warps, HAS_BIAS=bias is not None, PREFETCH=prefetch, num_warps=warps)
+        K=K, G=w.groups, BM=block_m, KW=warps, HAS_BIAS=bias is not None, num_warps=warps)
     return y

@@ -127,8 +127,7 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, gluon
 
         if gq.supports(w, M):
             c = configs["gemv"]
-            return gq.gluon_qlinear(x2, w, bias, y, c["gluon_block_m"], c["gluon_warps"], c["gluon_prefetch"]).view(
-                *lead, O)
+            return gq.gluon_qlinear(x2, w, bias, y, c["gluon_block_m"], c["gluon_warps"]).view(*lead, O)
     if M <= GEMV_MAX_M:
         c = configs["gemv"] | cfg
         if w.mode == MODE_VQ:  # cfg words=False: the byte-code variant, vq_gather=True: tl.gather (gemv_vq)

@@ -63,6 +63,12 @@ def gluon_forced() -> bool:
     return kernel_mode() == "gluon"
 
 
+def gluon_chosen(device, measured_faster: bool) -> bool:
+    """Whether a launch on `device` takes a Gluon kernel that supports its case: Gluon allowed there and either
+    MOEC_KERNELS=gluon or the kernel measured faster than its `tl` counterpart (the caller's evidence)."""
+    return gluon_enabled(device) and (gluon_forced() or measured_faster)
+
+
 @contextmanager
 def kernels_forced(mode: str):
     """Run a block with MOEC_KERNELS=mode (one of auto, tl, 1, 0), restoring the caller's setting after."""

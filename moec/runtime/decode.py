@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import weight_codec
-from .backend import gluon_enabled, gluon_forced, kernels_enabled
+from .backend import gluon_chosen, kernels_enabled
 from .config import ModelArgs
 from .experts import QLinear
 from .kvcache import dense_cache
@@ -253,8 +253,7 @@ class _QuantQKV(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..kernels.qlinear import gluon_measured_faster, qlinear
 
-        gluon = gluon_enabled(x.device) and (gluon_forced() or gluon_measured_faster(x.device))
-        return qlinear(x, self.qw, self.bias, gluon=gluon)
+        return qlinear(x, self.qw, self.bias, gluon=gluon_chosen(x.device, gluon_measured_faster(x.device)))
 
 
 class DecodeEngine:

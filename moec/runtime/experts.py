@@ -37,7 +37,7 @@ from ..errors import FormatError
 from ..formats.codecs import ROTATION_PART
 from ..registry import weight_codec, weight_codecs
 from ..rotation import hadamard, rotate, signs_error, unpack_signs
-from .backend import gluon_enabled, gluon_forced, kernels_enabled
+from .backend import gluon_chosen, kernels_enabled
 from .model import expert_act
 from .weightcodecs import lut_poly  # noqa: F401  (kernel tests and benchmarks import it from here)
 
@@ -206,7 +206,7 @@ class ExpertWeights(nn.Module):
         if x.shape[0] <= DECODE_MAX_TOKENS:
             from ..kernels.moe_decode import moe_decode
 
-            if gluon_forced() and gluon_enabled(x.device):  # opt-in: measured no faster than `tl` (gluon_moe_decode.py)
+            if gluon_chosen(x.device, False):  # opt-in: measured no faster than `tl` (gluon_moe_decode.py)
                 from ..kernels import gluon_moe_decode as gmd
 
                 if gmd.supports(*qs, h_rotate):
@@ -236,7 +236,7 @@ class QLinear(nn.Module):
             from ..kernels.qlinear import gluon_measured_faster, qlinear
 
             try:
-                gluon = gluon_enabled(x.device) and (gluon_forced() or gluon_measured_faster(x.device))
+                gluon = gluon_chosen(x.device, gluon_measured_faster(x.device))
                 return qlinear(x, self.q.qweight(), self.bias, gluon=gluon)
             except Exception as e:  # a configuration Triton cannot compile here (met outside graph capture)
                 if torch.cuda.is_current_stream_capturing():

@@ -1,5 +1,5 @@
 """The Gluon 4-bit decode GEMV (moec/kernels/gluon_qlinear.py) on a machine without a GPU: compiled for sm_90 (Gluon
-has no interpreter): it builds for the shipped setting and the prefetch variants, its layout conversions are free
+has no interpreter): it builds for the shipped setting and two others, its layout conversions are free
 (assert_trivial), no spills, and the loop does tensor-core MMAs on codes turned into fp16 by a LOP3 and fp16x2
 arithmetic, with no shared memory and no quarter-rate multiply-high. Its numbers against qlinear_ref come from the
 GPU: benchmarks/gpu_smoke.py (`(kernels)` records) and benchmarks/bench_gluon_qlinear.py."""
@@ -17,21 +17,21 @@ from moec.kernels.qlinear import qlinear, qlinear_ref
 TYPES = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "bias_ptr": "*fp32", "y_ptr": "*bf16",
          "M": "i32", "O": "i32"}
 GEMV = launch_config.defaults()["qlinear"]["gemv"]
-# (K, BM, KW, prefetch): the shipped setting at Mixtral's K, an uneven chunk count (K = 1536: 12 chunks, 8 warps)
-CASES = [(4096, GEMV["gluon_block_m"], GEMV["gluon_warps"], GEMV["gluon_prefetch"]), (1536, 16, 8, 2), (4096, 32, 4, 0)]
+# (K, BM, KW): the shipped setting at Mixtral's K, an uneven chunk count (K = 1536: 12 chunks, 8 warps), 32 rows
+CASES = [(4096, GEMV["gluon_block_m"], GEMV["gluon_warps"]), (1536, 16, 8), (4096, 32, 4)]
 
 
 @pytest.fixture(scope="module")
 def reports():
     return aot.report_in_subprocess([
         {"module": "moec.kernels.gluon_qlinear", "kernel": "_gemv4_kernel", "types": TYPES,
-         "constexprs": {"K": K, "G": K // 128, "BM": bm, "KW": kw, "HAS_BIAS": True, "PREFETCH": pf},
-         "num_warps": kw, "loop_marker": "0x64006400"} for K, bm, kw, pf in CASES])
+         "constexprs": {"K": K, "G": K // 128, "BM": bm, "KW": kw, "HAS_BIAS": True},
+         "num_warps": kw, "loop_marker": "0x64006400"} for K, bm, kw in CASES])
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_compiles_for_sm90(reports, case):
-    K, bm, kw, pf = CASES[case]
+    K, bm, kw = CASES[case]
     res, loop = reports[case]["resources"], Counter(reports[case]["loop"])
     assert res["local"] == 0 and res["registers"] <= 128, res
     assert loop["HMMA"] == 4 * (bm // 16) * 2, loop  # 4 fields x m-tiles x 2 k-steps of 16 per chunk
@@ -66,3 +66,18 @@ def test_qlinear_gluon_flag_falls_back_where_unsupported():
     got = qlinear(x, w, gluon=True)
     want = qlinear_ref(x, w)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_gluon_choice_follows_the_switch_and_the_measurement(monkeypatch):
+    """backend.gluon_chosen: the measured-faster flag decides under auto, MOEC_KERNELS=gluon forces, tl refuses;
+    never on the CPU."""
+    from moec.runtime import backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with backend.kernels_forced("auto"):
+        assert backend.gluon_chosen("cuda", True) and not backend.gluon_chosen("cuda", False)
+        assert not backend.gluon_chosen("cpu", True)
+    with backend.kernels_forced("gluon"):
+        assert backend.gluon_chosen("cuda", False)
+    with backend.kernels_forced("tl"):
+        assert not backend.gluon_chosen("cuda", True)
