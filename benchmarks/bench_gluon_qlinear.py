@@ -30,7 +30,7 @@ from moec.provenance import environment
 
 SHAPES = {"mixtral-qkv": (4096, 6144), "mixtral-o": (4096, 4096), "qwen3-qkv": (2048, 5120), "qwen3-o": (4096, 2048),
           "glm-qkv": (4096, 14336), "glm-o": (12288, 4096)}
-# (BM, KW). Variants prefetching the next chunk (results/gluon_qlinear_h100.json's `prefetch` 1 and 2 records)
+# (BM, KW). Variants prefetching the next chunk (results/gluon_qlinear_variants_h100.json: `prefetch` 1 and 2)
 # were no faster and were removed.
 CONFIGS = [(16, 8), (16, 4), (32, 8), (32, 4), (16, 16), (32, 16)]
 

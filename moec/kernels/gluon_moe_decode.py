@@ -26,7 +26,7 @@ Measured (benchmarks/bench_gluon_moe.py -> results/gluon_moe_h100.json; the figu
 "Issue 32"): correct, and on the Mixtral shape at batch 1 faster than the `tl` kernels only with the TILED code
 layout (tile_codes: a warp reads its m-tile's chunk as 512 contiguous bytes), still well short of copy bandwidth;
 Qwen3 about equal, batch 4 slower. What was tried: a cp.async pipeline of 3-6 stages (no gain, so load latency
-is not the bound; measured, then removed: the `stages` records of the results file), 16-64 rows a program, 2-8
+is not the bound; measured, then removed: results/gluon_moe_variants_h100.json), 16-64 rows a program, 2-8
 warps, the tiled layout, and removing the multiply-highs from the lookup (Hopper issues IMAD.HI at a quarter of
 the full integer rate, benchmarks/studies/int_pipe_throughput.py). The loop is ~2 full-rate instructions a code,
 so neither issue nor a pipe is what bounds it, and what does needs a profiler this machine lacks. So

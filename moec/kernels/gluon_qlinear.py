@@ -24,7 +24,7 @@ results/latency_attn4_h100/; figures in docs/results.md, "Issue 32"): faster tha
 GEMV on every projection shape measured (Mixtral, Qwen3, GLM-4.5-Air) at batch 1 and 4, where the `tl` GEMV re-reads
 the weights per token; shipped: 16 rows a program, 8 warps (configs/nvidia_h200.json qlinear.gemv: the best or near
 it on every shape). Variants that loaded the next chunk's words (and x) during this chunk's math were no faster and
-spilled with a bias at 8 warps: measured (the `prefetch` records of the results file), then removed.
+spilled with a bias at 8 warps: measured (results/gluon_qlinear_variants_h100.json), then removed.
 
 Gluon has no CPU interpreter: tests/kernels/test_gluon_qlinear.py compiles it for sm_90 (layouts, registers, the
 loop's instructions) and the GPU smoke checks it against qlinear_ref (benchmarks/gpu_smoke.py `(kernels)`, and
