@@ -17,7 +17,7 @@ LAT=(--steps 50 --contexts "${CONTEXTS:-32768}" --prefill none --budget 400)
 [ "${BREAKDOWN:-0}" = 1 ] || LAT+=(--no-breakdown)
 # the latency recipe of a tree: moec/recipes/ since issue 34, recipes/ before
 recipe() { if [ -d moec/recipes ]; then echo moec/recipes/latency-hls2-nuq2.yaml; else echo recipes/latency-hls2-nuq2.yaml; fi; }
-base() { (cd "$BASE" && PYTHONPATH=$PWD python3 benchmarks/bench_latency.py --out "$OUT/$1" "${LAT[@]}" --recipes "$(recipe)" \
+base() { (cd "$BASE" && PYTHONPATH=$PWD python3 -m benchmarks.bench_latency --out "$OUT/$1" "${LAT[@]}" --recipes "$(recipe)" \
           > "$OUT/$1.log" 2>&1); }
 base latency_base.json
 PYTHONPATH=$PWD python3 -m benchmarks.bench_latency --out "$OUT/latency_new.json" "${LAT[@]}" --recipes "$(recipe)" > "$OUT/latency_new.log" 2>&1

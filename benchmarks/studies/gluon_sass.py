@@ -10,7 +10,7 @@ from __future__ import annotations
 from moec.kernels import aot, launch_config
 from moec.kernels import gluon_kv_attention as gka
 
-TYPES = {n: "*fp32" for n in ("ks_ptr", "klev_ptr", "vlev_ptr", "part_ptr", "kcen_ptr", "kerr_ptr")} | {
+TYPES = {n: "*fp32" for n in ("ks_ptr", "klev_ptr", "vlev_ptr", "part_ptr")} | {
     "q_ptr": "*fp16", "kc_ptr": "*i32", "vc_ptr": "*i32", "vs_ptr": "*fp16", "hlen_ptr": "*i32", "wk_ptr": "*fp16",
     "wv_ptr": "*fp16", "wlen_ptr": "*i32", "qscale": "fp32"} | {
     n: "i32" for n in ("H", "K", "S", "WC", "n_splits", "tiles_per_split", "win_splits")}
@@ -22,7 +22,7 @@ def main():
                                     (cfg["block_t"], cfg["prefetch"], cfg["maxnreg"], 8),
                                     (cfg["block_t"], False, cfg["maxnreg"], 4), (64, True, None, 4)):
         kernel = gka._gluon_kv_attention_kernel
-        cx = {"D": 128, "G": G, "T": T, "CENTER": True, "BIAS": True, "WCHUNK": cfg["win_chunk"],
+        cx = {"D": 128, "G": G, "T": T, "WCHUNK": cfg["win_chunk"],
               "PREFETCH": prefetch}
         k = aot.compile_cuda(kernel, TYPES, cx, num_warps=1, maxnreg=maxnreg)
         res = aot.resources(k.asm["cubin"])
@@ -36,7 +36,8 @@ def main():
 
     cx = {"D": 128, "G": 4, "T": cfg["block_t"], "CENTER": True, "BIAS": True, "WCHUNK": 128,
           "PREFETCH": cfg["prefetch"]}
-    k = aot.compile_cuda(wg._gluon_kv_attention_wg_kernel, TYPES, cx, num_warps=wg.W.value, maxnreg=cfg["maxnreg_wg"])
+    types = TYPES | {"kcen_ptr": "*fp32", "kerr_ptr": "*fp32"}
+    k = aot.compile_cuda(wg._gluon_kv_attention_wg_kernel, types, cx, num_warps=wg.W.value, maxnreg=cfg["maxnreg_wg"])
     res = aot.resources(k.asm["cubin"])
     loop = aot.loop_histogram(aot.sass(k.asm["cubin"]), "0x3030303")
     n = sum(loop.values())

@@ -824,9 +824,41 @@ def use_prmt(w: QWeight) -> bool:
     return use_words(w) and w.bits == 2 and w.a.dtype == torch.float16 and w.data.is_cuda
 
 
+@triton.jit
+def _prmt_pairs_kernel(v_ptr, out_ptr, NW, BLOCK: tl.constexpr):
+    """One row of v: out[i, cw] = fp16(v[16cw + 8q + j]) | fp16(v[16cw + 8q + 4 + j]) << 16, i = 2j + q."""
+    row = tl.program_id(0)
+    i = tl.arange(0, 8)
+    cw = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    off = 16 * cw[None, :] + (8 * (i % 2) + i // 2)[:, None]  # [8, BLOCK]
+    m = (cw < NW)[None, :]
+    src = v_ptr + row * NW * 16 + off
+    lo = tl.load(src, mask=m, other=0.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi = tl.load(src + 4, mask=m, other=0.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    tl.store(out_ptr + row * 8 * NW + i[:, None] * NW + cw[None, :], lo | (hi << 16), mask=m)
+
+
 def prmt_pairs(v: torch.Tensor) -> torch.Tensor:
     """v [..., n] (n % 16 == 0) -> int32 [..., 8, n/16]: fp16 pairs in the prmt emission order. Pair i = 2j + q
-    of word cw holds inputs 16cw + 8q + j (low half) and 16cw + 8q + 4 + j (high half)."""
+    of word cw holds inputs 16cw + 8q + j (low half) and 16cw + 8q + 4 + j (high half). On CUDA one kernel (the
+    decode step's MoE input: a bf16 x took a conversion and a permuting copy, two launches of a few µs each at
+    batch 1); elsewhere torch (prmt_pairs_ref)."""
+    return _prmt_pairs_launch(v) if v.is_cuda else prmt_pairs_ref(v)
+
+
+def _prmt_pairs_launch(v: torch.Tensor) -> torch.Tensor:
+    """The kernel's launch (tests run it under TRITON_INTERPRET on the CPU)."""
+    *lead, n = v.shape
+    v2 = v.reshape(-1, n).contiguous()
+    out = torch.empty(*lead, 8, n // 16, dtype=torch.int32, device=v.device)
+    nw = n // 16
+    block = min(128, triton.next_power_of_2(nw))
+    _prmt_pairs_kernel[(v2.shape[0], triton.cdiv(nw, block))](v2, out, nw, BLOCK=block, num_warps=4)
+    return out
+
+
+def prmt_pairs_ref(v: torch.Tensor) -> torch.Tensor:
+    """Torch version of prmt_pairs (any device)."""
     *lead, n = v.shape
     L = len(lead)
     h = v.to(torch.float16).reshape(*lead, n // 16, 2, 2, 4)  # [.., cw, q, half, j]: input 16cw + 8q + 4half + j

@@ -25,7 +25,10 @@ How codes reach the tensor cores (one warp per program, mma.sync m16n8k16, fp16 
     half, not three quarters as M = 16 rows would), then Oᵀ_j[32, N] += Vᵀ_j·Pᵀ, Pᵀ moved between the two
     products by an intra-warp conversion: 136 registers with the next tile's loads in flight (PREFETCH).
   - lazy rescaling as in the `tl` kernel (the running max moves only when a tile's max exceeds it by > 8); the
-    per-head score terms (q·center, the score bias) are added to the running max once, not to every score.
+    per-head score terms (q·center, the score bias) shift every history score of a head alike, so they are not
+    added here at all: the split combine adds them to the history splits' running maxima, once per head
+    (combine_splits' hist_terms; each program computing them for itself was a visible share of the kernel's
+    stall samples under Nsight Compute: benchmarks/studies/ncu_kernels.py).
 
 Measured on the H200 (benchmarks/results/gluon_kv_attention_sweep2_h200.json: kernel alone and with the split
 combine, against the `tl` kernel and the fp16 cache's kernel, Mixtral and Qwen3 shapes, 4k and 32k, batch 1 and
@@ -56,7 +59,6 @@ from .kv_decode_attention import LOG2E, combine_splits
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 OP_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 OP_B = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
-LN2_INV = gl.constexpr(1.4426950408889634)  # log2 e
 MAX_G = 16  # query heads per KV head: the mma's N is 8 or 16
 HEAD_DIM = 128  # the word maps below are written for 8 words (32 bytes) of codes per token and K or V
 # key words [T, 8] int32: lane (c = lane % 4, n = lane / 4) holds words 2c, 2c + 1 of tokens n + 8i (A's rows)
@@ -175,20 +177,6 @@ def _load_qt(q_ptr, qbase, gmask, ks_ptr, scale_k, qscale, j: gl.constexpr, N: g
 
 
 @gluon.jit
-def _q_cols(q_ptr, qbase, gmask, c_ptr, D: gl.constexpr, N: gl.constexpr, SQUARE: gl.constexpr):
-    """Σ_c q_c·c_c (SQUARE: q_c²·c_c) per query head [N] fp32, in the score columns' layout."""
-    L2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0])
-    offs_g = gl.arange(0, N, layout=gl.SliceLayout(1, L2))
-    offs_c = gl.arange(0, D, layout=gl.SliceLayout(0, L2))
-    m = gl.convert_layout(gmask, gl.SliceLayout(1, L2))
-    q = gl.load(q_ptr + qbase + offs_g[:, None] * D + offs_c[None, :], mask=m[:, None], other=0.0).to(gl.float32)
-    if SQUARE:
-        q = q * q
-    r = gl.sum(q * gl.load(c_ptr + offs_c)[None, :], axis=1)
-    return gl.convert_layout(r, gl.SliceLayout(0, MMA))
-
-
-@gluon.jit
 def _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword, stok):
     """A history tile's key words [T, 8], value words [T, 8] (int32) and value scales [T] fp32."""
     kw = gl.load(kc_ptr + ((row0 + t0 + ktok) * 8)[:, None] + kword[None, :], mask=(t0 + ktok < t_hi)[:, None],
@@ -266,10 +254,8 @@ def _win_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, wk_ptr, wv_ptr, bk, t0, 
 @gluon.jit
 def _gluon_kv_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, klev_ptr, vlev_ptr, hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr,
-    kcen_ptr, kerr_ptr,
     H, K, S, WC, n_splits, tiles_per_split, qscale, win_splits,
-    D: gl.constexpr, G: gl.constexpr, T: gl.constexpr, CENTER: gl.constexpr, BIAS: gl.constexpr,
-    WCHUNK: gl.constexpr, PREFETCH: gl.constexpr,
+    D: gl.constexpr, G: gl.constexpr, T: gl.constexpr, WCHUNK: gl.constexpr, PREFETCH: gl.constexpr,
 ):
     """Grid (B·K, splits): the first n_splits - win_splits splits stream tiles_per_split history tiles of T tokens
     each, the rest a WCHUNK-token chunk of the window each; one partial per (query head, split), the `tl`
@@ -301,11 +287,6 @@ def _gluon_kv_attention_kernel(
         t_lo = split * tiles_per_split * T
         t_hi = gl.minimum(t_lo + tiles_per_split * T, hlen)
         n_it = gl.maximum(gl.cdiv(t_hi - t_lo, T), 0)
-        qc = gl.zeros([N], gl.float32, gl.SliceLayout(0, MMA))
-        if CENTER:  # post-RoPE key centers: q·center per query head, on every history score
-            qc = qc + _q_cols(q_ptr, qbase, gmask, kcen_ptr + kh * D, D, N, False) * qscale
-        if BIAS:
-            qc = qc + _q_cols(q_ptr, qbase, gmask, kerr_ptr + kh * D, D, N, True) * (0.5 * qscale * qscale / LN2_INV)
         kt_lo, kt_hi = _lev_words(klev_ptr)
         vt_lo, vt_hi = _lev_words(vlev_ptr)
         ktl, kth, vtl, vth = _tables(kt_lo, kt_hi, vt_lo, vt_hi, T)
@@ -334,8 +315,8 @@ def _gluon_kv_attention_kernel(
                                                         t0 + stok < t_hi, ktl, kth, vtl, vth, T, N)
                 t0 += T
         # a term per query head on every history score (q·center, the score bias) shifts only the running max:
-        # exp2(s + qc - (m + qc)) = exp2(s - m), so it is added once here, not to every score
-        m_i = m_i + qc
+        # exp2(s + qc - (m + qc)) = exp2(s - m), so the split combine adds it to the history splits' m, once per
+        # head (combine_splits' hist_terms), not every program to its own
     else:
         t0 = (split - (n_splits - win_splits)) * WCHUNK
         wend = gl.minimum(gl.load(wlen_ptr + b), t0 + WCHUNK)
@@ -420,16 +401,23 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
     win_splits = max(1, triton.cdiv(win_k.shape[2], win_chunk))
     P = hist_splits + win_splits
     part = torch.empty(B * H * P * (d + 2), device=q.device, dtype=torch.float32)
-    kernel = _gluon_kv_attention_wg_kernel if warps > 1 else _gluon_kv_attention_kernel
-    kernel[(B * K, P)](
-        q, k_codes.view(torch.int32), v_codes.view(torch.int32), k_scale, v_scale, k_lev, v_lev, hist_len, win_k,
-        win_v, win_len, part,
-        k_scale if k_center is None else k_center, k_scale if k_err2 is None else k_err2,
-        H, K, S, win_k.shape[2], P, tps, sm_scale * LOG2E, win_splits,
-        D=d, G=G, T=T, CENTER=k_center is not None, BIAS=k_err2 is not None, WCHUNK=win_chunk,
-        PREFETCH=bool(prefetch), num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
-    )
-    if not combine:  # the partials alone (benchmarks time the kernel apart from the split combine)
-        return part
+    args = (q, k_codes.view(torch.int32), v_codes.view(torch.int32), k_scale, v_scale, k_lev, v_lev, hist_len, win_k,
+            win_v, win_len, part)
+    scalars = (H, K, S, win_k.shape[2], P, tps, sm_scale * LOG2E, win_splits)
+    knobs = dict(D=d, G=G, T=T, WCHUNK=win_chunk, PREFETCH=bool(prefetch), num_warps=warps,
+                 **({"maxnreg": maxnreg} if maxnreg else {}))
+    if warps > 1:  # the W-warp kernel adds the per-head score terms itself
+        _gluon_kv_attention_wg_kernel[(B * K, P)](
+            *args, k_scale if k_center is None else k_center, k_scale if k_err2 is None else k_err2, *scalars,
+            CENTER=k_center is not None, BIAS=k_err2 is not None, **knobs)
+    else:
+        _gluon_kv_attention_kernel[(B * K, P)](*args, *scalars, **knobs)
+    if not combine:  # the partials alone (benchmarks time the kernel apart from the split combine; the one-warp
+        return part  # kernel's history splits' m without the per-head score terms)
+    qscale = sm_scale * LOG2E
+    terms = None
+    if warps == 1 and (k_center is not None or k_err2 is not None):
+        terms = dict(q=q, k_center=k_center, k_err2=k_err2, n_hist=hist_splits, HQ=H, G=G, qscale=qscale,
+                     bscale=0.5 * qscale * qscale / LOG2E)
     return combine_splits(part, B * H, P, d, out_rotation, out_dtype, cfg["combine_outc"] if outc is None else outc,
-                          sinks=sinks).view(B, H, d)
+                          sinks=sinks, hist_terms=terms).view(B, H, d)

@@ -9,7 +9,10 @@ shape at 32k, more on Qwen3's: gluon_kv_attention_sweep2_h200.json, latency_gluo
 program write W times fewer partials for the same warps in flight, and share the program's prologue cost. Every
 tensor of the one-warp kernel gains a leading axis of W, the warp (mma_v2's batch dimension: warps_per_cta
 [W, 1, 1]); the maps from codes to operand registers are the same.
-The running max moves every tile (no lazy rescaling: its branch would need the warps to agree).
+The running max moves every tile (no lazy rescaling: its branch would need the warps to agree). The per-head
+score terms (q·center, the score bias) are computed here, once per program (the one-warp kernel leaves them to
+the split combine: a program of W warps pays them once for W warps' splits, and the combine computing them cost
+the 4-warp launch more than it saved, benchmarks/studies/kv_splits_sweep.py).
 
 Status: compiled for sm_90 on the CPU (tests/kernels/test_gluon_kv_attention.py); not yet run on a GPU (the
 machine was paused for the rest of the session that wrote it): `warps` defaults to 1 (the one-warp kernel)
@@ -23,7 +26,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .gluon_kv_attention import (
-    LN2_INV,
     _interleave,
     _key_channel,
     _lev_words,
@@ -33,6 +35,7 @@ from .gluon_kv_attention import (
 )
 
 W = gl.constexpr(4)
+LN2_INV = gl.constexpr(1.4426950408889634)  # log2 e
 MMA3 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8]))
 A3 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=2))
 B3 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2))

@@ -28,8 +28,11 @@ layout (tile_codes: a warp reads its m-tile's chunk as 512 contiguous bytes), st
 Qwen3 about equal, batch 4 slower. What was tried: a cp.async pipeline of 3-6 stages (no gain, so load latency
 is not the bound; measured, then removed: results/gluon_moe_variants_h100.json), 16-64 rows a program, 2-8
 warps, the tiled layout, and removing the multiply-highs from the lookup (Hopper issues IMAD.HI at a quarter of
-the full integer rate, benchmarks/studies/int_pipe_throughput.py). The loop is ~2 full-rate instructions a code,
-so neither issue nor a pipe is what bounds it, and what does needs a profiler this machine lacks. So
+the full integer rate, benchmarks/studies/int_pipe_throughput.py). Nsight Compute (benchmarks/studies/
+ncu_kernels.py, figures in docs/results.md) says what bounds it: issue. The loop is about two full-rate
+instructions a code, the lookup most of them and x's bf16 -> fp16 conversion (redone per chunk and warp) the
+rest; with four warps a scheduler (registers) about half the cycles find no eligible warp, and the grid runs in
+under two waves. A bf16 x costs little against an fp16 one (benchmarks/studies/moe_x_dtype.py). So
 MOEC_KERNELS=gluon sends 2-bit hls layers here (runtime/experts.ExpertWeights.fused, row-major codes: the runtime
 holds no tiled copy); the default stays on the `tl` kernels.
 
@@ -274,8 +277,11 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, t1_ptr, w3_ptr, t3_ptr, h_p
     wu = _words(p3, wk < NC, EVEN, TILED, WL, BM)
     for i in range(NIT):
         chunk = i * KW + wk
-        wg_n = _words(p1 + (i + 1) * STEP, chunk + KW < NC, EVEN, TILED, WL, BM)
-        wu_n = _words(p3 + (i + 1) * STEP, chunk + KW < NC, EVEN, TILED, WL, BM)
+        # the last iteration re-reads its own chunk (EVEN loads have no mask: one past the row's end would read
+        # past the expert, and past the allocation for the last rows of the last expert)
+        nxt = gl.minimum(i + 1, NIT - 1) * STEP
+        wg_n = _words(p1 + nxt, chunk + KW < NC, EVEN, TILED, WL, BM)
+        wu_n = _words(p3 + nxt, chunk + KW < NC, EVEN, TILED, WL, BM)
         b0, b1, b2, b3 = _b_tiles(xr, chunk, chunk < NC, B_L, KW, EVEN)
         acc_g = _chunk_mma(acc_g, wg, glo, ghi, b0, b1, b2, b3, A_L, KW, BM)
         acc_u = _chunk_mma(acc_u, wu, ulo, uhi, b0, b1, b2, b3, A_L, KW, BM)
@@ -339,7 +345,8 @@ def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, t2_ptr, out_ptr, bd_ptr,
         w = _words(p2, (wk < CPS) & (c0 + wk < NC), EVEN, TILED, WL, BM)  # one chunk ahead, as gate/up
         for i in range(NIT):
             k = i * KW + wk
-            w_n = _words(p2 + (i + 1) * STEP, (k + KW < CPS) & (c0 + k + KW < NC), EVEN, TILED, WL, BM)
+            w_n = _words(p2 + gl.minimum(i + 1, NIT - 1) * STEP, (k + KW < CPS) & (c0 + k + KW < NC), EVEN, TILED,
+                         WL, BM)  # clamped as in gate/up
             b0, b1, b2, b3 = _b_tiles_perm(hr, c0 + k, (k < CPS) & (c0 + k < NC), B_L, KW, EVEN)
             acc = _chunk_mma(acc, w, tlo, thi, b0, b1, b2, b3, A_L, KW, BM)
             w = w_n

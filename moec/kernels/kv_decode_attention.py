@@ -498,30 +498,47 @@ def _kv_decode_attention_kernel(
 
 @triton.jit
 def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, sink_ptr, H, D: tl.constexpr, P_P2: tl.constexpr,
-                   DC: tl.constexpr, CHUNK: tl.constexpr, ROT: tl.constexpr, OUTC: tl.constexpr = 0,
-                   SINKS: tl.constexpr = False):
+                   DC: tl.constexpr, CHUNK: tl.constexpr, NCHUNK: tl.constexpr, ROT: tl.constexpr,
+                   OUTC: tl.constexpr = 0,
+                   SINKS: tl.constexpr = False, q_ptr=None, kc_ptr=None, ke_ptr=None, n_hist=0, HQ=1, G=1,
+                   qscale=1.0, bscale=1.0, CENTER: tl.constexpr = False, BIAS: tl.constexpr = False):
     """out[bh, c] = sum_s 2^(m_s - M)·acc_s[c] / sum_s 2^(m_s - M)·l_s over the splits of one (b, head), for
     the DC channels c of program_id(1). The splits stream in CHUNK rows: a [P_P2, D] tile in one program
     spilled (Qwen3 at 32k batch 1, 135 splits: slower than the attention kernel itself).
     ROT (DC == D): out[bh] = o·Rᵀ, the cache's head_dim rotation undone here, in out's dtype; each program
     reduces all D channels and writes OUTC of the output's (a row in one program left Qwen3's 32 rows on
     32 SMs, latency-bound).
-    SINKS: the head's sink logit (sink_ptr[bh % H], natural units) joins the denominator (gpt-oss), once per row."""
+    SINKS: the head's sink logit (sink_ptr[bh % H], natural units) joins the denominator (gpt-oss), once per row.
+    CENTER / BIAS (the Gluon kernels' partials): the first n_hist splits' m lack the per-head score terms
+    qscale·(q·center) and bscale·(q²·err2) of KV head (bh % HQ) // G; they are added here, once per head,
+    instead of in every split program."""
     bh = tl.program_id(0)
     offs_c = (0 if ROT else tl.program_id(1) * DC) + tl.arange(0, DC)
     base = part_ptr + bh * n_splits * (D + 2)
     offs_p = tl.arange(0, P_P2)
-    mx = tl.max(tl.load(base + offs_p * (D + 2) + D, mask=offs_p < n_splits, other=float("-inf")), axis=0)
+    qc = 0.0
+    if CENTER or BIAS:
+        offs_d = tl.arange(0, D)
+        qv = tl.load(q_ptr + bh * D + offs_d).to(tl.float32)
+        kh = (bh % HQ) // G
+        if CENTER:
+            qc += qscale * tl.sum(qv * tl.load(kc_ptr + kh * D + offs_d), axis=0)
+        if BIAS:
+            qc += bscale * tl.sum(qv * qv * tl.load(ke_ptr + kh * D + offs_d), axis=0)
+    m_all = tl.load(base + offs_p * (D + 2) + D, mask=offs_p < n_splits, other=float("-inf"))
+    mx = tl.max(tl.where(offs_p < n_hist, m_all + qc, m_all), axis=0)
     if SINKS:
         sk = tl.load(sink_ptr + bh % H).to(tl.float32) * 1.4426950408889634  # log2 units, as m
         mx = tl.maximum(mx, sk)
     acc = tl.zeros((DC,), dtype=tl.float32)
     den = tl.zeros((CHUNK,), dtype=tl.float32)
-    for i in range(P_P2 // CHUNK):  # a constexpr trip count (masked past n_splits): runs under the interpreter
+    for i in range(NCHUNK):  # cdiv(n_splits, CHUNK), a constexpr: the P_P2 // CHUNK it replaced ran up to twice the
+        # chunks, each a dependent L2 round trip (the combine is latency-bound at batch 1)
         offs = i * CHUNK + tl.arange(0, CHUNK)
         pmask = offs < n_splits
         row = base + offs * (D + 2)
         m = tl.load(row + D, mask=pmask, other=float("-inf"))
+        m = tl.where(offs < n_hist, m + qc, m)
         w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))  # splits with no tokens weigh 0
         den += tl.load(row + D + 1, mask=pmask, other=0.0) * w
         a = tl.load(row[:, None] + offs_c[None, :], mask=pmask[:, None], other=0.0)
@@ -654,24 +671,35 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
 
 def combine_splits(part: torch.Tensor, BH: int, P: int, d: int, rotation: torch.Tensor | None = None,
                    out_dtype: torch.dtype = torch.float32, outc: int = 32,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, hist_terms: dict | None = None) -> torch.Tensor:
     """The split-K combine: part [BH, P, d + 2] (acc, m in log2 units, l per split) -> out [BH, d] in
     out_dtype; rotation R [d, d] fp32: out·Rᵀ, d / outc programs per row, each reducing all d channels and
-    writing outc of the rotated ones. sinks [H] (BH rows of H heads): a logit per head in the denominator."""
+    writing outc of the rotated ones. sinks [H] (BH rows of H heads): a logit per head in the denominator.
+    hist_terms: the per-head score terms the first n_hist splits' m lack (_reduce_kernel's CENTER / BIAS): dict
+    q [BH, d], k_center and k_err2 [K, d] fp32 (either None), n_hist, HQ (query heads), G, qscale, bscale."""
     out = torch.empty(BH, d, device=part.device, dtype=out_dtype)
     p2 = triton.next_power_of_2(P)
     H = 1 if sinks is None else sinks.numel()
     assert sinks is None or BH % H == 0, (BH, H)
     sk = dict(SINKS=sinks is not None)
+    if hist_terms is not None:
+        ht = hist_terms
+        kc, ke = ht.get("k_center"), ht.get("k_err2")
+        sk |= dict(q_ptr=ht["q"], kc_ptr=ht["q"] if kc is None else kc, ke_ptr=ht["q"] if ke is None else ke,
+                   n_hist=ht["n_hist"], HQ=ht["HQ"], G=ht["G"], qscale=float(ht["qscale"]),
+                   bscale=float(ht["bscale"]), CENTER=kc is not None, BIAS=ke is not None)
     if rotation is not None:
         assert rotation.shape == (d, d) and rotation.dtype == torch.float32 and rotation.is_contiguous()
         outc = min(d, outc)
+        ch = min(64 * 128 // d, p2)  # splits a chunk: a [ch, d] fp32 tile is 64 registers a thread at 4 warps
         _reduce_kernel[(BH, d // outc)](part, out, rotation, P, part if sinks is None else sinks, H, D=d, P_P2=p2,
-                                        DC=d, CHUNK=min(32, p2), ROT=True, OUTC=outc, num_warps=4, **sk)
+                                        DC=d, CHUNK=ch, NCHUNK=triton.cdiv(P, ch), ROT=True, OUTC=outc, num_warps=4,
+                                        **sk)
         return out
     dc = min(d, 32)
+    ch = min(64, p2)
     _reduce_kernel[(BH, d // dc)](part, out, part, P, part if sinks is None else sinks, H, D=d, P_P2=p2, DC=dc,
-                                  CHUNK=min(32, p2), ROT=False, num_warps=2, **sk)
+                                  CHUNK=ch, NCHUNK=triton.cdiv(P, ch), ROT=False, num_warps=2, **sk)
     return out
 
 

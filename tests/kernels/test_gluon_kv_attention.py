@@ -15,7 +15,7 @@ from moec.kernels import gluon_kv_attention as gka
 from moec.kernels import kv_decode_attention as kda
 from moec.runtime import backend
 
-TYPES = {n: "*fp32" for n in ("ks_ptr", "klev_ptr", "vlev_ptr", "part_ptr", "kcen_ptr", "kerr_ptr")} | {
+TYPES = {n: "*fp32" for n in ("ks_ptr", "klev_ptr", "vlev_ptr", "part_ptr")} | {
     "q_ptr": "*fp16", "kc_ptr": "*i32", "vc_ptr": "*i32", "vs_ptr": "*fp16", "hlen_ptr": "*i32", "wk_ptr": "*fp16",
     "wv_ptr": "*fp16", "wlen_ptr": "*i32", "qscale": "fp32"} | {
     n: "i32" for n in ("H", "K", "S", "WC", "n_splits", "tiles_per_split", "win_splits")}
@@ -25,20 +25,21 @@ CONFIG = kda.launch_config.defaults()["kv_decode_attention"]["gluon"]
 
 
 LOOP = "0x3030303"  # the history loop: the innermost loop holding the code mask
-CASES = [(4, True), (8, False), (8, True)]  # Mixtral's and Qwen3's query heads per KV head
+CASES = [4, 8]  # query heads per KV head: Mixtral's, Qwen3's
 
 
 @pytest.fixture(scope="module")
 def reports():
     """Every compile of this file in one fresh process (aot.report_in_subprocess says why)."""
     jobs = [{"module": "moec.kernels.gluon_kv_attention", "kernel": "_gluon_kv_attention_kernel", "types": TYPES,
-             "constexprs": {"D": 128, "G": G, "T": CONFIG["block_t"], "CENTER": center, "BIAS": center,
-                            "WCHUNK": CONFIG["win_chunk"], "PREFETCH": CONFIG["prefetch"]},
+             "constexprs": {"D": 128, "G": G, "T": CONFIG["block_t"], "WCHUNK": CONFIG["win_chunk"],
+                            "PREFETCH": CONFIG["prefetch"]},
              "num_warps": 1, "maxnreg": CONFIG["maxnreg"] if G <= 8 else None, "loop_marker": LOOP}
-            for G, center in CASES]
+            for G in CASES]
     jobs.append({"module": "moec.kernels.gluon_kv_attention_wg", "kernel": "_gluon_kv_attention_wg_kernel",
-                 "types": TYPES, "constexprs": {"D": 128, "G": 4, "T": CONFIG["block_t"], "CENTER": True,
-                                                "BIAS": True, "WCHUNK": 128, "PREFETCH": CONFIG["prefetch"]},
+                 "types": TYPES | {"kcen_ptr": "*fp32", "kerr_ptr": "*fp32"},
+                 "constexprs": {"D": 128, "G": 4, "T": CONFIG["block_t"], "CENTER": True, "BIAS": True,
+                                "WCHUNK": 128, "PREFETCH": CONFIG["prefetch"]},
                  "num_warps": 4, "maxnreg": CONFIG["maxnreg_wg"], "loop_marker": LOOP})
     return aot.report_in_subprocess(jobs)
 

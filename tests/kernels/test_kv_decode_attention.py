@@ -161,6 +161,43 @@ def test_output_rotation_in_the_combine(out_dtype):
         torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("center,bias,rot", [(True, True, False), (True, False, True), (False, True, False)])
+def test_combine_adds_the_history_score_terms(center, bias, rot):
+    """combine_splits' hist_terms (the Gluon kernels' partials): the first n_hist splits' m gain
+    qscale·(q·center) + bscale·(q²·err2) of their KV head; the result equals combining partials whose m already
+    carry those terms (what every program added for itself before). Empty splits (m = -inf) stay empty."""
+    from moec.kernels.kv_decode_attention import combine_splits
+
+    g = torch.Generator().manual_seed(5)
+    B, HQ, K, d, P, n_hist = 2, 8, 2, 64, 7, 5
+    G = HQ // K
+    part = torch.randn(B * HQ, P, d + 2, generator=g)
+    part[..., d + 1] = torch.rand(B * HQ, P, generator=g) + 0.5  # l > 0
+    part[3, 2, d] = float("-inf")  # an empty history split
+    part[3, 2, : d] = 0
+    part[3, 2, d + 1] = 0
+    q = torch.randn(B, HQ, d, generator=g)
+    kc = torch.randn(K, d, generator=g) if center else None
+    ke = torch.rand(K, d, generator=g) * 0.1 if bias else None
+    qscale, bscale = 0.18, 0.011
+    qc = torch.zeros(B * HQ)
+    kh = (torch.arange(B * HQ) % HQ) // G
+    qf = q.reshape(B * HQ, d)
+    if center:
+        qc += qscale * (qf * kc[kh]).sum(-1)
+    if bias:
+        qc += bscale * (qf * qf * ke[kh]).sum(-1)
+    shifted = part.clone()
+    shifted[:, :n_hist, d] += qc[:, None]
+    R = torch.linalg.qr(torch.randn(d, d, generator=g))[0].contiguous() if rot else None
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    want = combine_splits(dev(shifted), B * HQ, P, d, dev(R))
+    got = combine_splits(dev(part), B * HQ, P, d, dev(R), hist_terms=dict(
+        q=dev(q), k_center=dev(kc), k_err2=dev(ke), n_hist=n_hist, HQ=HQ, G=G, qscale=qscale, bscale=bscale))
+    assert not torch.allclose(want, combine_splits(dev(part), B * HQ, P, d, dev(R)), atol=1e-3)  # the terms matter
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_sees_outliers():
     """Guard on the oracle itself: dropping the residuals changes the reference output."""
     args = _case(1, 4, 2, 64, 2, [96], [3], 0.02)

@@ -180,3 +180,16 @@ def test_biased_experts_clamped_swiglu(kind, split):
     assert (got - want).abs().max().item() <= tol
     plain = moe_decode_ref(x, ids, wts, w1, w3, w2)
     assert (plain - want).abs().max().item() > 100 * tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_prmt_pairs_kernel_equals_torch(dtype):
+    """The one-launch prmt_pairs (CUDA's path) gives exactly the torch permutation, any input dtype, a leading
+    batch dim, words past one block."""
+    from moec.kernels.dequant import _prmt_pairs_launch, prmt_pairs_ref
+
+    v = (torch.randn(3, 2 * 16 * 130, generator=torch.Generator().manual_seed(2)) * 3).to(dtype).to(DEVICE)
+    got = _prmt_pairs_launch(v)
+    assert got.shape == (3, 8, 260) and got.dtype == torch.int32
+    assert torch.equal(got, prmt_pairs_ref(v))
+
