@@ -55,6 +55,12 @@ def tree(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+def _flag_written(flag: Path) -> bool:
+    """The paused run's flag holds the temporary's path: its file exists a moment before the path is written (a
+    read in between gave Path(""), a flaky failure under load)."""
+    return flag.exists() and bool(flag.read_text())
+
+
 def assert_nothing_beside(out: Path) -> None:
     assert not atomic.temporaries(out), atomic.temporaries(out)
     assert not atomic.lock_path(out).exists()
@@ -78,7 +84,7 @@ def test_sigkill_keeps_the_previous_output_and_the_rerun_removes_the_temporary(t
     shutil.copytree(work / "previous", out)
     before = tree(out)
     p = spawn("pack", tiny_moe_dir, work / "experts-rtn2", "-o", out, pause=flag)
-    wait_for(flag.exists, p, "the pause before the rename")
+    wait_for(lambda: _flag_written(flag), p, "the pause before the rename")
     tmp = Path(flag.read_text())
     assert tmp.parent == tmp_path and (tmp / checkpoint.MANIFEST).is_file()  # written in full, not renamed
     p.kill()
@@ -100,7 +106,7 @@ def test_signal_removes_the_temporary(tiny_moe_dir, work, tmp_path, signum, exit
         shutil.copytree(work / "previous", out)
     before = tree(out) if previous else None
     p = spawn("pack", tiny_moe_dir, work / "experts-rtn2", "-o", out, pause=flag)
-    wait_for(flag.exists, p, "the pause before the rename")
+    wait_for(lambda: _flag_written(flag), p, "the pause before the rename")
     tmp = Path(flag.read_text())
     assert tmp.is_dir()
     p.send_signal(signum)
@@ -115,7 +121,7 @@ def test_signal_removes_the_temporary(tiny_moe_dir, work, tmp_path, signum, exit
 def test_two_packs_to_one_output_take_turns(tiny_moe_dir, work, tmp_path):
     out, flag, b_log = tmp_path / "packed", tmp_path / "paused", tmp_path / "b.stderr"
     a = spawn("pack", tiny_moe_dir, work / "fp16", "-o", out, pause=flag)
-    wait_for(flag.exists, a, "the first pack's pause")  # it holds the lock, its output not yet renamed
+    wait_for(lambda: _flag_written(flag), a, "the first pack's pause")  # it holds the lock, its output not yet renamed
     with open(b_log, "w") as log:
         b = spawn("pack", tiny_moe_dir, work / "experts-rtn2", "-o", out, stderr=log)
     wait_for(lambda: "waiting for another moec run" in b_log.read_text(), b, "the second pack to wait")
