@@ -16,14 +16,14 @@ reads; `pct_of_copy` = bytes / time against a device-to-device copy (read + writ
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.benchutil import copy_bandwidth, graph_times
+from benchmarks.benchutil import copy_bandwidth, graph_times, recorder
+from moec.atomic import write_json
 from moec.kernels import gluon_moe_decode as gmd
 from moec.kernels.dequant import MODE_LUT, QWeight
 from moec.kernels.moe_decode import moe_decode, moe_decode_ref
@@ -121,11 +121,7 @@ def main():
     res = {"bench": "gluon_moe", "device": torch.cuda.get_device_name(), "environment": environment("cuda"),
            "date": time.strftime("%Y-%m-%d"), "copy_gbs": copy, "records": []}
 
-    def record(**kw):
-        res["records"].append(kw)
-        print(json.dumps(kw), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    record = recorder(res, args.out)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes.split(","):
@@ -139,7 +135,7 @@ def main():
         del layers
         torch.cuda.empty_cache()
     res["seconds"] = time.time() - t0
-    args.out.write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ against a device-to-device copy (read + write) in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -22,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.benchutil import copy_bandwidth, graph_times
+from benchmarks.benchutil import copy_bandwidth, graph_times, recorder
+from moec.atomic import write_json
 from moec.kernels import gluon_qlinear as gq
 from moec.kernels.dequant import MODE_AFFINE, QWeight
 from moec.kernels.qlinear import qlinear, qlinear_ref
@@ -95,18 +95,14 @@ def main():
     res = {"bench": "gluon_qlinear", "device": torch.cuda.get_device_name(), "environment": environment("cuda"),
            "copy_gbs": copy, "records": []}
 
-    def record(**kw):
-        res["records"].append(kw)
-        print(json.dumps(kw), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    record = recorder(res, args.out)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     for shape, (K, O) in SHAPES.items():
         bench_shape(record, copy, shape, K, O, gen)
         torch.cuda.empty_cache()
     res["seconds"] = time.time() - t0
-    args.out.write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

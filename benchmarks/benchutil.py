@@ -6,6 +6,7 @@ Imported as `benchmarks.benchutil`: the scripts run from the repository root as 
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -72,3 +73,17 @@ def stats(ts: list[float]) -> dict:
     """Median, p10 and p90 of step times in ms."""
     ts = sorted(ts)
     return {"ms_median": statistics.median(ts), "ms_p10": ts[len(ts) // 10], "ms_p90": ts[(9 * len(ts)) // 10]}
+
+
+def recorder(res: dict, out: Path):
+    """record(**fields): appends a record to res["records"], prints it as a JSON line and rewrites `out` (atomically),
+    so a run cut short keeps what it measured."""
+    from moec.atomic import write_json
+
+    def record(**kw) -> None:
+        res["records"].append(kw)
+        print(json.dumps(kw), flush=True)
+        write_json(out, res)
+
+    return record
+
