@@ -32,7 +32,9 @@ from moec.provenance import environment
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336, 4), "qwen3-30b-a3b": (128, 8, 2048, 768, 16)}  # E, A, D, I, layers
 # gate/up (BM, KW, tiled codes); down (BM, KW, SPLIT, tiled). A cp.async pipeline of 3-6 stages and loops
 # without the one-chunk prefetch were measured no faster (results/gluon_moe_variants_h100.json, 2026-12-06, the
-# sweep before their removal) and removed from the kernels.
+# sweep before their removal) and removed from the kernels; so were two chunks of codes in flight and a cap of 96
+# registers per thread (5 programs per SM) on the gate/up (results/gluon_moe_pf_h100.json, H100, 2026-12-06: the
+# best such row 35.8 against 34.5 µs for Mixtral at batch 1; benchmarks/studies/gluon_moe_pf2.patch).
 GATE_UP = [(32, 4, False), (16, 4, False), (32, 4, True), (16, 4, True), (32, 2, True), (64, 4, True), (32, 8, True)]
 DOWN = {"mixtral-8x7b": [(16, 8, 1, False), (16, 8, 2, False), (16, 8, 1, True), (16, 8, 2, True), (32, 8, 2, True),
                          (16, 4, 2, True), (32, 4, 1, True)],

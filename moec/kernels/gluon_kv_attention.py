@@ -17,9 +17,10 @@ How codes reach the tensor cores (one warp per program, mma.sync m16n8k16, fp16 
     permute of the unpacked values, *is* the mma operand layout: convert_layout(..., assert_trivial=True) holds
     at compile time, so no value moves between threads. The channel order inside a block is the one that makes
     this true (_key_channel, _value_channel); q is loaded and the output stored in that order.
-  - the level lookup (_unpack4): per word and bit field a shift, a mask, one
-    IMAD building the byte selectors and two `prmt` picking fp16 levels out of two registers holding the
-    layer's four levels (_vector_reg keeps them in vector registers): 23 instructions per 16 codes.
+  - the level lookup (gluon_moe_decode._lookup4, shared with the MoE kernel): per word and bit field a shift, a
+    mask, one IMAD building the byte selectors, two `prmt` picking fp16 levels out of two registers holding the
+    layer's four levels (_vector_reg keeps them in vector registers), the selector's high half by a shift: 23
+    instructions per 16 codes, the levels written as fp16 pairs in 32-bit registers, the operand's own form.
   - values need a token pair per register: two tokens' words are byte-interleaved by two `prmt` (_interleave).
   - operands swapped: Sᵀ[T, N] = K·Qᵀ with tokens as M and the query heads of a KV head as N = 8 (G = 4 wastes
     half, not three quarters as M = 16 rows would), then Oᵀ_j[32, N] += Vᵀ_j·Pᵀ, Pᵀ moved between the two
@@ -54,6 +55,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from . import launch_config
+from .gluon_moe_decode import _four, _lookup4
 from .kv_decode_attention import LOG2E, combine_splits
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
@@ -65,29 +67,6 @@ HEAD_DIM = 128  # the word maps below are written for 8 words (32 bytes) of code
 KEY_WORDS = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
 # value words [T, 8] int32: lane (c, n) holds word n of tokens 2c, 2c + 1 (+ 8i)
 VALUE_WORDS = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
-
-
-@gluon.jit
-def _unpack4(w, j: gl.constexpr, tab_lo, tab_hi):
-    """Bit field j of the four bytes of each int32 word -> four fp16 levels (byte order). Per word: shift, mask,
-    selector byte = code·0x22 + 0x10 (nibbles 2c, 2c + 1: level c's two bytes in {tab_hi, tab_lo}), two `prmt`;
-    the selector's high half by a shift. Shifts, not multiply-highs: Hopper issues IMAD.HI at a quarter of the
-    rate of SHF, LOP3, IMAD and PRMT (benchmarks/studies/int_pipe_throughput.py: 32 against ~124 lanes per clock
-    per SM on an H100); until 2026-12-06 both shifts were multiply-highs."""
-    return gl.inline_asm_elementwise(
-        asm=f"""{{
-        .reg .b32 r, s, t, u, v;
-        shr.b32 r, $4, {2 * j};
-        and.b32 r, r, 0x03030303;
-        mad.lo.u32 s, r, 34, 0x10101010;
-        prmt.b32 u, $5, $6, s;
-        shr.b32 t, s, 16;
-        prmt.b32 v, $5, $6, t;
-        mov.b32 {{$0, $1}}, u;
-        mov.b32 {{$2, $3}}, v;
-        }}""",
-        constraints="=h,=h,=h,=h,r,r,r",
-        args=[w, tab_lo, tab_hi], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -147,21 +126,24 @@ def _value_channel(n):
 
 @gluon.jit
 def _key_block(kw, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
-    """Channel block j of a key tile as the A operand K [T, 32] fp16 (rows in _key_channel's order)."""
-    e0, e1, e2, e3 = _unpack4(kw, j, tab_lo, tab_hi)
-    x = gl.join(gl.join(e0, e1), gl.join(e2, e3))  # [t, r, ml, mh]
-    x = gl.reshape(x, [T, 4, 2, 2, 2])  # [t, c, ks, ml, mh]
-    x = gl.reshape(gl.permute(x, [0, 2, 4, 1, 3]), [T, 32])  # [t, ks, mh, c, ml]
+    """Channel block j of a key tile as the A operand K [T, 32] fp16 (rows in _key_channel's order). The lookup
+    yields each word's four levels packed in two 32-bit registers (gluon_moe_decode._lookup4: the operand's own
+    form; four 16-bit outputs cost a register move a pair)."""
+    x = _lookup4(_four(kw), _four(tab_lo), _four(tab_hi), j)  # [t, r, mh, ml]: byte 2·mh + ml of word r
+    x = gl.reshape(x, [T, 4, 2, 2, 2])  # [t, c, ks, mh, ml]
+    x = gl.reshape(gl.permute(x, [0, 2, 3, 1, 4]), [T, 32])  # [t, ks, mh, c, ml]
     return gl.convert_layout(x, OP_A, assert_trivial=True)
 
 
 @gluon.jit
 def _value_block(p0, p1, j: gl.constexpr, tab_lo, tab_hi, T: gl.constexpr):
     """Channel block j of a value tile as the A operand Vᵀ [32, T] fp16 (rows in _value_channel's order)."""
-    h00, h01, h10, h11 = _unpack4(p0, j, tab_lo, tab_hi)
-    h20, h21, h30, h31 = _unpack4(p1, j, tab_lo, tab_hi)
-    y = gl.join(gl.join(gl.join(h00, h01), gl.join(h10, h11)), gl.join(gl.join(h20, h21), gl.join(h30, h31)))
-    y = gl.reshape(gl.permute(y, [4, 3, 1, 0, 2]), [32, T])  # [tp, n, pair, m_lo, m_hi] -> [m_hi, m_lo, n, tp, pair]
+    t4 = _four(tab_lo)
+    h4 = _four(tab_hi)
+    y0 = _lookup4(_four(p0), t4, h4, j)  # [tp, n, m_lo, pair]: byte 2·m_lo + pair of p0 (packed as _key_block's)
+    y1 = _lookup4(_four(p1), t4, h4, j)
+    # [tp, n, m_lo, pair, m_hi] -> [m_hi, m_lo, n, tp, pair]
+    y = gl.reshape(gl.permute(gl.join(y0, y1), [4, 2, 1, 0, 3]), [32, T])
     return gl.convert_layout(y, OP_A, assert_trivial=True)
 
 
@@ -188,15 +170,25 @@ def _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword
 
 
 @gluon.jit
+def _load_full(kc_ptr, vc_ptr, vs_ptr, r, koff, voff, stok):
+    """A whole history tile at row r (= row0 + its first token): _load_words without masks, the rows' offsets
+    hoisted out of the loop and added to one scalar base a load."""
+    return (gl.load(kc_ptr + r * 8 + koff), gl.load(vc_ptr + r * 8 + voff),
+            gl.load(vs_ptr + r + stok).to(gl.float32))
+
+
+@gluon.jit
 def _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs, tmask_s,
-                 ktl, kth, vtl, vth, T: gl.constexpr, N: gl.constexpr):
-    """One history tile: scores Sᵀ [T, N], the accumulators Oᵀ_j [32, N]."""
+                 ktl, kth, vtl, vth, T: gl.constexpr, N: gl.constexpr, MASKED: gl.constexpr = True):
+    """One history tile: scores Sᵀ [T, N], the accumulators Oᵀ_j [32, N] (MASKED: tokens past the split's end
+    score -inf; a whole tile needs no mask)."""
     s = gl.zeros([T, N], gl.float32, MMA)
     s = mma_v2(_key_block(kw, 0, ktl, kth, T), q0, s)
     s = mma_v2(_key_block(kw, 1, ktl, kth, T), q1, s)
     s = mma_v2(_key_block(kw, 2, ktl, kth, T), q2, s)
     s = mma_v2(_key_block(kw, 3, ktl, kth, T), q3, s)
-    s = gl.where(tmask_s[:, None], s, float("-inf"))
+    if MASKED:
+        s = gl.where(tmask_s[:, None], s, float("-inf"))
     m_t = gl.max(s, axis=0)
     if gl.max(m_t - m_i, axis=0) > 8.0:
         m_new = gl.maximum(m_i, m_t)
@@ -299,7 +291,19 @@ def _gluon_kv_attention_kernel(
         t0 = t_lo
         if PREFETCH:  # the next tile's loads go out before this tile's math
             kw, vw, vs = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0, t_hi, ktok, kword, vtok, vword, stok)
-            for _ in range(n_it):
+            # whole tiles whose next tile is whole too: no masks, addresses from hoisted pointer tensors
+            n_full = gl.maximum((t_hi - t_lo) // T - 1, 0)
+            koff = (ktok * 8)[:, None] + kword[None, :]
+            voff = (vtok * 8)[:, None] + vword[None, :]
+            for _ in range(n_full):
+                kw_n, vw_n, vs_n = _load_full(kc_ptr, vc_ptr, vs_ptr, row0 + t0 + T, koff, voff, stok)
+                m_i, l_i, a0, a1, a2, a3 = _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,
+                                                        stok >= 0, ktl, kth, vtl, vth, T, N, False)
+                kw = kw_n
+                vw = vw_n
+                vs = vs_n
+                t0 += T
+            for _ in range(n_it - n_full):  # the rest (at most two tiles), masked
                 kw_n, vw_n, vs_n = _load_words(kc_ptr, vc_ptr, vs_ptr, row0, t0 + T, t_hi, ktok, kword, vtok,
                                                  vword, stok)
                 m_i, l_i, a0, a1, a2, a3 = _hist_tile(q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, kw, vw, vs,

@@ -29,7 +29,6 @@ from .gluon_kv_attention import (
     _interleave,
     _key_channel,
     _lev_words,
-    _unpack4,
     _value_channel,
     _vector_reg,
 )
@@ -43,6 +42,31 @@ KEY_WORDS3 = gl.constexpr(gl.BlockedLayout([1, 1, 2], [1, 8, 4], [4, 1, 1], [2, 
 VALUE_WORDS3 = gl.constexpr(gl.BlockedLayout([1, 2, 1], [1, 4, 8], [4, 1, 1], [1, 2, 0]))
 ROW3 = gl.constexpr(gl.SliceLayout(1, MMA3))  # [W, N]: one value per warp and query head
 TOK3 = gl.constexpr(gl.SliceLayout(2, MMA3))  # [W, T]: one value per warp and token
+
+
+@gluon.jit
+def _unpack4(w, j: gl.constexpr, tab_lo, tab_hi):
+    """Bit field j of the four bytes of each int32 word -> four fp16 levels (byte order). Per word: shift, mask,
+    selector byte = code·0x22 + 0x10 (nibbles 2c, 2c + 1: level c's two bytes in {tab_hi, tab_lo}), two `prmt`;
+    the selector's high half by a shift. Shifts, not multiply-highs: Hopper issues IMAD.HI at a quarter of the
+    rate of SHF, LOP3, IMAD and PRMT (benchmarks/studies/int_pipe_throughput.py: 32 against ~124 lanes per clock
+    per SM on an H100); until 2026-12-06 both shifts were multiply-highs. The one-warp kernel reads its levels
+    through gluon_moe_decode._lookup4 and an unmasked loop over whole tiles; the same change here made this kernel
+    slower at most split counts (benchmarks/results/kv_splits_lean_h100.json), so it keeps this unpacking."""
+    return gl.inline_asm_elementwise(
+        asm=f"""{{
+        .reg .b32 r, s, t, u, v;
+        shr.b32 r, $4, {2 * j};
+        and.b32 r, r, 0x03030303;
+        mad.lo.u32 s, r, 34, 0x10101010;
+        prmt.b32 u, $5, $6, s;
+        shr.b32 t, s, 16;
+        prmt.b32 v, $5, $6, t;
+        mov.b32 {{$0, $1}}, u;
+        mov.b32 {{$2, $3}}, v;
+        }}""",
+        constraints="=h,=h,=h,=h,r,r,r",
+        args=[w, tab_lo, tab_hi], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
 
 
 @gluon.jit
