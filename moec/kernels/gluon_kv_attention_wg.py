@@ -14,9 +14,9 @@ score terms (q·center, the score bias) are computed here, once per program (the
 the split combine: a program of W warps pays them once for W warps' splits, and the combine computing them cost
 the 4-warp launch more than it saved, benchmarks/studies/kv_splits_sweep.py).
 
-Status: compiled for sm_90 on the CPU (tests/kernels/test_gluon_kv_attention.py); not yet run on a GPU (the
-machine was paused for the rest of the session that wrote it): `warps` defaults to 1 (the one-warp kernel)
-until benchmarks/bench_gluon_kv_attention.py has checked and timed it.
+Status: checked against the torch reference by the GPU smoke (benchmarks/gpu_smoke.py, both Gluon KV paths)
+and chosen per device by benchmarks/choose_gluon_config.py from bench_gluon_kv_attention.py's sweep
+(moec/kernels/configs/: the H100 runs this kernel, the H200 the one-warp one; figures in docs/results.md).
 """
 
 from __future__ import annotations

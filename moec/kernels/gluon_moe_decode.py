@@ -29,10 +29,13 @@ Qwen3 about equal, batch 4 slower. What was tried: a cp.async pipeline of 3-6 st
 is not the bound; measured, then removed: results/gluon_moe_variants_h100.json), 16-64 rows a program, 2-8
 warps, the tiled layout, and removing the multiply-highs from the lookup (Hopper issues IMAD.HI at a quarter of
 the full integer rate, benchmarks/studies/int_pipe_throughput.py). Nsight Compute (benchmarks/studies/
-ncu_kernels.py, figures in docs/results.md) says what bounds it: issue. The loop is about two full-rate
-instructions a code, the lookup most of them and x's bf16 -> fp16 conversion (redone per chunk and warp) the
-rest; with four warps a scheduler (registers) about half the cycles find no eligible warp, and the grid runs in
-under two waves. A bf16 x costs little against an fp16 one (benchmarks/studies/moe_x_dtype.py). So
+ncu_kernels.py, figures in docs/results.md) says what bounds it: with four warps a scheduler (registers) about
+half the cycles find no eligible warp, most memory waits sit at the loop top on the code words loaded one chunk
+ahead, and the grid runs in under two waves; the loop is about two full-rate instructions a code, the lookup
+most of them and x's bf16 -> fp16 conversion (redone per chunk and warp) the rest. Neither two chunks in flight
+nor a register cap for more programs an SM made it faster (benchmarks/studies/gluon_moe_pf2.patch,
+results/gluon_moe_pf_h100.json), and a bf16 x costs little against an fp16 one (benchmarks/studies/
+moe_x_dtype.py). So
 MOEC_KERNELS=gluon sends 2-bit hls layers here (runtime/experts.ExpertWeights.fused, row-major codes: the runtime
 holds no tiled copy); the default stays on the `tl` kernels.
 

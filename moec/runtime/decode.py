@@ -121,6 +121,15 @@ def softmax_topk_routing(moe: MoE) -> bool:
 _ROUTE_FAILED: list[str] = []  # the routing kernel failed to compile here: torch's route instead
 
 
+def _routing_kernel_failed(e: Exception) -> None:
+    """A routing kernel raised: inside a CUDA-graph capture that is fatal (re-raised); before it (the warm-up
+    step), remembered once so every later step takes torch's routing."""
+    if torch.cuda.is_current_stream_capturing():
+        raise e
+    _ROUTE_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    log.warning("routing kernel failed (%s); using torch's routing", _ROUTE_FAILED[0])
+
+
 def _route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool, bias: torch.Tensor | None = None,
            args: ModelArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids) [N, A] of model.route, its softmax/top-k in one kernel where it compiles; bias: the router's
@@ -134,10 +143,7 @@ def _route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool, bias: 
                 return route_gemv_topk(x, router, top_k, norm)  # the router GEMV in the same launch
             return route_topk(F.linear(x, router, bias), top_k, norm)
         except Exception as e:  # the warm-up step (outside capture) meets compile errors first
-            if torch.cuda.is_current_stream_capturing():
-                raise
-            _ROUTE_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            log.warning("routing kernel failed (%s); using torch's routing", _ROUTE_FAILED[0])
+            _routing_kernel_failed(e)
     _, w, ids = route(x, router, top_k, norm, args, None, bias)
     return w, ids
 
@@ -156,10 +162,7 @@ def _route_scored(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
             return route_sigmoid_topk(F.linear(x, moe.router.weight, moe.router.bias), bias, a.top_k, a.norm_topk,
                                       *groups, a.routed_scale)
         except Exception as e:  # the warm-up step (outside capture) meets compile errors first
-            if torch.cuda.is_current_stream_capturing():
-                raise
-            _ROUTE_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            log.warning("routing kernel failed (%s); using torch's routing", _ROUTE_FAILED[0])
+            _routing_kernel_failed(e)
     _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk, a, bias, moe.router.bias)
     return w, ids
 
