@@ -177,7 +177,7 @@ def _kernel_v(q_ptr, codes_ptr, scale_ptr, lev_ptr, hist_ptr, win_ptr, new_ptr, 
 
 def cubic(levels: torch.Tensor) -> torch.Tensor:
     """[2, 4] levels -> [2, 4] coefficients k0..k3 of the cubic through (c, level_c), c = 0..3."""
-    V = torch.tensor([[c**j for j in range(4)] for c in range(4)], dtype=torch.float64)
+    V = torch.tensor([[c**j for j in range(4)] for c in range(4)], dtype=torch.float64, device=levels.device)
     return torch.linalg.solve(V, levels.double().T).T.float().contiguous()
 
 

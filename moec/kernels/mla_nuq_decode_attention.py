@@ -213,7 +213,9 @@ def mla_nuq_decode_attention(q: torch.Tensor, codes: torch.Tensor, scales: torch
     assert scales.shape == (Bc, HC, 2) and win.shape[0] >= B and win.shape[2] == L and new.shape == (B, L)
     assert levels.shape == (2, 4) and levels.dtype == torch.float32 and new.stride(-1) == 1
     cuda = q.is_cuda and not _interpreting()
-    config = launch_config.config("mla_nuq_decode_attention", q.device)["launch"]
+    configs = launch_config.config("mla_nuq_decode_attention", q.device)
+    # many heads (DeepSeek-V3's 128) have their own launch: a head block re-reads and re-unpacks every tile
+    config = configs["many_heads"] if H >= configs["many_heads"]["min_heads"] else configs["launch"]
     precision = precision or ("half" if cuda else "ieee")
     block_n = block_n or (config["block_n"] if cuda else 16)
     bh = block_h or min(config["block_h"], max(16, triton.next_power_of_2(H)))

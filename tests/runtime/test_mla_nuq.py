@@ -167,6 +167,30 @@ def test_kernel_matches_reference(monkeypatch, hist, win):
     torch.testing.assert_close(out, ref @ codec.Rc.T, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("block_h", [None, 64])
+def test_kernel_many_heads(monkeypatch, block_h):
+    """64 query heads (the `many_heads` launch: DeepSeek-V3 has 128) in head blocks of the config's size and in
+    one block of 64 (what benchmarks/studies/mla_nuq_heads_sweep.py may choose), against the torch reference."""
+    from moec.kernels.mla_nuq_decode_attention import mla_nuq_decode_attention, mla_nuq_decode_attention_ref
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    codec = _codecs()[0].to(dev)
+    g = torch.Generator().manual_seed(6)
+    B, H, L, r = 1, 64, ARGS.latent_dim, ARGS.kv_lora_rank
+    codes = torch.randint(0, 256, (B, 64, L // 4), generator=g, dtype=torch.uint8).to(dev)
+    scales = (torch.rand(B, 64, 2, generator=g) + 0.5).half().to(dev)
+    window = torch.randn(B, 40, L, generator=g).half().to(dev)
+    q, new = torch.randn(B, H, L, generator=g).to(dev), torch.randn(B, L, generator=g).to(dev)
+    hl, wl = torch.tensor([50], dtype=torch.int32, device=dev), torch.tensor([9], dtype=torch.int32, device=dev)
+    ref = mla_nuq_decode_attention_ref(codec.rotate_query(q), codes, scales, codec, hl, window.clone(), new, wl, r,
+                                       0.3)
+    out = mla_nuq_decode_attention(q, codes, scales, codec.levels, hl, window, new, wl, r, 0.3,
+                                   rope_rotation=codec.Rr, out_dtype=torch.float32, block_h=block_h)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_engine_matches_dynamic_cache():
     """A tiny DeepSeek-V3 through the static engine (runtime/decode.py, CPU) with the compressed latent cache:
     each step's logits equal Transformer.forward over the dynamic mode of the same cache, with history aged.
