@@ -138,8 +138,12 @@ def test_static_step_kernel_matches_torch_path(monkeypatch):
         assert torch.equal(getattr(caches[True], name)[0], getattr(caches[False], name)[0]), name
 
 
-@pytest.mark.parametrize("hist,win", [([0, 0, 0], [1, 1, 1]), ([0, 0, 0], [5, 20, 40]), ([37, 50, 96], [1, 9, 40])])
-def test_kernel_matches_reference(monkeypatch, hist, win):
+@pytest.mark.parametrize("hist,win,H,block_h", [
+    ([0, 0, 0], [1, 1, 1], 5, None), ([0, 0, 0], [5, 20, 40], 5, None), ([37, 50, 96], [1, 9, 40], 5, None),
+    # 64 heads: the `many_heads` launch (DeepSeek-V3 has 128), and one block of 64 heads, which is exact here
+    # but wrong on an H100 at 8 warps (docs/results.md; the interpreter has no warps)
+    ([50], [9], 64, None), ([50], [9], 64, 64)])
+def test_kernel_matches_reference(monkeypatch, hist, win, H, block_h):
     """The kernel on random codes against the torch reference: empty history, window only, both; the query's RoPE
     part rotated in the kernel (the reference takes it rotated); the output rotated in the combine; the new row
     lands in its slot."""
@@ -150,7 +154,7 @@ def test_kernel_matches_reference(monkeypatch, hist, win):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     codec = _codecs()[0].to(dev)
     g = torch.Generator().manual_seed(5)
-    Bq, H, L, r = 3, 5, ARGS.latent_dim, ARGS.kv_lora_rank
+    Bq, L, r = len(hist), ARGS.latent_dim, ARGS.kv_lora_rank
     codes = torch.randint(0, 256, (Bq, 96, L // 4), generator=g, dtype=torch.uint8).to(dev)
     scales = (torch.rand(Bq, 96, 2, generator=g) + 0.5).half().to(dev)
     window = torch.randn(Bq, 40, L, generator=g).half().to(dev)
@@ -159,36 +163,12 @@ def test_kernel_matches_reference(monkeypatch, hist, win):
     w_ref = window.clone()
     ref = mla_nuq_decode_attention_ref(codec.rotate_query(q), codes, scales, codec, hl, w_ref, new, wl, r, 0.3)
     out = mla_nuq_decode_attention(q, codes, scales, codec.levels, hl, window, new, wl, r, 0.3,
-                                   rope_rotation=codec.Rr, out_dtype=torch.float32)
+                                   rope_rotation=codec.Rr, out_dtype=torch.float32, block_h=block_h)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(window, w_ref)
     out = mla_nuq_decode_attention(codec.rotate_query(q), codes, scales, codec.levels, hl, window.clone(), new, wl,
-                                   r, 0.3, out_rotation=codec.Rc, out_dtype=torch.float32)
+                                   r, 0.3, out_rotation=codec.Rc, out_dtype=torch.float32, block_h=block_h)
     torch.testing.assert_close(out, ref @ codec.Rc.T, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("block_h", [None, 64])
-def test_kernel_many_heads(monkeypatch, block_h):
-    """64 query heads (the `many_heads` launch: DeepSeek-V3 has 128) in head blocks of the config's size and in
-    one block of 64 (what benchmarks/studies/mla_nuq_heads_sweep.py may choose), against the torch reference."""
-    from moec.kernels.mla_nuq_decode_attention import mla_nuq_decode_attention, mla_nuq_decode_attention_ref
-
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    codec = _codecs()[0].to(dev)
-    g = torch.Generator().manual_seed(6)
-    B, H, L, r = 1, 64, ARGS.latent_dim, ARGS.kv_lora_rank
-    codes = torch.randint(0, 256, (B, 64, L // 4), generator=g, dtype=torch.uint8).to(dev)
-    scales = (torch.rand(B, 64, 2, generator=g) + 0.5).half().to(dev)
-    window = torch.randn(B, 40, L, generator=g).half().to(dev)
-    q, new = torch.randn(B, H, L, generator=g).to(dev), torch.randn(B, L, generator=g).to(dev)
-    hl, wl = torch.tensor([50], dtype=torch.int32, device=dev), torch.tensor([9], dtype=torch.int32, device=dev)
-    ref = mla_nuq_decode_attention_ref(codec.rotate_query(q), codes, scales, codec, hl, window.clone(), new, wl, r,
-                                       0.3)
-    out = mla_nuq_decode_attention(q, codes, scales, codec.levels, hl, window, new, wl, r, 0.3,
-                                   rope_rotation=codec.Rr, out_dtype=torch.float32, block_h=block_h)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_engine_matches_dynamic_cache():
