@@ -1,6 +1,6 @@
 """The compressed MLA latent kernel's launch for many query heads (issue 35: DeepSeek-V3's 128), on the GPU.
 
-    python3 -m benchmarks.studies.mla_nuq_heads_sweep --out OUT.json [--write]
+    python3 -m benchmarks.studies.mla_nuq_heads_sweep --out OUT.json [--write] [--fp16]
 
 At DeepSeek-V2-Lite's 16 heads one head block holds every head; at V3's 128 the shipped block of 16 heads makes
 8 programs re-read and re-unpack every history tile. This sweeps the head block (16, 32, 64) with warps and
@@ -8,7 +8,11 @@ waves at batch 1 (4k, 32k) and batch 16 (32k), each setting checked against the 
 (max_rel_err) and timed as bench_mla_nuq_attention times the kernel (CUDA-graph replays, its combine included).
 The best setting by geometric mean of the time ratios to the shipped `many_heads` launch, none of its points more
 than 3% slower, is the winner if it gains more than 3%; --write puts it into moec/kernels/configs/nvidia_h200.json
-(`mla_nuq_decode_attention.many_heads`, the defaults every device without its own entry uses).
+(`mla_nuq_decode_attention.many_heads`, the defaults every device without its own entry uses). --fp16 also
+times the fp16 latent kernel (kernels/mla_decode_attention.py, the compressed one's yardstick) over the same
+head blocks, warps and waves at its own tile length and stages, each against its reference: whether its launch
+for many heads should change too (it has no `many_heads` entry yet; records `kernel` "fp16", `shipped` marking
+its current launch).
 """
 
 from __future__ import annotations
@@ -50,9 +54,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--fp16", action="store_true", help="also the fp16 latent kernel over the same head blocks")
     a = ap.parse_args()
     from moec.atomic import write_json
     from moec.kernels import launch_config
+    from moec.kernels.mla_decode_attention import mla_decode_attention, mla_decode_attention_ref
     from moec.kernels.mla_nuq_decode_attention import mla_nuq_decode_attention, mla_nuq_decode_attention_ref
     from moec.provenance import environment
     from moec.runtime.config import ModelArgs
@@ -93,7 +99,7 @@ def main() -> int:
                                     scale, rope_rotation=codec.Rr, n_splits=n_splits, block_h=s["block_h"],
                                     block_n=s["block_n"], num_warps=s["num_warps"],
                                     num_stages=shipped["num_stages"])
-            rec = dict(batch=B, context=ctx, **s, n_splits=n_splits)
+            rec = dict(kernel="mla-nuq", batch=B, context=ctx, **s, n_splits=n_splits)
             try:
                 got = run(out_dtype=torch.float32)
                 rec["max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
@@ -103,12 +109,36 @@ def main() -> int:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             res["records"].append(rec)
             print(rec, flush=True)
+        if a.fp16:  # the fp16 latent kernel over the same head blocks (its baseline at many heads)
+            cfg16 = launch_config.config("mla_decode_attention", "cuda")["launch"]
+            rows = torch.randn(B, ctx + 64, R + RP, device="cuda", dtype=torch.float16, generator=g)
+            pos = torch.full((B,), ctx, device="cuda", dtype=torch.long)
+            want16 = mla_decode_attention_ref(q, rows.clone(), new, pos, R, scale)
+            for s in settings:
+                n_hb = triton_cdiv(H, s["block_h"])
+                n_splits = max(1, min(triton_cdiv(ctx + 64, cfg16["block_n"]),
+                                      int(s["waves"] * sms) // (B * n_hb)))
+                run = functools.partial(mla_decode_attention, q, rows, new, pos, R, scale, n_splits=n_splits,
+                                        block_n=cfg16["block_n"], block_h=s["block_h"], num_warps=s["num_warps"],
+                                        num_stages=cfg16["num_stages"])
+                rec = dict(kernel="fp16", batch=B, context=ctx, **s, block_n_fp16=cfg16["block_n"],
+                           n_splits=n_splits, shipped=s["block_h"] == cfg16["block_h"]
+                           and s["num_warps"] == cfg16["num_warps"] and s["waves"] == cfg16["waves"])
+                try:
+                    got = run(out_dtype=torch.float32)
+                    rec["max_rel_err"] = ((got - want16).abs().max() / want16.abs().max()).item()
+                    rec["ms"] = time_graph(run)
+                except Exception as e:
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                res["records"].append(rec)
+                print(rec, flush=True)
+            del rows, want16
         del cache, q, new, want
         torch.cuda.empty_cache()
     base = times.get(tuple(shipped_key.values()), {})
     worst_err: dict[tuple, float] = {}
     for rec in res["records"]:
-        if "ms" in rec:
+        if "ms" in rec and rec["kernel"] == "mla-nuq":
             key = tuple(rec[k] for k in GRID)
             err = rec["max_rel_err"]  # NaN counts as the worst (max() would drop it)
             worst_err[key] = max(worst_err.get(key, 0.0), err if err == err else math.inf)
