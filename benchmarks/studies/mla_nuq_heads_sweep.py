@@ -121,7 +121,7 @@ def main() -> int:
                 run = functools.partial(mla_decode_attention, q, rows, new, pos, R, scale, n_splits=n_splits,
                                         block_n=cfg16["block_n"], block_h=s["block_h"], num_warps=s["num_warps"],
                                         num_stages=cfg16["num_stages"])
-                rec = dict(kernel="fp16", batch=B, context=ctx, **s, block_n_fp16=cfg16["block_n"],
+                rec = dict(kernel="fp16", batch=B, context=ctx, **(s | {"block_n": cfg16["block_n"]}),
                            n_splits=n_splits, shipped=s["block_h"] == cfg16["block_h"]
                            and s["num_warps"] == cfg16["num_warps"] and s["waves"] == cfg16["waves"])
                 try:
