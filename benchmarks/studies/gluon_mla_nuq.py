@@ -50,6 +50,7 @@ R = gl.constexpr(512)  # kv_lora_rank
 RP = gl.constexpr(64)  # RoPE dims
 NWORDS = gl.constexpr(36)  # int32 words of codes a token: 32 for c, 4 for rope
 RH, RPH = 512, 64  # the same on the host
+NB_HOST = 144 + 128  # codes a warp looks up per token: 144 bytes' field for the scores, 128 for the values
 
 
 @gluon.jit
@@ -100,7 +101,7 @@ def _value_pairs(codes_ptr, row, t_hi, word0: gl.constexpr, T: gl.constexpr):
 
 @gluon.jit
 def _gluon_mla_hist_kernel(q_ptr, codes_ptr, scale_ptr, lev_ptr, hist_ptr, part_ptr, H, HC, n_splits, sq_b, sq_h,
-                           T: gl.constexpr, N: gl.constexpr):
+                           T: gl.constexpr, N: gl.constexpr, LAZY: gl.constexpr = True):
     b = gl.program_id(0)
     hb = gl.program_id(1)
     split = gl.program_id(2)
@@ -147,20 +148,32 @@ def _gluon_mla_hist_kernel(q_ptr, codes_ptr, scale_ptr, lev_ptr, hist_ptr, part_
         s = gl.sum(s, axis=0)  # [T, N]: the whole score, in every warp
         s = gl.expand_dims(s, 0) + gl.zeros([W, T, N], gl.float32, MMA3)
         s = gl.where(tm[:, :, None], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        m_t = gl.max(s, axis=1)
+        # lazy rescaling, as the one-warp kernel: every warp holds the same scores, so the branch is uniform
+        if LAZY:
+            grow = gl.max(gl.max(m_t - m_i, axis=1), axis=0) > 8.0
+        else:
+            grow = True
+        if grow:
+            m_new = gl.maximum(m_i, m_t)
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            a0 = a0 * alpha[:, None, :]
+            a1 = a1 * alpha[:, None, :]
+            a2 = a2 * alpha[:, None, :]
+            a3 = a3 * alpha[:, None, :]
+            m_i = m_new
+        p = gl.exp2(s - m_i[:, None, :])
+        l_i = l_i + gl.sum(p, axis=1)
         pb = gl.convert_layout((p * sc[:, :, None]).to(gl.float16), B3)
         p0, p1 = _value_pairs(codes_ptr, row, hi, 0, T)
-        a0 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a0 * alpha[:, None, :])
+        a0 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a0)
         p0, p1 = _value_pairs(codes_ptr, row, hi, 8, T)
-        a1 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a1 * alpha[:, None, :])
+        a1 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a1)
         p0, p1 = _value_pairs(codes_ptr, row, hi, 16, T)
-        a2 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a2 * alpha[:, None, :])
+        a2 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a2)
         p0, p1 = _value_pairs(codes_ptr, row, hi, 24, T)
-        a3 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a3 * alpha[:, None, :])
+        a3 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a3)
     # partials [B·H, n_splits, R + 2] (combine_splits' format): warp w writes its channels 128w + 32i + ...
     OL: gl.constexpr = MMA3
     ow = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, OL)))
@@ -183,7 +196,8 @@ def _gluon_mla_hist_kernel(q_ptr, codes_ptr, scale_ptr, lev_ptr, hist_ptr, part_
 
 
 def gluon_mla_history(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor,
-                      hist_len: torch.Tensor, qk_scale: float, n_splits: int, T: int = 16) -> torch.Tensor:
+                      hist_len: torch.Tensor, qk_scale: float, n_splits: int, T: int = 16,
+                      lazy: bool = True) -> torch.Tensor:
     """The attention of q (rotated, [B, H, RH + RPH]) over each row's history alone -> [B, H, R] fp32 (rotated)."""
     from moec.kernels.kv_decode_attention import LOG2E, combine_splits
 
@@ -193,7 +207,7 @@ def gluon_mla_history(q: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     part = torch.empty(B * H * n_splits * (RH + 2), device=q.device, dtype=torch.float32)
     _gluon_mla_hist_kernel[(B, triton.cdiv(H, N), n_splits)](
         qs, codes.view(torch.int32), scales, levels, hist_len, part, H, codes.shape[1], n_splits, qs.stride(0),
-        qs.stride(1), T=T, N=N, num_warps=4)
+        qs.stride(1), T=T, N=N, LAZY=lazy, num_warps=4)
     return combine_splits(part, B * H, n_splits, RH).view(B, H, RH)
 
 
@@ -210,12 +224,16 @@ def history_ref(q, codes, scales, codec, hist_len, qk_scale):
 def compile_report() -> None:
     from moec.kernels import aot
 
-    for T in (16, 32):
+    for T, lazy in ((16, True), (32, True), (32, False)):
         types = dict(q_ptr="*fp32", codes_ptr="*i32", scale_ptr="*fp16", lev_ptr="*fp32", hist_ptr="*i32",
                      part_ptr="*fp32", H="i32", HC="i32", n_splits="i32", sq_b="i32", sq_h="i32")
-        k = aot.compile_cuda(_gluon_mla_hist_kernel, types, dict(T=T, N=16), num_warps=4)
+        k = aot.compile_cuda(_gluon_mla_hist_kernel, types, dict(T=T, N=16, LAZY=lazy), num_warps=4)
         res = aot.resources(k.asm["cubin"])
-        print(f"T={T}: {res}", flush=True)
+        loop = aot.loop_histogram(aot.sass(k.asm["cubin"]), "HMMA")
+        codes = T * NB_HOST // 32  # codes a lane looks up per tile (gluon_sass.py's "per code")
+        top = ", ".join(f"{o} {n}" for o, n in loop.most_common(8))
+        print(f"T={T} lazy={lazy}: {res}; loop {sum(loop.values())} SASS a warp and tile ({top}); "
+              f"{sum(loop.values()) / codes:.2f} a code", flush=True)
 
 
 def main() -> int:
@@ -256,14 +274,14 @@ def main() -> int:
         qr = codec.rotate_query(q)
         want = history_ref(qr, codes, scales, codec, hist, scale)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        for T, waves in ((16, 1), (16, 2), (32, 1), (32, 2)):
+        for T, waves, lazy in ((16, 1, True), (16, 2, True), (32, 1, True), (32, 2, True), (32, 1, False)):
             n_splits = max(1, min(triton.cdiv(int(hist.max()), T), waves * sms // (B * triton.cdiv(H, 16))))
-            rec = dict(heads=H, batch=B, context=ctx, T=T, waves=waves, n_splits=n_splits)
+            rec = dict(heads=H, batch=B, context=ctx, T=T, waves=waves, lazy=lazy, n_splits=n_splits)
             try:
-                got = gluon_mla_history(qr, codes, scales, codec.levels, hist, scale, n_splits, T)
+                got = gluon_mla_history(qr, codes, scales, codec.levels, hist, scale, n_splits, T, lazy)
                 rec["max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
                 rec["ms"] = time_graph(functools.partial(gluon_mla_history, qr, codes, scales, codec.levels, hist,
-                                                         scale, n_splits, T))
+                                                         scale, n_splits, T, lazy))
             except Exception as e:  # a setting that does not build or run
                 rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             res["records"].append(rec)
