@@ -71,32 +71,74 @@ def _q_chunk(q_ptr, qbase, sq_h, nh, i: gl.constexpr, ROPE: gl.constexpr, N: gl.
 
 
 @gluon.jit
-def _key_words(codes_ptr, row, t_hi, word0: gl.constexpr, nwords: gl.constexpr, T: gl.constexpr):
-    """Words word0 .. word0 + 7 of the tile's tokens [W, T, 8] (every warp the same; words past nwords are 0),
-    shifted right by 2w so that bit field w of every byte is field 0."""
-    w = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, KEY_WORDS3)))
-    t = gl.arange(0, T, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEY_WORDS3)))
-    r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, KEY_WORDS3)))
-    tok = row + t
-    off = (tok.to(gl.int64) * NWORDS + word0)[None, :, None] + r[None, None, :] + 0 * w[:, None, None]
-    m = (tok < t_hi)[None, :, None] & (r < nwords)[None, None, :] & (w >= 0)[:, None, None]
-    x = gl.load(codes_ptr + off, mask=m, other=0)
-    return x >> (2 * w)[:, None, None]
+def _ld(ptrs, mask, MASKED: gl.constexpr):
+    """A load, masked only where the tile may pass the split's end."""
+    if MASKED:
+        return gl.load(ptrs, mask=mask, other=0)
+    else:
+        return gl.load(ptrs)
 
 
 @gluon.jit
-def _value_pairs(codes_ptr, row, t_hi, word0: gl.constexpr, T: gl.constexpr):
-    """Words word0 .. word0 + 7 of the tile's tokens in the value layout, shifted by 2w, as the byte-interleaved
-    token pairs _value_block3 takes."""
-    w = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, VALUE_WORDS3)))
-    t = gl.arange(0, T, layout=gl.SliceLayout(0, gl.SliceLayout(2, VALUE_WORDS3)))
-    r = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VALUE_WORDS3)))
-    tok = row + t
-    off = (tok.to(gl.int64) * NWORDS + word0)[None, :, None] + r[None, None, :] + 0 * w[:, None, None]
-    m = (tok < t_hi)[None, :, None] & (w >= 0)[:, None, None]
-    vw = gl.load(codes_ptr + off, mask=m, other=0) >> (2 * w)[:, None, None]
+def _pairs(vw, T: gl.constexpr):
+    """Value words [W, T, 8] as the byte-interleaved token pairs _value_block3 takes."""
     va, vb = gl.split(gl.permute(gl.reshape(vw, [W, T // 2, 2, 8]), [0, 1, 3, 2]))
     return _interleave(va, vb)
+
+
+@gluon.jit
+def _mla_tile(codes_ptr, scale_ptr, rowb, t0, t_hi, koff, voff, soff, kt, vt, st, kshift, vshift, rmask,
+              q0, q1, q2, q3, qr, ktl, kth, vtl, vth, rtl, rth, m_i, l_i, a0, a1, a2, a3,
+              T: gl.constexpr, N: gl.constexpr, LAZY: gl.constexpr, MASKED: gl.constexpr):
+    """One tile of T tokens from t0 in every warp (warp w: bit field w). The word offsets (koff, voff) and the
+    scales' (soff) are hoisted out of the loop; a tile is one scalar base plus them. MASKED: the split's last
+    tile (tokens from t_hi on score -inf and load nothing)."""
+    base = codes_ptr + (rowb + t0) * NWORDS
+    km = (t0 + kt) < t_hi
+    vm = (t0 + vt) < t_hi
+    tm = (t0 + st) < t_hi
+    s_c = gl.zeros([W, T, N], gl.float32, MMA3)
+    s_c = mma_v2(_key_block3(_ld(base + koff, km, MASKED) >> kshift, 0, ktl, kth, T), q0, s_c)
+    s_c = mma_v2(_key_block3(_ld(base + 8 + koff, km, MASKED) >> kshift, 0, ktl, kth, T), q1, s_c)
+    s_c = mma_v2(_key_block3(_ld(base + 16 + koff, km, MASKED) >> kshift, 0, ktl, kth, T), q2, s_c)
+    s_c = mma_v2(_key_block3(_ld(base + 24 + koff, km, MASKED) >> kshift, 0, ktl, kth, T), q3, s_c)
+    rw = gl.load(base + 32 + koff, mask=rmask & km, other=0) >> kshift  # 4 words, zero-padded to 8
+    s_r = mma_v2(_key_block3(rw, 0, rtl, rth, T), qr, gl.zeros([W, T, N], gl.float32, MMA3))
+    sp = scale_ptr + (rowb + t0) * 2 + soff
+    sc = _ld(sp, tm, MASKED).to(gl.float32)
+    sr = _ld(sp + 1, tm, MASKED).to(gl.float32)
+    s = s_c * sc[:, :, None] + s_r * sr[:, :, None]  # warp w's share of the scores
+    s = gl.sum(s, axis=0)  # [T, N]: the whole score, in every warp
+    s = gl.expand_dims(s, 0) + gl.zeros([W, T, N], gl.float32, MMA3)
+    if MASKED:
+        s = gl.where(tm[:, :, None], s, float("-inf"))
+    m_t = gl.max(s, axis=1)
+    # lazy rescaling, as the one-warp kernel: every warp holds the same scores, so the branch is uniform
+    if LAZY:
+        grow = gl.max(gl.max(m_t - m_i, axis=1), axis=0) > 8.0
+    else:
+        grow = True
+    if grow:
+        m_new = gl.maximum(m_i, m_t)
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        a0 = a0 * alpha[:, None, :]
+        a1 = a1 * alpha[:, None, :]
+        a2 = a2 * alpha[:, None, :]
+        a3 = a3 * alpha[:, None, :]
+        m_i = m_new
+    p = gl.exp2(s - m_i[:, None, :])
+    l_i = l_i + gl.sum(p, axis=1)
+    pb = gl.convert_layout((p * sc[:, :, None]).to(gl.float16), B3)
+    p0, p1 = _pairs(_ld(base + voff, vm, MASKED) >> vshift, T)
+    a0 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a0)
+    p0, p1 = _pairs(_ld(base + 8 + voff, vm, MASKED) >> vshift, T)
+    a1 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a1)
+    p0, p1 = _pairs(_ld(base + 16 + voff, vm, MASKED) >> vshift, T)
+    a2 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a2)
+    p0, p1 = _pairs(_ld(base + 24 + voff, vm, MASKED) >> vshift, T)
+    a3 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a3)
+    return m_i, l_i, a0, a1, a2, a3
 
 
 @gluon.jit
@@ -122,58 +164,36 @@ def _gluon_mla_hist_kernel(q_ptr, codes_ptr, scale_ptr, lev_ptr, hist_ptr, part_
     a1 = gl.zeros([W, 32, N], gl.float32, MMA3)
     a2 = gl.zeros([W, 32, N], gl.float32, MMA3)
     a3 = gl.zeros([W, 32, N], gl.float32, MMA3)
+    # loop-invariant offsets: key words [W, T, 8] (KEY_WORDS3), value words (VALUE_WORDS3), scales [W, T]
+    kw_ = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, KEY_WORDS3)))[:, None, None]
+    kt = gl.arange(0, T, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEY_WORDS3)))[None, :, None] + 0 * kw_
+    kr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, KEY_WORDS3)))[None, None, :]
+    koff = kt * NWORDS + kr
+    kshift = 2 * kw_
+    rmask = (kr < 4) & (kt >= 0)
+    vw_ = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, VALUE_WORDS3)))[:, None, None]
+    vt = gl.arange(0, T, layout=gl.SliceLayout(0, gl.SliceLayout(2, VALUE_WORDS3)))[None, :, None] + 0 * vw_
+    vr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, VALUE_WORDS3)))[None, None, :]
+    voff = vt * NWORDS + vr
+    vshift = 2 * vw_
+    sw = gl.arange(0, W, layout=gl.SliceLayout(1, TOK3))[:, None]
+    st = gl.arange(0, T, layout=gl.SliceLayout(0, TOK3))[None, :] + 0 * sw
+    soff = st * 2
     hl = gl.load(hist_ptr + b)
     per = gl.cdiv(gl.cdiv(hl, n_splits), T) * T
     t_lo = split * per
     t_hi = gl.minimum(t_lo + per, hl)
     rowb = b.to(gl.int64) * HC
-    st = gl.arange(0, T, layout=gl.SliceLayout(0, TOK3))
-    sw = gl.arange(0, W, layout=gl.SliceLayout(1, TOK3))
-    for t0 in range(t_lo, t_hi, T):
-        hi = rowb + t_hi
-        row = rowb + t0
-        s_c = gl.zeros([W, T, N], gl.float32, MMA3)
-        s_c = mma_v2(_key_block3(_key_words(codes_ptr, row, hi, 0, 8, T), 0, ktl, kth, T), q0, s_c)
-        s_c = mma_v2(_key_block3(_key_words(codes_ptr, row, hi, 8, 8, T), 0, ktl, kth, T), q1, s_c)
-        s_c = mma_v2(_key_block3(_key_words(codes_ptr, row, hi, 16, 8, T), 0, ktl, kth, T), q2, s_c)
-        s_c = mma_v2(_key_block3(_key_words(codes_ptr, row, hi, 24, 8, T), 0, ktl, kth, T), q3, s_c)
-        s_r = mma_v2(_key_block3(_key_words(codes_ptr, row, hi, 32, 4, T), 0, rtl, rth, T), qr,
-                     gl.zeros([W, T, N], gl.float32, MMA3))
-        tok = t0 + st[None, :] + 0 * sw[:, None]  # [W, T]
-        tm = tok < t_hi
-        sp = scale_ptr + (rowb + tok) * 2
-        sc = gl.load(sp, mask=tm, other=0.0).to(gl.float32)
-        sr = gl.load(sp + 1, mask=tm, other=0.0).to(gl.float32)
-        s = s_c * sc[:, :, None] + s_r * sr[:, :, None]  # warp w's share of the scores
-        s = gl.sum(s, axis=0)  # [T, N]: the whole score, in every warp
-        s = gl.expand_dims(s, 0) + gl.zeros([W, T, N], gl.float32, MMA3)
-        s = gl.where(tm[:, :, None], s, float("-inf"))
-        m_t = gl.max(s, axis=1)
-        # lazy rescaling, as the one-warp kernel: every warp holds the same scores, so the branch is uniform
-        if LAZY:
-            grow = gl.max(gl.max(m_t - m_i, axis=1), axis=0) > 8.0
-        else:
-            grow = True
-        if grow:
-            m_new = gl.maximum(m_i, m_t)
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha
-            a0 = a0 * alpha[:, None, :]
-            a1 = a1 * alpha[:, None, :]
-            a2 = a2 * alpha[:, None, :]
-            a3 = a3 * alpha[:, None, :]
-            m_i = m_new
-        p = gl.exp2(s - m_i[:, None, :])
-        l_i = l_i + gl.sum(p, axis=1)
-        pb = gl.convert_layout((p * sc[:, :, None]).to(gl.float16), B3)
-        p0, p1 = _value_pairs(codes_ptr, row, hi, 0, T)
-        a0 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a0)
-        p0, p1 = _value_pairs(codes_ptr, row, hi, 8, T)
-        a1 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a1)
-        p0, p1 = _value_pairs(codes_ptr, row, hi, 16, T)
-        a2 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a2)
-        p0, p1 = _value_pairs(codes_ptr, row, hi, 24, T)
-        a3 = mma_v2(_value_block3(p0, p1, 0, vtl, vth, T), pb, a3)
+    n_full = gl.maximum(t_hi - t_lo, 0) // T
+    for it in range(n_full):  # whole tiles: no masks
+        m_i, l_i, a0, a1, a2, a3 = _mla_tile(
+            codes_ptr, scale_ptr, rowb, t_lo + it * T, t_hi, koff, voff, soff, kt, vt, st, kshift, vshift, rmask,
+            q0, q1, q2, q3, qr, ktl, kth, vtl, vth, rtl, rth, m_i, l_i, a0, a1, a2, a3, T, N, LAZY, False)
+    t_last = t_lo + n_full * T
+    if t_last < t_hi:  # the split's partial last tile
+        m_i, l_i, a0, a1, a2, a3 = _mla_tile(
+            codes_ptr, scale_ptr, rowb, t_last, t_hi, koff, voff, soff, kt, vt, st, kshift, vshift, rmask,
+            q0, q1, q2, q3, qr, ktl, kth, vtl, vth, rtl, rth, m_i, l_i, a0, a1, a2, a3, T, N, LAZY, True)
     # partials [B·H, n_splits, R + 2] (combine_splits' format): warp w writes its channels 128w + 32i + ...
     OL: gl.constexpr = MMA3
     ow = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, OL)))
