@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -33,7 +34,6 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from moec.kernels.gluon_kv_attention import _interleave, _key_channel, _lev_words, _value_channel
 from moec.kernels.gluon_kv_attention_wg import (
-    A3,  # noqa: F401  (the operand layouts the blocks convert to)
     B3,
     KEY_WORDS3,
     MMA3,
@@ -264,6 +264,9 @@ def main() -> int:
     if a.compile:
         compile_report()
         return 0
+    if not torch.cuda.is_available():
+        print("gluon_mla_nuq: needs a CUDA GPU (--compile does not)", file=sys.stderr)
+        return 2
     from benchmarks.bench_mla_attention import time_graph
     from moec.atomic import write_json
     from moec.kernels.mla_decode_attention import mla_decode_attention

@@ -20,6 +20,7 @@ import torch
 
 from benchmarks.bench_gluon_kv_attention import SHAPES, D, check, gluon_call, make_cache
 from benchmarks.benchutil import copy_bandwidth, graph_times
+from moec.atomic import write_json
 from moec.kernels import gluon_kv_attention as gka
 from moec.kernels.fp16_decode_attention import fp16_decode_attention
 
@@ -88,8 +89,7 @@ def main():
     res["copy_GBps"] = bw = copy_bandwidth()
 
     def save():
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+        write_json(args.out, res)
 
     R = torch.linalg.qr(torch.randn(D, D, device="cuda"))[0].contiguous()
     for name in SHAPES:

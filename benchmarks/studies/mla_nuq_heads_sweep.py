@@ -23,6 +23,7 @@ import functools
 import itertools
 import math
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -40,6 +41,8 @@ CONFIG_FILE = Path(__file__).resolve().parents[2] / "moec" / "kernels" / "config
 
 def write_many_heads(knobs: dict) -> None:
     """Rewrite the many_heads entry of the defaults file in place, its layout kept."""
+    from moec.atomic import write_text as atomic_write_text
+
     text = CONFIG_FILE.read_text()
     body = (f'"many_heads": {{"min_heads": {knobs["min_heads"]}, "block_n": {knobs["block_n"]}, '
             f'"block_h": {knobs["block_h"]}, "num_warps": {knobs["num_warps"]},\n'
@@ -47,7 +50,7 @@ def write_many_heads(knobs: dict) -> None:
             f'"waves": {knobs["waves"]}}}')
     new, n = re.subn(r'"many_heads": \{[^}]*\}', body, text)
     assert n == 1, "many_heads entry not found once"
-    CONFIG_FILE.write_text(new)
+    atomic_write_text(CONFIG_FILE, new)
 
 
 def main() -> int:
@@ -56,6 +59,9 @@ def main() -> int:
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--fp16", action="store_true", help="also the fp16 latent kernel over the same head blocks")
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("mla_nuq_heads_sweep: needs a CUDA GPU", file=sys.stderr)
+        return 2
     from moec.atomic import write_json
     from moec.kernels import launch_config
     from moec.kernels.mla_decode_attention import mla_decode_attention, mla_decode_attention_ref
