@@ -219,6 +219,12 @@ def mla_nuq_decode_attention(q: torch.Tensor, codes: torch.Tensor, scales: torch
     precision = precision or ("half" if cuda else "ieee")
     block_n = block_n or (config["block_n"] if cuda else 16)
     bh = block_h or min(config["block_h"], max(16, triton.next_power_of_2(H)))
+    warps = num_warps or config["num_warps"]
+    if bh >= 64 and warps * 16 > bh:
+        # Triton 3.6 lays these dots out as wgmma over more warpgroups along M than the head block has rows
+        # (warpsPerCTA [8, 1] on M = 64): wrong results on sm_90 (docs/results.md), so refused on every device
+        raise ValueError(f"mla_nuq_decode_attention: a head block of {bh} with {warps} warps is miscompiled on "
+                         f"sm_90 (at most {bh // 16} warps for it)")
     n_hb = triton.cdiv(H, bh)
     WC = win.shape[1]
     pw = triton.cdiv(WC, block_n)
@@ -236,7 +242,7 @@ def mla_nuq_decode_attention(q: torch.Tensor, codes: torch.Tensor, scales: torch
         q, codes, scales, levels, hist_len, win, new, win_len, levels if rope_rotation is None else rope_rotation, part,
         H, HC, WC, n_splits, P, q.stride(0), q.stride(1), new.stride(0), sm_scale * LOG2E, R=r, RW=rw, RP=rp, BH=bh,
         BLOCK_N=block_n, DT=dt, ROT_ROPE=rope_rotation is not None, STAGES=num_stages or config["num_stages"],
-        INTERP=not cuda, num_warps=num_warps or config["num_warps"])
+        INTERP=not cuda, num_warps=warps)
     out = combine_splits(part, B * H, P, rw, out_rotation, out_dtype or q.dtype).view(B, H, rw)
     return out if rw == r else out[..., :r]
 

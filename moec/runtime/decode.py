@@ -214,9 +214,9 @@ def _gather_moe(moe: MoE, x, w, ids) -> torch.Tensor:
 
 class _QuantQKV(torch.nn.Module):
     """q, k, v projections of one quantized codec as one kernel launch (moec/kernels/qlinear.py): their
-    stored parts concatenated along the outputs, the three QuantMatrix buffers re-pointed to views of the
-    concatenation (no extra memory). Three GEMVs of 4096 -> 4096 / 1024 / 1024 at 4 bits cost ~28 us of
-    which ~2/3 is per-launch latency (results/qlinear_sweep2_h200.json)."""
+    stored parts (and biases, where all three have one) concatenated along the outputs, the three QuantMatrix
+    buffers re-pointed to views of the concatenation (no extra memory). Three GEMVs of 4096 -> 4096 / 1024 /
+    1024 at 4 bits cost ~28 us of which ~2/3 is per-launch latency (results/qlinear_sweep2_h200.json)."""
 
     PARTS = ("codes", "scale", "zero", "lut16", "poly", "fp8", "lut")
 
@@ -228,7 +228,7 @@ class _QuantQKV(torch.nn.Module):
     def fuse(cls, ws) -> _QuantQKV | None:
         qs = [w.q for w in ws]
         key = {(q.codec, q.bits, q.shape[2], q.kernel_mode) for q in qs}
-        if len(key) != 1 or not all(q.kernel_ok() for q in qs) or any(w.bias is not None for w in ws):
+        if len(key) != 1 or not all(q.kernel_ok() for q in qs) or len({w.bias is None for w in ws}) != 1:
             return None
         if any(q.rotated for q in qs):  # incoherence: each QLinear rotates its input itself (separate launches)
             return None
@@ -251,7 +251,16 @@ class _QuantQKV(torch.nn.Module):
         qw = q0.qweight()
         for n, t in q0_parts.items():
             setattr(q0, n, t)
-        return cls(qw, None)
+        bias = None
+        if ws[0].bias is not None:  # GLM's and gpt-oss's q/k/v biases: one vector, the three re-pointed to views
+            with torch.no_grad():
+                bias = torch.cat([w.bias for w in ws])
+                o = 0
+                for w in ws:
+                    n = w.bias.shape[0]
+                    w.bias = torch.nn.Parameter(bias[o : o + n], requires_grad=False)
+                    o += n
+        return cls(qw, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from ..kernels.qlinear import gluon_measured_faster, qlinear

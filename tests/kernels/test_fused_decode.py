@@ -140,22 +140,24 @@ def test_engine_fused_step_partial_rotary():
     assert torch.allclose(out[0], full, rtol=1e-4, atol=1e-4), (out[0] - full).abs().max()
 
 
-@pytest.mark.parametrize("rotated", [False, True])
-def test_engine_fuses_quantized_qkv(rotated):
+@pytest.mark.parametrize("rotated,bias", [(False, False), (True, False), (False, True)])
+def test_engine_fuses_quantized_qkv(rotated, bias):
     """4-bit q/k/v projections (QLinear) run as one qlinear launch in the fused step: the same logits as
     the plain step (per-projection QLinear), and wq/wk/wv still hold their own weights (views). Rotated
-    (incoherence) projections stay separate QLinears, which rotate their inputs, with the same logits."""
+    (incoherence) projections stay separate QLinears, which rotate their inputs, with the same logits.
+    Biased ones (GLM, gpt-oss) fuse their biases too, and each QLinear keeps its own bias (a view)."""
     from moec.calibrate import hls
     from moec.rotation import hadamard_signs
     from moec.runtime.decode import _QuantQKV
     from moec.runtime.experts import QLinear, QuantMatrix, attach
 
     args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
-                     max_seq_len=64, n_experts=4, top_k=2, expert_dim=48)
+                     max_seq_len=64, n_experts=4, top_k=2, expert_dim=48, qkv_bias=bias)
     prompt = torch.tensor([3, 9, 27, 17, 51])
     out = []
     for fuse in (False, True):
         model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=4)
+        bk = model.layers[0].attn.wk.bias.detach().clone() if bias else None
         quant = {}
         for i, blk in enumerate(model.layers):
             for n in ("wq", "wk", "wv"):
@@ -172,6 +174,9 @@ def test_engine_fuses_quantized_qkv(rotated):
             assert all((f is None) if rotated else isinstance(f, _QuantQKV) for f in eng.qkv)
             assert isinstance(model.layers[0].attn.wk, QLinear)
             assert torch.equal(model.layers[0].attn.wk.q.dequant_ref(0), ref[0])  # the views hold wk's parts
+            if bias:
+                assert all(f.bias is not None for f in eng.qkv)
+                assert torch.equal(model.layers[0].attn.wk.bias, bk)
         logits = [eng.prefill(0, prompt)]
         for _ in range(3):
             logits.append(eng.step(1, feed_next=True)[0].clone())

@@ -99,10 +99,13 @@ def test_modes_write_identical_history(prefill):
         for m in ("static", "simulated"):
             assert torch.equal(ref[0], caches[m].codes[layer][:, :h]), (m, layer)
             assert torch.equal(ref[1], caches[m].scales[layer][:, :h]), (m, layer)
-        torch.testing.assert_close(outs["static"][layer], outs["dynamic"][layer][:, :, prefill:], atol=1e-5,
-                                   rtol=1e-4)
+        # up to one fp16 step of a window row: the modes rotate rows by fp32 matmuls of different shapes (a token or
+        # the whole prefill at once), whose last bits differ on some CPUs (AMX / AVX512-FP16 blocking) and can round
+        # a stored fp16 value the other way (the codes and scales above are compared exactly)
+        torch.testing.assert_close(outs["static"][layer], outs["dynamic"][layer][:, :, prefill:], atol=4e-3,
+                                   rtol=1e-3)
         if prefill < 2 + 16 + 16:
-            torch.testing.assert_close(outs["simulated"][layer], outs["dynamic"][layer], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(outs["simulated"][layer], outs["dynamic"][layer], atol=4e-3, rtol=1e-3)
 
 
 def test_static_step_kernel_matches_torch_path(monkeypatch):
@@ -140,8 +143,8 @@ def test_static_step_kernel_matches_torch_path(monkeypatch):
 
 @pytest.mark.parametrize("hist,win,H,block_h", [
     ([0, 0, 0], [1, 1, 1], 5, None), ([0, 0, 0], [5, 20, 40], 5, None), ([37, 50, 96], [1, 9, 40], 5, None),
-    # 64 heads: the `many_heads` launch (DeepSeek-V3 has 128), and one block of 64 heads, which is exact here
-    # but wrong on an H100 at 8 warps (docs/results.md; the interpreter has no warps)
+    # 64 heads: the `many_heads` launch (DeepSeek-V3 has 128), and one block of 64 heads at 4 warps (at 8 it is
+    # wrong on an H100 and refused: test_kernel_refuses_miscompiled_launch)
     ([50], [9], 64, None), ([50], [9], 64, 64)])
 def test_kernel_matches_reference(monkeypatch, hist, win, H, block_h):
     """The kernel on random codes against the torch reference: empty history, window only, both; the query's RoPE
@@ -162,13 +165,31 @@ def test_kernel_matches_reference(monkeypatch, hist, win, H, block_h):
     hl, wl = torch.tensor(hist, dtype=torch.int32, device=dev), torch.tensor(win, dtype=torch.int32, device=dev)
     w_ref = window.clone()
     ref = mla_nuq_decode_attention_ref(codec.rotate_query(q), codes, scales, codec, hl, w_ref, new, wl, r, 0.3)
+    warps = 4 if block_h == 64 else None
     out = mla_nuq_decode_attention(q, codes, scales, codec.levels, hl, window, new, wl, r, 0.3,
-                                   rope_rotation=codec.Rr, out_dtype=torch.float32, block_h=block_h)
+                                   rope_rotation=codec.Rr, out_dtype=torch.float32, block_h=block_h, num_warps=warps)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(window, w_ref)
     out = mla_nuq_decode_attention(codec.rotate_query(q), codes, scales, codec.levels, hl, window.clone(), new, wl,
-                                   r, 0.3, out_rotation=codec.Rc, out_dtype=torch.float32, block_h=block_h)
+                                   r, 0.3, out_rotation=codec.Rc, out_dtype=torch.float32, block_h=block_h,
+                                   num_warps=warps)
     torch.testing.assert_close(out, ref @ codec.Rc.T, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_refuses_miscompiled_launch():
+    """A head block of 64 at 8 warps gives wrong results on an H100 (Triton 3.6 spreads one warpgroup's 64 rows of
+    wgmma over two; docs/results.md): refused in one line before any launch, on every device (64 heads at 8 warps
+    in blocks of 32, the many_heads launch, run in test_kernel_matches_reference)."""
+    from moec.kernels.mla_nuq_decode_attention import mla_nuq_decode_attention
+
+    codec = _codecs()[0]
+    L, r = ARGS.latent_dim, ARGS.kv_lora_rank
+    codes = torch.zeros(1, 16, L // 4, dtype=torch.uint8)
+    scales = torch.ones(1, 16, 2).half()
+    hl, wl = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="head block of 64 with 8 warps"):
+        mla_nuq_decode_attention(torch.zeros(1, 64, L), codes, scales, codec.levels, hl, torch.zeros(1, 8, L).half(),
+                                 torch.zeros(1, L), wl, r, 0.3, block_h=64, num_warps=8)
 
 
 def test_engine_matches_dynamic_cache():
