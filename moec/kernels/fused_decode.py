@@ -53,11 +53,13 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, H, K, sq, sk, sc, eps,
-                         D: tl.constexpr, NORM: tl.constexpr):
-    """One program per (row n, head j): j < H a query head, else key head j − H."""
+                         D: tl.constexpr, ROT: tl.constexpr, REST: tl.constexpr, NORM: tl.constexpr):
+    """One program per (row n, head j): j < H a query head, else key head j − H. The first ROT dims of a head
+    are rotated (halves layout), dims ROT..D pass through (partial rotary, GLM-4.5: ROT < D, REST the next
+    power of two ≥ D − ROT)."""
     n = tl.program_id(0)
     j = tl.program_id(1)
-    HALF: tl.constexpr = D // 2
+    HALF: tl.constexpr = ROT // 2
     offs = tl.arange(0, HALF)
     is_q = j < H
     if is_q:
@@ -71,12 +73,23 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr,
     x1 = tl.load(src + offs)
     x2 = tl.load(src + HALF + offs)
     dt = x1.dtype
+    if ROT < D:
+        offs3 = ROT + tl.arange(0, REST)
+        m3 = offs3 < D
+        x3 = tl.load(src + offs3, mask=m3, other=0.0)
     if NORM:  # per-head RMSNorm before the rotation (Qwen3 q_norm / k_norm), torch's rounding
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
-        inv = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / D + eps)
+        ss = tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)
+        if ROT < D:
+            f3 = x3.to(tl.float32)
+            ss += tl.sum(f3 * f3, axis=0)
+        inv = 1.0 / tl.sqrt(ss / D + eps)
         x1 = (tl.load(w_ptr + offs).to(tl.float32) * (f1 * inv).to(dt).to(tl.float32)).to(dt)
         x2 = (tl.load(w_ptr + HALF + offs).to(tl.float32) * (f2 * inv).to(dt).to(tl.float32)).to(dt)
+        if ROT < D:
+            x3 = (tl.load(w_ptr + offs3, mask=m3, other=0.0).to(tl.float32) * (f3 * inv).to(dt).to(tl.float32))
+            x3 = x3.to(dt)
     c1 = tl.load(cos_ptr + n * sc + offs).to(tl.float32)
     c2 = tl.load(cos_ptr + n * sc + HALF + offs).to(tl.float32)
     s1 = tl.load(sin_ptr + n * sc + offs).to(tl.float32)
@@ -88,23 +101,28 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr,
     o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
     tl.store(dst + offs, o1)
     tl.store(dst + HALF + offs, o2)
+    if ROT < D:
+        tl.store(dst + offs3, x3, mask=m3)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
                  n_kv_heads: int, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE (half-rotation layout) of one token per row, with the optional per-head RMSNorm before it.
-    q [N, H·d], k [N, K·d] (rows may be strided views of a fused qkv output); cos, sin [N, d] in the
-    model dtype -> q' [N, H, d], k' [N, K, d] contiguous."""
+    """RoPE (half-rotation layout) of one token per row, with the optional per-head RMSNorm (over the whole head)
+    before it. q [N, H·d], k [N, K·d] (rows may be strided views of a fused qkv output); cos, sin [N, r] in the
+    model dtype, r ≤ d: the first r dims of a head are rotated, the rest pass through (partial rotary)
+    -> q' [N, H, d], k' [N, K, d] contiguous."""
     N = q.shape[0]
     d = q.shape[1] // n_heads
+    r = cos.shape[-1]
     assert q.shape[1] == n_heads * d and k.shape == (N, n_kv_heads * d), (q.shape, k.shape)
-    assert q.stride(1) == 1 and k.stride(1) == 1 and cos.shape == sin.shape == (N, d) and cos.stride() == sin.stride()
-    assert d & (d - 1) == 0 and d >= 8, d
+    assert q.stride(1) == 1 and k.stride(1) == 1 and cos.shape == sin.shape == (N, r) and cos.stride() == sin.stride()
+    assert r <= d and r & (r - 1) == 0 and r >= 8, (r, d)
     norm = q_weight is not None
     qo = torch.empty(N, n_heads, d, dtype=q.dtype, device=q.device)
     ko = torch.empty(N, n_kv_heads, d, dtype=k.dtype, device=k.device)
     _qk_norm_rope_kernel[(N, n_heads + n_kv_heads)](
         q, k, cos, sin, q_weight if norm else cos, k_weight if norm else cos, qo, ko, n_heads, n_kv_heads,
-        q.stride(0), k.stride(0), cos.stride(0), eps, D=d, NORM=norm, num_warps=1)
+        q.stride(0), k.stride(0), cos.stride(0), eps, D=d, ROT=r, REST=triton.next_power_of_2(max(d - r, 1)),
+        NORM=norm, num_warps=1)
     return qo, ko

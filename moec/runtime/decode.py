@@ -293,6 +293,8 @@ class DecodeEngine:
         if fuse is None:
             fuse = kernels_enabled(dev) and os.environ.get("MOEC_FUSE", "1") != "0"
         self.fused = fuse and self.args.qk_norm in ("none", "head") and self.args.clip_qkv is None
+        rd = self.args.rope_dim
+        self.rope_kernel = rd >= 8 and rd & (rd - 1) == 0  # kernels/fused_decode.qk_norm_rope's rotary widths
         mla = self.args.is_mla  # MLA: the fused residual + norms around its own attention (no q/k/v to fuse)
         self.qkv = [self._fuse_qkv(blk.attn) for blk in model.layers] if self.fused and not mla else []
 
@@ -408,10 +410,10 @@ class DecodeEngine:
             else:  # projections of different codecs stay separate
                 q, k, v = at.wq(h), at.wk(h), at.wv(h)
             norm = a.qk_norm == "head"
-            if a.rope_dim == d:
+            if self.rope_kernel:  # whole heads, or GLM-4.5's partial rotary (its other dims pass through)
                 q, k = qk_norm_rope(q, k, cos, sin, H, K, at.q_norm.weight if norm else None,
                                     at.k_norm.weight if norm else None, at.q_norm.eps if norm else 1e-6)
-            else:  # partial rotary (GLM-4.5): the model's own norm and RoPE (the kernel turns whole heads)
+            else:  # a rotary width the kernel does not take: the model's own norm and RoPE
                 q, k = q.reshape(b, H, d), k.reshape(b, K, d)
                 if norm:
                     q, k = at.q_norm(q), at.k_norm(k)

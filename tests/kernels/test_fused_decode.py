@@ -46,13 +46,18 @@ def test_add_rms_norm(dtype, D):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [False, True])
-def test_qk_norm_rope(dtype, norm):
+@pytest.mark.parametrize("rotary", [0, 16, 8])
+def test_qk_norm_rope(dtype, norm, rotary):
+    """The kernel against the model's norm and RoPE: whole heads, and partial rotary (GLM-4.5: half of each head
+    rotated; a quarter, where the passed-through part is not a power of two)."""
     N, H, K, d = 2, 4, 2, 32
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(N, (H + 2 * K) * d, generator=g).to(DEVICE, dtype)
     q, k = qkv[:, : H * d], qkv[:, H * d : (H + K) * d]  # strided views, as the engine passes them
-    args = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=1, n_heads=H, n_kv_heads=K, head_dim=d)
+    args = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=1, n_heads=H, n_kv_heads=K, head_dim=d,
+                     rotary_dim=rotary)
     cos, sin = rope_cos_sin(args, torch.tensor([5, 1000], device=DEVICE), dtype)
+    assert cos.shape == (N, rotary or d)
     qw = kw = None
     qr, kr = q.reshape(N, H, 1, d), k.reshape(N, K, 1, d)
     if norm:
