@@ -24,10 +24,16 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "packed_fd46df9"
 EXPECTED = load_file(str(FIXTURE.parent / "packed_fd46df9.logits.safetensors"))
 
 
+# The fixture's logits were computed on one CPU thread of CI's machine. On CPUs with other matmul kernels (AMX /
+# AVX512-FP16: the last fp32 bits of 76% of the logits move by ≤ 1.2e-7, seen 2026-12-06) exact equality would
+# test the CPU, not the format: the logits are compared to fp32 rounding.
+LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture
 def one_thread():
     """The fixture's logits were computed on one CPU thread (CI's setting); fp32 sums in another thread
-    count round differently, so the comparison pins the count and can then be exact."""
+    count round differently, so the comparison pins the count."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -38,12 +44,12 @@ def one_thread():
 def test_fd46df9_pack_loads_to_identical_logits(one_thread):
     model, info = load_model(FIXTURE)
     tokens = EXPECTED["tokens"]
-    torch.testing.assert_close(model(tokens)[0], EXPECTED["logits_tf"], rtol=0, atol=0)
+    torch.testing.assert_close(model(tokens)[0], EXPECTED["logits_tf"], **LOGIT_TOL)
     cache = kv_cache_factory(info, model.args)(model, 1, tokens.shape[1])
     dec = [model(tokens[:, :8], cache, 0)[0, -1]]
     for t in range(8, tokens.shape[1] - 1):
         dec.append(model(tokens[:, t : t + 1], cache, t)[0, -1])
-    torch.testing.assert_close(torch.stack(dec), EXPECTED["logits_dec"], rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(dec), EXPECTED["logits_dec"], **LOGIT_TOL)
 
 
 def test_newer_format_is_refused_naming_both_versions(tmp_path):
