@@ -9,9 +9,7 @@ by the weight in that dtype (moec.runtime.model.rms_norm); RoPE rounds x·cos an
 model dtype before adding them (moec.runtime.model.apply_rope with cos/sin in the model dtype).
 
     add_rms_norm(x [N, D], delta [N, D] | None, weight [D], eps) -> (x + delta, rms_norm(x + delta))
-    qk_norm_rope(q [N, H·d], k [N, K·d], cos [N, r], sin [N, r], q_w, k_w, eps) -> q' [N, H, d], k' [N, K, d]
-    mla_rope_latent(q, ckr, cos, sin, kv_a_norm_w, eps, H, nope, interleave)
-        -> q_rope [N, H, rope], latent [N, r + rope]
+    qk_norm_rope(q [N, H·d], k [N, K·d], cos [N, d], sin [N, d], q_w, k_w, eps) -> q' [N, H, d], k' [N, K, d]
 """
 
 from __future__ import annotations
@@ -128,70 +126,3 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         q.stride(0), k.stride(0), cos.stride(0), eps, D=d, ROT=r, REST=triton.next_power_of_2(max(d - r, 1)),
         NORM=norm, num_warps=1)
     return qo, ko
-
-
-@triton.jit
-def _mla_rope_latent_kernel(q_ptr, ckr_ptr, cos_ptr, sin_ptr, w_ptr, qo_ptr, lat_ptr, H, sq, sckr, sc, eps,
-                            HD: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
-                            ROPE: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """Program (row n, j): j < H turns query head j's RoPE part into qo[n, j]; j = H writes the cache's latent
-    row lat[n] = [kv_a_norm(c), RoPE(k_rope)] from ckr[n] = wkv_a(x) = [c (R), k_rope (ROPE)]."""
-    n = tl.program_id(0)
-    j = tl.program_id(1)
-    HALF: tl.constexpr = ROPE // 2
-    offs = tl.arange(0, HALF)
-    if INTERLEAVE:  # pairs (x0, x1), (x2, x3), ...: the result in halves order, as model.apply_rope writes it
-        i1 = 2 * offs
-        i2 = 2 * offs + 1
-    else:
-        i1 = offs
-        i2 = HALF + offs
-    if j < H:
-        src = q_ptr + n * sq + j * HD + NOPE
-        dst = qo_ptr + (n * H + j) * ROPE
-    else:
-        src = ckr_ptr + n * sckr + R
-        dst = lat_ptr + n * (R + ROPE) + R
-        ro = tl.arange(0, RB)
-        m = ro < R
-        c = tl.load(ckr_ptr + n * sckr + ro, mask=m, other=0.0)
-        cf = c.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(cf * cf, axis=0) / R + eps)  # model.rms_norm: fp32, then the model dtype
-        cn = (cf * inv).to(c.dtype).to(tl.float32)
-        w = tl.load(w_ptr + ro, mask=m, other=0.0).to(tl.float32)
-        tl.store(lat_ptr + n * (R + ROPE) + ro, (w * cn).to(lat_ptr.dtype.element_ty), mask=m)
-    x1 = tl.load(src + i1)
-    x2 = tl.load(src + i2)
-    dt = x1.dtype
-    c1 = tl.load(cos_ptr + n * sc + offs).to(tl.float32)
-    c2 = tl.load(cos_ptr + n * sc + HALF + offs).to(tl.float32)
-    s1 = tl.load(sin_ptr + n * sc + offs).to(tl.float32)
-    s2 = tl.load(sin_ptr + n * sc + HALF + offs).to(tl.float32)
-    a1 = x1.to(tl.float32)
-    a2 = x2.to(tl.float32)
-    o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
-    tl.store(dst + offs, o1)
-    tl.store(dst + HALF + offs, o2)
-
-
-def mla_rope_latent(q: torch.Tensor, ckr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float, n_heads: int, nope: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA's decode-step prologue in one launch (model.MLAttention.forward's kv_a_norm, both RoPEs and the latent
-    row, ~18 torch launches a layer): q [N, H·(nope + rope)] (rows may be strided), ckr [N, r + rope] = wkv_a(x),
-    cos, sin [N, rope] -> q_rope [N, H, rope] (turned), latent [N, r + rope] = [rms_norm(c), RoPE(k_rope)], both
-    contiguous, in the one dtype of q, ckr and the norm's weight."""
-    N = q.shape[0]
-    rope = cos.shape[-1]
-    r = ckr.shape[1] - rope
-    hd = nope + rope
-    assert q.shape[1] == n_heads * hd and q.stride(1) == 1 and ckr.stride(1) == 1, (q.shape, q.stride(), ckr.stride())
-    assert cos.shape == sin.shape == (N, rope) and cos.stride() == sin.stride() and norm_weight.shape == (r,)
-    assert rope >= 2 and rope & (rope - 1) == 0, rope
-    assert q.dtype == ckr.dtype == norm_weight.dtype, (q.dtype, ckr.dtype, norm_weight.dtype)
-    q_rope = torch.empty(N, n_heads, rope, dtype=q.dtype, device=q.device)
-    latent = torch.empty(N, r + rope, dtype=q.dtype, device=q.device)
-    _mla_rope_latent_kernel[(N, n_heads + 1)](
-        q, ckr, cos, sin, norm_weight, q_rope, latent, n_heads, q.stride(0), ckr.stride(0), cos.stride(0), eps,
-        HD=hd, NOPE=nope, R=r, RB=triton.next_power_of_2(r), ROPE=rope, INTERLEAVE=interleave, num_warps=1)
-    return q_rope, latent

@@ -296,8 +296,6 @@ class DecodeEngine:
         rd = self.args.rope_dim
         self.rope_kernel = rd >= 8 and rd & (rd - 1) == 0  # kernels/fused_decode.qk_norm_rope's rotary widths
         mla = self.args.is_mla  # MLA: the fused residual + norms around its own attention (no q/k/v to fuse)
-        # the fused step's MLA prologue kernel (fused_decode.mla_rope_latent) takes power-of-two RoPE widths
-        self.mla_kernel = self.fused and mla and rd >= 2 and rd & (rd - 1) == 0
         self.qkv = [self._fuse_qkv(blk.attn) for blk in model.layers] if self.fused and not mla else []
 
     @staticmethod
@@ -400,11 +398,8 @@ class DecodeEngine:
         for i, blk in enumerate(layers):
             at = blk.attn
             if a.is_mla:  # model.MLAttention's absorbed step (its latent cache: runtime/mla.py)
-                if self.mla_kernel:  # its norms, RoPEs and latent row fused
-                    o = at.decode_fused(h, cos, sin, blk.layer, self.cache)  # [b, D]
-                else:
-                    o = at(h[:, None], cos[:, None, None], sin[:, None, None], blk.layer, self.cache, 0).view(b, -1)
-                x, h = add_rms_norm(x, o, blk.ffn_norm.weight, blk.ffn_norm.eps)
+                o = at(h[:, None], cos[:, None, None], sin[:, None, None], blk.layer, self.cache, 0)  # [b, 1, D]
+                x, h = add_rms_norm(x, o.view(b, -1), blk.ffn_norm.weight, blk.ffn_norm.eps)
                 y = graph_safe_moe(blk.moe, h, blk.layer)
                 nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else m.norm
                 x, h = add_rms_norm(x, y, nxt.weight, nxt.eps)

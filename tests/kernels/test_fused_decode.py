@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from moec.kernels.fused_decode import add_rms_norm, mla_rope_latent, qk_norm_rope  # noqa: E402
+from moec.kernels.fused_decode import add_rms_norm, qk_norm_rope  # noqa: E402
 from moec.runtime.config import ModelArgs  # noqa: E402
 from moec.runtime.decode import DecodeEngine  # noqa: E402
 from moec.runtime.kvcache import FP16Cache  # noqa: E402
@@ -72,30 +72,6 @@ def test_qk_norm_rope(dtype, norm, rotary):
         assert torch.allclose(o.float(), r.float(), rtol=TOL[dtype], atol=TOL[dtype]), err
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("interleave", [True, False])
-def test_mla_rope_latent(dtype, interleave):
-    """MLA's step prologue against model.MLAttention.forward's torch ops: the query heads' RoPE parts turned (pairs
-    interleaved as DeepSeek stores them, or halves), and the latent row [kv_a_norm(c), RoPE(k_rope)], from a q
-    whose rows are strided views (as a fused projection gives them); r = 48 is not a power of two."""
-    N, H, nope, rope, r = 2, 3, 32, 16, 48
-    g = torch.Generator().manual_seed(4)
-    qbig = torch.randn(N, H * (nope + rope) + 8, generator=g).to(DEVICE, dtype)
-    q = qbig[:, : H * (nope + rope)]
-    ckr = torch.randn(N, r + rope, generator=g).to(DEVICE, dtype)
-    w = (torch.rand(r, generator=g) + 0.5).to(DEVICE, dtype)
-    args = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=1, n_heads=H, n_kv_heads=H, head_dim=rope)
-    cos, sin = rope_cos_sin(args, torch.tensor([7, 3000], device=DEVICE), dtype)
-    q_rope, latent = mla_rope_latent(q, ckr, cos, sin, w, 1e-6, H, nope, interleave)
-    cs = cos[:, None, None], sin[:, None, None]
-    want_q = apply_rope(q.view(N, H, 1, nope + rope)[..., nope:], *cs, interleaved=interleave)[:, :, 0]
-    want_k = apply_rope(ckr[:, None, None, r:], *cs, interleaved=interleave)[:, 0, 0]
-    want_lat = torch.cat([rms_norm(ckr[:, :r], w, 1e-6), want_k], -1)
-    for got, want in ((q_rope, want_q), (latent, want_lat)):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        assert torch.allclose(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype]), (got - want).abs().max()
-
-
 @pytest.mark.parametrize("qk_norm", ["none", "head"])
 def test_engine_fused_step_matches_plain_step(qk_norm):
     """Greedy tokens and logits of the fused step equal the plain step's (fp32 model, fp32 cache)."""
@@ -118,8 +94,7 @@ def test_engine_fused_step_matches_plain_step(qk_norm):
 
 def test_engine_fused_step_mla():
     """The fused step of an MLA model (DeepSeek-V3 style: the residual adds and block norms fused around
-    model.MLAttention's absorbed step over the latent cache, its norms, RoPEs and latent row in one kernel) gives
-    the plain step's logits."""
+    model.MLAttention's absorbed step over the latent cache) gives the plain step's logits."""
     from moec.runtime.kvcache import dense_cache
 
     args = ModelArgs(arch="deepseek_v3", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=48,
@@ -133,7 +108,6 @@ def test_engine_fused_step_mla():
     for fuse in (False, True):
         eng = DecodeEngine(model, dense_cache(args, 1, 32, dtype=torch.float32, device=DEVICE, mode="static"),
                            graphs=False, fuse=fuse)
-        assert eng.mla_kernel == fuse  # the fused step takes MLAttention.decode_fused (fused_decode.mla_rope_latent)
         logits = [eng.prefill(0, prompt)]
         for _ in range(4):
             logits.append(eng.step(1, feed_next=True)[0].clone())
