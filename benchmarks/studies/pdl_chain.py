@@ -69,29 +69,6 @@ def chain(xs: list[torch.Tensor], ws: list[torch.Tensor], mode: str) -> None:
                                       num_warps=4, launch_pdl=pdl)
 
 
-def time_graph(fn, reps: int = 20) -> float:
-    """Median ms of a CUDA-graph replay of fn (captured after two eager calls)."""
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    ms = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms)
-
-
 def compile_all() -> int:
     """Build the three modes for sm_90 (no GPU): registers and whether griddepcontrol made it into the PTX."""
     from moec.kernels import aot
@@ -115,6 +92,7 @@ def main() -> int:
     if not torch.cuda.is_available() or a.out is None:
         print("pdl_chain: needs a CUDA GPU and --out (or --compile on the CPU)", file=sys.stderr)
         return 2
+    from benchmarks.benchutil import graph_times
     from moec.atomic import write_json
     from moec.provenance import environment
 
@@ -137,7 +115,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 rec["max_rel_err"] = ((xs[-1].float() - want[-1].float()).abs().max()
                                       / want[-1].float().abs().max()).item()
-                ms = time_graph(lambda xs=xs, ws=ws, mode=mode: chain(xs, ws, mode))
+                ms = statistics.median(graph_times(lambda xs=xs, ws=ws, mode=mode: chain(xs, ws, mode), 20))
                 rec["us_per_layer"] = ms * 1e3 / L
                 rec["gbps"] = D * D * 2 * L / (ms * 1e-3) / 1e9
                 base = rec["us_per_layer"] if mode == "plain" else base
