@@ -45,9 +45,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, D, PDL: tl.constexpr, EARLY: tl.constexpr,
     pid = tl.program_id(0)
     rows = pid * BO + tl.arange(0, BO)
     ks = tl.arange(0, BK)
-    w0 = tl.load(w_ptr + rows[:, None] * D + ks[None, :])
     if EARLY:  # the weights do not depend on the previous kernel: their first chunk is in flight during the wait
-        w_first = w0
+        w_first = tl.load(w_ptr + rows[:, None] * D + ks[None, :])
     if PDL:
         gdc_wait()  # the previous kernel's y (this x) is complete and visible from here on
         gdc_launch_dependents()  # the next kernel may start its prologue (its own weight loads)
