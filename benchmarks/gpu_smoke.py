@@ -87,7 +87,8 @@ SHAPE = "smoke-moe"
 MLA_SHAPE = "smoke-mla"
 MLA_RECIPES = ("experts-hls2", "experts-vq3-d2-had", "experts-fp8", "w4a16", "kv-mla-nuq2", "latency-hls2-mla2")
 GLM_SHAPE = "smoke-glm"
-GLM_RECIPES = ("experts-hls2", "w4a16", "latency-hls2-nuq2")  # partial rotary: the fused step's RoPE kernel
+# partial rotary: the fused step's RoPE kernel; lin4 adds the 4-bit shared expert
+GLM_RECIPES = ("experts-hls2", "w4a16", "latency-hls2-nuq2", "latency-hls2-nuq2-lin4")
 OSS_SHAPE = "smoke-oss"
 OSS_RECIPES = ("experts-hls2", "experts-mxfp4", "w4a16", "latency-hls2-nuq2")  # nuq: full layers, rings elsewhere
 SLACK_FACTOR, SLACK_ABS = 3.0, 0.01  # rel_l2_exact <= SLACK_FACTOR * rel_l2_floor + SLACK_ABS

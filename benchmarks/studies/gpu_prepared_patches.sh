@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The follow-up GPU call prepared on 2026-12-06 (no device time was left), for a tree with
-# benchmarks/studies/mla_prologue.patch and benchmarks/studies/moe_bias_native.patch applied and
-# benchmarks/speed_candidates/latency-hls2-nuq2-lin4.yaml moved into moec/recipes/ (and into GLM_RECIPES of
-# benchmarks/gpu_smoke.py), in one call (~8 min on one H100):
+# The GPU call that times 2026-12-06's CPU-prepared step changes (MLA's prologue kernel, the experts' biases as
+# stored, the shared expert's fused gate/up; in moec/ since that day's second session) on this tree against BASE_DIR
+# (the tree before them), with the lin4 recipe (moec/recipes/, in GLM_RECIPES of benchmarks/gpu_smoke.py), in one
+# call (~8 min on one H100):
 #   1. the GPU smoke on this tree (the record a moec/ change must carry);
 #   2. decode latency, batch 1, 4k/32k, on BASE_DIR (scripts/base_tree.sh REV: the tree before the patches) and
 #      this tree, compared by compare_latency: DeepSeek-V2-Lite and DeepSeek-V3 (8 layers) with experts-hls2 and

@@ -8,8 +8,11 @@ row, and keep torch's rounding: RMSNorm normalizes in fp32, casts to the model d
 by the weight in that dtype (moec.runtime.model.rms_norm); RoPE rounds x·cos and rot(x)·sin to the
 model dtype before adding them (moec.runtime.model.apply_rope with cos/sin in the model dtype).
 
-    add_rms_norm(x [N, D], delta [N, D] | None, weight [D], eps) -> (x + delta, rms_norm(x + delta))
-    qk_norm_rope(q [N, H·d], k [N, K·d], cos [N, d], sin [N, d], q_w, k_w, eps) -> q' [N, H, d], k' [N, K, d]
+    add_rms_norm(x [N, D], delta [N, D] | None, weight [D], eps, delta2=None) -> (x + delta, rms_norm(x + delta))
+    silu_mul(gu [N, 2·I]) -> silu(gu[:, :I]) · gu[:, I:]  [N, I]
+    qk_norm_rope(q [N, H·d], k [N, K·d], cos [N, r], sin [N, r], q_w, k_w, eps) -> q' [N, H, d], k' [N, K, d]
+    mla_rope_latent(q, ckr, cos, sin, kv_a_norm_w, eps, H, nope, interleave)
+        -> q_rope [N, H, rope], latent [N, r + rope]
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, D, sx, sd, sxo, sh, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, d_ptr, d2_ptr, w_ptr, xo_ptr, h_ptr, D, sx, sd, sd2, sxo, sh, eps,
+                         HAS_DELTA: tl.constexpr, HAS_DELTA2: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < D
     x = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0)
     if HAS_DELTA:  # the residual add in the model dtype (one rounding, as torch's x + delta)
-        x = (x.to(tl.float32) + tl.load(d_ptr + row * sd + offs, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        d = tl.load(d_ptr + row * sd + offs, mask=m, other=0.0)
+        if HAS_DELTA2:  # the two deltas summed first and rounded, as torch's x + (delta + delta2)
+            d = (d.to(tl.float32) + tl.load(d2_ptr + row * sd2 + offs, mask=m, other=0.0).to(tl.float32)).to(d.dtype)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
         tl.store(xo_ptr + row * sxo + offs, x, mask=m)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
@@ -36,19 +42,48 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, D, sx, sd, sxo, sh,
     tl.store(h_ptr + row * sh + offs, (w * xn).to(h_ptr.dtype.element_ty), mask=m)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 delta2: torch.Tensor | None = None):
     """(x + delta, rms_norm(x + delta, weight)) for x, delta [N, D] (rows may be strided); delta None:
-    (x, rms_norm(x)). Outputs are new contiguous tensors in x.dtype."""
+    (x, rms_norm(x)); delta2 (a shared expert's output beside the routed experts'): x + (delta + delta2), the
+    deltas' sum rounded to the model dtype first. Outputs are new contiguous tensors in x.dtype."""
     N, D = x.shape
     assert x.stride(1) == 1 and weight.shape == (D,), (x.stride(), weight.shape)
-    assert delta is None or (delta.shape == x.shape and delta.stride(1) == 1), (delta.shape, x.shape)
+    for t in (delta, delta2):
+        assert t is None or (t.shape == x.shape and t.stride(1) == 1), (t.shape, x.shape)
+    assert delta2 is None or (delta is not None and delta2.dtype == delta.dtype), "delta2 needs a delta of its dtype"
     h = torch.empty(N, D, dtype=x.dtype, device=x.device)
     xo = torch.empty_like(h) if delta is not None else x
-    _add_rms_norm_kernel[(N,)](x, x if delta is None else delta, weight, xo, h, D, x.stride(0),
-                               0 if delta is None else delta.stride(0), xo.stride(0), h.stride(0), eps,
-                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(D),
-                               num_warps=4 if D <= 4096 else 8)
+    d = x if delta is None else delta
+    d2 = d if delta2 is None else delta2
+    _add_rms_norm_kernel[(N,)](x, d, d2, weight, xo, h, D, x.stride(0), d.stride(0), d2.stride(0), xo.stride(0),
+                               h.stride(0), eps, HAS_DELTA=delta is not None, HAS_DELTA2=delta2 is not None,
+                               BLOCK=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8)
     return xo, h
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, o_ptr, I, sgu, so, BLOCK: tl.constexpr):
+    row, blk = tl.program_id(0), tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    m = offs < I
+    g = tl.load(gu_ptr + row * sgu + offs, mask=m, other=0.0)
+    u = tl.load(gu_ptr + row * sgu + I + offs, mask=m, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)  # torch's silu: fp32 inside, rounded
+    tl.store(o_ptr + row * so + offs, (s * u).to(o_ptr.dtype.element_ty), mask=m)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(g) · u of a fused gate/up projection gu = [g | u] [N, 2·I] -> [N, I] in gu.dtype, rounded as torch's
+    F.silu(g) * u (the shared expert's activation: two elementwise launches in torch)."""
+    N, I2 = gu.shape
+    assert I2 % 2 == 0 and gu.stride(1) == 1, (gu.shape, gu.stride())
+    I = I2 // 2
+    out = torch.empty(N, I, dtype=gu.dtype, device=gu.device)
+    BLOCK = min(triton.next_power_of_2(I), 1024)
+    _silu_mul_kernel[(N, triton.cdiv(I, BLOCK))](gu, out, I, gu.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    return out
 
 
 @triton.jit
@@ -126,3 +161,70 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         q.stride(0), k.stride(0), cos.stride(0), eps, D=d, ROT=r, REST=triton.next_power_of_2(max(d - r, 1)),
         NORM=norm, num_warps=1)
     return qo, ko
+
+
+@triton.jit
+def _mla_rope_latent_kernel(q_ptr, ckr_ptr, cos_ptr, sin_ptr, w_ptr, qo_ptr, lat_ptr, H, sq, sckr, sc, eps,
+                            HD: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
+                            ROPE: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Program (row n, j): j < H turns query head j's RoPE part into qo[n, j]; j = H writes the cache's latent
+    row lat[n] = [kv_a_norm(c), RoPE(k_rope)] from ckr[n] = wkv_a(x) = [c (R), k_rope (ROPE)]."""
+    n = tl.program_id(0)
+    j = tl.program_id(1)
+    HALF: tl.constexpr = ROPE // 2
+    offs = tl.arange(0, HALF)
+    if INTERLEAVE:  # pairs (x0, x1), (x2, x3), ...: the result in halves order, as model.apply_rope writes it
+        i1 = 2 * offs
+        i2 = 2 * offs + 1
+    else:
+        i1 = offs
+        i2 = HALF + offs
+    if j < H:
+        src = q_ptr + n * sq + j * HD + NOPE
+        dst = qo_ptr + (n * H + j) * ROPE
+    else:
+        src = ckr_ptr + n * sckr + R
+        dst = lat_ptr + n * (R + ROPE) + R
+        ro = tl.arange(0, RB)
+        m = ro < R
+        c = tl.load(ckr_ptr + n * sckr + ro, mask=m, other=0.0)
+        cf = c.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(cf * cf, axis=0) / R + eps)  # model.rms_norm: fp32, then the model dtype
+        cn = (cf * inv).to(c.dtype).to(tl.float32)
+        w = tl.load(w_ptr + ro, mask=m, other=0.0).to(tl.float32)
+        tl.store(lat_ptr + n * (R + ROPE) + ro, (w * cn).to(lat_ptr.dtype.element_ty), mask=m)
+    x1 = tl.load(src + i1)
+    x2 = tl.load(src + i2)
+    dt = x1.dtype
+    c1 = tl.load(cos_ptr + n * sc + offs).to(tl.float32)
+    c2 = tl.load(cos_ptr + n * sc + HALF + offs).to(tl.float32)
+    s1 = tl.load(sin_ptr + n * sc + offs).to(tl.float32)
+    s2 = tl.load(sin_ptr + n * sc + HALF + offs).to(tl.float32)
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
+    tl.store(dst + offs, o1)
+    tl.store(dst + HALF + offs, o2)
+
+
+def mla_rope_latent(q: torch.Tensor, ckr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, n_heads: int, nope: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's decode-step prologue in one launch (model.MLAttention.forward's kv_a_norm, both RoPEs and the latent
+    row, ~18 torch launches a layer): q [N, H·(nope + rope)] (rows may be strided), ckr [N, r + rope] = wkv_a(x),
+    cos, sin [N, rope] -> q_rope [N, H, rope] (turned), latent [N, r + rope] = [rms_norm(c), RoPE(k_rope)], both
+    contiguous, in the one dtype of q, ckr and the norm's weight."""
+    N = q.shape[0]
+    rope = cos.shape[-1]
+    r = ckr.shape[1] - rope
+    hd = nope + rope
+    assert q.shape[1] == n_heads * hd and q.stride(1) == 1 and ckr.stride(1) == 1, (q.shape, q.stride(), ckr.stride())
+    assert cos.shape == sin.shape == (N, rope) and cos.stride() == sin.stride() and norm_weight.shape == (r,)
+    assert rope >= 2 and rope & (rope - 1) == 0, rope
+    assert q.dtype == ckr.dtype == norm_weight.dtype, (q.dtype, ckr.dtype, norm_weight.dtype)
+    q_rope = torch.empty(N, n_heads, rope, dtype=q.dtype, device=q.device)
+    latent = torch.empty(N, r + rope, dtype=q.dtype, device=q.device)
+    _mla_rope_latent_kernel[(N, n_heads + 1)](
+        q, ckr, cos, sin, norm_weight, q_rope, latent, n_heads, q.stride(0), ckr.stride(0), cos.stride(0), eps,
+        HD=hd, NOPE=nope, R=r, RB=triton.next_power_of_2(r), ROPE=rope, INTERLEAVE=interleave, num_warps=1)
+    return q_rope, latent

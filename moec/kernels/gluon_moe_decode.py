@@ -294,9 +294,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, t1_ptr, w3_ptr, t3_ptr, h_p
     u = _col0(acc_u, OUT_L)
     orow = r0 + gl.arange(0, BM, layout=OUT_L)
     om = orow < I
-    if HAS_BIAS:  # the experts' biases [E, I] fp32
-        g += gl.load(bg_ptr + e * I + orow, mask=om, other=0.0)
-        u += gl.load(bu_ptr + e * I + orow, mask=om, other=0.0)
+    if HAS_BIAS:  # the experts' biases [E, I] as stored (the model dtype), added in fp32
+        g += gl.load(bg_ptr + e * I + orow, mask=om, other=0.0).to(gl.float32)
+        u += gl.load(bu_ptr + e * I + orow, mask=om, other=0.0).to(gl.float32)
     wt = gl.load(wts_ptr + t).to(gl.float32)
     h = gated_act(g, u, ACT, LIMIT) * wt
     gl.store(h_ptr + t * I + _b_order(orow), h.to(gl.float16), mask=om)  # in the B order: the down kernel's loads
@@ -355,7 +355,7 @@ def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, t2_ptr, out_ptr, bd_ptr,
             w = w_n
         if HAS_BIAS:  # h carries the routing weight, the bias [E, D] does not: added once (split 0)
             wt = gl.where(split == 0, gl.load(wts_ptr + t).to(gl.float32), 0.0)
-            y += wt * gl.load(bd_ptr + e * Dout + orow, mask=om, other=0.0)
+            y += wt * gl.load(bd_ptr + e * Dout + orow, mask=om, other=0.0).to(gl.float32)
     y += _col0(acc, OUT_L)
     if SPLIT == 1:
         gl.store(out_ptr + n * Dout + orow, y, mask=om)
@@ -392,7 +392,7 @@ def launch_gate_up(x, ids, weights, w1: QWeight, w3: QWeight, h, A: int, biases=
     T, I = h.shape
     d1, d3 = (w1.data.view(torch.int32), w3.data.view(torch.int32)) if tiled is None else tiled
     t1, t3 = (w.a.contiguous().view(torch.int32) for w in (w1, w3))  # [E, O, 1, 4] fp16 -> 2 int32 a row
-    bg, bu = (weights, weights) if biases is None else (biases[0].float().contiguous(), biases[1].float().contiguous())
+    bg, bu = (weights, weights) if biases is None else (biases[0].contiguous(), biases[1].contiguous())  # as stored
     _gate_up_kernel[(T, triton.cdiv(I, block_m))](
         x, ids, weights, d1, t1, d3, t3, h, bg, bu, I,
         D=x.shape[1], A=A, BM=block_m, KW=warps, HAS_BIAS=biases is not None, ACT=EXPERT_ACT_IDS[act],
@@ -406,7 +406,7 @@ def launch_down(h, ids, weights, w2: QWeight, out, A: int, biases=None, block_m:
     N, D = out.shape
     d2 = w2.data.view(torch.int32) if tiled is None else tiled
     t2 = w2.a.contiguous().view(torch.int32)
-    bd = weights if biases is None else biases[2].float().contiguous()
+    bd = weights if biases is None else biases[2].contiguous()
     _down_kernel[(N, triton.cdiv(D, block_m), split)](
         h, ids, weights, d2, t2, out, bd, D,
         I=h.shape[1], A=A, BM=block_m, KW=warps, SPLIT=split, HAS_BIAS=biases is not None,

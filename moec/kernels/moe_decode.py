@@ -129,9 +129,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
     if MODE == 4:  # vq: row scales [E, I] (b), likewise after the sum
         g *= tl.load(b1_ptr + e * I + offs_o, mask=mask_o, other=0.0).to(tl.float32)
         u *= tl.load(b3_ptr + e * I + offs_o, mask=mask_o, other=0.0).to(tl.float32)
-    if HAS_BIAS:  # the experts' biases [E, I] fp32
-        g += tl.load(bg_ptr + e * I + offs_o, mask=mask_o, other=0.0)
-        u += tl.load(bu_ptr + e * I + offs_o, mask=mask_o, other=0.0)
+    if HAS_BIAS:  # the experts' biases [E, I] as stored (the model dtype), added in fp32
+        g += tl.load(bg_ptr + e * I + offs_o, mask=mask_o, other=0.0).to(tl.float32)
+        u += tl.load(bu_ptr + e * I + offs_o, mask=mask_o, other=0.0).to(tl.float32)
     wt = tl.load(wts_ptr + t).to(tl.float32)
     h = gated_act(g, u, ACT, LIMIT) * wt  # weight · act(gate, up)
     if PRMT:  # h as fp16 in prmt_pairs order for the down GEMV: input 16cw + 8q + 4half + j -> pair 2j + q
@@ -183,7 +183,8 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
             r *= tl.load(b2_ptr + e * D + offs_o, mask=mask_o, other=0.0).to(tl.float32)
         if HAS_BIAS:  # h carries the routing weight, the bias [E, D] does not: weight · b2[e], once (split 0)
             wt = tl.load(wts_ptr + t).to(tl.float32)
-            r += tl.where(k_start == 0, wt, 0.0) * tl.load(bd_ptr + e * D + offs_o, mask=mask_o, other=0.0)
+            r += tl.where(k_start == 0, wt, 0.0) * tl.load(bd_ptr + e * D + offs_o, mask=mask_o, other=0.0).to(
+                tl.float32)
         y += r
     if SPLIT == 1:
         tl.store(out_ptr + n * D + offs_o, y.to(out_ptr.dtype.element_ty), mask=mask_o)
@@ -275,7 +276,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
         a1, a3 = a1.view(torch.int32), a3.view(torch.int32)
     stride_ae1 = a1.stride(0) if w1.a is not None else 0
     row_a1 = a1.stride(1) if prmt else w1.row_stride_a()
-    bg, bu, bd = (weights,) * 3 if biases is None else (b.float().contiguous() for b in biases)
+    # the biases as stored (converted in the kernels: an fp32 copy here was three copy kernels a layer every step)
+    bg, bu, bd = (weights,) * 3 if biases is None else (b.contiguous() for b in biases)
     extra = dict(HAS_BIAS=biases is not None, ACT=EXPERT_ACT_IDS[act], LIMIT=float(limit))
     _gate_up_kernel[(T, triton.cdiv(I, block_o))](
         x, ids, weights, d1, a1, b1, d3, a3, b3, h, bg, bu, I,

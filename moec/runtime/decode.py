@@ -63,8 +63,9 @@ def bucket_for(b: int, capacity: int) -> int:
 
 # -- the engine -----------------------------------------------------------------------------------------
 
-def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
-    """The MoE layer without host syncs (for capture). x [N, D].
+def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True) -> torch.Tensor:
+    """The MoE layer without host syncs (for capture). x [N, D]; shared=False: the routed experts only (the fused
+    step runs the shared expert itself, DecodeEngine._fuse_shared).
 
     Routing: the router GEMV, softmax, top-k and renormalization in one kernel at decode batch sizes and up
     to 32 experts (kernels/route_topk.py route_gemv_topk), else the GEMV then one kernel for the rest
@@ -82,7 +83,7 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
         return moe.codec.fused(x, torch.ones(N, 1, device=x.device, dtype=torch.float32),
                                torch.zeros(N, 1, device=x.device, dtype=torch.int32), moe.args)
     if moe.kind == "dense" or not kernels_enabled(x.device) or (moe.codec is not None and not moe.codec.fused_ok(x)):
-        return moe(x, layer)
+        return moe(x, layer, shared=shared)
     a = moe.args
     if plain_softmax_routing(moe):
         w, ids = _route(x, moe.router.weight, a.top_k, a.norm_topk)  # [N, A] ×2
@@ -96,7 +97,7 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int) -> torch.Tensor:
         out = _dense_kernel_moe(moe, x, w, ids)
         if out is None:
             out = _gather_moe(moe, x, w, ids)
-    if hasattr(moe, "shared"):
+    if shared and hasattr(moe, "shared"):
         s = moe.shared(x)
         if hasattr(moe, "shared_gate"):
             s = torch.sigmoid(moe.shared_gate(x)) * s
@@ -296,14 +297,27 @@ class DecodeEngine:
         rd = self.args.rope_dim
         self.rope_kernel = rd >= 8 and rd & (rd - 1) == 0  # kernels/fused_decode.qk_norm_rope's rotary widths
         mla = self.args.is_mla  # MLA: the fused residual + norms around its own attention (no q/k/v to fuse)
-        self.qkv = [self._fuse_qkv(blk.attn) for blk in model.layers] if self.fused and not mla else []
+        # the fused step's MLA prologue kernel (fused_decode.mla_rope_latent) takes power-of-two RoPE widths
+        self.mla_kernel = self.fused and mla and rd >= 2 and rd & (rd - 1) == 0
+        self.qkv = [self._fuse_linears((blk.attn.wq, blk.attn.wk, blk.attn.wv)) for blk in model.layers] \
+            if self.fused and not mla else []
+        self.shared_gate_up = [self._fuse_shared(blk.moe) for blk in model.layers] if self.fused else []
+
+    @classmethod
+    def _fuse_shared(cls, moe):
+        """The shared expert's gate and up projections as one (_fuse_linears), for the fused step's three launches
+        a layer (gate/up, fused_decode.silu_mul, down; its output added in the next add_rms_norm) instead of
+        six (two GEMVs, silu, mul, down, the add); None where there is no shared expert, it is gated
+        (Qwen2-MoE's sigmoid gate), the layer is dense, or the two do not fuse."""
+        if getattr(moe, "kind", None) != "moe" or not hasattr(moe, "shared") or hasattr(moe, "shared_gate"):
+            return None
+        return cls._fuse_linears((moe.shared.w1, moe.shared.w3))
 
     @staticmethod
-    def _fuse_qkv(attn):
-        """One [H·d + 2·K·d, D] projection for q, k, v where they are plain Linear layers of one dtype:
-        wq/wk/wv become views of the concatenated weight (no extra memory); quantized ones of one codec
-        likewise (_QuantQKV); None otherwise."""
-        ws = (attn.wq, attn.wk, attn.wv)
+    def _fuse_linears(ws):
+        """One projection for several of the same input (q, k, v: [H·d + 2·K·d, D]; a shared expert's gate and
+        up) where they are plain Linear layers of one dtype: each becomes a view of the concatenated weight (no
+        extra memory); quantized ones of one codec likewise (_QuantQKV); None otherwise."""
         if all(type(w) is QLinear for w in ws):
             return _QuantQKV.fuse(ws)
         if not all(type(w) is torch.nn.Linear for w in ws) or len({w.weight.dtype for w in ws}) != 1:
@@ -398,11 +412,12 @@ class DecodeEngine:
         for i, blk in enumerate(layers):
             at = blk.attn
             if a.is_mla:  # model.MLAttention's absorbed step (its latent cache: runtime/mla.py)
-                o = at(h[:, None], cos[:, None, None], sin[:, None, None], blk.layer, self.cache, 0)  # [b, 1, D]
-                x, h = add_rms_norm(x, o.view(b, -1), blk.ffn_norm.weight, blk.ffn_norm.eps)
-                y = graph_safe_moe(blk.moe, h, blk.layer)
-                nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else m.norm
-                x, h = add_rms_norm(x, y, nxt.weight, nxt.eps)
+                if self.mla_kernel:  # its norms, RoPEs and latent row fused
+                    o = at.decode_fused(h, cos, sin, blk.layer, self.cache)  # [b, D]
+                else:
+                    o = at(h[:, None], cos[:, None, None], sin[:, None, None], blk.layer, self.cache, 0).view(b, -1)
+                x, h = add_rms_norm(x, o, blk.ffn_norm.weight, blk.ffn_norm.eps)
+                x, h = self._moe_residual(i, x, h)
                 continue
             if self.qkv[i] is not None:
                 qkv = self.qkv[i](h)  # [b, (H + 2K)·d]
@@ -422,12 +437,26 @@ class DecodeEngine:
             sinks = {"sinks": at.sinks} if a.attn_sinks else {}  # gpt-oss
             o = self.cache.attend(blk.layer, q[:, :, None], k[:, :, None], v.reshape(b, K, 1, d), 0, **sinks)
             x, h = add_rms_norm(x, at.wo(o.reshape(b, H * d)), blk.ffn_norm.weight, blk.ffn_norm.eps)
-            y = graph_safe_moe(blk.moe, h, blk.layer)
-            nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else m.norm
-            x, h = add_rms_norm(x, y, nxt.weight, nxt.eps)
+            x, h = self._moe_residual(i, x, h)
         logits = m.lm_head(h)  # [b, V]
         self.logits[:b] = logits.float()
         self.next[:b] = logits.argmax(-1)
+
+    def _moe_residual(self, i: int, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's MoE on its normed input h, added to the residual x, and the next norm: (x', h')."""
+        from ..kernels.fused_decode import add_rms_norm, silu_mul
+
+        m = self.model
+        blk = m.layers[i]
+        nxt = m.layers[i + 1].attn_norm if i + 1 < len(m.layers) else m.norm
+        gate_up = self.shared_gate_up[i]
+        y = graph_safe_moe(blk.moe, h, blk.layer, shared=gate_up is None)
+        if gate_up is None:
+            return add_rms_norm(x, y, nxt.weight, nxt.eps)
+        s = blk.moe.shared.w2(silu_mul(gate_up(h)))
+        if s.dtype != y.dtype:  # the deltas' sum in the dtype torch's y + s would give
+            return add_rms_norm(x, y + s, nxt.weight, nxt.eps)
+        return add_rms_norm(x, y, nxt.weight, nxt.eps, delta2=s)
 
     def _capture(self, b: int) -> torch.cuda.CUDAGraph | None:
         pos0 = self.pos.clone()

@@ -323,6 +323,32 @@ class MLAttention(nn.Module):
             observer(layer, "attn_out", out)
         return self.wo(out)
 
+    def decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache) -> torch.Tensor:
+        """forward()'s absorbed step for one token a row (x [b, D], cos/sin [b, rope]) -> [b, D], with the q_a
+        norm, the kv_a norm, both RoPEs and the latent row as two kernels (kernels/fused_decode.py) instead of
+        ~25 torch launches: the engine's fused step (runtime/decode.py) on models of one dtype."""
+        from ..kernels.fused_decode import add_rms_norm, mla_rope_latent
+
+        a = self.args
+        b = x.shape[0]
+        H, nope = a.n_heads, a.qk_nope_dim
+        norms = (self.kv_a_norm, self.q_a_norm) if a.q_lora_rank else (self.kv_a_norm,)
+        if any(n.weight.dtype != x.dtype for n in norms):  # the kernels' one dtype: forward's promotions otherwise
+            return self(x[:, None], cos[:, None, None], sin[:, None, None], layer, cache, 0).view(b, -1)
+        if a.q_lora_rank:
+            q = self.wq_b(add_rms_norm(self.wq_a(x), None, self.q_a_norm.weight, self.q_a_norm.eps)[1])
+        else:
+            q = self.wq(x)  # [b, H·(nope + rope)]
+        q_rope, latent = mla_rope_latent(q, self.wkv_a(x), cos, sin, self.kv_a_norm.weight, self.kv_a_norm.eps, H,
+                                         nope, a.rope_interleave)
+        rotation = getattr(cache, "latent_rotation", None)
+        w = self.absorbed_weight(q.dtype, None if rotation is None else rotation(layer))  # [H, nope + v, r]
+        q_lat = torch.bmm(q.view(b, H, -1)[:, :, :nope].transpose(0, 1), w[:, :nope])  # [H, b, r]
+        o_lat = cache.attend(layer, torch.cat([q_lat.transpose(0, 1), q_rope], -1)[:, :, None], latent[:, None, None],
+                             None, 0)  # [b, H, 1, r]
+        out = torch.bmm(o_lat[:, :, 0].to(q.dtype).transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, b, v]
+        return self.wo(out.transpose(0, 1).reshape(b, H * a.v_head_dim))
+
 
 class FFN(nn.Module):
     """A plain SwiGLU MLP (the shared expert)."""
@@ -445,7 +471,8 @@ class MoE(nn.Module):
             return self.codec.expert(e, x, self.args, self.biases())
         return expert_forward(x, self.w1[e], self.w3[e], self.w2[e], self.args, self.biases(), e)
 
-    def forward(self, x: torch.Tensor, layer: int, observer=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: int, observer=None, shared: bool = True) -> torch.Tensor:
+        """x [..., D] -> [..., D]; shared=False leaves the shared expert out (the fused decode step runs it)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
         if self.kind == "dense":
@@ -459,7 +486,7 @@ class MoE(nn.Module):
         out = self.codec.fused(x, weights, ids, a, self.biases()) if self.codec is not None else None  # Triton
         if out is None:
             out = combine_experts(self.expert, x, weights, ids)
-        if hasattr(self, "shared"):
+        if shared and hasattr(self, "shared"):
             s = self.shared(x)
             if hasattr(self, "shared_gate"):
                 s = torch.sigmoid(self.shared_gate(x)) * s

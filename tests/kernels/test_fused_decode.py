@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from moec.kernels.fused_decode import add_rms_norm, qk_norm_rope  # noqa: E402
+from moec.kernels.fused_decode import add_rms_norm, mla_rope_latent, qk_norm_rope, silu_mul  # noqa: E402
 from moec.runtime.config import ModelArgs  # noqa: E402
 from moec.runtime.decode import DecodeEngine  # noqa: E402
 from moec.runtime.kvcache import FP16Cache  # noqa: E402
@@ -42,6 +42,25 @@ def test_add_rms_norm(dtype, D):
     assert torch.allclose(h.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
     _, h0 = add_rms_norm(x[:, :D], None, w, 1e-5)
     assert torch.allclose(h0.float(), rms_norm(x, w, 1e-5).float(), rtol=TOL[dtype], atol=TOL[dtype])
+    d2 = torch.randn(3, D, generator=g).to(DEVICE, dtype)
+    xo2, h2 = add_rms_norm(x, delta, w, 1e-5, delta2=d2)  # x + (delta + d2): the sum rounded first, as torch's
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(xo2, x + (delta + d2))
+    ref2 = (x + (delta + d2)).float()  # two roundings: each off by up to TOL of what it rounds
+    assert ((xo2.float() - ref2).abs() <= TOL[dtype] * ((delta + d2).float().abs() + ref2.abs()) + 1e-6).all()
+    assert torch.allclose(h2.float(), rms_norm(xo2, w, 1e-5).float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("I", [48, 1500])
+def test_silu_mul(dtype, I):
+    """silu(g)·u of a fused [g | u] row against torch's F.silu(g) * u (1500: two column blocks, a masked tail)."""
+    g = torch.Generator().manual_seed(I)
+    gu = (torch.randn(2, 2 * I, generator=g) * 4).to(DEVICE, dtype)
+    out = silu_mul(gu)
+    ref = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+    assert out.shape == (2, I) and out.dtype == dtype
+    assert torch.allclose(out.float(), ref.float(), rtol=2 * TOL[dtype], atol=TOL[dtype]), (out - ref).abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -72,6 +91,30 @@ def test_qk_norm_rope(dtype, norm, rotary):
         assert torch.allclose(o.float(), r.float(), rtol=TOL[dtype], atol=TOL[dtype]), err
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mla_rope_latent(dtype, interleave):
+    """MLA's step prologue against model.MLAttention.forward's torch ops: the query heads' RoPE parts turned (pairs
+    interleaved as DeepSeek stores them, or halves), and the latent row [kv_a_norm(c), RoPE(k_rope)], from a q
+    whose rows are strided views (as a fused projection gives them); r = 48 is not a power of two."""
+    N, H, nope, rope, r = 2, 3, 32, 16, 48
+    g = torch.Generator().manual_seed(4)
+    qbig = torch.randn(N, H * (nope + rope) + 8, generator=g).to(DEVICE, dtype)
+    q = qbig[:, : H * (nope + rope)]
+    ckr = torch.randn(N, r + rope, generator=g).to(DEVICE, dtype)
+    w = (torch.rand(r, generator=g) + 0.5).to(DEVICE, dtype)
+    args = ModelArgs(arch="llama", vocab_size=8, dim=64, n_layers=1, n_heads=H, n_kv_heads=H, head_dim=rope)
+    cos, sin = rope_cos_sin(args, torch.tensor([7, 3000], device=DEVICE), dtype)
+    q_rope, latent = mla_rope_latent(q, ckr, cos, sin, w, 1e-6, H, nope, interleave)
+    cs = cos[:, None, None], sin[:, None, None]
+    want_q = apply_rope(q.view(N, H, 1, nope + rope)[..., nope:], *cs, interleaved=interleave)[:, :, 0]
+    want_k = apply_rope(ckr[:, None, None, r:], *cs, interleaved=interleave)[:, 0, 0]
+    want_lat = torch.cat([rms_norm(ckr[:, :r], w, 1e-6), want_k], -1)
+    for got, want in ((q_rope, want_q), (latent, want_lat)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.allclose(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype]), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("qk_norm", ["none", "head"])
 def test_engine_fused_step_matches_plain_step(qk_norm):
     """Greedy tokens and logits of the fused step equal the plain step's (fp32 model, fp32 cache)."""
@@ -94,7 +137,8 @@ def test_engine_fused_step_matches_plain_step(qk_norm):
 
 def test_engine_fused_step_mla():
     """The fused step of an MLA model (DeepSeek-V3 style: the residual adds and block norms fused around
-    model.MLAttention's absorbed step over the latent cache) gives the plain step's logits."""
+    model.MLAttention's absorbed step over the latent cache, its norms, RoPEs and latent row in one kernel) gives
+    the plain step's logits."""
     from moec.runtime.kvcache import dense_cache
 
     args = ModelArgs(arch="deepseek_v3", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=48,
@@ -108,6 +152,8 @@ def test_engine_fused_step_mla():
     for fuse in (False, True):
         eng = DecodeEngine(model, dense_cache(args, 1, 32, dtype=torch.float32, device=DEVICE, mode="static"),
                            graphs=False, fuse=fuse)
+        assert eng.mla_kernel == fuse  # the fused step takes MLAttention.decode_fused (fused_decode.mla_rope_latent)
+        assert [f is not None for f in eng.shared_gate_up] == ([False, True] if fuse else [])  # the moe layer's
         logits = [eng.prefill(0, prompt)]
         for _ in range(4):
             logits.append(eng.step(1, feed_next=True)[0].clone())
@@ -115,11 +161,14 @@ def test_engine_fused_step_mla():
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
 
 
-def _teacher_forced(model, cache, tokens, n_prompt: int, fuse: bool) -> torch.Tensor:
+def _teacher_forced(model, cache, tokens, n_prompt: int, fuse: bool, shared_fused: list[bool] | None = None
+                    ) -> torch.Tensor:
     """Logits [len(tokens) - n_prompt + 1, V] of the static engine: a prefill of n_prompt tokens, then one step
-    per token (the plain or the fused step)."""
+    per token (the plain or the fused step); shared_fused: which layers' shared experts the fused step must fuse."""
     eng = DecodeEngine(model, cache, graphs=False, fuse=fuse)
     assert eng.fused == fuse
+    if fuse and shared_fused is not None:
+        assert [f is not None for f in eng.shared_gate_up] == shared_fused
     logits = [eng.prefill(0, tokens[:n_prompt])]
     for t in tokens[n_prompt:]:
         eng.tokens[:1] = t
@@ -138,7 +187,7 @@ def test_engine_fused_step_partial_rotary():
     model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=3)
     tokens = torch.tensor([3, 9, 27, 17, 51, 8, 40, 2, 33])
     out = [_teacher_forced(model, FP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32, mode="static"),
-                           tokens, 5, fuse) for fuse in (False, True)]
+                           tokens, 5, fuse, [False, True]) for fuse in (False, True)]
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
     with torch.no_grad():
         full = model(tokens[None].to(DEVICE))[0, 4:]
@@ -186,6 +235,42 @@ def test_engine_fuses_quantized_qkv(rotated, bias):
         for _ in range(3):
             logits.append(eng.step(1, feed_next=True)[0].clone())
         out.append(torch.stack(logits))
+    assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
+
+
+@pytest.mark.parametrize("quantized,gated", [(True, False), (False, True)])
+def test_engine_fuses_shared_expert(quantized, gated):
+    """The shared expert in the fused step: its gate and up projections as one (4-bit QLinears: one qlinear
+    launch, each keeping its own parts as views), fused_decode.silu_mul, the down projection, its output added in
+    the next add_rms_norm: the plain step's logits. A gated shared expert (Qwen2-MoE's sigmoid gate) stays in
+    the MoE call, with the same logits."""
+    from moec.calibrate import hls
+    from moec.runtime.decode import _QuantQKV
+    from moec.runtime.experts import QuantMatrix, attach
+
+    args = ModelArgs(arch="glm4_moe", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                     max_seq_len=64, ffn_kinds=["dense", "moe"], dense_dim=64, n_experts=4, top_k=2, expert_dim=32,
+                     shared_dim=48, shared_gate=gated, router_score="sigmoid", topk_method="group_top2", n_group=2,
+                     topk_group=1, router_bias=True, routed_scale=2.5)
+    tokens = torch.tensor([3, 9, 27, 17, 51, 8, 40, 2, 33])
+    out = []
+    for fuse in (False, True):
+        model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=6)
+        if quantized:
+            quant = {}
+            for n in ("w1", "w3", "w2"):
+                W = getattr(model.layers[1].moe.shared, n).weight.data.float().cpu()
+                stored = {k: v[0] for k, v in hls.quantize(W[None], None, "rtn", 4, 16, False).items()}
+                quant[f"layers.1.moe.shared.{n}.weight"] = QuantMatrix("rtn", 4, tuple(W.shape), stored)
+            attach(model, quant, DEVICE)
+            ref = model.layers[1].moe.shared.w3.q.dequant_ref(0)
+        cache = FP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32, mode="static")
+        out.append(_teacher_forced(model, cache, tokens, 5, fuse, [False, not gated]))
+        if fuse and quantized:
+            eng_fused = DecodeEngine(model, FP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32,
+                                                      mode="static"), graphs=False, fuse=True)
+            assert isinstance(eng_fused.shared_gate_up[1], _QuantQKV)
+            assert torch.equal(model.layers[1].moe.shared.w3.q.dequant_ref(0), ref)  # w3's parts: views
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
 
 

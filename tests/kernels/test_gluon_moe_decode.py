@@ -16,9 +16,9 @@ from moec.kernels import gluon_moe_decode as gmd
 from moec.kernels.dequant import MODE_LUT, QWeight
 
 GATE_UP_TYPES = {"x_ptr": "*bf16", "ids_ptr": "*i32", "wts_ptr": "*fp32", "w1_ptr": "*i32", "t1_ptr": "*i32",
-                 "w3_ptr": "*i32", "t3_ptr": "*i32", "h_ptr": "*fp16", "bg_ptr": "*fp32", "bu_ptr": "*fp32", "I": "i32"}
+                 "w3_ptr": "*i32", "t3_ptr": "*i32", "h_ptr": "*fp16", "bg_ptr": "*bf16", "bu_ptr": "*bf16", "I": "i32"}
 DOWN_TYPES = {"h_ptr": "*fp16", "ids_ptr": "*i32", "wts_ptr": "*fp32", "w2_ptr": "*i32", "t2_ptr": "*i32",
-              "out_ptr": "*fp32", "bd_ptr": "*fp32", "Dout": "i32"}
+              "out_ptr": "*fp32", "bd_ptr": "*bf16", "Dout": "i32"}
 LOOP = "0x3030303"  # the chunk loop: the innermost loop holding the code mask
 # (kernel, constexprs, warps): Mixtral's gate/up at the default, Qwen3's down (uneven: 6 chunks over 4 warps), the
 # clamped SwiGLU with biases, both kernels on tile_codes' layout (its rename into the operand placement is

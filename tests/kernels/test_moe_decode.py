@@ -163,15 +163,17 @@ def test_full_size_mixtral_layer_cuda(kind, prmt):
     assert (got - want).abs().max() <= tol * want.abs().max()
 
 
-@pytest.mark.parametrize("kind,split", [("lut2", 1), ("bf16", 2), ("mxfp4", 1)])
-def test_biased_experts_clamped_swiglu(kind, split):
+@pytest.mark.parametrize("kind,split,bias_dtype", [("lut2", 1, torch.float32), ("bf16", 2, torch.float32),
+                                                   ("mxfp4", 1, torch.float32), ("lut2", 2, torch.bfloat16)])
+def test_biased_experts_clamped_swiglu(kind, split, bias_dtype):
     """gpt-oss's experts: biases on gate, up and down (down's times the routing weight, once per token even
     when I is split across programs) and the clamped SwiGLU, against the reference; the clamp bites (large
-    inputs) and the result differs from silu without biases."""
+    inputs) and the result differs from silu without biases. bf16 biases (as a bf16 model stores them) go to the
+    kernels as they are, converted in the loads."""
     x, ids, wts, w1, w3, w2 = moe_case(kind, 2, 2, 4, 64, 64, 1, 1, DEVICE, seed=21)
     gen = torch.Generator().manual_seed(5)
     E, I, D = 4, 64, 64
-    biases = tuple((torch.randn(*s, generator=gen) * 0.5).to(DEVICE) for s in ((E, I), (E, I), (E, D)))
+    biases = tuple((torch.randn(*s, generator=gen) * 0.5).to(DEVICE, bias_dtype) for s in ((E, I), (E, I), (E, D)))
     x = x * 20  # gate/up past the limit 1.5 on many rows
     kw = dict(block_o=32, block_k=64, block_o_down=64, block_k_down=32, prmt=False, split=split)
     got = moe_decode(x, ids, wts, w1, w3, w2, biases=biases, act="clamped_swiglu", limit=1.5, **kw)

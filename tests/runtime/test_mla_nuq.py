@@ -4,6 +4,7 @@ dynamic cache, the bytes at DeepSeek's dimensions, the refusals, and calibrate â
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -192,9 +193,11 @@ def test_kernel_refuses_miscompiled_launch():
                                  torch.zeros(1, L), wl, r, 0.3, block_h=64, num_warps=8)
 
 
-def test_engine_matches_dynamic_cache():
+@pytest.mark.parametrize("fuse", [False, True])
+def test_engine_matches_dynamic_cache(fuse):
     """A tiny DeepSeek-V3 through the static engine (runtime/decode.py, CPU) with the compressed latent cache:
-    each step's logits equal Transformer.forward over the dynamic mode of the same cache, with history aged.
+    each step's logits equal Transformer.forward over the dynamic mode of the same cache, with history aged;
+    fused: the engine's fused step (MLAttention.decode_fused, its prologue kernel under the interpreter) too.
     Up to fp16 rounding: the engine's prefill is the exact causal forward, the dynamic cache's attends over the
     fp16 rows, and layer 0's difference reaches layer 1's cached rows (logits ~4, differences < 1e-3; a wrong
     slot, rotation or history would move them by O(1))."""
@@ -209,7 +212,11 @@ def test_engine_matches_dynamic_cache():
     tokens = torch.randint(0, a.vocab_size, (1, 70), generator=torch.Generator().manual_seed(6))
     tiers = dict(window=8, sinks=2, block=16)
     dyn = MLANUQCache(a, 1, 80, codecs, mode="dynamic", **tiers)
-    eng = DecodeEngine(model, MLANUQCache(a, 1, 80, codecs, mode="static", use_kernel=False, **tiers), graphs=False)
+    if fuse and os.environ.get("TRITON_INTERPRET") != "1":  # set before Triton is imported, as .ci/run does
+        pytest.skip("the fused step's kernels need TRITON_INTERPRET=1 on the CPU")
+    eng = DecodeEngine(model, MLANUQCache(a, 1, 80, codecs, mode="static", use_kernel=False, **tiers), graphs=False,
+                       fuse=fuse)
+    assert eng.mla_kernel == fuse
     with torch.no_grad():
         want = [model(tokens[:, :10], dyn, 0)[0, -1]] + [model(tokens[:, t : t + 1], dyn, t)[0, -1]
                                                          for t in range(10, 70)]
