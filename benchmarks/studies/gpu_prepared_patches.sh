@@ -8,9 +8,10 @@
 #      this tree, compared by compare_latency: DeepSeek-V2-Lite and DeepSeek-V3 (8 layers) with experts-hls2 and
 #      latency-hls2-mla2 (what the fused MLA prologue saves), gpt-oss-120b with experts-hls2 and experts-mxfp4
 #      (what passing the experts' biases as stored saves: three fp32 copies a layer);
-#   3. GLM-4.5-Air with latency-hls2-nuq2-lin4 beside attn4 (4k/32k, batch 1, with the breakdown);
+#   3. GLM-4.5-Air with latency-hls2-nuq2-lin4 beside attn4 (4k/32k, batch 1, with the breakdown), and attn4 on
+#      BASE_DIR (what the fused shared expert saves);
 #   4. benchmarks/studies/pdl_chain.py (programmatic dependent launch on a GEMV chain).
-# Outputs in OUT_DIR: the smoke record, five latency files, the PDL record, logs in one archive (8-file limit).
+# Outputs in OUT_DIR: the smoke record, six latency files, logs and the PDL record in one archive (8-file limit).
 # Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_prepared_patches.sh BASE_DIR OUT_DIR
 # (carry BASE_DIR: bash scripts/base_tree.sh REV && rm -rf base_tree/benchmarks/results
 #  base_tree/moec/builtin/demo-mla/model.safetensors, to stay under the 64 MiB a call carries)
@@ -45,6 +46,10 @@ PYTHONPATH=$PWD timeout 120 python3 -m benchmarks.bench_latency --out "$OUT/late
   --contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-peer --budget 100 \
   --recipes moec/recipes/latency-hls2-nuq2-lin4.yaml moec/recipes/latency-hls2-nuq2-attn4.yaml \
   > "$OUT/logs/glm.log" 2>&1; echo "glm rc=$? at $((SECONDS - T0)) s"; tail -9 "$OUT/logs/glm.log"
-PYTHONPATH=$PWD timeout 90 python3 -m benchmarks.studies.pdl_chain --out "$OUT/pdl_chain.json" > "$OUT/logs/pdl.log" 2>&1
+# the base tree's attn4 (the shared expert's fused gate/up is what GLM's attn4 rows gain): breakdown off
+lat "$BASE" latency_glm_base.json --shapes glm-4.5-air --recipes moec/recipes/latency-hls2-nuq2-attn4.yaml
+echo "glm attn4: base vs this tree"
+PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_glm_base.json" "$OUT/latency_glm_lin4.json" --tol 0.03
+PYTHONPATH=$PWD timeout 90 python3 -m benchmarks.studies.pdl_chain --out "$OUT/logs/pdl_chain.json" > "$OUT/logs/pdl.log" 2>&1
 echo "pdl rc=$? at $((SECONDS - T0)) s"; cat "$OUT/logs/pdl.log"
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)

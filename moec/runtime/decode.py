@@ -302,6 +302,9 @@ class DecodeEngine:
         self.qkv = [self._fuse_linears((blk.attn.wq, blk.attn.wk, blk.attn.wv)) for blk in model.layers] \
             if self.fused and not mla else []
         self.shared_gate_up = [self._fuse_shared(blk.moe) for blk in model.layers] if self.fused else []
+        # MLA: the query's (wq, or V3's wq_a) and the latent's (wkv_a) projections of the same input as one
+        self.mla_in = [self._fuse_linears((blk.attn.wq_a if self.args.q_lora_rank else blk.attn.wq, blk.attn.wkv_a))
+                       for blk in model.layers] if self.mla_kernel else []
 
     @classmethod
     def _fuse_shared(cls, moe):
@@ -413,7 +416,7 @@ class DecodeEngine:
             at = blk.attn
             if a.is_mla:  # model.MLAttention's absorbed step (its latent cache: runtime/mla.py)
                 if self.mla_kernel:  # its norms, RoPEs and latent row fused
-                    o = at.decode_fused(h, cos, sin, blk.layer, self.cache)  # [b, D]
+                    o = at.decode_fused(h, cos, sin, blk.layer, self.cache, self.mla_in[i])  # [b, D]
                 else:
                     o = at(h[:, None], cos[:, None, None], sin[:, None, None], blk.layer, self.cache, 0).view(b, -1)
                 x, h = add_rms_norm(x, o, blk.ffn_norm.weight, blk.ffn_norm.eps)

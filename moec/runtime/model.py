@@ -323,10 +323,12 @@ class MLAttention(nn.Module):
             observer(layer, "attn_out", out)
         return self.wo(out)
 
-    def decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache) -> torch.Tensor:
+    def decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache,
+                     in_proj=None) -> torch.Tensor:
         """forward()'s absorbed step for one token a row (x [b, D], cos/sin [b, rope]) -> [b, D], with the q_a
         norm, the kv_a norm, both RoPEs and the latent row as two kernels (kernels/fused_decode.py) instead of
-        ~25 torch launches: the engine's fused step (runtime/decode.py) on models of one dtype."""
+        ~25 torch launches: the engine's fused step (runtime/decode.py) on models of one dtype. in_proj: wq (or
+        wq_a) and wkv_a as one projection of x (the engine's, runtime/decode.py _fuse_linears), one launch."""
         from ..kernels.fused_decode import add_rms_norm, mla_rope_latent
 
         a = self.args
@@ -335,12 +337,19 @@ class MLAttention(nn.Module):
         norms = (self.kv_a_norm, self.q_a_norm) if a.q_lora_rank else (self.kv_a_norm,)
         if any(n.weight.dtype != x.dtype for n in norms):  # the kernels' one dtype: forward's promotions otherwise
             return self(x[:, None], cos[:, None, None], sin[:, None, None], layer, cache, 0).view(b, -1)
-        if a.q_lora_rank:
-            q = self.wq_b(add_rms_norm(self.wq_a(x), None, self.q_a_norm.weight, self.q_a_norm.eps)[1])
+        if in_proj is not None:  # [q or q_a | c_kv, k_rope]: row-strided views of one output
+            y = in_proj(x)
+            n = y.shape[1] - self.kv_a_norm.weight.shape[0] - a.qk_rope_dim
+            q_in, ckr = y[:, :n], y[:, n:]
         else:
-            q = self.wq(x)  # [b, H·(nope + rope)]
-        q_rope, latent = mla_rope_latent(q, self.wkv_a(x), cos, sin, self.kv_a_norm.weight, self.kv_a_norm.eps, H,
-                                         nope, a.rope_interleave)
+            q_in, ckr = None, self.wkv_a(x)
+        if a.q_lora_rank:
+            q_a = self.wq_a(x) if q_in is None else q_in
+            q = self.wq_b(add_rms_norm(q_a, None, self.q_a_norm.weight, self.q_a_norm.eps)[1])
+        else:
+            q = self.wq(x) if q_in is None else q_in  # [b, H·(nope + rope)]
+        q_rope, latent = mla_rope_latent(q, ckr, cos, sin, self.kv_a_norm.weight, self.kv_a_norm.eps, H, nope,
+                                         a.rope_interleave)
         rotation = getattr(cache, "latent_rotation", None)
         w = self.absorbed_weight(q.dtype, None if rotation is None else rotation(layer))  # [H, nope + v, r]
         q_lat = torch.bmm(q.view(b, H, -1)[:, :, :nope].transpose(0, 1), w[:, :nope])  # [H, b, r]

@@ -135,16 +135,17 @@ def test_engine_fused_step_matches_plain_step(qk_norm):
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
 
 
-def test_engine_fused_step_mla():
-    """The fused step of an MLA model (DeepSeek-V3 style: the residual adds and block norms fused around
-    model.MLAttention's absorbed step over the latent cache, its norms, RoPEs and latent row in one kernel) gives
-    the plain step's logits."""
+@pytest.mark.parametrize("q_lora_rank", [32, 0])
+def test_engine_fused_step_mla(q_lora_rank):
+    """The fused step of an MLA model (DeepSeek-V3 style, or V2-Lite's without the query's low rank: the residual
+    adds and block norms fused around model.MLAttention's absorbed step over the latent cache, its norms, RoPEs and
+    latent row in one kernel, the query's and the latent's projections as one) gives the plain step's logits."""
     from moec.runtime.kvcache import dense_cache
 
     args = ModelArgs(arch="deepseek_v3", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=48,
                      max_seq_len=64, ffn_kinds=["dense", "moe"], dense_dim=64, n_experts=4, top_k=2, expert_dim=32,
                      shared_dim=32, router_score="sigmoid", topk_method="group_top2", n_group=2, topk_group=1,
-                     router_bias=True, routed_scale=2.5, attn_kind="mla", q_lora_rank=32, kv_lora_rank=32,
+                     router_bias=True, routed_scale=2.5, attn_kind="mla", q_lora_rank=q_lora_rank, kv_lora_rank=32,
                      qk_rope_dim=16, v_head_dim=32, rope_interleave=True)
     model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=2)
     prompt = torch.tensor([3, 9, 27, 17, 51])
@@ -154,6 +155,7 @@ def test_engine_fused_step_mla():
                            graphs=False, fuse=fuse)
         assert eng.mla_kernel == fuse  # the fused step takes MLAttention.decode_fused (fused_decode.mla_rope_latent)
         assert [f is not None for f in eng.shared_gate_up] == ([False, True] if fuse else [])  # the moe layer's
+        assert [f is not None for f in eng.mla_in] == ([True, True] if fuse else [])
         logits = [eng.prefill(0, prompt)]
         for _ in range(4):
             logits.append(eng.step(1, feed_next=True)[0].clone())
