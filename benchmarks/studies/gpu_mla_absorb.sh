@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One GPU call (~8 min on one H100) for the MLA prologue's absorbed query (fused_decode.mla_rope_latent with W_UK:
+# the bmm and the cat of DeepSeek's decode step inside the prologue kernel) and issue 35's same-call llama.cpp
+# ratio on DeepSeek-V2-Lite:
+#   1. llama-bench built in the background (benchmarks/peers/llamacpp_peer.sh build, ~4.5 min on 16 cores) while
+#      the GPU smoke runs on this tree (the record a moec/ change must carry);
+#   2. decode latency, batch 1, 4k/32k, DeepSeek-V2-Lite and DeepSeek-V3 (8 layers), experts-hls2 and
+#      latency-hls2-mla2, on BASE_DIR (the tree before the change) and this tree, compared by compare_latency
+#      (after the build: nothing else on the CPU while timing);
+#   3. llama.cpp's Q2_K DeepSeek-V2-Lite at 4k/32k (llamacpp_peer.sh deepseek-v2-lite), attached to this tree's
+#      rows by peers/speedup_vs_llamacpp.py (`speedup_vs_llamacpp` on each batch-1 row at both depths).
+# Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_mla_absorb.sh BASE_DIR OUT_DIR
+# (carry BASE_DIR from scripts/base_tree.sh, and gpu/lcpp from benchmarks/peers/lcpp_fetch.sh)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+BASE=${1:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}; OUT=${2:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" || {
+  echo "gpu_mla_absorb.sh: needs a CUDA GPU" >&2; exit 2; }
+mkdir -p "$OUT/logs" "$OUT/peer"
+export PYTHONUNBUFFERED=1 MOEC_LOG=${MOEC_LOG:-WARNING}
+T0=$SECONDS
+nice -n 10 bash benchmarks/peers/llamacpp_peer.sh "$OUT/peer" build > "$OUT/logs/build.log" 2>&1 &
+BUILD=$!
+PYTHONPATH=$PWD bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 12 > "$OUT/logs/smoke.log" 2>&1
+echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
+wait $BUILD; echo "llama-bench build rc=$? at $((SECONDS - T0)) s"
+ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-peer --no-breakdown --budget 100
+      --shapes deepseek-v2-lite,deepseek-v3@8 --recipes moec/recipes/experts-hls2.yaml moec/recipes/latency-hls2-mla2.yaml)
+lat() {  # lat DIR NAME: bench_latency from DIR's tree into OUT/NAME
+  (cd "$1" && PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.bench_latency --out "$OUT/$2" "${ARGS[@]}" \
+    > "$OUT/logs/$2.log" 2>&1); echo "$2 rc=$? at $((SECONDS - T0)) s"
+}
+lat "$BASE" latency_mla_base.json
+lat . latency_mla_new.json
+PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_mla_base.json" "$OUT/latency_mla_new.json" --tol 0.03
+timeout 150 bash benchmarks/peers/llamacpp_peer.sh "$OUT/peer" deepseek-v2-lite > "$OUT/logs/peer.log" 2>&1
+echo "peer rc=$? at $((SECONDS - T0)) s"; tail -4 "$OUT/logs/peer.log"
+PYTHONPATH=$PWD python3 -m benchmarks.peers.speedup_vs_llamacpp "$OUT/latency_mla_new.json" "$OUT/peer" \
+  "$OUT/latency_mla_new_peer.json" --same-device
+(cd "$OUT" && mv peer/llama_bench_*.json . 2>/dev/null; mv peer/* logs/ 2>/dev/null; rm -rf peer; tar czf logs.tgz logs && rm -rf logs)
