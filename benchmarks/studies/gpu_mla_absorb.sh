@@ -10,7 +10,8 @@
 #   3. llama.cpp's Q2_K DeepSeek-V2-Lite at 4k/32k (llamacpp_peer.sh deepseek-v2-lite), attached to this tree's
 #      rows by peers/speedup_vs_llamacpp.py (`speedup_vs_llamacpp` on each batch-1 row at both depths).
 # Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_mla_absorb.sh BASE_DIR OUT_DIR
-# (carry BASE_DIR from scripts/base_tree.sh, and gpu/lcpp from benchmarks/peers/lcpp_fetch.sh)
+# (carry BASE_DIR from scripts/base_tree.sh, and gpu/lcpp from benchmarks/peers/lcpp_fetch.sh; SKIP_PEER=1: steps 1-2
+# only, ~4 min)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BASE=${1:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}; OUT=${2:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}
@@ -19,11 +20,13 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" 
 mkdir -p "$OUT/logs" "$OUT/peer"
 export PYTHONUNBUFFERED=1 MOEC_LOG=${MOEC_LOG:-WARNING}
 T0=$SECONDS
-nice -n 10 bash benchmarks/peers/llamacpp_peer.sh "$OUT/peer" build > "$OUT/logs/build.log" 2>&1 &
-BUILD=$!
+if [ -z "${SKIP_PEER:-}" ]; then
+  nice -n 10 bash benchmarks/peers/llamacpp_peer.sh "$OUT/peer" build > "$OUT/logs/build.log" 2>&1 &
+  BUILD=$!
+fi
 PYTHONPATH=$PWD bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 12 > "$OUT/logs/smoke.log" 2>&1
 echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
-wait $BUILD; echo "llama-bench build rc=$? at $((SECONDS - T0)) s"
+[ -n "${BUILD:-}" ] && { wait "$BUILD"; echo "llama-bench build rc=$? at $((SECONDS - T0)) s"; }
 ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-peer --no-breakdown --budget 100
       --shapes deepseek-v2-lite,deepseek-v3@8 --recipes moec/recipes/experts-hls2.yaml moec/recipes/latency-hls2-mla2.yaml)
 lat() {  # lat DIR NAME: bench_latency from DIR's tree into OUT/NAME
@@ -33,8 +36,10 @@ lat() {  # lat DIR NAME: bench_latency from DIR's tree into OUT/NAME
 lat "$BASE" latency_mla_base.json
 lat . latency_mla_new.json
 PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_mla_base.json" "$OUT/latency_mla_new.json" --tol 0.03
-timeout 150 bash benchmarks/peers/llamacpp_peer.sh "$OUT/peer" deepseek-v2-lite > "$OUT/logs/peer.log" 2>&1
-echo "peer rc=$? at $((SECONDS - T0)) s"; tail -4 "$OUT/logs/peer.log"
-PYTHONPATH=$PWD python3 -m benchmarks.peers.speedup_vs_llamacpp "$OUT/latency_mla_new.json" "$OUT/peer" \
-  "$OUT/latency_mla_new_peer.json" --same-device
+if [ -n "${BUILD:-}" ]; then
+  timeout 150 bash benchmarks/peers/llamacpp_peer.sh "$OUT/peer" deepseek-v2-lite > "$OUT/logs/peer.log" 2>&1
+  echo "peer rc=$? at $((SECONDS - T0)) s"; tail -4 "$OUT/logs/peer.log"
+  PYTHONPATH=$PWD python3 -m benchmarks.peers.speedup_vs_llamacpp "$OUT/latency_mla_new.json" "$OUT/peer" \
+    "$OUT/latency_mla_new_peer.json" --same-device
+fi
 (cd "$OUT" && mv peer/llama_bench_*.json . 2>/dev/null; mv peer/* logs/ 2>/dev/null; rm -rf peer; tar czf logs.tgz logs && rm -rf logs)
