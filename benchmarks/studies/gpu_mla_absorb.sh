@@ -27,14 +27,16 @@ fi
 PYTHONPATH=$PWD bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 12 > "$OUT/logs/smoke.log" 2>&1
 echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
 [ -n "${BUILD:-}" ] && { wait "$BUILD"; echo "llama-bench build rc=$? at $((SECONDS - T0)) s"; }
-ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-peer --no-breakdown --budget 100
+ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-peer --budget 100
       --shapes deepseek-v2-lite,deepseek-v3@8 --recipes moec/recipes/experts-hls2.yaml moec/recipes/latency-hls2-mla2.yaml)
-lat() {  # lat DIR NAME: bench_latency from DIR's tree into OUT/NAME
-  (cd "$1" && PYTHONPATH=$PWD timeout 150 python3 -m benchmarks.bench_latency --out "$OUT/$2" "${ARGS[@]}" \
-    > "$OUT/logs/$2.log" 2>&1); echo "$2 rc=$? at $((SECONDS - T0)) s"
+lat() {  # lat DIR NAME [ARGS...]: bench_latency from DIR's tree into OUT/NAME
+  local dir=$1 name=$2; shift 2
+  (cd "$dir" && PYTHONPATH=$PWD timeout 170 python3 -m benchmarks.bench_latency --out "$OUT/$name" "${ARGS[@]}" "$@" \
+    > "$OUT/logs/$name.log" 2>&1); echo "$name rc=$? at $((SECONDS - T0)) s"
 }
-lat "$BASE" latency_mla_base.json
-lat . latency_mla_new.json
+lat "$BASE" latency_mla_base.json --no-breakdown
+lat . latency_mla_new.json  # with the per-kernel-group breakdown (what the step spends where now)
+grep "{'attention'" "$OUT/logs/latency_mla_new.json.log"
 PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_mla_base.json" "$OUT/latency_mla_new.json" --tol 0.03
 if [ -n "${BUILD:-}" ]; then
   timeout 150 bash benchmarks/peers/llamacpp_peer.sh "$OUT/peer" deepseek-v2-lite > "$OUT/logs/peer.log" 2>&1
