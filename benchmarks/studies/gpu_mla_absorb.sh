@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One GPU call (~8 min on one H100) for the MLA prologue's absorbed query (fused_decode.mla_rope_latent with W_UK:
-# the bmm and the cat of DeepSeek's decode step inside the prologue kernel) and issue 35's same-call llama.cpp
-# ratio on DeepSeek-V2-Lite:
+# One GPU call (~8 min on one H100) for the MLA prologue's absorbed query (benchmarks/studies/mla_absorb.patch,
+# applied to this tree first: fused_decode.mla_rope_latent with W_UK, the bmm and the cat of DeepSeek's decode step
+# inside the prologue kernel) and issue 35's same-call llama.cpp ratio on DeepSeek-V2-Lite:
 #   1. llama-bench built in the background (benchmarks/peers/llamacpp_peer.sh build, ~4.5 min on 16 cores) while
 #      the GPU smoke runs on this tree (the record a moec/ change must carry);
 #   2. decode latency, batch 1, 4k/32k, DeepSeek-V2-Lite and DeepSeek-V3 (8 layers), experts-hls2 and

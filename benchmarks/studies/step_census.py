@@ -15,8 +15,8 @@ Found with it (2026-12-06), each since fused in moec/: gpt-oss's three fp32 copi
 (now passed as stored), DeepSeek's MLA prologue in torch (RMSNorm, interleaved RoPE, cats: now
 `fused_decode.mla_rope_latent`), the shared expert as five torch ops a layer (three GEMMs, silu, mul) plus the add
 (now gate/up as one GEMM, `fused_decode.silu_mul`, the down GEMM, the add inside the next `add_rms_norm`). Steps
-over two layers, experts-hls2: GLM 29 -> 21, DeepSeek 77 -> 21 (also its wq and wkv_a as one GEMM, the query's
-absorption and the cat in the prologue kernel), gpt-oss 23 -> 17, Mixtral 15.
+over two layers, experts-hls2: GLM 29 -> 21, DeepSeek 77 -> 25 (also its wq and wkv_a as one GEMM; 21 with
+`mla_absorb.patch`: the query's absorption and the cat in the prologue kernel), gpt-oss 23 -> 17, Mixtral 15.
 """
 
 from __future__ import annotations
