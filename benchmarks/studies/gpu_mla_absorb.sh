@@ -11,7 +11,7 @@
 #      rows by peers/speedup_vs_llamacpp.py (`speedup_vs_llamacpp` on each batch-1 row at both depths).
 # Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_mla_absorb.sh BASE_DIR OUT_DIR
 # (carry BASE_DIR from scripts/base_tree.sh, and gpu/lcpp from benchmarks/peers/lcpp_fetch.sh; SKIP_PEER=1: steps 1-2
-# only, ~4 min)
+# only, ~4 min; SHAPES=a,b: other shapes for step 2, e.g. with moe_split_nocast.patch applied too)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BASE=${1:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}; OUT=${2:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}
@@ -28,7 +28,8 @@ PYTHONPATH=$PWD bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 1
 echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
 [ -n "${BUILD:-}" ] && { wait "$BUILD"; echo "llama-bench build rc=$? at $((SECONDS - T0)) s"; }
 ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-peer --budget 100
-      --shapes deepseek-v2-lite,deepseek-v3@8 --recipes moec/recipes/experts-hls2.yaml moec/recipes/latency-hls2-mla2.yaml)
+      --shapes "${SHAPES:-deepseek-v2-lite,deepseek-v3@8}" --recipes moec/recipes/experts-hls2.yaml
+      moec/recipes/latency-hls2-mla2.yaml)
 lat() {  # lat DIR NAME [ARGS...]: bench_latency from DIR's tree into OUT/NAME
   local dir=$1 name=$2; shift 2
   (cd "$dir" && PYTHONPATH=$PWD timeout 170 python3 -m benchmarks.bench_latency --out "$OUT/$name" "${ARGS[@]}" "$@" \
