@@ -85,7 +85,8 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "moec" / "recipes"
 SHAPE = "smoke-moe"
 MLA_SHAPE = "smoke-mla"
-MLA_RECIPES = ("experts-hls2", "experts-vq3-d2-had", "experts-fp8", "w4a16", "kv-mla-nuq2", "latency-hls2-mla2")
+MLA_RECIPES = ("experts-hls2", "experts-vq3-d2-had", "experts-fp8", "w4a16", "kv-mla-nuq2", "latency-hls2-mla2",
+               "latency-hls2-lin4")
 GLM_SHAPE = "smoke-glm"
 # partial rotary: the fused step's RoPE kernel; lin4 adds the 4-bit shared expert
 GLM_RECIPES = ("experts-hls2", "w4a16", "latency-hls2-nuq2", "latency-hls2-nuq2-lin4")

@@ -11,7 +11,11 @@
 #      rows by peers/speedup_vs_llamacpp.py (`speedup_vs_llamacpp` on each batch-1 row at both depths).
 # Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_mla_absorb.sh BASE_DIR OUT_DIR
 # (carry BASE_DIR from scripts/base_tree.sh, and gpu/lcpp from benchmarks/peers/lcpp_fetch.sh; SKIP_PEER=1: steps 1-2
-# only, ~4 min; SHAPES=a,b: other shapes for step 2, e.g. with moe_split_nocast.patch applied too)
+# only, ~4 min; SHAPES=a,b: other shapes for step 2, e.g. with moe_split_nocast.patch applied too; RECIPES="a b":
+# other recipes of moec/recipes; SKIP_BASE=1: this tree only, no comparison; DOWN_STUDY=1: down_split_experts.py
+# after the smoke; SKIP_SMOKE=1: no smoke, e.g. a same-call gate of a tree already smoked; LAT_TIMEOUT: seconds a
+# bench_latency run, 170 unless told; LAT_BUDGET: its --budget, 100 unless told; NO_BREAKDOWN=1: no breakdown
+# of this tree's rows either)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BASE=${1:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}; OUT=${2:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}
@@ -24,21 +28,29 @@ if [ -z "${SKIP_PEER:-}" ]; then
   nice -n 10 bash benchmarks/peers/llamacpp_peer.sh "$OUT/peer" build > "$OUT/logs/build.log" 2>&1 &
   BUILD=$!
 fi
-PYTHONPATH=$PWD bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 12 > "$OUT/logs/smoke.log" 2>&1
-echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
+if [ -z "${SKIP_SMOKE:-}" ]; then
+  PYTHONPATH=$PWD bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 12 > "$OUT/logs/smoke.log" 2>&1
+  echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
+fi
+if [ -n "${DOWN_STUDY:-}" ]; then  # while llama-bench builds: the down GEMV's slot split, one layer a shape
+  PYTHONPATH=$PWD timeout 200 python3 -m benchmarks.studies.down_split_experts --out "$OUT/down_split_experts.json" \
+    > "$OUT/logs/down_split_experts.log" 2>&1; echo "down_split_experts rc=$? at $((SECONDS - T0)) s"
+  cat "$OUT/logs/down_split_experts.log"
+fi
 [ -n "${BUILD:-}" ] && { wait "$BUILD"; echo "llama-bench build rc=$? at $((SECONDS - T0)) s"; }
-ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-peer --budget 100
-      --shapes "${SHAPES:-deepseek-v2-lite,deepseek-v3@8}" --recipes moec/recipes/experts-hls2.yaml
-      moec/recipes/latency-hls2-mla2.yaml)
+ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-peer --budget "${LAT_BUDGET:-100}"
+      --shapes "${SHAPES:-deepseek-v2-lite,deepseek-v3@8}" --recipes)
+for r in ${RECIPES:-experts-hls2 latency-hls2-mla2}; do ARGS+=("moec/recipes/$r.yaml"); done
 lat() {  # lat DIR NAME [ARGS...]: bench_latency from DIR's tree into OUT/NAME
   local dir=$1 name=$2; shift 2
-  (cd "$dir" && PYTHONPATH=$PWD timeout 170 python3 -m benchmarks.bench_latency --out "$OUT/$name" "${ARGS[@]}" "$@" \
+  (cd "$dir" && PYTHONPATH=$PWD timeout "${LAT_TIMEOUT:-170}" python3 -m benchmarks.bench_latency --out "$OUT/$name" "${ARGS[@]}" "$@" \
     > "$OUT/logs/$name.log" 2>&1); echo "$name rc=$? at $((SECONDS - T0)) s"
 }
-lat "$BASE" latency_mla_base.json --no-breakdown
-lat . latency_mla_new.json  # with the per-kernel-group breakdown (what the step spends where now)
+[ -z "${SKIP_BASE:-}" ] && lat "$BASE" latency_mla_base.json --no-breakdown
+lat . latency_mla_new.json ${NO_BREAKDOWN:+--no-breakdown}  # with the per-kernel-group breakdown (what the step spends where now)
 grep "{'attention'" "$OUT/logs/latency_mla_new.json.log"
-PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_mla_base.json" "$OUT/latency_mla_new.json" --tol 0.03
+[ -z "${SKIP_BASE:-}" ] && PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_mla_base.json" \
+  "$OUT/latency_mla_new.json" --tol 0.03
 if [ -n "${BUILD:-}" ]; then
   timeout 150 bash benchmarks/peers/llamacpp_peer.sh "$OUT/peer" deepseek-v2-lite > "$OUT/logs/peer.log" 2>&1
   echo "peer rc=$? at $((SECONDS - T0)) s"; tail -4 "$OUT/logs/peer.log"

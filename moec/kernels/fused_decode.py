@@ -29,10 +29,11 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, d2_ptr, w_ptr, xo_ptr, h_ptr, D, sx, sd, 
     offs = tl.arange(0, BLOCK)
     m = offs < D
     x = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0)
-    if HAS_DELTA:  # the residual add in the model dtype (one rounding, as torch's x + delta)
-        d = tl.load(d_ptr + row * sd + offs, mask=m, other=0.0)
+    if HAS_DELTA:  # the residual add in the model dtype, as torch's x + delta.to(x.dtype)
+        d = tl.load(d_ptr + row * sd + offs, mask=m, other=0.0).to(x.dtype)  # an fp32 delta rounded first
         if HAS_DELTA2:  # the two deltas summed first and rounded, as torch's x + (delta + delta2)
-            d = (d.to(tl.float32) + tl.load(d2_ptr + row * sd2 + offs, mask=m, other=0.0).to(tl.float32)).to(d.dtype)
+            d2 = tl.load(d2_ptr + row * sd2 + offs, mask=m, other=0.0).to(x.dtype)
+            d = (d.to(tl.float32) + d2.to(tl.float32)).to(x.dtype)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
         tl.store(xo_ptr + row * sxo + offs, x, mask=m)
     xf = x.to(tl.float32)
@@ -46,12 +47,14 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
                  delta2: torch.Tensor | None = None):
     """(x + delta, rms_norm(x + delta, weight)) for x, delta [N, D] (rows may be strided); delta None:
     (x, rms_norm(x)); delta2 (a shared expert's output beside the routed experts'): x + (delta + delta2), the
-    deltas' sum rounded to the model dtype first. Outputs are new contiguous tensors in x.dtype."""
+    deltas' sum rounded to the model dtype first. A delta of another dtype (the MoE kernels' fp32 accumulator) is
+    rounded to x.dtype before anything else, as torch's delta.to(x.dtype). Outputs are new contiguous tensors in
+    x.dtype."""
     N, D = x.shape
     assert x.stride(1) == 1 and weight.shape == (D,), (x.stride(), weight.shape)
     for t in (delta, delta2):
         assert t is None or (t.shape == x.shape and t.stride(1) == 1), (t.shape, x.shape)
-    assert delta2 is None or (delta is not None and delta2.dtype == delta.dtype), "delta2 needs a delta of its dtype"
+    assert delta2 is None or delta is not None, "delta2 needs a delta"
     h = torch.empty(N, D, dtype=x.dtype, device=x.device)
     xo = torch.empty_like(h) if delta is not None else x
     d = x if delta is None else delta
@@ -84,6 +87,22 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     BLOCK = min(triton.next_power_of_2(I), 1024)
     _silu_mul_kernel[(N, triton.cdiv(I, BLOCK))](gu, out, I, gu.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
     return out
+
+
+@triton.jit
+def _rope_store(x1, x2, dst, cos_ptr, sin_ptr, offs, HALF: tl.constexpr):
+    """dst[:2·HALF] = RoPE of one head's rotary halves x1, x2 (the model dtype; cos_ptr, sin_ptr: the row's
+    [2·HALF]), results in halves order: x·cos + cat(−x2, x1)·sin, each product rounded to the model dtype first
+    (as model.apply_rope does)."""
+    dt = x1.dtype
+    c1 = tl.load(cos_ptr + offs).to(tl.float32)
+    c2 = tl.load(cos_ptr + HALF + offs).to(tl.float32)
+    s1 = tl.load(sin_ptr + offs).to(tl.float32)
+    s2 = tl.load(sin_ptr + HALF + offs).to(tl.float32)
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    tl.store(dst + offs, ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt))
+    tl.store(dst + HALF + offs, ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt))
 
 
 @triton.jit
@@ -125,17 +144,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr,
         if ROT < D:
             x3 = (tl.load(w_ptr + offs3, mask=m3, other=0.0).to(tl.float32) * (f3 * inv).to(dt).to(tl.float32))
             x3 = x3.to(dt)
-    c1 = tl.load(cos_ptr + n * sc + offs).to(tl.float32)
-    c2 = tl.load(cos_ptr + n * sc + HALF + offs).to(tl.float32)
-    s1 = tl.load(sin_ptr + n * sc + offs).to(tl.float32)
-    s2 = tl.load(sin_ptr + n * sc + HALF + offs).to(tl.float32)
-    a1 = x1.to(tl.float32)
-    a2 = x2.to(tl.float32)
-    # x·cos + cat(−x2, x1)·sin, each product rounded to the model dtype first (as torch does)
-    o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
-    tl.store(dst + offs, o1)
-    tl.store(dst + HALF + offs, o2)
+    _rope_store(x1, x2, dst, cos_ptr + n * sc, sin_ptr + n * sc, offs, HALF)
     if ROT < D:
         tl.store(dst + offs3, x3, mask=m3)
 
@@ -164,14 +173,26 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 @triton.jit
-def _mla_rope_latent_kernel(q_ptr, ckr_ptr, cos_ptr, sin_ptr, w_ptr, qo_ptr, lat_ptr, H, sq, sckr, sc, eps,
-                            HD: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
-                            ROPE: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """Program (row n, j): j < H turns query head j's RoPE part into qo[n, j]; j = H writes the cache's latent
-    row lat[n] = [kv_a_norm(c), RoPE(k_rope)] from ckr[n] = wkv_a(x) = [c (R), k_rope (ROPE)]."""
-    n = tl.program_id(0)
-    j = tl.program_id(1)
+def _rope_pair(src, dst, cos_ptr, sin_ptr, offs, i1, i2, HALF: tl.constexpr):
+    """dst[:2·HALF] = RoPE(src) of one head's rotary part, its pairs at (i1, i2): _rope_store of the loaded halves."""
+    _rope_store(tl.load(src + i1), tl.load(src + i2), dst, cos_ptr, sin_ptr, offs, HALF)
+
+
+@triton.jit
+def _mla_rope_latent_kernel(q_ptr, ckr_ptr, cos_ptr, sin_ptr, w_ptr, uk_ptr, qo_ptr, lat_ptr, H, sq, sckr, sc,
+                            su0, su1, eps, N: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr, NB: tl.constexpr,
+                            R: tl.constexpr, RB: tl.constexpr, ROPE: tl.constexpr, INTERLEAVE: tl.constexpr,
+                            ABSORB: tl.constexpr, BR: tl.constexpr):
+    """Program (j, t), every row n in a loop: j < H is query head j. ABSORB: columns [t·BR, (t+1)·BR) of
+    q_nope·W_UK[j] (the absorbed query, W_UK's tile loaded once for all rows) into qo[n, j, :R], and (t = 0)
+    RoPE(q_rope) into qo[n, j, R:]; else (t = 0 only) RoPE(q_rope) into qo[n, j]. j = H, t = 0 writes the cache's
+    latent rows lat[n] = [kv_a_norm(c), RoPE(k_rope)] from ckr[n] = wkv_a(x) = [c (R), k_rope (ROPE)]. N (rows) is a
+    constant: the step's batch buckets, a handful of compiles (and Triton's interpreter loops only over those)."""
+    j = tl.program_id(0)
+    t = tl.program_id(1)
     HALF: tl.constexpr = ROPE // 2
+    QS: tl.constexpr = R + ROPE if ABSORB else ROPE  # qo's head stride
+    QOFF: tl.constexpr = R if ABSORB else 0  # where the turned RoPE part starts in a head of qo
     offs = tl.arange(0, HALF)
     if INTERLEAVE:  # pairs (x0, x1), (x2, x3), ...: the result in halves order, as model.apply_rope writes it
         i1 = 2 * offs
@@ -180,40 +201,44 @@ def _mla_rope_latent_kernel(q_ptr, ckr_ptr, cos_ptr, sin_ptr, w_ptr, qo_ptr, lat
         i1 = offs
         i2 = HALF + offs
     if j < H:
-        src = q_ptr + n * sq + j * HD + NOPE
-        dst = qo_ptr + (n * H + j) * ROPE
-    else:
-        src = ckr_ptr + n * sckr + R
-        dst = lat_ptr + n * (R + ROPE) + R
+        if ABSORB:  # bmm(q_nope, W_UK) of the absorbed step: fp32 sums, rounded once, as cuBLAS's bf16 bmm
+            kk = tl.arange(0, NB)
+            cols = t * BR + tl.arange(0, BR)
+            mk = kk < NOPE
+            mc = cols < R
+            wt = tl.load(uk_ptr + j * su0 + kk[:, None] * su1 + cols[None, :], mask=mk[:, None] & mc[None, :],
+                         other=0.0).to(tl.float32)
+            for n in range(N):
+                qn = tl.load(q_ptr + n * sq + j * HD + kk, mask=mk, other=0.0)
+                y = tl.sum(qn.to(tl.float32)[:, None] * wt, axis=0)
+                tl.store(qo_ptr + (n * H + j) * QS + cols, y.to(qn.dtype), mask=mc)
+        if t == 0:
+            for n in range(N):
+                _rope_pair(q_ptr + n * sq + j * HD + NOPE, qo_ptr + (n * H + j) * QS + QOFF, cos_ptr + n * sc,
+                           sin_ptr + n * sc, offs, i1, i2, HALF)
+    elif t == 0:
         ro = tl.arange(0, RB)
         m = ro < R
-        c = tl.load(ckr_ptr + n * sckr + ro, mask=m, other=0.0)
-        cf = c.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(cf * cf, axis=0) / R + eps)  # model.rms_norm: fp32, then the model dtype
-        cn = (cf * inv).to(c.dtype).to(tl.float32)
         w = tl.load(w_ptr + ro, mask=m, other=0.0).to(tl.float32)
-        tl.store(lat_ptr + n * (R + ROPE) + ro, (w * cn).to(lat_ptr.dtype.element_ty), mask=m)
-    x1 = tl.load(src + i1)
-    x2 = tl.load(src + i2)
-    dt = x1.dtype
-    c1 = tl.load(cos_ptr + n * sc + offs).to(tl.float32)
-    c2 = tl.load(cos_ptr + n * sc + HALF + offs).to(tl.float32)
-    s1 = tl.load(sin_ptr + n * sc + offs).to(tl.float32)
-    s2 = tl.load(sin_ptr + n * sc + HALF + offs).to(tl.float32)
-    a1 = x1.to(tl.float32)
-    a2 = x2.to(tl.float32)
-    o1 = ((a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)).to(dt)
-    tl.store(dst + offs, o1)
-    tl.store(dst + HALF + offs, o2)
+        for n in range(N):
+            c = tl.load(ckr_ptr + n * sckr + ro, mask=m, other=0.0)
+            cf = c.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(cf * cf, axis=0) / R + eps)  # model.rms_norm: fp32, then the model dtype
+            cn = (cf * inv).to(c.dtype).to(tl.float32)
+            tl.store(lat_ptr + n * (R + ROPE) + ro, (w * cn).to(lat_ptr.dtype.element_ty), mask=m)
+            _rope_pair(ckr_ptr + n * sckr + R, lat_ptr + n * (R + ROPE) + R, cos_ptr + n * sc, sin_ptr + n * sc,
+                       offs, i1, i2, HALF)
 
 
 def mla_rope_latent(q: torch.Tensor, ckr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float, n_heads: int, nope: int, interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    eps: float, n_heads: int, nope: int, interleave: bool, w_uk: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA's decode-step prologue in one launch (model.MLAttention.forward's kv_a_norm, both RoPEs and the latent
     row, ~18 torch launches a layer): q [N, H·(nope + rope)] (rows may be strided), ckr [N, r + rope] = wkv_a(x),
     cos, sin [N, rope] -> q_rope [N, H, rope] (turned), latent [N, r + rope] = [rms_norm(c), RoPE(k_rope)], both
-    contiguous, in the one dtype of q, ckr and the norm's weight."""
+    contiguous, in the one dtype of q, ckr and the norm's weight. w_uk [H, nope, r] (the absorbed weight's W_UK
+    part, any strides but the last): the first output is the whole absorbed query [N, H, r + rope] =
+    [q_nope·W_UK[h], RoPE(q_rope)] instead (torch: a bmm and a cat more)."""
     N = q.shape[0]
     rope = cos.shape[-1]
     r = ckr.shape[1] - rope
@@ -222,9 +247,17 @@ def mla_rope_latent(q: torch.Tensor, ckr: torch.Tensor, cos: torch.Tensor, sin: 
     assert cos.shape == sin.shape == (N, rope) and cos.stride() == sin.stride() and norm_weight.shape == (r,)
     assert rope >= 2 and rope & (rope - 1) == 0, rope
     assert q.dtype == ckr.dtype == norm_weight.dtype, (q.dtype, ckr.dtype, norm_weight.dtype)
-    q_rope = torch.empty(N, n_heads, rope, dtype=q.dtype, device=q.device)
+    absorb = w_uk is not None
+    if absorb:
+        assert w_uk.shape == (n_heads, nope, r) and w_uk.stride(2) == 1 and w_uk.dtype == q.dtype, \
+            (w_uk.shape, w_uk.stride(), w_uk.dtype)
+    q_out = torch.empty(N, n_heads, r + rope if absorb else rope, dtype=q.dtype, device=q.device)
     latent = torch.empty(N, r + rope, dtype=q.dtype, device=q.device)
-    _mla_rope_latent_kernel[(N, n_heads + 1)](
-        q, ckr, cos, sin, norm_weight, q_rope, latent, n_heads, q.stride(0), ckr.stride(0), cos.stride(0), eps,
-        HD=hd, NOPE=nope, R=r, RB=triton.next_power_of_2(r), ROPE=rope, INTERLEAVE=interleave, num_warps=1)
-    return q_rope, latent
+    BR = 32  # W_UK columns a program: H·r/32 programs (V2-Lite: 256, one wave per batch of rows)
+    uk = w_uk if absorb else q
+    _mla_rope_latent_kernel[(n_heads + 1, triton.cdiv(r, BR) if absorb else 1)](
+        q, ckr, cos, sin, norm_weight, uk, q_out, latent, n_heads, q.stride(0), ckr.stride(0), cos.stride(0),
+        uk.stride(0) if absorb else 0, uk.stride(1) if absorb else 0, eps, N=N, HD=hd, NOPE=nope,
+        NB=triton.next_power_of_2(nope), R=r, RB=triton.next_power_of_2(r), ROPE=rope, INTERLEAVE=interleave,
+        ABSORB=absorb, BR=BR, num_warps=4 if absorb else 1)
+    return q_out, latent

@@ -89,8 +89,11 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
                     BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr, POLY: tl.constexpr,
                     PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0,
                     HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 7.0,
-                    ASM: tl.constexpr = False):
+                    ASM: tl.constexpr = False, zero_ptr=None, n_zero=0, ZB: tl.constexpr = 0):
     t = tl.program_id(0)  # token-slot n·A + a
+    if ZB > 0:  # the split down GEMV's fp32 output [N, D] zeroed here, ZB values a program (no memset launch)
+        zo = (t * tl.num_programs(1) + tl.program_id(1)) * ZB + tl.arange(0, ZB)
+        tl.store(zero_ptr + zo, tl.zeros((ZB,), dtype=tl.float32), mask=zo < n_zero)
     n = t // A
     e = tl.load(ids_ptr + t).to(tl.int64)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
@@ -149,14 +152,19 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
                  MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
                  G: tl.constexpr, GS: tl.constexpr, BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr,
                  POLY: tl.constexpr, PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0,
-                 HAS_BIAS: tl.constexpr = False, ASM: tl.constexpr = False):
+                 HAS_BIAS: tl.constexpr = False, ASM: tl.constexpr = False, AP: tl.constexpr = 0):
+    """Program (n, output block, z): token n's slots [a0, a0 + AP) (AP: a divisor of A; 0: all A) over inputs
+    [k_start, k_start + PER), z = (a0 / AP)·SPLIT + k_start / PER; several programs a row add with fp32 atomics."""
     n = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
     mask_o = offs_o < D
-    k_start = tl.program_id(2) * PER
+    SLOTS: tl.constexpr = A if AP == 0 else AP
+    z = tl.program_id(2)
+    k_start = (z % SPLIT) * PER
+    a0 = (z // SPLIT) * SLOTS
     y = tl.zeros((BO,), dtype=tl.float32)
-    for a in tl.static_range(A):  # unrolled: the slots' loads overlap (results/moe_down_unroll_ab_h100.json)
-        t = n * A + a
+    for a in tl.static_range(SLOTS):  # unrolled: the slots' loads overlap (results/moe_down_unroll_ab_h100.json)
+        t = n * A + a0 + a
         e = tl.load(ids_ptr + t).to(tl.int64)
         acc = tl.zeros((BO, BKC), dtype=tl.float32)
         if PRMT:  # unmasked loads from rows clamped into the matrix (rows past D are dropped at the store)
@@ -186,7 +194,7 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
             r += tl.where(k_start == 0, wt, 0.0) * tl.load(bd_ptr + e * D + offs_o, mask=mask_o, other=0.0).to(
                 tl.float32)
         y += r
-    if SPLIT == 1:
+    if SPLIT == 1 and SLOTS == A:
         tl.store(out_ptr + n * D + offs_o, y.to(out_ptr.dtype.element_ty), mask=mask_o)
     else:
         tl.atomic_add(out_ptr + n * D + offs_o, y, mask=mask_o)
@@ -214,20 +222,26 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                w2: QWeight, block_o: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                block_o_down: int | None = None, block_k_down: int | None = None, split: int | None = None,
                words: bool | None = None, poly: bool | None = None, prmt: bool | None = None,
-               out_dtype: torch.dtype = torch.float32, num_stages: int | None = None,
+               out_dtype: torch.dtype | None = torch.float32, num_stages: int | None = None,
                num_warps_down: int | None = None, num_stages_down: int | None = None,
                h_rotate=None, vq_gather: bool = False, biases=None, act: str = "silu",
-               limit: float = 7.0) -> torch.Tensor:
+               limit: float = 7.0, split_experts: int | None = None) -> torch.Tensor:
     """Fused MoE for few tokens. x [N, D]; ids, weights [N, A]; w1, w3 [E, I, D] and w2 [E, D, I] as
-    QWeight (all of one mode, w1 and w3 of one width). Returns out [N, D] in out_dtype. vq: word chunks by
+    QWeight (all of one mode, w1 and w3 of one width). Returns out [N, D] in out_dtype; None: x's dtype where the
+    down GEMV writes each output once, its fp32 accumulator where it splits the inputs (no cast launch: the caller
+    rounds, as the fused step's add_rms_norm does). vq: word chunks by
     default (codebook gathers through L1), vq_gather=True their tl.gather variant, words=False the byte-code GEMV. prmt
     (default: where it applies, i.e. CUDA 2-bit fp16 tables in the word layout and words not turned off):
     the PTX prmt lookup with fp16x2 products (dequant.gemv_prmt); False: the previous select-tree / cubic
     path. h_rotate: a function applied to the intermediate h [T, I] fp32 between the two launches (the
     incoherence rotation of w2's inputs, runtime/experts.py; it takes the non-prmt path, whose h is fp32
     in natural order). biases: (b1, b3 [E, I], b2 [E, D]) added to gate, up and down (b2 times the routing
-    weight); act: the gated activation ("silu" or gpt-oss's "clamped_swiglu" at `limit`)."""
+    weight); act: the gated activation ("silu" or gpt-oss's "clamped_swiglu" at `limit`). split_experts: the down
+    GEMV's slots of a token in that many programs (a divisor of A; default: 1 where the grid fills the SMs once, else
+    the fewest that give it 4 programs an SM: small-I models such as DeepSeek-V2-Lite and Qwen3 at batch 1 would run
+    under one program an SM, each through all A experts)."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
+    x_dtype = x.dtype  # out_dtype None's dtype where the down GEMV writes each output once (prmt_pairs changes x)
     # x in its own dtype: every GEMV path converts its loads to fp32 (and prmt_pairs rounds to fp16, which
     # bf16 -> fp16 does exactly as bf16 -> fp32 -> fp16); an fp32 copy first was one more kernel per layer
     x = x.contiguous() if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else x.float().contiguous()
@@ -240,7 +254,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
             try:
                 return moe_decode(x, ids, weights, w1, w3, w2, block_o, block_k, num_warps, block_o_down,
                                   block_k_down, split, words, poly, True, out_dtype, num_stages, num_warps_down,
-                                  num_stages_down, biases=biases, act=act, limit=limit)
+                                  num_stages_down, biases=biases, act=act, limit=limit,
+                                  split_experts=split_experts)
             except triton.TritonError as ex:  # inline PTX refused (compile or ptxas error): keep the portable path
                 _PRMT_FAILED.append(f"{type(ex).__name__}: {str(ex)[:200]}")
                 log.warning("prmt MoE decode kernels failed to compile, using the select path: %s", _PRMT_FAILED[0])
@@ -279,12 +294,6 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     # the biases as stored (converted in the kernels: an fp32 copy here was three copy kernels a layer every step)
     bg, bu, bd = (weights,) * 3 if biases is None else (b.contiguous() for b in biases)
     extra = dict(HAS_BIAS=biases is not None, ACT=EXPERT_ACT_IDS[act], LIMIT=float(limit))
-    _gate_up_kernel[(T, triton.cdiv(I, block_o))](
-        x, ids, weights, d1, a1, b1, d3, a3, b3, h, bg, bu, I,
-        d1.stride(0), d1.stride(1), stride_ae1, row_a1,
-        D=D, A=A, BO=block_o, **launch1, **s1, **extra)
-    if h_rotate is not None:
-        h = h_rotate(h).contiguous()
     bk2 = s2["BKC"] * s2["C"]
     n_d = triton.cdiv(D, block_o_down)
     if split is None:  # split I (fp32 atomics) until the grid has a few programs per SM; prmt: only below one
@@ -293,10 +302,23 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
             split = 1
     per = triton.cdiv(triton.cdiv(I, split), bk2) * bk2
     split = triton.cdiv(I, per)
-    if split == 1:
-        out = torch.empty(N, D, dtype=out_dtype, device=x.device)
-    else:
-        out = torch.zeros(N, D, dtype=torch.float32, device=x.device)
+    if split_experts is None:  # below one wave: the fewest slot groups that give the down grid 4 programs an SM
+        split_experts = 1 if N * n_d * split >= sms else next(
+            (g for g in range(1, A + 1) if A % g == 0 and N * n_d * split * g >= 4 * sms), A)
+    assert A % split_experts == 0, (A, split_experts)
+    n_up = T * triton.cdiv(I, block_o)  # gate/up programs
+    if split * split_experts == 1:
+        out = torch.empty(N, D, dtype=out_dtype or x_dtype, device=x.device)
+        zero = {}
+    else:  # fp32 atomics into zeros: the gate/up launch writes them (it runs first)
+        out = torch.empty(N, D, dtype=torch.float32, device=x.device)
+        zero = dict(zero_ptr=out, n_zero=N * D, ZB=triton.next_power_of_2(triton.cdiv(N * D, n_up)))
+    _gate_up_kernel[(T, triton.cdiv(I, block_o))](
+        x, ids, weights, d1, a1, b1, d3, a3, b3, h, bg, bu, I,
+        d1.stride(0), d1.stride(1), stride_ae1, row_a1,
+        D=D, A=A, BO=block_o, **launch1, **s1, **extra, **zero)
+    if h_rotate is not None:
+        h = h_rotate(h).contiguous()
     d2, a2, b2 = w2.ptrs()
     if s2["WORDS"]:
         d2 = d2.view(torch.int32)
@@ -304,11 +326,11 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
         d2, a2 = w2.vq_views()
     if prmt:
         a2, h = a2.view(torch.int32), h.view(torch.int32)
-    _down_kernel[(N, n_d, split)](
+    _down_kernel[(N, n_d, split * split_experts)](
         h, ids, d2, a2, b2, out, weights, bd, D, d2.stride(0), d2.stride(1), a2.stride(0) if w2.a is not None else 0,
         a2.stride(1) if prmt else w2.row_stride_a(), I=I, A=A, PER=per, SPLIT=split, BO=block_o_down,
-        **launch2, **s2, HAS_BIAS=biases is not None)
-    return out.to(out_dtype)
+        **launch2, **s2, HAS_BIAS=biases is not None, AP=A // split_experts)
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def moe_decode_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,

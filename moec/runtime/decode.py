@@ -63,9 +63,11 @@ def bucket_for(b: int, capacity: int) -> int:
 
 # -- the engine -----------------------------------------------------------------------------------------
 
-def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True) -> torch.Tensor:
+def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True, exact_dtype: bool = True
+                   ) -> torch.Tensor:
     """The MoE layer without host syncs (for capture). x [N, D]; shared=False: the routed experts only (the fused
-    step runs the shared expert itself, DecodeEngine._fuse_shared).
+    step runs the shared expert itself, DecodeEngine._fuse_shared); exact_dtype=False: the routed output may come
+    in fp32 (the split down GEMV's accumulator) for a caller that rounds it to x's dtype (QuantExperts.fused).
 
     Routing: the router GEMV, softmax, top-k and renormalization in one kernel at decode batch sizes and up
     to 32 experts (kernels/route_topk.py route_gemv_topk), else the GEMV then one kernel for the rest
@@ -92,7 +94,7 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True) -
     else:  # DeepSeek's / GLM's scores, groups, bias and scale: one kernel where it applies, else torch's route
         w, ids = _route_scored(moe, x)
     if moe.codec is not None:
-        out = moe.codec.fused(x, w, ids, a, moe.biases())
+        out = moe.codec.fused(x, w, ids, a, moe.biases(), exact_dtype=exact_dtype)
     else:
         out = _dense_kernel_moe(moe, x, w, ids)
         if out is None:
@@ -453,13 +455,12 @@ class DecodeEngine:
         blk = m.layers[i]
         nxt = m.layers[i + 1].attn_norm if i + 1 < len(m.layers) else m.norm
         gate_up = self.shared_gate_up[i]
-        y = graph_safe_moe(blk.moe, h, blk.layer, shared=gate_up is None)
+        # the routed output may come in fp32: add_rms_norm rounds each delta to x's dtype first, as the plain step's
+        # MoE output is rounded before its add
+        y = graph_safe_moe(blk.moe, h, blk.layer, shared=gate_up is None, exact_dtype=False)
         if gate_up is None:
             return add_rms_norm(x, y, nxt.weight, nxt.eps)
-        s = blk.moe.shared.w2(silu_mul(gate_up(h)))
-        if s.dtype != y.dtype:  # the deltas' sum in the dtype torch's y + s would give
-            return add_rms_norm(x, y + s, nxt.weight, nxt.eps)
-        return add_rms_norm(x, y, nxt.weight, nxt.eps, delta2=s)
+        return add_rms_norm(x, y, nxt.weight, nxt.eps, delta2=blk.moe.shared.w2(silu_mul(gate_up(h))))
 
     def _capture(self, b: int) -> torch.cuda.CUDAGraph | None:
         pos0 = self.pos.clone()

@@ -194,9 +194,11 @@ class ExpertWeights(nn.Module):
                 and len({w.codec for w in ws}) == 1 and self.w1.bits == self.w3.bits and self.shared_x)
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, args=None,
-              biases=None) -> torch.Tensor | None:
+              biases=None, exact_dtype: bool = True) -> torch.Tensor | None:
         """The fused Triton kernels (backend.kernels_enabled: CUDA by default; x [N, D], weights/ids [N, A]),
-        or None where they do not apply. args, biases: as `expert`."""
+        or None where they do not apply. args, biases: as `expert`. exact_dtype=False: the decode kernels' output
+        may stay in their fp32 accumulator (moe_decode's out_dtype None) for a caller that rounds it to x's dtype
+        itself (the fused step's add_rms_norm): one cast launch a layer fewer."""
         if not self.fused_ok(x):
             return None
         qs = [w.qweight() for w in (self.w1, self.w3, self.w2)]
@@ -213,7 +215,8 @@ class ExpertWeights(nn.Module):
                     out = gmd.gluon_moe_decode(xr.contiguous(), ids.to(torch.int32).contiguous(),
                                                weights.float().contiguous(), *qs, ids.shape[1], biases=biases, **act)
                     return out.to(x.dtype)
-            return moe_decode(xr, ids, weights, *qs, out_dtype=x.dtype, h_rotate=h_rotate, biases=biases, **act)
+            return moe_decode(xr, ids, weights, *qs, out_dtype=x.dtype if exact_dtype else None, h_rotate=h_rotate,
+                              biases=biases, **act)
         from ..kernels.moe_prefill import moe_grouped
 
         return moe_grouped(xr, ids, weights, *qs, h_rotate=h_rotate, biases=biases, **act)

@@ -326,9 +326,10 @@ class MLAttention(nn.Module):
     def decode_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, cache,
                      in_proj=None) -> torch.Tensor:
         """forward()'s absorbed step for one token a row (x [b, D], cos/sin [b, rope]) -> [b, D], with the q_a
-        norm, the kv_a norm, both RoPEs and the latent row as two kernels (kernels/fused_decode.py) instead of
-        ~25 torch launches: the engine's fused step (runtime/decode.py) on models of one dtype. in_proj: wq (or
-        wq_a) and wkv_a as one projection of x (the engine's, runtime/decode.py _fuse_linears), one launch."""
+        norm, the kv_a norm, both RoPEs, the query's absorption (q_nope·W_UK) and the latent row as two kernels
+        (kernels/fused_decode.py) instead of ~27 torch launches: the engine's fused step (runtime/decode.py) on
+        models of one dtype. in_proj: wq (or wq_a) and wkv_a as one projection of x (the engine's, runtime/decode.py
+        _fuse_linears), one launch."""
         from ..kernels.fused_decode import add_rms_norm, mla_rope_latent
 
         a = self.args
@@ -348,13 +349,12 @@ class MLAttention(nn.Module):
             q = self.wq_b(add_rms_norm(q_a, None, self.q_a_norm.weight, self.q_a_norm.eps)[1])
         else:
             q = self.wq(x) if q_in is None else q_in  # [b, H·(nope + rope)]
-        q_rope, latent = mla_rope_latent(q, ckr, cos, sin, self.kv_a_norm.weight, self.kv_a_norm.eps, H, nope,
-                                         a.rope_interleave)
         rotation = getattr(cache, "latent_rotation", None)
         w = self.absorbed_weight(q.dtype, None if rotation is None else rotation(layer))  # [H, nope + v, r]
-        q_lat = torch.bmm(q.view(b, H, -1)[:, :, :nope].transpose(0, 1), w[:, :nope])  # [H, b, r]
-        o_lat = cache.attend(layer, torch.cat([q_lat.transpose(0, 1), q_rope], -1)[:, :, None], latent[:, None, None],
-                             None, 0)  # [b, H, 1, r]
+        # the absorbed query [b, H, r + rope] = [q_nope·W_UK, RoPE(q_rope)] and the latent row, one launch
+        q_abs, latent = mla_rope_latent(q, ckr, cos, sin, self.kv_a_norm.weight, self.kv_a_norm.eps, H, nope,
+                                        a.rope_interleave, w[:, :nope])
+        o_lat = cache.attend(layer, q_abs[:, :, None], latent[:, None, None], None, 0)  # [b, H, 1, r]
         out = torch.bmm(o_lat[:, :, 0].to(q.dtype).transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, b, v]
         return self.wo(out.transpose(0, 1).reshape(b, H * a.v_head_dim))
 

@@ -49,6 +49,13 @@ def test_add_rms_norm(dtype, D):
     ref2 = (x + (delta + d2)).float()  # two roundings: each off by up to TOL of what it rounds
     assert ((xo2.float() - ref2).abs() <= TOL[dtype] * ((delta + d2).float().abs() + ref2.abs()) + 1e-6).all()
     assert torch.allclose(h2.float(), rms_norm(xo2, w, 1e-5).float(), rtol=TOL[dtype], atol=TOL[dtype])
+    # an fp32 delta (the MoE kernels' split accumulator) is rounded to x's dtype first: torch's x + delta.to(x.dtype)
+    df = torch.randn(3, D, generator=g).to(DEVICE) * 3
+    xo3, _ = add_rms_norm(x, df, w, 1e-5, delta2=d2)
+    ref3 = (x + (df.to(dtype) + d2)).float()
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(xo3.float(), ref3)
+    assert ((xo3.float() - ref3).abs() <= TOL[dtype] * (2 * df.abs() + d2.float().abs() + ref3.abs()) + 1e-6).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -113,6 +120,16 @@ def test_mla_rope_latent(dtype, interleave):
     for got, want in ((q_rope, want_q), (latent, want_lat)):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert torch.allclose(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype]), (got - want).abs().max()
+    # with W_UK [H, nope, r] (a strided slice of the absorbed weight, as the engine passes it): the absorbed query
+    # [q_nope·W_UK, RoPE(q_rope)] as the step's bmm and cat give it (r = 48: two column tiles, the second masked)
+    wkv = torch.randn(H, nope + 40, r, generator=g).to(DEVICE, dtype) / 8
+    q_abs, latent2 = mla_rope_latent(q, ckr, cos, sin, w, 1e-6, H, nope, interleave, wkv[:, :nope])
+    q_lat = torch.bmm(q.view(N, H, -1)[:, :, :nope].transpose(0, 1), wkv[:, :nope]).transpose(0, 1)
+    want_abs = torch.cat([q_lat, want_q], -1)
+    assert q_abs.shape == (N, H, r + rope) and torch.equal(latent2, latent)
+    # the sums' order differs from the GEMM's: fp32 to 1e-5, bf16 to one rounding of the product's size
+    tol = 1e-5 if dtype == torch.float32 else 2 * TOL[dtype]
+    assert torch.allclose(q_abs.float(), want_abs.float(), rtol=tol, atol=tol), (q_abs - want_abs).abs().max()
 
 
 @pytest.mark.parametrize("qk_norm", ["none", "head"])
@@ -135,11 +152,16 @@ def test_engine_fused_step_matches_plain_step(qk_norm):
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
 
 
-@pytest.mark.parametrize("q_lora_rank", [32, 0])
-def test_engine_fused_step_mla(q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank,quantized", [(32, False), (0, False), (0, True)])
+def test_engine_fused_step_mla(q_lora_rank, quantized):
     """The fused step of an MLA model (DeepSeek-V3 style, or V2-Lite's without the query's low rank: the residual
     adds and block norms fused around model.MLAttention's absorbed step over the latent cache, its norms, RoPEs and
-    latent row in one kernel, the query's and the latent's projections as one) gives the plain step's logits."""
+    latent row in one kernel, the query's and the latent's projections as one) gives the plain step's logits.
+    quantized: every attention and shared-expert projection 4-bit (latency-hls2-lin4's layout), wq and wkv_a then
+    one qlinear launch (_QuantQKV) and wkv_b dequantized once for the absorbed products."""
+    from moec.calibrate import hls
+    from moec.runtime.decode import _QuantQKV
+    from moec.runtime.experts import QuantMatrix, attach
     from moec.runtime.kvcache import dense_cache
 
     args = ModelArgs(arch="deepseek_v3", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=48,
@@ -148,6 +170,14 @@ def test_engine_fused_step_mla(q_lora_rank):
                      router_bias=True, routed_scale=2.5, attn_kind="mla", q_lora_rank=q_lora_rank, kv_lora_rank=32,
                      qk_rope_dim=16, v_head_dim=32, rope_interleave=True)
     model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=2)
+    if quantized:
+        quant = {}
+        names = [f"layers.{i}.attn.{n}" for i in range(2) for n in ("wq", "wkv_a", "wkv_b", "wo")]
+        for name in names + [f"layers.1.moe.shared.{n}" for n in ("w1", "w3", "w2")]:
+            W = model.get_submodule(name).weight.data.float().cpu()
+            stored = {k: v[0] for k, v in hls.quantize(W[None], None, "rtn", 4, 16, False).items()}
+            quant[name + ".weight"] = QuantMatrix("rtn", 4, tuple(W.shape), stored)
+        attach(model, quant, DEVICE)
     prompt = torch.tensor([3, 9, 27, 17, 51])
     out = []
     for fuse in (False, True):
@@ -156,6 +186,8 @@ def test_engine_fused_step_mla(q_lora_rank):
         assert eng.mla_kernel == fuse  # the fused step takes MLAttention.decode_fused (fused_decode.mla_rope_latent)
         assert [f is not None for f in eng.shared_gate_up] == ([False, True] if fuse else [])  # the moe layer's
         assert [f is not None for f in eng.mla_in] == ([True, True] if fuse else [])
+        if fuse and quantized:
+            assert all(isinstance(f, _QuantQKV) for f in eng.mla_in + eng.shared_gate_up[1:])
         logits = [eng.prefill(0, prompt)]
         for _ in range(4):
             logits.append(eng.step(1, feed_next=True)[0].clone())

@@ -75,6 +75,46 @@ def test_split_and_paths_agree():
     assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
+@pytest.mark.parametrize("split_experts,split", [(1, 1), (2, 1), (3, 2), (6, 1)])
+def test_down_slots_split_over_programs(split_experts, split):
+    """The down GEMV's slots of a token in split_experts programs (fp32 atomics, beside split-I's): the
+    reference's output, biases included (each slot's weighted down bias added once whatever the split); a count
+    that does not divide the slots is refused."""
+    x, ids, wts, w1, w3, w2 = moe_case("lut2", 2, 6, 8, 32, 64, 1, 1, DEVICE, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    biases = tuple(torch.randn(8, n, generator=gen).to(DEVICE) for n in (64, 64, 32))
+    kw = dict(block_o=64, block_k=32, block_o_down=32, block_k_down=32, prmt=False, biases=biases)
+    got = moe_decode(x, ids, wts, w1, w3, w2, split=split, split_experts=split_experts, **kw)
+    want = moe_decode_ref(x, ids, wts, w1, w3, w2, biases=biases)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    with pytest.raises(AssertionError):
+        moe_decode(x, ids, wts, w1, w3, w2, split_experts=4, **kw)  # not a divisor of top-6
+
+
+@pytest.mark.parametrize("N,block_o", [(1, 64), (3, 16)])
+def test_split_output_zeroed_by_gate_up(monkeypatch, N, block_o):
+    """Split-I atomics accumulate into a buffer the gate/up launch zeroes (no memset launch): with every fresh
+    torch.empty poisoned by NaNs the split output is finite and equals the unsplit one (3 tokens x 2 slots with
+    16-row blocks: 24 programs zero 3 x 32 values, ZB 4 each). out_dtype None keeps the split accumulator in fp32
+    and the unsplit output in x's dtype."""
+    x, ids, wts, w1, w3, w2 = moe_case("lut2", N, 2, 3, 32, 64, 1, 1, DEVICE, seed=5)
+    kw = dict(block_o=block_o, block_k=32, block_o_down=32, block_k_down=32, prmt=False)
+    want = moe_decode(x, ids, wts, w1, w3, w2, split=1, **kw)
+    empty = torch.empty
+
+    def poisoned(*a, **k):
+        t = empty(*a, **k)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    got = moe_decode(x.to(torch.bfloat16), ids, wts, w1, w3, w2, split=2, out_dtype=None, **kw)
+    one = moe_decode(x.to(torch.bfloat16), ids, wts, w1, w3, w2, split=1, split_experts=1, out_dtype=None, **kw)
+    monkeypatch.undo()
+    assert got.dtype == torch.float32 and one.dtype == torch.bfloat16
+    assert torch.isfinite(got).all(), "the split output was not zeroed"
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()  # bf16 x against fp32 x
+
+
 def test_runtime_takes_fused_path_on_cuda_only():
     g = torch.Generator().manual_seed(0)
     E, D, I = 4, 64, 32
