@@ -274,13 +274,18 @@ class MLAttention(nn.Module):
     def absorbed_weight(self, dtype: torch.dtype, rotation: torch.Tensor | None = None) -> torch.Tensor:
         """kv_b_weight() in `dtype`, times the cache's latent rotation Rc [r, r] when it has one: a cache holding
         the latent as c·Rc (runtime/mla_nuq.py) is queried with q_nope·W_UK·Rc and returns P·(c·Rc), which
-        W_UV·Rc projects, so the rotation costs nothing per step (the product is made once and kept)."""
-        w = self.kv_b_weight().to(dtype)
-        if rotation is None:
+        W_UV·Rc projects, so the rotation costs nothing per step (the product is made once and kept). The conversion
+        is kept too: a quantized wkv_b's fp32 dense weight cast to bf16 every step was a 4 MB copy kernel a
+        DeepSeek-V2-Lite layer (0.13 ms a step; results/latency_deepseek_lin4_down_split_h100)."""
+        w = self.kv_b_weight()
+        if rotation is None and w.dtype == dtype:
             return w
-        key = (w.data_ptr(), w.shape, rotation.data_ptr(), dtype)
+        # _version: an in-place change of the weight (or rotation) makes a new product
+        rot = None if rotation is None else (rotation.data_ptr(), rotation._version)
+        key = (w.data_ptr(), w._version, w.shape, rot, dtype)
         if getattr(self, "_kv_b_rot", None) is None or self._kv_b_rot[0] != key:
-            self._kv_b_rot = (key, torch.matmul(w.float(), rotation.to(w.device, torch.float32)).to(dtype))
+            made = w.to(dtype) if rotation is None else torch.matmul(w.float(), rotation.to(w.device, torch.float32))
+            self._kv_b_rot = (key, made.to(dtype))
         return self._kv_b_rot[1]
 
     def forward(self, x, cos, sin, layer: int, cache=None, start_pos: int = 0, observer=None):

@@ -188,6 +188,15 @@ def test_engine_fused_step_mla(q_lora_rank, quantized):
         assert [f is not None for f in eng.mla_in] == ([True, True] if fuse else [])
         if fuse and quantized:
             assert all(isinstance(f, _QuantQKV) for f in eng.mla_in + eng.shared_gate_up[1:])
+        attn = model.layers[0].attn  # the absorbed weight in another dtype: converted once, again after a change
+        w16 = attn.absorbed_weight(torch.bfloat16)
+        assert attn.absorbed_weight(torch.bfloat16) is w16 and torch.equal(w16, attn.kv_b_weight().to(torch.bfloat16))
+        if not quantized:
+            with torch.no_grad():
+                attn.wkv_b.weight.mul_(2)
+            assert torch.equal(attn.absorbed_weight(torch.bfloat16), 2 * w16)
+            with torch.no_grad():
+                attn.wkv_b.weight.div_(2)
         logits = [eng.prefill(0, prompt)]
         for _ in range(4):
             logits.append(eng.step(1, feed_next=True)[0].clone())
