@@ -75,7 +75,7 @@ def test_split_and_paths_agree():
     assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
-@pytest.mark.parametrize("split_experts,split", [(1, 1), (2, 1), (3, 2), (6, 1)])
+@pytest.mark.parametrize("split_experts,split", [(2, 1), (3, 2), (6, 1)])
 def test_down_slots_split_over_programs(split_experts, split):
     """The down GEMV's slots of a token in split_experts programs (fp32 atomics, beside split-I's): the
     reference's output, biases included (each slot's weighted down bias added once whatever the split); a count
