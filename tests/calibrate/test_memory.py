@@ -21,13 +21,15 @@ HLS = parse_recipe({"name": "q", "weights": [{"targets": ["experts"], "codec": "
 
 
 def test_estimate_within_25_percent_of_the_measured_peak(tiny_moe_dir, tmp_path):
-    """256 × 256 random tokens through the tiny MoE (D = 48): the hidden states (12.6 MB, three of them
-    during the final norm) outweigh the fixed terms; measured in a fresh process by the benchmark script
-    (VmHWM above the RSS at capture start), with pre-tokenized windows so no tokenizer is loaded."""
+    """1024 × 256 random tokens through the tiny MoE (D = 48): the hidden states (50 MB, three of them
+    during the final norm) outweigh the fixed terms and the allocator's noise (glibc keeps 12-25 MB more
+    on some runs of the same work: at 256 samples that alone read 0.69-0.82 on CI); measured in a fresh
+    process by the benchmark script (VmHWM above the RSS at capture start), with pre-tokenized windows so
+    no tokenizer is loaded."""
     ids, out = tmp_path / "ids.pt", tmp_path / "m.json"
     torch.save({"calib": torch.randint(0, 300, (64, 256), generator=torch.Generator().manual_seed(0))}, ids)
     r = subprocess.run([sys.executable, "-m", "benchmarks.bench_memory_estimate", "--model", str(tiny_moe_dir),
-                        "--recipe", str(ROOT / "moec/recipes/fp16.yaml"), "--ids", str(ids), "--samples", "256",
+                        "--recipe", str(ROOT / "moec/recipes/fp16.yaml"), "--ids", str(ids), "--samples", "1024",
                         "--seq-len", "256", "--out", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr
