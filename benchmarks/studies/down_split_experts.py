@@ -7,9 +7,11 @@ Why: at batch 1 the down launch has one program a (token, 16 output rows): DeepS
 Qwen3's make 128 programs on 132 SMs, each walking all top-k experts (V2-Lite's `_down_kernel` took 0.42 ms a step
 at 32k against 0.20 for gate/up, twice the bytes; H100, 2026-12-06). Each record is the whole moe_decode (hls2,
 prmt path) under a CUDA graph over `--layers` layers of separate weights (more bytes than L2), ms per layer, for
-split_experts in the divisors of top-k (`config`), block_o_down 8 with the slots unsplit, and the default
-(`config: "default"`, what the engine runs); `gbps` counts the active experts' bytes (gate, up, down). Each config
-is checked on layer 0 against moe_decode_ref (max rel. error ≤ 5e-3, the prmt path's bound).
+split_experts in the divisors of top-k (`config`), block_o_down 8 with the slots unsplit, input tiles of
+512 / 1024 (block_k_down) where they are shorter than I, and the default (`config: "default"`, what the engine
+runs); `--tree` labels the records (the same script run from two trees compares their kernels); `gbps` counts
+the active experts' bytes (gate, up, down). Each config is checked on layer 0 against moe_decode_ref (max rel.
+error ≤ 5e-3, the prmt path's bound).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--budget", type=float, default=150.0, help="seconds; shapes left when it runs out are skipped")
+    ap.add_argument("--tree", default="", help="a label for the moec/ tree measured (e.g. base / patched)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("down_split_experts: needs a CUDA GPU")
@@ -66,9 +69,12 @@ def main():
         configs = [("default", {})] + [(f"split_experts={s}", {"split_experts": s})
                                        for s in range(1, A + 1) if A % s == 0]
         configs.append(("block_o_down=8,split_experts=1", {"block_o_down": 8, "split_experts": 1}))
+        # shorter input tiles where I is no power of two (1408 in a 2048 tile: 31% of lanes masked; 2880 in two: 30%)
+        configs += [(f"block_k_down={k}", {"block_k_down": k}) for k in (512, 1024) if k < I]
         for label, cfg in configs:
             rec = base_record("moe-down-split-experts", "cuda") | {
-                "shape": name, "E": E, "top_k": A, "D": D, "I": I, "batch": 1, "layers": layers, "config": label}
+                "shape": name, "E": E, "top_k": A, "D": D, "I": I, "batch": 1, "layers": layers, "config": label,
+                "tree": a.tree}
             try:
                 err = rel_err(moe_decode(x, ids, wts, *ws[0], **cfg), want)
                 ms = time_layers(x, ids, wts, ws, cfg)

@@ -13,7 +13,7 @@
 # (carry BASE_DIR from scripts/base_tree.sh, and gpu/lcpp from benchmarks/peers/lcpp_fetch.sh; SKIP_PEER=1: steps 1-2
 # only, ~4 min; SHAPES=a,b: other shapes for step 2, e.g. with moe_split_nocast.patch applied too; RECIPES="a b":
 # other recipes of moec/recipes; SKIP_BASE=1: this tree only, no comparison; DOWN_STUDY=1: down_split_experts.py
-# after the smoke; SKIP_SMOKE=1: no smoke, e.g. a same-call gate of a tree already smoked; LAT_TIMEOUT: seconds a
+# after the smoke, DOWN_BASE=1 on BASE_DIR's moec/ too (labelled base / new; DOWN_TIMEOUT seconds each, 200); SKIP_SMOKE=1: no smoke, e.g. a same-call gate of a tree already smoked; LAT_TIMEOUT: seconds a
 # bench_latency run, 170 unless told; LAT_BUDGET: its --budget, 100 unless told; NO_BREAKDOWN=1: no breakdown
 # of this tree's rows either)
 set -uo pipefail
@@ -32,10 +32,14 @@ if [ -z "${SKIP_SMOKE:-}" ]; then
   PYTHONPATH=$PWD bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 12 > "$OUT/logs/smoke.log" 2>&1
   echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
 fi
-if [ -n "${DOWN_STUDY:-}" ]; then  # while llama-bench builds: the down GEMV's slot split, one layer a shape
-  PYTHONPATH=$PWD timeout 200 python3 -m benchmarks.studies.down_split_experts --out "$OUT/down_split_experts.json" \
-    > "$OUT/logs/down_split_experts.log" 2>&1; echo "down_split_experts rc=$? at $((SECONDS - T0)) s"
-  cat "$OUT/logs/down_split_experts.log"
+if [ -n "${DOWN_STUDY:-}" ]; then  # while llama-bench builds: the down GEMV's launches, one layer a shape
+  down() {  # down DIR LABEL: this study's script (the newer one) on DIR's moec/
+    (PYTHONPATH=$1 timeout "${DOWN_TIMEOUT:-200}" python3 benchmarks/studies/down_split_experts.py --tree "$2" \
+      --out "$OUT/down_split_experts_$2.json" > "$OUT/logs/down_split_experts_$2.log" 2>&1)
+    echo "down_split_experts $2 rc=$? at $((SECONDS - T0)) s"; cat "$OUT/logs/down_split_experts_$2.log"
+  }
+  [ -n "${DOWN_BASE:-}" ] && down "$BASE" base
+  down "$PWD" new
 fi
 [ -n "${BUILD:-}" ] && { wait "$BUILD"; echo "llama-bench build rc=$? at $((SECONDS - T0)) s"; }
 ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-peer --budget "${LAT_BUDGET:-100}"
