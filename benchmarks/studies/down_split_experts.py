@@ -5,8 +5,9 @@ one layer of each MoE shape the engine times, on the GPU.
 
 Why: at batch 1 the down launch has one program a (token, 16 output rows): DeepSeek-V2-Lite's 2048 outputs and
 Qwen3's make 128 programs on 132 SMs, each walking all top-k experts (V2-Lite's `_down_kernel` took 0.42 ms a step
-at 32k against 0.20 for gate/up, twice the bytes; H100, 2026-12-06). Each record is the whole moe_decode (hls2,
-prmt path) under a CUDA graph over `--layers` layers of separate weights (more bytes than L2), ms per layer, for
+at 32k against 0.20 for gate/up, twice the bytes; H100, 2026-12-06). Each record is the whole moe_decode (hls2 on the
+prmt path; `--kinds hls2,bf16` adds the dense path) under a CUDA graph over `--layers` layers of separate weights
+(more bytes than L2), ms per layer, for
 split_experts in the divisors of top-k (`config`), block_o_down 8 with the slots unsplit, input tiles of
 512 / 1024 (block_k_down) where they are shorter than I, and the default (`config: "default"`, what the engine
 runs); `--tree` labels the records (the same script run from two trees compares their kernels); `gbps` counts
@@ -43,18 +44,20 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--budget", type=float, default=150.0, help="seconds; shapes left when it runs out are skipped")
     ap.add_argument("--tree", default="", help="a label for the moec/ tree measured (e.g. base / patched)")
+    ap.add_argument("--kinds", default="hls2", help="comma-separated weight kinds (hls2, bf16: the dense path)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("down_split_experts: needs a CUDA GPU")
     t0, records = time.time(), []
     copy = copy_bandwidth()
-    for name, (E, A, D, I) in SHAPES.items():
+    for kind, (name, (E, A, D, I)) in ((k, s) for k in a.kinds.split(",") for s in SHAPES.items()):
         if time.time() - t0 > a.budget:
-            print(f"{name}: skipped (budget)")
+            print(f"{name} {kind}: skipped (budget)")
             continue
         g = torch.Generator(device="cuda").manual_seed(0)
-        layers = a.layers if E * I * D * 3 // 4 * a.layers < 24 << 30 else 2  # V3's 2.8 GB layers
-        ws = [(make_weight("hls2", E, I, D, g), make_weight("hls2", E, I, D, g), make_weight("hls2", E, D, I, g))
+        per_layer = E * I * D * 3 * (2 if kind == "bf16" else 1 / 4)  # V3's layers: 2.8 GB at 2 bits, 22.5 in bf16
+        layers = max(1, min(a.layers, int((24 << 30) // per_layer)))
+        ws = [(make_weight(kind, E, I, D, g), make_weight(kind, E, I, D, g), make_weight(kind, E, D, I, g))
               for _ in range(layers)]
         x = torch.randn(1, D, device="cuda", generator=g, dtype=torch.bfloat16)
         ids = torch.randperm(E, device="cuda", generator=g)[:A][None].to(torch.int32)
@@ -73,8 +76,8 @@ def main():
         configs += [(f"block_k_down={k}", {"block_k_down": k}) for k in (512, 1024) if k < I]
         for label, cfg in configs:
             rec = base_record("moe-down-split-experts", "cuda") | {
-                "shape": name, "E": E, "top_k": A, "D": D, "I": I, "batch": 1, "layers": layers, "config": label,
-                "tree": a.tree}
+                "shape": name, "kind": kind, "E": E, "top_k": A, "D": D, "I": I, "batch": 1, "layers": layers,
+                "config": label, "tree": a.tree}
             try:
                 err = rel_err(moe_decode(x, ids, wts, *ws[0], **cfg), want)
                 ms = time_layers(x, ids, wts, ws, cfg)
@@ -85,8 +88,8 @@ def main():
                 rec |= {"ok": False, "error": f"{type(ex).__name__}: {str(ex)[:200]}"}
             records.append(rec)
             write_json_atomic(a.out, records)
-            print(f"{name:18s} {label:32s} " + (f"{rec['ms'] * 1e3:7.1f} us  {rec['pct_of_copy']:5.1f}% of copy"
-                                                  if "ms" in rec else rec["error"]), flush=True)
+            res = f"{rec['ms'] * 1e3:7.1f} us  {rec['pct_of_copy']:5.1f}% of copy" if "ms" in rec else rec["error"]
+            print(f"{name:18s} {kind:5s} {label:32s} {res}", flush=True)
         ws = want = None  # this shape's weights freed before the next one's
         torch.cuda.empty_cache()
 

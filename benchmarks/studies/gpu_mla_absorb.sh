@@ -13,9 +13,10 @@
 # (carry BASE_DIR from scripts/base_tree.sh, and gpu/lcpp from benchmarks/peers/lcpp_fetch.sh; SKIP_PEER=1: steps 1-2
 # only, ~4 min; SHAPES=a,b: other shapes for step 2, e.g. with moe_split_nocast.patch applied too; RECIPES="a b":
 # other recipes of moec/recipes; SKIP_BASE=1: this tree only, no comparison; DOWN_STUDY=1: down_split_experts.py
-# after the smoke, DOWN_BASE=1 on BASE_DIR's moec/ too (labelled base / new; DOWN_TIMEOUT seconds each, 200); SKIP_SMOKE=1: no smoke, e.g. a same-call gate of a tree already smoked; LAT_TIMEOUT: seconds a
-# bench_latency run, 170 unless told; LAT_BUDGET: its --budget, 100 unless told; NO_BREAKDOWN=1: no breakdown
-# of this tree's rows either)
+# after the smoke, DOWN_BASE=1 on BASE_DIR's moec/ too (records labelled base / new; DOWN_TIMEOUT seconds each,
+# 200 unless told; DOWN_KINDS=hls2,bf16: the dense path too); SKIP_SMOKE=1: no smoke, e.g. a same-call gate of a
+# tree already smoked; LAT_TIMEOUT: seconds a bench_latency run, 170 unless told; LAT_BUDGET: its --budget, 100
+# unless told; NO_BREAKDOWN=1: no breakdown of this tree's rows either)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BASE=${1:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}; OUT=${2:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}
@@ -35,7 +36,7 @@ fi
 if [ -n "${DOWN_STUDY:-}" ]; then  # while llama-bench builds: the down GEMV's launches, one layer a shape
   down() {  # down DIR LABEL: this study's script (the newer one) on DIR's moec/
     (PYTHONPATH=$1 timeout "${DOWN_TIMEOUT:-200}" python3 benchmarks/studies/down_split_experts.py --tree "$2" \
-      --out "$OUT/down_split_experts_$2.json" > "$OUT/logs/down_split_experts_$2.log" 2>&1)
+      --kinds "${DOWN_KINDS:-hls2}" --budget $((${DOWN_TIMEOUT:-200} - 40)) --out "$OUT/down_split_experts_$2.json" > "$OUT/logs/down_split_experts_$2.log" 2>&1)
     echo "down_split_experts $2 rc=$? at $((SECONDS - T0)) s"; cat "$OUT/logs/down_split_experts_$2.log"
   }
   [ -n "${DOWN_BASE:-}" ] && down "$BASE" base
