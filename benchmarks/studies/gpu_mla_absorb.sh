@@ -16,7 +16,8 @@
 # after the smoke, DOWN_BASE=1 on BASE_DIR's moec/ too (records labelled base / new; DOWN_TIMEOUT seconds each,
 # 200 unless told; DOWN_KINDS=hls2,bf16: the dense path too); SKIP_SMOKE=1: no smoke, e.g. a same-call gate of a
 # tree already smoked; LAT_TIMEOUT: seconds a bench_latency run, 170 unless told; LAT_BUDGET: its --budget, 100
-# unless told; NO_BREAKDOWN=1: no breakdown of this tree's rows either)
+# unless told; NO_BREAKDOWN=1: no breakdown of this tree's rows either; BASE_ENV="VAR=value": the base run's
+# environment, e.g. BASE_DIR . with BASE_ENV="MOEC_PDL=0" for a switch's A/B on one tree)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BASE=${1:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}; OUT=${2:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}
@@ -48,10 +49,11 @@ ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-peer --bu
 for r in ${RECIPES:-experts-hls2 latency-hls2-mla2}; do ARGS+=("moec/recipes/$r.yaml"); done
 lat() {  # lat DIR NAME [ARGS...]: bench_latency from DIR's tree into OUT/NAME
   local dir=$1 name=$2; shift 2
-  (cd "$dir" && PYTHONPATH=$PWD timeout "${LAT_TIMEOUT:-170}" python3 -m benchmarks.bench_latency --out "$OUT/$name" "${ARGS[@]}" "$@" \
+  (cd "$dir" && env ${LAT_ENV:-} PYTHONPATH=$PWD timeout "${LAT_TIMEOUT:-170}" python3 -m benchmarks.bench_latency --out "$OUT/$name" "${ARGS[@]}" "$@" \
     > "$OUT/logs/$name.log" 2>&1); echo "$name rc=$? at $((SECONDS - T0)) s"
 }
-[ -z "${SKIP_BASE:-}" ] && lat "$BASE" latency_mla_base.json --no-breakdown
+# BASE_ENV="MOEC_PDL=0" with BASE_DIR . : the A/B of a runtime switch on one tree
+[ -z "${SKIP_BASE:-}" ] && LAT_ENV="${BASE_ENV:-}" lat "$BASE" latency_mla_base.json --no-breakdown
 lat . latency_mla_new.json ${NO_BREAKDOWN:+--no-breakdown}  # with the per-kernel-group breakdown (what the step spends where now)
 grep "{'attention'" "$OUT/logs/latency_mla_new.json.log"
 [ -z "${SKIP_BASE:-}" ] && PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_mla_base.json" \
