@@ -17,7 +17,9 @@
 # 200 unless told; DOWN_KINDS=hls2,bf16: the dense path too); SKIP_SMOKE=1: no smoke, e.g. a same-call gate of a
 # tree already smoked; LAT_TIMEOUT: seconds a bench_latency run, 170 unless told; LAT_BUDGET: its --budget, 100
 # unless told; NO_BREAKDOWN=1: no breakdown of this tree's rows either; BASE_ENV="VAR=value": the base run's
-# environment, e.g. BASE_DIR . with BASE_ENV="MOEC_PDL=0" for a switch's A/B on one tree)
+# environment, e.g. BASE_DIR . with BASE_ENV="MOEC_PDL=0" for a switch's A/B on one tree; MLA_BENCH=1:
+# bench_mla_attention on V2-Lite's heads; NCU_CASES=a,b: ncu_kernels.sh on those cases into OUT/ncu; SKIP_LAT=1: no
+# bench_latency rows; PDL_AB=1: this tree's rows again with MOEC_PDL=0, compared)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BASE=${1:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}; OUT=${2:?usage: gpu_mla_absorb.sh BASE_DIR OUT_DIR}
@@ -36,12 +38,21 @@ if [ -z "${SKIP_SMOKE:-}" ]; then
 fi
 if [ -n "${DOWN_STUDY:-}" ]; then  # while llama-bench builds: the down GEMV's launches, one layer a shape
   down() {  # down DIR LABEL: this study's script (the newer one) on DIR's moec/
-    (PYTHONPATH=$1 timeout "${DOWN_TIMEOUT:-200}" python3 benchmarks/studies/down_split_experts.py --tree "$2" \
+    (PYTHONPATH=$(cd "$1" && pwd) timeout "${DOWN_TIMEOUT:-200}" python3 benchmarks/studies/down_split_experts.py --tree "$2" \
       --kinds "${DOWN_KINDS:-hls2}" --budget $((${DOWN_TIMEOUT:-200} - 40)) --out "$OUT/down_split_experts_$2.json" > "$OUT/logs/down_split_experts_$2.log" 2>&1)
     echo "down_split_experts $2 rc=$? at $((SECONDS - T0)) s"; cat "$OUT/logs/down_split_experts_$2.log"
   }
   [ -n "${DOWN_BASE:-}" ] && down "$BASE" base
   down "$PWD" new
+fi
+if [ -n "${MLA_BENCH:-}" ]; then  # the fp16 latent kernel alone (issue 35's 70% bar), V2-Lite's heads
+  PYTHONPATH=$PWD timeout 240 python3 -m benchmarks.bench_mla_attention --shapes deepseek-v2-lite \
+    --out "$OUT/mla_attention.json" > "$OUT/logs/mla_attention.log" 2>&1
+  echo "bench_mla_attention rc=$? at $((SECONDS - T0)) s"; cat "$OUT/logs/mla_attention.log"
+fi
+if [ -n "${NCU_CASES:-}" ]; then  # Nsight Compute on those cases of benchmarks/studies/ncu_kernels.py
+  PYTHONPATH=$PWD timeout 300 bash benchmarks/studies/ncu_kernels.sh "$OUT/ncu" "$NCU_CASES" > "$OUT/logs/ncu.log" 2>&1
+  echo "ncu rc=$? at $((SECONDS - T0)) s"; (cd "$OUT/ncu" && gzip -f details.csv 2>/dev/null)
 fi
 [ -n "${BUILD:-}" ] && { wait "$BUILD"; echo "llama-bench build rc=$? at $((SECONDS - T0)) s"; }
 ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-peer --budget "${LAT_BUDGET:-100}"
@@ -53,11 +64,18 @@ lat() {  # lat DIR NAME [ARGS...]: bench_latency from DIR's tree into OUT/NAME
     > "$OUT/logs/$name.log" 2>&1); echo "$name rc=$? at $((SECONDS - T0)) s"
 }
 # BASE_ENV="MOEC_PDL=0" with BASE_DIR . : the A/B of a runtime switch on one tree
-[ -z "${SKIP_BASE:-}" ] && LAT_ENV="${BASE_ENV:-}" lat "$BASE" latency_mla_base.json --no-breakdown
-lat . latency_mla_new.json ${NO_BREAKDOWN:+--no-breakdown}  # with the per-kernel-group breakdown (what the step spends where now)
-grep "{'attention'" "$OUT/logs/latency_mla_new.json.log"
-[ -z "${SKIP_BASE:-}" ] && PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_mla_base.json" \
-  "$OUT/latency_mla_new.json" --tol 0.03
+if [ -z "${SKIP_LAT:-}" ]; then
+  [ -z "${SKIP_BASE:-}" ] && LAT_ENV="${BASE_ENV:-}" lat "$BASE" latency_mla_base.json --no-breakdown
+  lat . latency_mla_new.json ${NO_BREAKDOWN:+--no-breakdown}  # with the per-kernel-group breakdown
+  grep "{'attention'" "$OUT/logs/latency_mla_new.json.log"
+  [ -z "${SKIP_BASE:-}" ] && PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_mla_base.json" \
+    "$OUT/latency_mla_new.json" --tol 0.03
+  if [ -n "${PDL_AB:-}" ]; then  # this tree again with PDL off (pdl_step.patch's switch): new is PDL on
+    LAT_ENV="MOEC_PDL=0" lat . latency_mla_new_nopdl.json --no-breakdown
+    PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_mla_new_nopdl.json" \
+      "$OUT/latency_mla_new.json" --tol 0.03
+  fi
+fi
 if [ -n "${BUILD:-}" ]; then
   timeout 150 bash benchmarks/peers/llamacpp_peer.sh "$OUT/peer" deepseek-v2-lite > "$OUT/logs/peer.log" 2>&1
   echo "peer rc=$? at $((SECONDS - T0)) s"; tail -4 "$OUT/logs/peer.log"
