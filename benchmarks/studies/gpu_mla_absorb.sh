@@ -16,8 +16,7 @@
 # after the smoke, DOWN_BASE=1 on BASE_DIR's moec/ too (records labelled base / new; DOWN_TIMEOUT seconds each,
 # 200 unless told; DOWN_KINDS=hls2,bf16: the dense path too); SKIP_SMOKE=1: no smoke, e.g. a same-call gate of a
 # tree already smoked; LAT_TIMEOUT: seconds a bench_latency run, 170 unless told; LAT_BUDGET: its --budget, 100
-# unless told; NO_BREAKDOWN=1: no breakdown of this tree's rows either; BASE_ENV="VAR=value": the base run's
-# environment, e.g. BASE_DIR . with BASE_ENV="MOEC_PDL=0" for a switch's A/B on one tree; MLA_BENCH=1:
+# unless told; NO_BREAKDOWN=1: no breakdown of this tree's rows either; MLA_BENCH=1:
 # bench_mla_attention on V2-Lite's heads; NCU_CASES=a,b: ncu_kernels.sh on those cases into OUT/ncu; SKIP_LAT=1: no
 # bench_latency rows; PDL_AB=1: this tree's rows again with MOEC_PDL=0, compared)
 set -uo pipefail
@@ -63,9 +62,8 @@ lat() {  # lat DIR NAME [ARGS...]: bench_latency from DIR's tree into OUT/NAME
   (cd "$dir" && env ${LAT_ENV:-} PYTHONPATH=$PWD timeout "${LAT_TIMEOUT:-170}" python3 -m benchmarks.bench_latency --out "$OUT/$name" "${ARGS[@]}" "$@" \
     > "$OUT/logs/$name.log" 2>&1); echo "$name rc=$? at $((SECONDS - T0)) s"
 }
-# BASE_ENV="MOEC_PDL=0" with BASE_DIR . : the A/B of a runtime switch on one tree
 if [ -z "${SKIP_LAT:-}" ]; then
-  [ -z "${SKIP_BASE:-}" ] && LAT_ENV="${BASE_ENV:-}" lat "$BASE" latency_mla_base.json --no-breakdown
+  [ -z "${SKIP_BASE:-}" ] && lat "$BASE" latency_mla_base.json --no-breakdown
   lat . latency_mla_new.json ${NO_BREAKDOWN:+--no-breakdown}  # with the per-kernel-group breakdown
   grep "{'attention'" "$OUT/logs/latency_mla_new.json.log"
   [ -z "${SKIP_BASE:-}" ] && PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/latency_mla_base.json" \
