@@ -9,6 +9,7 @@ latent rows in fp16, contexts 4k and 32k, batch 1 and 16. Bytes = the rows a ste
 row, 576 fp16 each) + q and the output; pct_of_copy = bytes / time / copy bandwidth (read + write counted, as
 docs/benchmarks.md's floor). Timed as CUDA-graph replays of 20 calls (the kernel and its split combine), median of
 10. --sweep times every launch setting in SWEEP at each point and records the best beside the default.
+`ms_half_partials`: the default launch with half_partials (fp16 normalized partials), its error beside.
 """
 
 from __future__ import annotations
@@ -86,12 +87,17 @@ def main() -> int:
                                  triton_cdiv(int(cfg["waves"] * launch_config.num_sms(q.device)), B * n_hb)))
         ms_ceil = time_graph(functools.partial(mla_decode_attention, q, rows, new, pos, R, scale, n_splits=ceil_splits))
         ms_torch = time_graph(functools.partial(torch_step, q, rows, new, pos, scale))
+        # the splits' partials as fp16 acc / l (half_partials): the same launch otherwise
+        got16 = mla_decode_attention(q, rows, new, pos, R, scale, half_partials=True)
+        err16 = (got16.float() - want).abs().max().item() / want.abs().max().item()
+        ms_half = time_graph(functools.partial(mla_decode_attention, q, rows, new, pos, R, scale, half_partials=True))
         rec = base_record("mla-attention", "cuda") | {
             "shape": shape, "heads": H, "batch": B, "context": ctx, "kv_lora_rank": R, "rope_dim": RP,
             "config": launch_config.config("mla_decode_attention", q.device)["launch"], "ms": ms,
             "ms_torch": ms_torch, "speedup_vs_torch": ms_torch / ms, "ms_splits_rounded_up": ms_ceil, "bytes": nbytes,
             "gbps": nbytes / ms / 1e6, "copy_gbps": bw / 1e9, "pct_of_copy": 100 * nbytes / ms / 1e-3 / bw,
-            "max_rel_err": err}
+            "max_rel_err": err, "ms_half_partials": ms_half,
+            "pct_of_copy_half_partials": 100 * nbytes / ms_half / 1e-3 / bw, "max_rel_err_half_partials": err16}
         if a.sweep:
             best = None
             for vals in itertools.product(*SWEEP.values()):
@@ -118,7 +124,7 @@ def main() -> int:
                         "best_pct_of_copy": 100 * nbytes / best[0] / 1e-3 / bw}
         records.append(rec)
         print(f"{shape} b{B} {ctx}: {ms:.4f} ms ({rec['pct_of_copy']:.0f}% of copy), splits rounded up "
-              f"{ms_ceil:.4f} ms, torch {ms_torch:.4f} ms, "
+              f"{ms_ceil:.4f} ms, torch {ms_torch:.4f} ms, half partials {ms_half:.4f} ms (err {err16:.2g}), "
               f"err {err:.2g}" + (f", best {rec['best_ms']:.4f} ms {rec['best_config']}" if "best_ms" in rec else ""),
               flush=True)
         write_json_atomic(a.out, records)

@@ -12,7 +12,8 @@ Per point (shape's heads, batch 1 and 16, contexts 4k and 32k; kv_lora_rank 512 
 Bytes read per step: ms_nuq's = codes + scales + fp16 window + q and output; pct_of_copy against the copy
 bandwidth (read + write counted, docs/benchmarks.md's floor). Timed as CUDA-graph replays of 20 calls, median of
 10 (bench_mla_attention.time_graph). --sweep times each setting of SWEEP for the compressed kernel and records the
-best beside the default. max_rel_err: the kernel against its torch reference (fp32 math).
+best beside the default. max_rel_err: the kernel against its torch reference (fp32 math). *_half_partials: both
+kernels with their split partials as fp16 acc / l (half_partials), the same launches otherwise.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def main() -> int:
         rows = torch.randn(B, ctx + 64, R + RP, device="cuda", dtype=torch.float16, generator=g)
         pos = torch.full((B,), ctx, device="cuda", dtype=torch.long)
         ms_fp16 = time_graph(functools.partial(mla_decode_attention, q, rows, new, pos, R, scale))
+        ms_fp16_half = time_graph(functools.partial(mla_decode_attention, q, rows, new, pos, R, scale,
+                                                    half_partials=True))  # fp16 split partials
         del rows
         # the compressed cache at `ctx` tokens as kv-mla-nuq2 holds it
         a_sh = dataclasses.replace(args1, n_heads=H, n_kv_heads=H)
@@ -93,6 +96,11 @@ def main() -> int:
         run = functools.partial(mla_nuq_decode_attention, q, codes, scales, codec.levels, hist, win, new, wl, R, scale,
                                 rope_rotation=codec.Rr)
         ms_nuq = time_graph(run)
+        # the compressed kernel with fp16 split partials (half_partials), the same launch otherwise
+        got16 = mla_nuq_decode_attention(q, codes, scales, codec.levels, hist, win, new, wl, R, scale,
+                                         rope_rotation=codec.Rr, out_dtype=torch.float32, half_partials=True)
+        err16 = (got16 - want).abs().max().item() / want.abs().max().item()
+        ms_nuq_half = time_graph(functools.partial(run, half_partials=True))
         cache.pos = torch.full((B,), ctx, device="cuda", dtype=torch.long)
         cache.begin_step(B)
         ms_step = time_graph(functools.partial(cache.attend, 0, q[:, :, None], new[:, None, None]))
@@ -104,7 +112,9 @@ def main() -> int:
             "config": launch_config.config("mla_nuq_decode_attention", q.device)["launch"],
             "ms_fp16": ms_fp16, "ms_nuq": ms_nuq, "ms_step": ms_step, "speedup_vs_fp16": ms_fp16 / ms_nuq,
             "speedup_step_vs_fp16": ms_fp16 / ms_step, "bytes": nbytes, "gbps": nbytes / ms_nuq / 1e6,
-            "copy_gbps": bw / 1e9, "pct_of_copy": 100 * nbytes / ms_nuq / 1e-3 / bw, "max_rel_err": err}
+            "copy_gbps": bw / 1e9, "pct_of_copy": 100 * nbytes / ms_nuq / 1e-3 / bw, "max_rel_err": err,
+            "ms_fp16_half_partials": ms_fp16_half, "ms_nuq_half_partials": ms_nuq_half,
+            "max_rel_err_half_partials": err16}
         if a.sweep:
             best = None
             for vals in itertools.product(*SWEEP.values()):

@@ -14,13 +14,14 @@
 #     against both recipes; gpt-oss at its first 12 layers (the whole model's GGUF would not fit the disk) on both
 #     sides, MXFP4 against experts-mxfp4 and Q2_K (Q4_0 on its 2880-input rows) against experts-hls2.
 # Outputs land in OUT_DIR as they are made, so a call cut by its limit keeps what ran (at most 6 files).
-# Usage, from the repo root:  [PART=model|peer] bash benchmarks/gpu_family.sh SHAPE OUT_DIR    (~8 min a part)
+# Usage, from the repo root:  [PART=model|peer] bash benchmarks/gpu_family.sh SHAPE OUT_DIR    (~8 min a part;
+# RECIPES="a b": other recipes of moec/recipes, the peer part times the first two)
 set -u
 cd "$(dirname "$0")/.."
 SHAPE=${1:?usage: gpu_family.sh SHAPE OUT_DIR}; OUT=${2:?usage: gpu_family.sh SHAPE OUT_DIR}
 case $SHAPE in
-  glm-4.5-air) RECIPES="experts-hls2 latency-hls2-nuq2"; CTX=4096,32768; LAYERS=4,12; PEER_AT=""; TYPES="Q2_K" ;;
-  gpt-oss-120b) RECIPES="experts-mxfp4 experts-hls2 latency-hls2-nuq2"; CTX=4096,32768,130816; LAYERS=2,8; PEER_AT=12
+  glm-4.5-air) RECIPES=${RECIPES:-"experts-hls2 latency-hls2-nuq2"}; CTX=4096,32768; LAYERS=4,12; PEER_AT=""; TYPES="Q2_K" ;;
+  gpt-oss-120b) RECIPES=${RECIPES:-"experts-mxfp4 experts-hls2 latency-hls2-nuq2"}; CTX=4096,32768,130816; LAYERS=2,8; PEER_AT=12
                 TYPES="MXFP4 Q2_K" ;;
   *) echo "gpu_family.sh: SHAPE is glm-4.5-air or gpt-oss-120b, got $SHAPE" >&2; exit 2 ;;
 esac

@@ -17,7 +17,7 @@
 # 200 unless told; DOWN_KINDS=hls2,bf16: the dense path too); SKIP_SMOKE=1: no smoke, e.g. a same-call gate of a
 # tree already smoked; LAT_TIMEOUT: seconds a bench_latency run, 170 unless told; LAT_BUDGET: its --budget, 100
 # unless told; NO_BREAKDOWN=1: no breakdown of this tree's rows either; MLA_BENCH=1:
-# bench_mla_attention on V2-Lite's heads; NCU_CASES=a,b: ncu_kernels.sh on those cases into OUT/ncu; SKIP_LAT=1: no
+# bench_mla_attention and bench_mla_nuq_attention on V2-Lite's heads; NCU_CASES=a,b: ncu_kernels.sh on those cases into OUT/ncu; SKIP_LAT=1: no
 # bench_latency rows; PDL_AB=1: this tree's rows again with MOEC_PDL=0, compared)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -48,6 +48,9 @@ if [ -n "${MLA_BENCH:-}" ]; then  # the fp16 latent kernel alone (issue 35's 70%
   PYTHONPATH=$PWD timeout 240 python3 -m benchmarks.bench_mla_attention --shapes deepseek-v2-lite \
     --out "$OUT/mla_attention.json" > "$OUT/logs/mla_attention.log" 2>&1
   echo "bench_mla_attention rc=$? at $((SECONDS - T0)) s"; cat "$OUT/logs/mla_attention.log"
+  PYTHONPATH=$PWD timeout 200 python3 -m benchmarks.bench_mla_nuq_attention --shapes deepseek-v2-lite --batches 1 \
+    --out "$OUT/mla_nuq_attention.json" > "$OUT/logs/mla_nuq_attention.log" 2>&1
+  echo "bench_mla_nuq_attention rc=$? at $((SECONDS - T0)) s"; cat "$OUT/logs/mla_nuq_attention.log"
 fi
 if [ -n "${NCU_CASES:-}" ]; then  # Nsight Compute on those cases of benchmarks/studies/ncu_kernels.py
   PYTHONPATH=$PWD timeout 300 bash benchmarks/studies/ncu_kernels.sh "$OUT/ncu" "$NCU_CASES" > "$OUT/logs/ncu.log" 2>&1

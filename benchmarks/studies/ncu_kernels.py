@@ -30,7 +30,7 @@ import torch
 CASES = ["moe-mixtral-gluon-gu", "moe-mixtral-gluon-gu-tiled", "moe-mixtral-gluon-down", "moe-mixtral-gluon-down-tiled",
          "moe-mixtral-tl", "moe-qwen3-gluon", "moe-qwen3-tl", "kv-mixtral-32k-w4", "kv-mixtral-32k-w1",
          "kv-qwen3-32k-w4", "fp16-mixtral-32k", "moe-glm-tl", "qlinear-glm-qkv", "qlinear-glm-o", "mla-v2lite-32k",
-         "mla-nuq-v2lite-32k"]
+         "mla-v2lite-32k-half", "mla-nuq-v2lite-32k"]
 GLM_MOE = (128, 8, 4096, 1408)  # E, A, D, I
 
 
@@ -58,10 +58,11 @@ def _mla(case: str):
     q = torch.randn(1, H, R + RP, device="cuda", dtype=torch.bfloat16, generator=gen)
     new = torch.randn(1, R + RP, device="cuda", dtype=torch.bfloat16, generator=gen)
     scale = 1 / math.sqrt(192)
-    if case == "mla-v2lite-32k":
+    if case.startswith("mla-v2lite-32k"):  # -half: fp16 partials (half_partials, pdl/half patches)
         rows = torch.randn(1, ctx + 64, R + RP, device="cuda", dtype=torch.float16, generator=gen)
         pos = torch.full((1,), ctx, device="cuda", dtype=torch.long)
-        return lambda: mla_decode_attention(q, rows, new, pos, R, scale)
+        kw = {"half_partials": True} if case.endswith("-half") else {}
+        return lambda: mla_decode_attention(q, rows, new, pos, R, scale, **kw)
     from moec.kernels.mla_nuq_decode_attention import mla_nuq_decode_attention
     from moec.runtime.config import ModelArgs
     from moec.runtime.mla_nuq import MLANUQCache, build_codecs, random_tensors

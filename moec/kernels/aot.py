@@ -30,8 +30,15 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+def with_defaults(fn, constexprs: dict) -> dict:
+    """constexprs plus the defaults of fn's constexpr parameters not given (e.g. a kernel's PDL switch)."""
+    return {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | constexprs
+
+
 def signature_of(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
-    """fn's full signature: `types` for runtime arguments (pointers "*fp16", scalars "i32"), constexprs marked."""
+    """fn's full signature: `types` for runtime arguments (pointers "*fp16", scalars "i32"), constexprs marked
+    (those given and the defaulted ones)."""
+    constexprs = with_defaults(fn, constexprs)
     return {n: "constexpr" if n in constexprs else types[n] for n in fn.arg_names}
 
 
@@ -40,6 +47,7 @@ def compile_cuda(fn, types: dict[str, str], constexprs: dict, num_warps: int, ca
     """The compiled kernel (asm dict: ttgir, ptx, cubin) of a @gluon.jit or @triton.jit function. Pointer
     arguments are assumed 16-byte aligned, as a launch with torch tensors specializes them; enable_fp_fusion:
     the launch option of that name (False: no fused multiply-adds)."""
+    constexprs = with_defaults(fn, constexprs)
     sig = signature_of(fn, types, constexprs)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     if getattr(fn, "is_gluon", lambda: False)():
@@ -117,7 +125,26 @@ def report(module: str, kernel: str, types: dict[str, str], constexprs: dict, nu
     rows = sass(k.asm["cubin"])
     loop = loop_histogram(rows, loop_marker) if loop_marker else Counter()
     return {"resources": resources(k.asm["cubin"]), "loop": dict(loop),
-            "opcodes": dict(Counter(opcode(t) for _, t in rows))}
+            "opcodes": dict(Counter(opcode(t) for _, t in rows)), "ptx_order": ptx_order(k.asm["ptx"])}
+
+
+GLOBAL_ACCESS = ("ld.global", "st.global", "atom.", "red.", "cp.async", "ld.volatile.global", "multimem.")
+
+
+def ptx_order(ptx: str) -> dict:
+    """Line numbers in the PTX of the first griddepcontrol.wait, the first griddepcontrol.launch_dependents and
+    the first global memory access (None where absent): a PDL kernel must wait before it touches memory."""
+    first = {"wait": None, "launch_dependents": None, "global": None}
+    for i, line in enumerate(ptx.splitlines()):
+        text = line.strip()
+        if first["wait"] is None and text.startswith("griddepcontrol.wait"):
+            first["wait"] = i
+        elif first["launch_dependents"] is None and text.startswith("griddepcontrol.launch_dependents"):
+            first["launch_dependents"] = i
+        elif first["global"] is None and any(text.startswith(op) or f" {op}" in text.split("//")[0][:40]
+                                             for op in GLOBAL_ACCESS):
+            first["global"] = i
+    return first
 
 
 def report_in_subprocess(jobs: list[dict]) -> list[dict]:

@@ -56,6 +56,8 @@ import triton
 import triton.language as tl
 
 from ..formats.codecs import VQ_DIMS, VQ_WIDTHS
+from . import pdl
+from .pdl import begin as pdl_begin
 
 MODE_LUT, MODE_AFFINE, MODE_FP8, MODE_DENSE, MODE_VQ, MODE_FP4, MODE_TCQ = 0, 1, 2, 3, 4, 5, 6
 TCQ_L, TCQ_LEAD = 12, 32  # formats/codecs.py TCQ_STATE_BITS, TCQ_LEAD_BITS
@@ -825,8 +827,9 @@ def use_prmt(w: QWeight) -> bool:
 
 
 @triton.jit
-def _prmt_pairs_kernel(v_ptr, out_ptr, NW, BLOCK: tl.constexpr):
+def _prmt_pairs_kernel(v_ptr, out_ptr, NW, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One row of v: out[i, cw] = fp16(v[16cw + 8q + j]) | fp16(v[16cw + 8q + 4 + j]) << 16, i = 2j + q."""
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     row = tl.program_id(0)
     i = tl.arange(0, 8)
     cw = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -853,7 +856,8 @@ def _prmt_pairs_launch(v: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*lead, 8, n // 16, dtype=torch.int32, device=v.device)
     nw = n // 16
     block = min(128, triton.next_power_of_2(nw))
-    _prmt_pairs_kernel[(v2.shape[0], triton.cdiv(nw, block))](v2, out, nw, BLOCK=block, num_warps=4)
+    _prmt_pairs_kernel[(v2.shape[0], triton.cdiv(nw, block))](v2, out, nw, BLOCK=block, num_warps=4,
+                                                              **pdl.options(v2.device))
     return out
 
 

@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_config
+from . import launch_config, pdl
 from .kv_decode_attention import LOG2E, _interpreting, combine_splits
+from .pdl import begin as pdl_begin
 
 # launch settings on CUDA, from configs/<device>.json (launch_config; CONFIG: the defaults, tuned with
 # benchmarks/bench_fp16_attention.py on the H200); the split count is sized in waves of the device's SMs
@@ -62,7 +63,8 @@ def _tile(q, m_i, l_i, acc, k_ptr, v_ptr, row, t0, end, skip, D: tl.constexpr, B
 def _fp16_decode_kernel(q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, pos_ptr, part_ptr,
                         H, K, S, P, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, qk_scale, RING,
                         D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DT: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr):
+                        DT: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     bk = tl.program_id(0)
     sp = tl.program_id(1)
     b = bk // K
@@ -159,7 +161,7 @@ def fp16_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         sm_scale * LOG2E, ring,
         D=d, G=G, G_P2=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         DT=tl.float16 if precision == "half" else tl.float32, STAGES=num_stages or config["num_stages"],
-        INTERP=not cuda, num_warps=num_warps or config["num_warps"])
+        INTERP=not cuda, num_warps=num_warps or config["num_warps"], **pdl.options(q.device))
     return combine_splits(part, B * H, n_splits, d, None, out_dtype or q.dtype, sinks=sinks).view(B, H, d)
 
 

@@ -21,10 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import begin as pdl_begin
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, d2_ptr, w_ptr, xo_ptr, h_ptr, D, sx, sd, sd2, sxo, sh, eps,
-                         HAS_DELTA: tl.constexpr, HAS_DELTA2: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, HAS_DELTA2: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < D
@@ -61,12 +66,14 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     d2 = d if delta2 is None else delta2
     _add_rms_norm_kernel[(N,)](x, d, d2, weight, xo, h, D, x.stride(0), d.stride(0), d2.stride(0), xo.stride(0),
                                h.stride(0), eps, HAS_DELTA=delta is not None, HAS_DELTA2=delta2 is not None,
-                               BLOCK=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8)
+                               BLOCK=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+                               **pdl.options(x.device))
     return xo, h
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, o_ptr, I, sgu, so, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, o_ptr, I, sgu, so, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     row, blk = tl.program_id(0), tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -85,7 +92,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     I = I2 // 2
     out = torch.empty(N, I, dtype=gu.dtype, device=gu.device)
     BLOCK = min(triton.next_power_of_2(I), 1024)
-    _silu_mul_kernel[(N, triton.cdiv(I, BLOCK))](gu, out, I, gu.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(N, triton.cdiv(I, BLOCK))](gu, out, I, gu.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4,
+                                                 **pdl.options(gu.device))
     return out
 
 
@@ -107,10 +115,12 @@ def _rope_store(x1, x2, dst, cos_ptr, sin_ptr, offs, HALF: tl.constexpr):
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, H, K, sq, sk, sc, eps,
-                         D: tl.constexpr, ROT: tl.constexpr, REST: tl.constexpr, NORM: tl.constexpr):
+                         D: tl.constexpr, ROT: tl.constexpr, REST: tl.constexpr, NORM: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """One program per (row n, head j): j < H a query head, else key head j − H. The first ROT dims of a head
     are rotated (halves layout), dims ROT..D pass through (partial rotary, GLM-4.5: ROT < D, REST the next
     power of two ≥ D − ROT)."""
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     n = tl.program_id(0)
     j = tl.program_id(1)
     HALF: tl.constexpr = ROT // 2
@@ -168,7 +178,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     _qk_norm_rope_kernel[(N, n_heads + n_kv_heads)](
         q, k, cos, sin, q_weight if norm else cos, k_weight if norm else cos, qo, ko, n_heads, n_kv_heads,
         q.stride(0), k.stride(0), cos.stride(0), eps, D=d, ROT=r, REST=triton.next_power_of_2(max(d - r, 1)),
-        NORM=norm, num_warps=1)
+        NORM=norm, num_warps=1, **pdl.options(q.device))
     return qo, ko
 
 
@@ -182,12 +192,13 @@ def _rope_pair(src, dst, cos_ptr, sin_ptr, offs, i1, i2, HALF: tl.constexpr):
 def _mla_rope_latent_kernel(q_ptr, ckr_ptr, cos_ptr, sin_ptr, w_ptr, uk_ptr, qo_ptr, lat_ptr, H, sq, sckr, sc,
                             su0, su1, eps, N: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr, NB: tl.constexpr,
                             R: tl.constexpr, RB: tl.constexpr, ROPE: tl.constexpr, INTERLEAVE: tl.constexpr,
-                            ABSORB: tl.constexpr, BR: tl.constexpr):
+                            ABSORB: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False):
     """Program (j, t), every row n in a loop: j < H is query head j. ABSORB: columns [t·BR, (t+1)·BR) of
     q_nope·W_UK[j] (the absorbed query, W_UK's tile loaded once for all rows) into qo[n, j, :R], and (t = 0)
     RoPE(q_rope) into qo[n, j, R:]; else (t = 0 only) RoPE(q_rope) into qo[n, j]. j = H, t = 0 writes the cache's
     latent rows lat[n] = [kv_a_norm(c), RoPE(k_rope)] from ckr[n] = wkv_a(x) = [c (R), k_rope (ROPE)]. N (rows) is a
     constant: the step's batch buckets, a handful of compiles (and Triton's interpreter loops only over those)."""
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     j = tl.program_id(0)
     t = tl.program_id(1)
     HALF: tl.constexpr = ROPE // 2
@@ -259,5 +270,5 @@ def mla_rope_latent(q: torch.Tensor, ckr: torch.Tensor, cos: torch.Tensor, sin: 
         q, ckr, cos, sin, norm_weight, uk, q_out, latent, n_heads, q.stride(0), ckr.stride(0), cos.stride(0),
         uk.stride(0) if absorb else 0, uk.stride(1) if absorb else 0, eps, N=N, HD=hd, NOPE=nope,
         NB=triton.next_power_of_2(nope), R=r, RB=triton.next_power_of_2(r), ROPE=rope, INTERLEAVE=interleave,
-        ABSORB=absorb, BR=BR, num_warps=4 if absorb else 1)
+        ABSORB=absorb, BR=BR, num_warps=4 if absorb else 1, **pdl.options(q.device))
     return q_out, latent

@@ -54,9 +54,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from . import launch_config
+from . import launch_config, pdl
 from .gluon_moe_decode import _four, _lookup4
 from .kv_decode_attention import LOG2E, combine_splits
+from .pdl import gluon_begin
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 OP_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
@@ -248,10 +249,12 @@ def _gluon_kv_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, klev_ptr, vlev_ptr, hlen_ptr, wk_ptr, wv_ptr, wlen_ptr, part_ptr,
     H, K, S, WC, n_splits, tiles_per_split, qscale, win_splits,
     D: gl.constexpr, G: gl.constexpr, T: gl.constexpr, WCHUNK: gl.constexpr, PREFETCH: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):
     """Grid (B·K, splits): the first n_splits - win_splits splits stream tiles_per_split history tiles of T tokens
     each, the rest a WCHUNK-token chunk of the window each; one partial per (query head, split), the `tl`
     kernel's format. kc_ptr/vc_ptr: the codes as int32 words."""
+    gluon_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     N: gl.constexpr = 8 if G <= 8 else 16
     bk = gl.program_id(0)
     split = gl.program_id(1)
@@ -408,7 +411,7 @@ def gluon_kv_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, hist
     args = (q, k_codes.view(torch.int32), v_codes.view(torch.int32), k_scale, v_scale, k_lev, v_lev, hist_len, win_k,
             win_v, win_len, part)
     scalars = (H, K, S, win_k.shape[2], P, tps, sm_scale * LOG2E, win_splits)
-    knobs = dict(D=d, G=G, T=T, WCHUNK=win_chunk, PREFETCH=bool(prefetch), num_warps=warps,
+    knobs = dict(D=d, G=G, T=T, WCHUNK=win_chunk, PREFETCH=bool(prefetch), num_warps=warps, **pdl.options(q.device),
                  **({"maxnreg": maxnreg} if maxnreg else {}))
     if warps > 1:  # the W-warp kernel adds the per-head score terms itself
         _gluon_kv_attention_wg_kernel[(B * K, P)](

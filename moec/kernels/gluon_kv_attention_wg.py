@@ -32,6 +32,7 @@ from .gluon_kv_attention import (
     _value_channel,
     _vector_reg,
 )
+from .pdl import gluon_begin
 
 W = gl.constexpr(4)
 LN2_INV = gl.constexpr(1.4426950408889634)  # log2 e
@@ -247,9 +248,11 @@ def _gluon_kv_attention_wg_kernel(
     H, K, S, WC, n_splits, tiles_per_split, qscale, win_splits,
     D: gl.constexpr, G: gl.constexpr, T: gl.constexpr, CENTER: gl.constexpr, BIAS: gl.constexpr,
     WCHUNK: gl.constexpr, PREFETCH: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):
     """The one-warp swapped kernel's grid and partials, W warps per program (tiles_per_split counts each
     program's tiles, a multiple of W; WCHUNK a multiple of 32·W)."""
+    gluon_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     N: gl.constexpr = 8 if G <= 8 else 16
     bk = gl.program_id(0)
     split = gl.program_id(1)

@@ -39,7 +39,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from . import pdl
 from .dequant import MODE_AFFINE, QWeight
+from .pdl import gluon_begin
 
 CHUNK = 128  # inputs per row and chunk: 16 int32 words of 8 codes (a chunk never straddles a group)
 MAX_M = 8  # tokens: the mma's N
@@ -138,9 +140,11 @@ def _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L: gl.constexpr, KW: gl.constexpr
 
 @gluon.jit
 def _gemv4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, O,
-                  K: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr, HAS_BIAS: gl.constexpr):
+                  K: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  PDL: gl.constexpr = False):
     """Grid (cdiv(O, BM),): y[:M, rows] = x[:M] Wᵀ (+ bias) for W's 4-bit codes [O, K/8] int32 words, scale and zero
     [O, G]; y in y_ptr's dtype."""
+    gluon_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[KW, 1, 1], instr_shape=[1, 16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -194,5 +198,6 @@ def gluon_qlinear(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: to
     d = w.data.view(torch.int32)  # [1, O, K/8]
     _gemv4_kernel[(triton.cdiv(O, block_m),)](
         x2, d, w.a, w.b, bias if bias is not None else d, y, M, O,
-        K=K, G=w.groups, BM=block_m, KW=warps, HAS_BIAS=bias is not None, num_warps=warps)
+        K=K, G=w.groups, BM=block_m, KW=warps, HAS_BIAS=bias is not None, num_warps=warps,
+        **pdl.options(x2.device))
     return y

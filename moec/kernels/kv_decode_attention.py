@@ -68,7 +68,8 @@ import triton
 import triton.language as tl
 
 from ..formats.bitpack import unpack_planar
-from . import launch_config
+from . import launch_config, pdl
+from .pdl import begin as pdl_begin
 
 LOG2E = 1.4426950408889634
 # Launch settings on CUDA, from configs/<device>.json (launch_config; the names below are the defaults,
@@ -395,7 +396,9 @@ def _kv_decode_attention_kernel(
     BLOCK_T: tl.constexpr, NOUT: tl.constexpr, NOUT_P2: tl.constexpr, DEQ: tl.constexpr, DT: tl.constexpr,
     PREC: tl.constexpr, LAZY: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, OUT: tl.constexpr,
     ROPE: tl.constexpr, CENTER: tl.constexpr, WCHUNK: tl.constexpr, BIAS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     ADDQ: tl.constexpr = (CENTER and not ROPE) or BIAS
     bk = tl.program_id(0)  # b·K + kv head
     split = tl.program_id(1)
@@ -501,7 +504,8 @@ def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, sink_ptr, H, D: tl.conste
                    DC: tl.constexpr, CHUNK: tl.constexpr, NCHUNK: tl.constexpr, ROT: tl.constexpr,
                    OUTC: tl.constexpr = 0,
                    SINKS: tl.constexpr = False, q_ptr=None, kc_ptr=None, ke_ptr=None, n_hist=0, HQ=1, G=1,
-                   qscale=1.0, bscale=1.0, CENTER: tl.constexpr = False, BIAS: tl.constexpr = False):
+                   qscale=1.0, bscale=1.0, CENTER: tl.constexpr = False, BIAS: tl.constexpr = False,
+                   acc16_ptr=None, HALF: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[bh, c] = sum_s 2^(m_s - M)·acc_s[c] / sum_s 2^(m_s - M)·l_s over the splits of one (b, head), for
     the DC channels c of program_id(1). The splits stream in CHUNK rows: a [P_P2, D] tile in one program
     spilled (Qwen3 at 32k batch 1, 135 splits: slower than the attention kernel itself).
@@ -511,10 +515,15 @@ def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, sink_ptr, H, D: tl.conste
     SINKS: the head's sink logit (sink_ptr[bh % H], natural units) joins the denominator (gpt-oss), once per row.
     CENTER / BIAS (the Gluon kernels' partials): the first n_hist splits' m lack the per-head score terms
     qscale·(q·center) and bscale·(q²·err2) of KV head (bh % HQ) // G; they are added here, once per head,
-    instead of in every split program."""
+    instead of in every split program.
+    HALF: the partials come in two buffers, part [bh, s, (m, l)] fp32 and acc16 [bh, s, D] fp16 holding acc_s / l_s
+    (half the bytes a split writes and this kernel reads; kernels/mla_decode_attention.py's half_partials)."""
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     bh = tl.program_id(0)
     offs_c = (0 if ROT else tl.program_id(1) * DC) + tl.arange(0, DC)
-    base = part_ptr + bh * n_splits * (D + 2)
+    ST: tl.constexpr = 2 if HALF else D + 2  # floats a split's row of part; m at MO, l at MO + 1
+    MO: tl.constexpr = 0 if HALF else D
+    base = part_ptr + bh * n_splits * ST
     offs_p = tl.arange(0, P_P2)
     qc = 0.0
     if CENTER or BIAS:
@@ -525,7 +534,7 @@ def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, sink_ptr, H, D: tl.conste
             qc += qscale * tl.sum(qv * tl.load(kc_ptr + kh * D + offs_d), axis=0)
         if BIAS:
             qc += bscale * tl.sum(qv * qv * tl.load(ke_ptr + kh * D + offs_d), axis=0)
-    m_all = tl.load(base + offs_p * (D + 2) + D, mask=offs_p < n_splits, other=float("-inf"))
+    m_all = tl.load(base + offs_p * ST + MO, mask=offs_p < n_splits, other=float("-inf"))
     mx = tl.max(tl.where(offs_p < n_hist, m_all + qc, m_all), axis=0)
     if SINKS:
         sk = tl.load(sink_ptr + bh % H).to(tl.float32) * 1.4426950408889634  # log2 units, as m
@@ -536,13 +545,19 @@ def _reduce_kernel(part_ptr, out_ptr, r_ptr, n_splits, sink_ptr, H, D: tl.conste
         # chunks, each a dependent L2 round trip (the combine is latency-bound at batch 1)
         offs = i * CHUNK + tl.arange(0, CHUNK)
         pmask = offs < n_splits
-        row = base + offs * (D + 2)
-        m = tl.load(row + D, mask=pmask, other=float("-inf"))
+        row = base + offs * ST
+        m = tl.load(row + MO, mask=pmask, other=float("-inf"))
         m = tl.where(offs < n_hist, m + qc, m)
         w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - mx))  # splits with no tokens weigh 0
-        den += tl.load(row + D + 1, mask=pmask, other=0.0) * w
-        a = tl.load(row[:, None] + offs_c[None, :], mask=pmask[:, None], other=0.0)
-        acc += tl.sum(a * w[:, None], axis=0)
+        lw = tl.load(row + MO + 1, mask=pmask, other=0.0) * w
+        den += lw
+        if HALF:  # acc_s / l_s in fp16: weighed by l_s·w
+            a = tl.load(acc16_ptr + (bh * n_splits + offs)[:, None] * D + offs_c[None, :], mask=pmask[:, None],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(a * lw[:, None], axis=0)
+        else:
+            a = tl.load(row[:, None] + offs_c[None, :], mask=pmask[:, None], other=0.0)
+            acc += tl.sum(a * w[:, None], axis=0)
     total = tl.sum(den, axis=0)
     if SINKS:
         total += tl.exp2(sk - mx)
@@ -664,24 +679,29 @@ def kv_decode_attention(q, k_codes, v_codes, k_scale, v_scale, k_lev, v_lev, k_o
         DT=tl.float16 if precision == "half" else tl.float32, PREC="ieee",
         LAZY=bool(lazy), STAGES=num_stages or config["num_stages"], INTERP=not cuda, OUT=out_mode,
         ROPE=rope is not None, CENTER=k_center is not None, WCHUNK=win_chunk, BIAS=k_err2 is not None,
-        num_warps=num_warps or config["num_warps"],
+        num_warps=num_warps or config["num_warps"], **pdl.options(q.device),
     )
     return combine_splits(part, B * H, P, d, out_rotation, out_dtype, sinks=sinks).view(B, H, d)
 
 
 def combine_splits(part: torch.Tensor, BH: int, P: int, d: int, rotation: torch.Tensor | None = None,
                    out_dtype: torch.dtype = torch.float32, outc: int = 32,
-                   sinks: torch.Tensor | None = None, hist_terms: dict | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, hist_terms: dict | None = None,
+                   acc16: torch.Tensor | None = None) -> torch.Tensor:
     """The split-K combine: part [BH, P, d + 2] (acc, m in log2 units, l per split) -> out [BH, d] in
     out_dtype; rotation R [d, d] fp32: out·Rᵀ, d / outc programs per row, each reducing all d channels and
     writing outc of the rotated ones. sinks [H] (BH rows of H heads): a logit per head in the denominator.
     hist_terms: the per-head score terms the first n_hist splits' m lack (_reduce_kernel's CENTER / BIAS): dict
-    q [BH, d], k_center and k_err2 [K, d] fp32 (either None), n_hist, HQ (query heads), G, qscale, bscale."""
+    q [BH, d], k_center and k_err2 [K, d] fp32 (either None), n_hist, HQ (query heads), G, qscale, bscale.
+    acc16 [BH, P, d] fp16: the partials' acc_s / l_s apart, part then holding (m, l) only ([BH, P, 2] fp32)."""
     out = torch.empty(BH, d, device=part.device, dtype=out_dtype)
     p2 = triton.next_power_of_2(P)
     H = 1 if sinks is None else sinks.numel()
     assert sinks is None or BH % H == 0, (BH, H)
     sk = dict(SINKS=sinks is not None)
+    if acc16 is not None:
+        assert acc16.dtype == torch.float16 and acc16.numel() == BH * P * d and part.numel() == BH * P * 2
+        sk |= dict(acc16_ptr=acc16, HALF=True)
     if hist_terms is not None:
         ht = hist_terms
         kc, ke = ht.get("k_center"), ht.get("k_err2")
@@ -694,12 +714,13 @@ def combine_splits(part: torch.Tensor, BH: int, P: int, d: int, rotation: torch.
         ch = min(64 * 128 // d, p2)  # splits a chunk: a [ch, d] fp32 tile is 64 registers a thread at 4 warps
         _reduce_kernel[(BH, d // outc)](part, out, rotation, P, part if sinks is None else sinks, H, D=d, P_P2=p2,
                                         DC=d, CHUNK=ch, NCHUNK=triton.cdiv(P, ch), ROT=True, OUTC=outc, num_warps=4,
-                                        **sk)
+                                        **sk, **pdl.options(part.device))
         return out
     dc = min(d, 32)
     ch = min(64, p2)
     _reduce_kernel[(BH, d // dc)](part, out, part, P, part if sinks is None else sinks, H, D=d, P_P2=p2, DC=dc,
-                                  CHUNK=ch, NCHUNK=triton.cdiv(P, ch), ROT=False, num_warps=2, **sk)
+                                  CHUNK=ch, NCHUNK=triton.cdiv(P, ch), ROT=False, num_warps=2, **sk,
+                                  **pdl.options(part.device))
     return out
 
 

@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import begin as pdl_begin
+
 
 @triton.jit
 def _rotate_store(src, dst, r_ptr, D: tl.constexpr, DC: tl.constexpr, ROT: tl.constexpr):
@@ -39,7 +42,8 @@ def _rotate_store(src, dst, r_ptr, D: tl.constexpr, DC: tl.constexpr, ROT: tl.co
 @triton.jit
 def _rotate_write_kernel(q_ptr, k_ptr, v_ptr, r_ptr, qo_ptr, wk_ptr, wv_ptr, slot_ptr,
                          H, K, sqb, sqh, skb, skh, svb, svh, swb, swk, sws,
-                         D: tl.constexpr, DC: tl.constexpr, ROT: tl.constexpr):
+                         D: tl.constexpr, DC: tl.constexpr, ROT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     b = tl.program_id(0)
     j = tl.program_id(1)  # j < H: query head j; j < H + K: key head j - H; else value head j - H - K
     if j < H:
@@ -73,7 +77,8 @@ def rotate_write_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, R: to
     _rotate_write_kernel[(B, H + 2 * K, d // dc)](
         q, k, v, q if R is None else R, qo, win_k, win_v, slot.contiguous(), H, K,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        win_k.stride(0), win_k.stride(1), win_k.stride(2), D=d, DC=dc, ROT=R is not None, num_warps=4)
+        win_k.stride(0), win_k.stride(1), win_k.stride(2), D=d, DC=dc, ROT=R is not None, num_warps=4,
+        **pdl.options(q.device))
     return qo
 
 

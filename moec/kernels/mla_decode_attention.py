@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_config
+from . import launch_config, pdl
 from .kv_decode_attention import LOG2E, _interpreting, combine_splits
+from .pdl import begin as pdl_begin
 
 # launch settings on CUDA, from configs/<device>.json (launch_config; these are the defaults)
 CONFIG = launch_config.defaults()["mla_decode_attention"]["launch"]
@@ -73,10 +74,22 @@ def _new_row(ql, qr, m_i, l_i, acc, cn, kn, DT: tl.constexpr):
 
 
 @triton.jit
-def _mla_decode_kernel(q_ptr, rows_ptr, new_ptr, pos_ptr, part_ptr, H, S, P, sq_b, sq_h, sn_b, qk_scale,
-                       R: tl.constexpr, RW: tl.constexpr, RP: tl.constexpr, R_P2: tl.constexpr, RP_P2: tl.constexpr,
-                       BH: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr, STAGES: tl.constexpr,
-                       INTERP: tl.constexpr):
+def _store_part(out, offs_c, hmask, acc, RW: tl.constexpr, l_i, HALF: tl.constexpr):
+    """A split's output channels offs_c: acc in fp32, or (HALF) acc / l in fp16 (0 where the split is empty)."""
+    if HALF:
+        a = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0).to(tl.float16)
+    else:
+        a = acc
+    tl.store(out[:, None] + offs_c[None, :], a, mask=hmask[:, None] & (offs_c < RW)[None, :])
+
+
+@triton.jit
+def _mla_decode_kernel(q_ptr, rows_ptr, new_ptr, pos_ptr, part_ptr, acc16_ptr, H, S, P, sq_b, sq_h, sn_b,
+                       qk_scale, R: tl.constexpr, RW: tl.constexpr, RP: tl.constexpr, R_P2: tl.constexpr,
+                       RP_P2: tl.constexpr, BH: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+                       STAGES: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     L: tl.constexpr = R + RP
     b = tl.program_id(0)
     hb = tl.program_id(1)
@@ -122,18 +135,26 @@ def _mla_decode_kernel(q_ptr, rows_ptr, new_ptr, pos_ptr, part_ptr, H, S, P, sq_
             tl.store(rows_ptr + base + pos * L + offs_r, cn, mask=rmask)
             tl.store(rows_ptr + base + pos * L + R + offs_p, kn, mask=pmask)
 
-    out = part_ptr + ((b * H + offs_h) * P + sp) * (RW + 2)  # RW >= R: the combine's width (zeros past R)
-    tl.store(out[:, None] + offs_r[None, :], acc, mask=hmask[:, None] & (offs_r < RW)[None, :])
-    tl.store(out + RW, m_i, mask=hmask)
-    tl.store(out + RW + 1, l_i, mask=hmask)
-
+    if HALF:  # acc / l in fp16 apart, (m, l) in part: half the bytes written here and read by the combine
+        out = acc16_ptr + ((b * H + offs_h) * P + sp) * RW
+        ml = part_ptr + ((b * H + offs_h) * P + sp) * 2
+    else:
+        out = part_ptr + ((b * H + offs_h) * P + sp) * (RW + 2)  # RW >= R: the combine's width (zeros past R)
+        ml = out + RW
+    _store_part(out, offs_r, hmask, acc, RW, l_i, HALF)
+    tl.store(ml, m_i, mask=hmask)
+    tl.store(ml + 1, l_i, mask=hmask)
 
 def mla_decode_attention(q: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, r: int,
                          sm_scale: float, n_splits: int | None = None, block_n: int | None = None,
                          block_h: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                         precision: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         precision: str | None = None, out_dtype: torch.dtype | None = None,
+                         half_partials: bool | None = None) -> torch.Tensor:
     """-> [B, H, r] in out_dtype (q's by default); writes `new` into rows at slot pos[b]. precision "half"
     (fp16/bf16 tensor-core dots in the cache's dtype; the CUDA default) or "ieee" (fp32; the default elsewhere).
+    half_partials: each split writes its normalized output acc / l in fp16 (and m, l in fp32) instead of acc in
+    fp32 (at batch 1 the splits' partials are about a tenth of the cache's bytes at 32k; default: the launch
+    config's `half_partials` on CUDA, on in the shipped configs; fp32 partials elsewhere, as its ieee precision).
     No host syncs: safe under CUDA-graph capture."""
     B, H, L = q.shape
     Bc, S, Lc = rows.shape
@@ -151,14 +172,17 @@ def mla_decode_attention(q: torch.Tensor, rows: torch.Tensor, new: torch.Tensor,
         programs = int(config["waves"] * launch_config.num_sms(q.device)) if cuda else 4
         n_splits = max(1, min(triton.cdiv(S, block_n), programs // (B * n_hb)))
     rw = triton.cdiv(r, 32) * 32  # combine_splits reduces channels in chunks of 32
-    part = torch.empty(B * H * n_splits * (rw + 2), device=q.device, dtype=torch.float32)
+    half = (cuda and config.get("half_partials", False)) if half_partials is None else half_partials
+    part = torch.empty(B * H * n_splits * (2 if half else rw + 2), device=q.device, dtype=torch.float32)
+    acc16 = torch.empty(B * H * n_splits * rw, device=q.device, dtype=torch.float16) if half else None
     dt = tl.float32 if precision == "ieee" else (tl.bfloat16 if rows.dtype == torch.bfloat16 else tl.float16)
     _mla_decode_kernel[(B, n_hb, n_splits)](
-        q, rows, new, pos, part, H, S, n_splits, q.stride(0), q.stride(1), new.stride(0), sm_scale * LOG2E,
+        q, rows, new, pos, part, acc16 if half else part, H, S, n_splits, q.stride(0), q.stride(1), new.stride(0),
+        sm_scale * LOG2E,
         R=r, RW=rw, RP=rp, R_P2=triton.next_power_of_2(r), RP_P2=max(16, triton.next_power_of_2(rp)), BH=bh,
-        BLOCK_N=block_n, DT=dt, STAGES=num_stages or config["num_stages"], INTERP=not cuda,
-        num_warps=num_warps or config["num_warps"])
-    out = combine_splits(part, B * H, n_splits, rw, None, out_dtype or q.dtype).view(B, H, rw)
+        BLOCK_N=block_n, DT=dt, STAGES=num_stages or config["num_stages"], INTERP=not cuda, HALF=half,
+        num_warps=num_warps or config["num_warps"], **pdl.options(q.device))
+    out = combine_splits(part, B * H, n_splits, rw, None, out_dtype or q.dtype, acc16=acc16).view(B, H, rw)
     return out if rw == r else out[..., :r]
 
 

@@ -31,9 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_config
+from . import launch_config, pdl
 from .kv_decode_attention import LOG2E, _interpreting, combine_splits
-from .mla_decode_attention import _new_row, _tile
+from .mla_decode_attention import _new_row, _store_part, _tile
+from .pdl import begin as pdl_begin
 
 CONFIG = launch_config.defaults()["mla_nuq_decode_attention"]["launch"]
 
@@ -83,15 +84,12 @@ def _hist_tile(qc0, qc1, qc2, qc3, qr0, qr1, qr2, qr3, m_i, l_i, a0, a1, a2, a3,
 
 
 @triton.jit
-def _store_part(out, offs_c, hmask, acc, RW: tl.constexpr):
-    tl.store(out[:, None] + offs_c[None, :], acc, mask=hmask[:, None] & (offs_c < RW)[None, :])
-
-
-@triton.jit
-def _mla_nuq_kernel(q_ptr, codes_ptr, scale_ptr, lev_ptr, hist_ptr, win_ptr, new_ptr, wlen_ptr, rr_ptr, part_ptr, H,
-                    HC, WC, PH, P, sq_b, sq_h, sn_b, qk_scale, R: tl.constexpr, RW: tl.constexpr, RP: tl.constexpr,
-                    BH: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr, ROT_ROPE: tl.constexpr,
-                    STAGES: tl.constexpr, INTERP: tl.constexpr):
+def _mla_nuq_kernel(q_ptr, codes_ptr, scale_ptr, lev_ptr, hist_ptr, win_ptr, new_ptr, wlen_ptr, rr_ptr, part_ptr,
+                    acc16_ptr, H, HC, WC, PH, P, sq_b, sq_h, sn_b, qk_scale, R: tl.constexpr, RW: tl.constexpr,
+                    RP: tl.constexpr, BH: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+                    ROT_ROPE: tl.constexpr, STAGES: tl.constexpr, INTERP: tl.constexpr, HALF: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     L: tl.constexpr = R + RP
     RQ: tl.constexpr = R // 4
     PQ: tl.constexpr = RP // 4
@@ -101,7 +99,12 @@ def _mla_nuq_kernel(q_ptr, codes_ptr, scale_ptr, lev_ptr, hist_ptr, win_ptr, new
     offs_h = hb * BH + tl.arange(0, BH)
     hmask = offs_h < H
     qrow = q_ptr + b * sq_b + offs_h[:, None] * sq_h
-    out = part_ptr + ((b * H + offs_h) * P + sp) * (RW + 2)  # RW >= R: the combine's width (zeros past R)
+    if HALF:  # acc / l in fp16 apart (acc16 [B·H, P, RW]), (m, l) in part [B·H, P, 2]
+        out = acc16_ptr + ((b * H + offs_h) * P + sp) * RW
+        ml = part_ptr + ((b * H + offs_h) * P + sp) * 2
+    else:
+        out = part_ptr + ((b * H + offs_h) * P + sp) * (RW + 2)  # RW >= R: the combine's width (zeros past R)
+        ml = out + RW
     m_i = tl.full((BH,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BH,), dtype=tl.float32)
 
@@ -161,10 +164,10 @@ def _mla_nuq_kernel(q_ptr, codes_ptr, scale_ptr, lev_ptr, hist_ptr, win_ptr, new
                 m_i, l_i, a0, a1, a2, a3 = _hist_tile(
                     qc0, qc1, qc2, qc3, qr0, qr1, qr2, qr3, m_i, l_i, a0, a1, a2, a3, codes_ptr, scale_ptr, cbase,
                     sbase, start + it * BLOCK_N, end, lc0, lc1, lc2, lc3, lr0, lr1, lr2, lr3, R, RP, BLOCK_N, DT)
-        _store_part(out, oq, hmask, a0, RW)
-        _store_part(out, RQ + oq, hmask, a1, RW)
-        _store_part(out, 2 * RQ + oq, hmask, a2, RW)
-        _store_part(out, 3 * RQ + oq, hmask, a3, RW)
+        _store_part(out, oq, hmask, a0, RW, l_i, HALF)
+        _store_part(out, RQ + oq, hmask, a1, RW, l_i, HALF)
+        _store_part(out, 2 * RQ + oq, hmask, a2, RW, l_i, HALF)
+        _store_part(out, 3 * RQ + oq, hmask, a3, RW, l_i, HALF)
     else:  # one tile of the fp16 window
         offs_r = tl.arange(0, R)
         offs_p = tl.arange(0, RP)
@@ -185,9 +188,9 @@ def _mla_nuq_kernel(q_ptr, codes_ptr, scale_ptr, lev_ptr, hist_ptr, win_ptr, new
             if hb == 0:
                 tl.store(win_ptr + wbase + slot * L + offs_r, cn)
                 tl.store(win_ptr + wbase + slot * L + R + offs_p, kn)
-        _store_part(out, offs_r, hmask, acc, RW)
-    tl.store(out + RW, m_i, mask=hmask)
-    tl.store(out + RW + 1, l_i, mask=hmask)
+        _store_part(out, offs_r, hmask, acc, RW, l_i, HALF)
+    tl.store(ml, m_i, mask=hmask)
+    tl.store(ml + 1, l_i, mask=hmask)
 
 
 def supports(r: int, rp: int) -> bool:
@@ -201,10 +204,13 @@ def mla_nuq_decode_attention(q: torch.Tensor, codes: torch.Tensor, scales: torch
                              out_rotation: torch.Tensor | None = None,
                              n_splits: int | None = None, block_n: int | None = None, block_h: int | None = None,
                              num_warps: int | None = None, num_stages: int | None = None,
-                             precision: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                             precision: str | None = None, out_dtype: torch.dtype | None = None,
+                             half_partials: bool | None = None) -> torch.Tensor:
     """-> [B, H, r] in out_dtype (q's by default); q's RoPE part is rotated by rope_rotation (Rr, fp32 [rp, rp])
     in the kernel and the output by out_rotation (fp32 [r, r]) in the combine, when given; writes `new` into win
-    at slot win_len[b] - 1. n_splits: history splits. No host syncs (CUDA graphs)."""
+    at slot win_len[b] - 1. n_splits: history splits. half_partials: the splits' outputs as fp16 acc / l (as
+    mla_decode_attention's; default: the launch config's `half_partials` on CUDA, fp32 partials elsewhere). No
+    host syncs (CUDA graphs)."""
     B, H, L = q.shape
     Bc, HC, NB = codes.shape
     rp = L - r
@@ -233,17 +239,20 @@ def mla_nuq_decode_attention(q: torch.Tensor, codes: torch.Tensor, scales: torch
         n_splits = max(1, min(triton.cdiv(HC, block_n), programs // (B * n_hb)))
     P = n_splits + pw
     rw = triton.cdiv(r, 32) * 32
-    part = torch.empty(B * H * P * (rw + 2), device=q.device, dtype=torch.float32)
+    half = (cuda and config.get("half_partials", False)) if half_partials is None else half_partials
+    part = torch.empty(B * H * P * (2 if half else rw + 2), device=q.device, dtype=torch.float32)
+    acc16 = torch.empty(B * H * P * rw, device=q.device, dtype=torch.float16) if half else None
     dt = tl.float32 if precision == "ieee" else (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
     if rope_rotation is not None:
         rr = rope_rotation
         assert rr.shape == (rp, rp) and rr.dtype == torch.float32 and rr.is_contiguous(), (rr.shape, rr.dtype)
     _mla_nuq_kernel[(B, n_hb, P)](
         q, codes, scales, levels, hist_len, win, new, win_len, levels if rope_rotation is None else rope_rotation, part,
-        H, HC, WC, n_splits, P, q.stride(0), q.stride(1), new.stride(0), sm_scale * LOG2E, R=r, RW=rw, RP=rp, BH=bh,
+        acc16 if half else part, H, HC, WC, n_splits, P, q.stride(0), q.stride(1), new.stride(0), sm_scale * LOG2E,
+        R=r, RW=rw, RP=rp, BH=bh,
         BLOCK_N=block_n, DT=dt, ROT_ROPE=rope_rotation is not None, STAGES=num_stages or config["num_stages"],
-        INTERP=not cuda, num_warps=warps)
-    out = combine_splits(part, B * H, P, rw, out_rotation, out_dtype or q.dtype).view(B, H, rw)
+        INTERP=not cuda, HALF=half, num_warps=warps, **pdl.options(q.device))
+    out = combine_splits(part, B * H, P, rw, out_rotation, out_dtype or q.dtype, acc16=acc16).view(B, H, rw)
     return out if rw == r else out[..., :r]
 
 

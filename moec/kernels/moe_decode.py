@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_config
+from . import launch_config, pdl
 from .dequant import (
     EXPERT_ACT_IDS,
     MODE_DENSE,
@@ -63,6 +63,7 @@ from .dequant import (
     use_words,
     vq_static,
 )
+from .pdl import begin as pdl_begin
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
                     BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr, POLY: tl.constexpr,
                     PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0,
                     HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 7.0,
-                    ASM: tl.constexpr = False, zero_ptr=None, n_zero=0, ZB: tl.constexpr = 0):
+                    ASM: tl.constexpr = False, zero_ptr=None, n_zero=0, ZB: tl.constexpr = 0,
+                    PDL: tl.constexpr = False):
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     t = tl.program_id(0)  # token-slot n·A + a
     if ZB > 0:  # the split down GEMV's fp32 output [N, D] zeroed here, ZB values a program (no memset launch)
         zo = (t * tl.num_programs(1) + tl.program_id(1)) * ZB + tl.arange(0, ZB)
@@ -152,9 +155,11 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
                  MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
                  G: tl.constexpr, GS: tl.constexpr, BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr,
                  POLY: tl.constexpr, PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0,
-                 HAS_BIAS: tl.constexpr = False, ASM: tl.constexpr = False, AP: tl.constexpr = 0):
+                 HAS_BIAS: tl.constexpr = False, ASM: tl.constexpr = False, AP: tl.constexpr = 0,
+                 PDL: tl.constexpr = False):
     """Program (n, output block, z): token n's slots [a0, a0 + AP) (AP: a divisor of A; 0: all A) over inputs
     [k_start, k_start + PER), z = (a0 / AP)·SPLIT + k_start / PER; several programs a row add with fp32 atomics."""
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     n = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
     mask_o = offs_o < D
@@ -163,10 +168,16 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
     k_start = (z % SPLIT) * PER
     a0 = (z // SPLIT) * SLOTS
     y = tl.zeros((BO,), dtype=tl.float32)
+    # h carries the routing weights, so where no per-expert row scale follows the sum (hls, rtn, fp4) every slot
+    # adds into one accumulator, reduced once: a cross-warp sum a slot was a shared-memory round trip and a
+    # barrier each, which also kept the next slot's loads from issuing before it
+    ROW_SCALED: tl.constexpr = MODE == 2 or MODE == 4 or MODE == 6
+    acc = tl.zeros((BO, BKC), dtype=tl.float32)
     for a in tl.static_range(SLOTS):  # unrolled: the slots' loads overlap (results/moe_down_unroll_ab_h100.json)
         t = n * A + a0 + a
         e = tl.load(ids_ptr + t).to(tl.int64)
-        acc = tl.zeros((BO, BKC), dtype=tl.float32)
+        if ROW_SCALED:
+            acc = tl.zeros((BO, BKC), dtype=tl.float32)
         if PRMT:  # unmasked loads from rows clamped into the matrix (rows past D are dropped at the store)
             rows = tl.where(mask_o, offs_o, 0)
             tlo, thi = prmt_tab(a2_ptr + e * stride_ae, rows, stride_ao, k_start // GS)
@@ -184,16 +195,19 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
                 acc = gemv_chunks(acc, w2_ptr + e * stride_we, a2_ptr + e * stride_ae, b2_ptr + e * stride_ae,
                                   h_ptr + t * I, offs_o, mask_o, stride_wo, stride_ao, k_start + kk, I,
                                   MODE, BITS, C, BPC, G, GS, BKC, VD, VQF, ASM)
-        r = tl.sum(acc, axis=1)
-        if MODE == 2 or MODE == 6:
-            r *= tl.load(a2_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
-        if MODE == 4:
-            r *= tl.load(b2_ptr + e * D + offs_o, mask=mask_o, other=0.0).to(tl.float32)
+        if ROW_SCALED:
+            r = tl.sum(acc, axis=1)
+            if MODE == 2 or MODE == 6:
+                r *= tl.load(a2_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
+            if MODE == 4:
+                r *= tl.load(b2_ptr + e * D + offs_o, mask=mask_o, other=0.0).to(tl.float32)
+            y += r
         if HAS_BIAS:  # h carries the routing weight, the bias [E, D] does not: weight · b2[e], once (split 0)
             wt = tl.load(wts_ptr + t).to(tl.float32)
-            r += tl.where(k_start == 0, wt, 0.0) * tl.load(bd_ptr + e * D + offs_o, mask=mask_o, other=0.0).to(
+            y += tl.where(k_start == 0, wt, 0.0) * tl.load(bd_ptr + e * D + offs_o, mask=mask_o, other=0.0).to(
                 tl.float32)
-        y += r
+    if not ROW_SCALED:
+        y += tl.sum(acc, axis=1)
     if SPLIT == 1 and SLOTS == A:
         tl.store(out_ptr + n * D + offs_o, y.to(out_ptr.dtype.element_ty), mask=mask_o)
     else:
@@ -213,6 +227,18 @@ def _static(w: QWeight, block_k: int, words: bool | None, poly: bool | None = No
     bk = pick_block_k(w.n_in, w.tile_group, block_k, C)
     return dict(MODE=w.mode, BITS=w.bits, C=C, BPC=BPC, G=G, GS=w.n_in // G, BKC=bk // C, WORDS=words,
                 POLY=poly, PRMT=prmt, VD=1, VQF=0, ASM=tcq_asm(w))
+
+
+def least_padding_block(n: int, cap: int, floor: int = 512) -> int:
+    """The power-of-two tile in [floor, cap] that pads n inputs the least (the largest on a tie). GLM-4.5-Air's
+    and DeepSeek-V2-Lite's 1408 expert inputs fill a 2048 tile (or two of 1024) to 69%, three of 512 to 92%;
+    smaller tiles where nothing is padded only add loop trips."""
+    best, bk = cap, cap
+    while bk >= floor:
+        if triton.cdiv(n, bk) * bk < triton.cdiv(n, best) * best:
+            best = bk
+        bk //= 2
+    return best
 
 
 _PRMT_FAILED: list[str] = []  # set when the prmt kernels fail to compile here: the auto choice then falls back
@@ -237,9 +263,9 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     incoherence rotation of w2's inputs, runtime/experts.py; it takes the non-prmt path, whose h is fp32
     in natural order). biases: (b1, b3 [E, I], b2 [E, D]) added to gate, up and down (b2 times the routing
     weight); act: the gated activation ("silu" or gpt-oss's "clamped_swiglu" at `limit`). split_experts: the down
-    GEMV's slots of a token in that many programs (a divisor of A; default: 1 where the grid fills the SMs once, else
-    the fewest that give it 4 programs an SM: small-I models such as DeepSeek-V2-Lite and Qwen3 at batch 1 would run
-    under one program an SM, each through all A experts)."""
+    GEMV's slots of a token in that many programs (a divisor of A; default: 1 where the grid fills the SMs twice, else
+    the fewest that give it 8 programs an SM: at batch 1 DeepSeek-V2-Lite's and Qwen3's down grid would run under one
+    program an SM, gpt-oss's and GLM-4.5-Air's under two, each through all A experts)."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     x_dtype = x.dtype  # out_dtype None's dtype where the down GEMV writes each output once (prmt_pairs changes x)
     # x in its own dtype: every GEMV path converts its loads to fp32 (and prmt_pairs rounds to fp16, which
@@ -271,7 +297,11 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                               "num_warps_down": 4 if wide16 else 8, "num_stages_down": None}
     block_o = block_o or cfg["block_o"] or (32 if wide else 16)
     block_k = block_k or cfg["block_k"]
-    block_o_down, block_k_down = block_o_down or cfg["block_o_down"], block_k_down or cfg["block_k_down"]
+    block_o_down = block_o_down or cfg["block_o_down"]
+    if block_k_down is None:
+        block_k_down = cfg["block_k_down"]
+        if prmt:  # the config's tile is a ceiling: the down GEMV's inputs (I) padded to it waste masked lanes
+            block_k_down = least_padding_block(I, block_k_down)
     num_warps = num_warps or cfg["num_warps"] or (4 if wide else 8)
     num_stages = num_stages or cfg["num_stages"]
     num_warps_down = num_warps_down or cfg["num_warps_down"] or num_warps
@@ -302,9 +332,9 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
             split = 1
     per = triton.cdiv(triton.cdiv(I, split), bk2) * bk2
     split = triton.cdiv(I, per)
-    if split_experts is None:  # below one wave: the fewest slot groups that give the down grid 4 programs an SM
-        split_experts = 1 if N * n_d * split >= sms else next(
-            (g for g in range(1, A + 1) if A % g == 0 and N * n_d * split * g >= 4 * sms), A)
+    if split_experts is None:  # below two waves: the fewest slot groups that give the down grid 8 programs an SM
+        split_experts = 1 if N * n_d * split >= 2 * sms else next(
+            (g for g in range(1, A + 1) if A % g == 0 and N * n_d * split * g >= 8 * sms), A)
     assert A % split_experts == 0, (A, split_experts)
     n_up = T * triton.cdiv(I, block_o)  # gate/up programs
     if split * split_experts == 1:
@@ -316,7 +346,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     _gate_up_kernel[(T, triton.cdiv(I, block_o))](
         x, ids, weights, d1, a1, b1, d3, a3, b3, h, bg, bu, I,
         d1.stride(0), d1.stride(1), stride_ae1, row_a1,
-        D=D, A=A, BO=block_o, **launch1, **s1, **extra, **zero)
+        D=D, A=A, BO=block_o, **launch1, **s1, **extra, **zero, **pdl.options(x.device))
     if h_rotate is not None:
         h = h_rotate(h).contiguous()
     d2, a2, b2 = w2.ptrs()
@@ -329,7 +359,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     _down_kernel[(N, n_d, split * split_experts)](
         h, ids, d2, a2, b2, out, weights, bd, D, d2.stride(0), d2.stride(1), a2.stride(0) if w2.a is not None else 0,
         a2.stride(1) if prmt else w2.row_stride_a(), I=I, A=A, PER=per, SPLIT=split, BO=block_o_down,
-        **launch2, **s2, HAS_BIAS=biases is not None, AP=A // split_experts)
+        **launch2, **s2, HAS_BIAS=biases is not None, AP=A // split_experts, **pdl.options(x.device))
     return out if out_dtype is None else out.to(out_dtype)
 
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import launch_config
+from . import launch_config, pdl
 from .dequant import (
     MODE_TCQ,
     MODE_VQ,
@@ -33,6 +33,7 @@ from .dequant import (
     vq_static,
 )
 from .moe_prefill import dot_dtype
+from .pdl import begin as pdl_begin
 
 GEMV_MAX_M = 8
 # Launch settings, from configs/<device>.json (launch_config; the names below are the defaults, tuned on
@@ -48,7 +49,8 @@ def _gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, O, stride_xm, stri
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                  C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                  BO: tl.constexpr, BKC: tl.constexpr, UNROLL: tl.constexpr, VD: tl.constexpr = 1,
-                 VQF: tl.constexpr = 0, ASM: tl.constexpr = False):
+                 VQF: tl.constexpr = 0, ASM: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     m = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
     mask_o = offs_o < O
@@ -145,7 +147,8 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, gluon
             unroll //= 2
         _gemv_kernel[(M, triton.cdiv(O, c["block_o"]))](
             x2, d, a, b, bias_arg, y, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
-            HAS_BIAS=bias is not None, BO=c["block_o"], BKC=bk // C, UNROLL=unroll, num_warps=c["num_warps"], **st)
+            HAS_BIAS=bias is not None, BO=c["block_o"], BKC=bk // C, UNROLL=unroll, num_warps=c["num_warps"], **st,
+            **pdl.options(x.device))
     else:
         small = configs["small_gemm"] | cfg
         c = small if M <= 64 else configs["gemm"] | cfg

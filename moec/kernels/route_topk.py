@@ -34,6 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl import begin as pdl_begin
+
 
 @triton.jit
 def _topk_row(z, offs, mask, w_ptr, ids_ptr, n, E_P2: tl.constexpr, A: tl.constexpr, A_P2: tl.constexpr,
@@ -59,7 +62,9 @@ def _topk_row(z, offs, mask, w_ptr, ids_ptr, n, E_P2: tl.constexpr, A: tl.conste
 
 @triton.jit
 def _route_topk_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_n,
-                       A: tl.constexpr, A_P2: tl.constexpr, E_P2: tl.constexpr, NORM: tl.constexpr):
+                       A: tl.constexpr, A_P2: tl.constexpr, E_P2: tl.constexpr, NORM: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     n = tl.program_id(0)
     offs = tl.arange(0, E_P2)
     mask = offs < E
@@ -88,10 +93,11 @@ def _topk_rank_row(z, offs, mask, w_ptr, ids_ptr, n, E_P2: tl.constexpr, A: tl.c
 @triton.jit
 def _route_gemv_topk_kernel(x_ptr, r_ptr, part_ptr, count_ptr, w_ptr, ids_ptr, N, E, D: tl.constexpr,
                             N_P2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
-                            A: tl.constexpr, E_P2: tl.constexpr, NORM: tl.constexpr):
+                            A: tl.constexpr, E_P2: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
     """Program (e, c): partial logits [N, BLOCK_E] of experts e·BLOCK_E.. over inputs c·BLOCK_D.. into
     part_ptr [D/BLOCK_D, N, E] fp32 (one load of the router tile each); the last program to finish sums the
     partials in a fixed order (deterministic, unlike atomic adds) and routes every token."""
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     pe = tl.program_id(0)
     pc = tl.program_id(1)
     NC: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
@@ -133,7 +139,7 @@ def route_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tens
     ids = torch.empty(N, top_k, dtype=torch.int32, device=logits.device)
     _route_topk_kernel[(N,)](logits, w, ids, E, logits.stride(0), A=top_k, A_P2=triton.next_power_of_2(top_k),
                              E_P2=triton.next_power_of_2(E),
-                             NORM=norm, num_warps=1 if E <= 128 else 4)
+                             NORM=norm, num_warps=1 if E <= 128 else 4, **pdl.options(logits.device))
     return w, ids
 
 
@@ -162,7 +168,7 @@ def route_gemv_topk(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: boo
     ids = torch.empty(N, top_k, dtype=torch.int32, device=x.device)
     _route_gemv_topk_kernel[(triton.cdiv(E, block_e), triton.cdiv(D, block_d))](
         x, router, part, count, w, ids, N, E, D, N_P2=n_p2, BLOCK_E=block_e, BLOCK_D=block_d, A=top_k,
-        E_P2=triton.next_power_of_2(E), NORM=norm, num_warps=4)
+        E_P2=triton.next_power_of_2(E), NORM=norm, num_warps=4, **pdl.options(x.device))
     return w, ids
 
 
@@ -170,10 +176,11 @@ def route_gemv_topk(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: boo
 def _route_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_n, scale,
                           G: tl.constexpr, G_P2: tl.constexpr, EG: tl.constexpr, EG_P2: tl.constexpr,
                           KG: tl.constexpr, A: tl.constexpr, A_P2: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          NORM: tl.constexpr):
+                          NORM: tl.constexpr, PDL: tl.constexpr = False):
     """One token: sigmoid scores, + the correction bias for the choice, the KG groups of largest top-2 sums kept
     (KG < G), the top A experts of those, their unbiased scores (renormalized) times `scale`. Experts as
     [G_P2, EG_P2] tiles: group g holds experts g·EG .. g·EG + EG - 1."""
+    pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     n = tl.program_id(0)
     g = tl.arange(0, G_P2)
     j = tl.arange(0, EG_P2)
@@ -225,7 +232,8 @@ def route_sigmoid_topk(logits: torch.Tensor, score_bias: torch.Tensor | None, to
     _route_sigmoid_kernel[(N,)](logits, bias, w, ids, logits.stride(0), float(scale), G=n_group,
                                 G_P2=triton.next_power_of_2(n_group), EG=eg, EG_P2=triton.next_power_of_2(eg),
                                 KG=topk_group, A=top_k, A_P2=triton.next_power_of_2(top_k),
-                                HAS_BIAS=score_bias is not None, NORM=norm, num_warps=1 if E <= 128 else 4)
+                                HAS_BIAS=score_bias is not None, NORM=norm, num_warps=1 if E <= 128 else 4,
+                                **pdl.options(logits.device))
     return w, ids
 
 

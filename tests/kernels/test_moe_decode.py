@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 from moec.calibrate import hls  # noqa: E402
 from moec.formats import bitpack  # noqa: E402
 from moec.kernels.dequant import prmt_decode_emulate, prmt_pairs, use_prmt, use_words  # noqa: E402
-from moec.kernels.moe_decode import moe_decode, moe_decode_ref  # noqa: E402
+from moec.kernels.moe_decode import least_padding_block, moe_decode, moe_decode_ref  # noqa: E402
 from moec.runtime.experts import ExpertWeights, QuantMatrix  # noqa: E402
 from tests.kernels.moe_cases import moe_case  # noqa: E402
 
@@ -89,6 +89,17 @@ def test_down_slots_split_over_programs(split_experts, split):
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     with pytest.raises(AssertionError):
         moe_decode(x, ids, wts, w1, w3, w2, split_experts=4, **kw)  # not a divisor of top-6
+
+
+@pytest.mark.parametrize("n,cap,want", [(1408, 2048, 512), (2880, 2048, 1024), (768, 2048, 1024),
+                                         (2048, 2048, 2048), (14336, 2048, 2048), (1408, 1024, 512), (100, 2048, 512)])
+def test_least_padding_block(n, cap, want):
+    """The prmt down tile: the power of two in [512, cap] padding the expert inputs least, the largest on a tie
+    (GLM-4.5-Air's and DeepSeek-V2-Lite's 1408 -> 512; gpt-oss's 2880 -> 1024; Mixtral's 14336 keeps 2048)."""
+    bk = least_padding_block(n, cap)
+    assert bk == want
+    pad = lambda b: -(-n // b) * b  # noqa: E731
+    assert all(pad(bk) < pad(b) or (pad(bk) == pad(b) and bk >= b) for b in (512, 1024, 2048) if b <= cap)
 
 
 @pytest.mark.parametrize("N,block_o", [(1, 64), (3, 16)])
