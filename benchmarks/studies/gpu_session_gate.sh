@@ -7,7 +7,8 @@
 #   4. DeepSeek-V2-Lite with its bf16 peer (issue 35's 70%-of-floor bar) and the latent-cache recipe;
 #   5. bf16 per layer (bench_layers, the difference of two layer counts) for GLM-4.5-Air and gpt-oss-120b.
 # Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_session_gate.sh BASE_DIR OUT_DIR
-# (carry BASE_DIR from scripts/base_tree.sh; SKIP_SMOKE=1 leaves step 1 out, SKIP_LAYERS=1 step 5)
+# (carry BASE_DIR from scripts/base_tree.sh; SKIP_SMOKE=1 leaves step 1 out, SKIP_LAYERS=1 step 5, SKIP_V2LITE=1 step 4;
+#  EXTRA="SHAPE:RECIPE ...": more gated rows after step 3, e.g. EXTRA="gpt-oss-120b:experts-mxfp4")
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BASE=${1:?usage: gpu_session_gate.sh BASE_DIR OUT_DIR}; OUT=${2:?usage: gpu_session_gate.sh BASE_DIR OUT_DIR}
@@ -36,17 +37,29 @@ step lat_base 180 "$BASE" python3 -m benchmarks.bench_latency --out "$OUT/latenc
 step lat_new 240 . python3 -m benchmarks.bench_latency --out "$OUT/latency_new.json" "${ARGS[@]}" "${HLS2[@]}"
 step lin4_base 90 "$BASE" python3 -m benchmarks.bench_latency --out "$OUT/latency_lin4_base.json" "${ARGS[@]}" "${LIN4[@]}" --no-breakdown
 step lin4_new 120 . python3 -m benchmarks.bench_latency --out "$OUT/latency_lin4_new.json" "${ARGS[@]}" "${LIN4[@]}"
-for pair in "latency_base latency_new" "latency_lin4_base latency_lin4_new"; do
+PAIRS="latency_base latency_new,latency_lin4_base latency_lin4_new"
+for sr in ${EXTRA:-}; do  # EXTRA="SHAPE:RECIPE ...": more gated rows, both trees (e.g. gpt-oss-120b:experts-mxfp4)
+  sh=${sr%%:*}; rc=${sr#*:}; tag=${sh//[-.@]/_}_${rc//-/_}
+  X=(--shapes "$sh" --no-peer --recipes "moec/recipes/$rc.yaml")
+  step "${tag}_base" 120 "$BASE" python3 -m benchmarks.bench_latency --out "$OUT/latency_${tag}_base.json" "${ARGS[@]}" "${X[@]}" --no-breakdown
+  step "${tag}_new" 150 . python3 -m benchmarks.bench_latency --out "$OUT/latency_${tag}_new.json" "${ARGS[@]}" "${X[@]}"
+  PAIRS="$PAIRS,latency_${tag}_base latency_${tag}_new"
+done
+IFS=, read -ra PAIRLIST <<< "$PAIRS"
+for pair in "${PAIRLIST[@]}"; do
   set -- $pair
   PYTHONPATH=$PWD python3 -m benchmarks.compare_latency "$OUT/$1.json" "$OUT/$2.json" --tol 0.03
 done
-step lat_v2lite 180 . python3 -m benchmarks.bench_latency --out "$OUT/latency_deepseek_v2_lite.json" "${ARGS[@]}" \
-  --shapes deepseek-v2-lite --recipes moec/recipes/experts-hls2.yaml moec/recipes/latency-hls2-mla2.yaml
-PYTHONPATH=$PWD python3 - "$OUT/latency_deepseek_v2_lite.json" <<'EOF'
+if [ -z "${SKIP_V2LITE:-}" ]; then
+  step lat_v2lite 180 . python3 -m benchmarks.bench_latency --out "$OUT/latency_deepseek_v2_lite.json" "${ARGS[@]}" \
+    --shapes deepseek-v2-lite --recipes moec/recipes/experts-hls2.yaml moec/recipes/latency-hls2-mla2.yaml
+  PYTHONPATH=$PWD python3 - "$OUT/latency_deepseek_v2_lite.json" <<'EOF'
 import json, sys
 for r in json.load(open(sys.argv[1])):
-    print(f"{r['shape']:18} {r['recipe']:22} {r['context']:6} {r['ms_median']:7.3f} ms  {r['pct_of_floor']:5.1f}% of floor")
+    if "ms_median" in r:  # (the breakdown records carry ms_by_group instead)
+        print(f"{r['shape']:18} {r['recipe']:22} {r['context']:6} {r['ms_median']:7.3f} ms  {r['pct_of_floor']:5.1f}% of floor")
 EOF
+fi
 if [ -z "${SKIP_LAYERS:-}" ]; then
   for s in glm-4.5-air gpt-oss-120b; do
     step "layers_bf16_$s" 150 . python3 -m benchmarks.bench_layers --shape "$s" --bf16 --out "$OUT/layers_bf16_$s.json"
