@@ -6,6 +6,7 @@
 #      BASE_DIR's tree and this one (compare_latency, ±3%), this tree's rows with the per-kernel breakdown;
 #   4. DeepSeek-V2-Lite with its bf16 peer (issue 35's 70%-of-floor bar) and the latent-cache recipe;
 #   5. bf16 per layer (bench_layers, the difference of two layer counts) for GLM-4.5-Air and gpt-oss-120b.
+# OUT_DIR ends with three files: gpu_smoke_h200.json, records.tgz (every other JSON), logs.tgz.
 # Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_session_gate.sh BASE_DIR OUT_DIR
 # (carry BASE_DIR from scripts/base_tree.sh; SKIP_SMOKE=1 leaves step 1 out, SKIP_LAYERS=1 step 5, SKIP_V2LITE=1 step 4;
 #  EXTRA="SHAPE:RECIPE ...": more gated rows after step 3, e.g. EXTRA="gpt-oss-120b:experts-mxfp4")
@@ -66,4 +67,8 @@ if [ -z "${SKIP_LAYERS:-}" ]; then
     tail -3 "$OUT/logs/layers_bf16_$s.log"
   done
 fi
-(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
+# one archive for the records (a device call brings back 8 files; this script writes more): OUT keeps the smoke
+# record, records.tgz (every other JSON) and logs.tgz
+(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs && shopt -s nullglob && set -- *.json && {
+  recs=(); for f in "$@"; do [ "$f" != gpu_smoke_h200.json ] && recs+=("$f"); done
+  [ ${#recs[@]} -gt 0 ] && tar czf records.tgz "${recs[@]}" && rm -f "${recs[@]}"; })
