@@ -8,7 +8,8 @@
 #   5. bf16 per layer (bench_layers, the difference of two layer counts) for GLM-4.5-Air and gpt-oss-120b.
 # OUT_DIR ends with three files: gpu_smoke_h200.json, records.tgz (every other JSON), logs.tgz.
 # Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_session_gate.sh BASE_DIR OUT_DIR
-# (carry BASE_DIR from scripts/base_tree.sh; SKIP_SMOKE=1 leaves step 1 out, SKIP_LAYERS=1 step 5, SKIP_V2LITE=1 step 4;
+# (carry BASE_DIR from scripts/base_tree.sh; SKIP_SMOKE=1 leaves step 1 out, SKIP_MLA=1 step 2, SKIP_HLS2=1 step 3's six
+#  experts-hls2 rows (GLM's lin4 stays), SKIP_V2LITE=1 step 4, SKIP_LAYERS=1 step 5;
 #  EXTRA="SHAPE:RECIPE ...": more gated rows after step 3, e.g. EXTRA="gpt-oss-120b:experts-mxfp4")
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,19 +27,24 @@ step() {  # step NAME TIMEOUT DIR CMD...: CMD in DIR's tree, its log in OUT/logs
 if [ -z "${SKIP_SMOKE:-}" ]; then
   step smoke 300 . bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14; tail -1 "$OUT/logs/smoke.log"
 fi
-step mla_attention 90 . python3 -m benchmarks.bench_mla_attention --shapes deepseek-v2-lite --out "$OUT/mla_attention.json"
-step mla_nuq_attention 90 . python3 -m benchmarks.bench_mla_nuq_attention --shapes deepseek-v2-lite --batches 1 \
-  --out "$OUT/mla_nuq_attention.json"
-grep -h "b1 32768" "$OUT/logs/mla_attention.log" "$OUT/logs/mla_nuq_attention.log"
+if [ -z "${SKIP_MLA:-}" ]; then
+  step mla_attention 90 . python3 -m benchmarks.bench_mla_attention --shapes deepseek-v2-lite --out "$OUT/mla_attention.json"
+  step mla_nuq_attention 90 . python3 -m benchmarks.bench_mla_nuq_attention --shapes deepseek-v2-lite --batches 1 \
+    --out "$OUT/mla_nuq_attention.json"
+  grep -h "b1 32768" "$OUT/logs/mla_attention.log" "$OUT/logs/mla_nuq_attention.log"
+fi
 ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --budget 150)
 HLS2=(--shapes deepseek-v2-lite,deepseek-v3@8,glm-4.5-air,gpt-oss-120b,qwen3-30b-a3b,mixtral-8x7b --no-peer
       --recipes moec/recipes/experts-hls2.yaml)
 LIN4=(--shapes glm-4.5-air --no-peer --recipes moec/recipes/latency-hls2-nuq2-lin4.yaml)
-step lat_base 180 "$BASE" python3 -m benchmarks.bench_latency --out "$OUT/latency_base.json" "${ARGS[@]}" "${HLS2[@]}" --no-breakdown
-step lat_new 240 . python3 -m benchmarks.bench_latency --out "$OUT/latency_new.json" "${ARGS[@]}" "${HLS2[@]}"
+PAIRS="latency_lin4_base latency_lin4_new"
+if [ -z "${SKIP_HLS2:-}" ]; then
+  step lat_base 180 "$BASE" python3 -m benchmarks.bench_latency --out "$OUT/latency_base.json" "${ARGS[@]}" "${HLS2[@]}" --no-breakdown
+  step lat_new 240 . python3 -m benchmarks.bench_latency --out "$OUT/latency_new.json" "${ARGS[@]}" "${HLS2[@]}"
+  PAIRS="latency_base latency_new,$PAIRS"
+fi
 step lin4_base 90 "$BASE" python3 -m benchmarks.bench_latency --out "$OUT/latency_lin4_base.json" "${ARGS[@]}" "${LIN4[@]}" --no-breakdown
 step lin4_new 120 . python3 -m benchmarks.bench_latency --out "$OUT/latency_lin4_new.json" "${ARGS[@]}" "${LIN4[@]}"
-PAIRS="latency_base latency_new,latency_lin4_base latency_lin4_new"
 for sr in ${EXTRA:-}; do  # EXTRA="SHAPE:RECIPE ...": more gated rows, both trees (e.g. gpt-oss-120b:experts-mxfp4)
   sh=${sr%%:*}; rc=${sr#*:}; tag=${sh//[-.@]/_}_${rc//-/_}
   X=(--shapes "$sh" --no-peer --recipes "moec/recipes/$rc.yaml")

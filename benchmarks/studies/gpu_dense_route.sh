@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU call (~9 min on one H100) for two changes at once, no smoke (the smoke comes in the next call, on the tree
+# that keeps what this one measures):
+#   1. the gate of the patched tree against BASE_DIR on the rows the patches can move: GLM-4.5-Air's lin4 (the Gluon
+#      4-bit GEMV's warps per shape) and gpt-oss-120b's first 12 layers with experts-mxfp4 (the fp4 word GEMV), via
+#      gpu_session_gate.sh with its other steps off;
+#   2. the bf16 projections: bench_dense_gemv (cuBLAS against qlinear's GEMV per shape), then the step with the fused
+#      decode's plain projections through qlinear's GEMV and without (MOEC_DENSE_GEMV=1 / 0, runtime/decode.py
+#      _DenseGEMV): DeepSeek-V2-Lite experts-hls2 with its bf16 peer, gpt-oss-120b experts-hls2, 4k/32k batch 1.
+# OUT ends with records.tgz (every JSON) and logs.tgz (and gpu_smoke_h200.json with SMOKE=1: the smoke first, for a call
+# that must stand alone; SKIP_GPTOSS=1 leaves gpt-oss out of step 2's A/B, AB_DEADLINE=S starts no A/B pass after S s).
+# Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_dense_route.sh BASE_DIR OUT_DIR
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+BASE=${1:?usage: gpu_dense_route.sh BASE_DIR OUT_DIR}; OUT=${2:?usage: gpu_dense_route.sh BASE_DIR OUT_DIR}
+mkdir -p "$OUT/gate"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MOEC_LOG=${MOEC_LOG:-WARNING}
+T0=$SECONDS
+if [ -n "${SMOKE:-}" ]; then  # SMOKE=1: the GPU smoke first (OUT/gpu_smoke_h200.json), for a call that must stand alone
+  timeout 300 bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 > "$OUT/smoke.log" 2>&1
+  echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/smoke.log"
+fi
+SKIP_SMOKE=1 SKIP_MLA=1 SKIP_HLS2=1 SKIP_LAYERS=1 SKIP_V2LITE=1 EXTRA="gpt-oss-120b@12:experts-mxfp4" \
+  timeout 280 bash benchmarks/studies/gpu_session_gate.sh "$BASE" "$OUT/gate"
+echo "gate done at $((SECONDS - T0)) s"
+mkdir -p "$OUT/logs"; [ -f "$OUT/smoke.log" ] && mv "$OUT/smoke.log" "$OUT/logs/"
+timeout 110 python3 -m benchmarks.bench_dense_gemv --budget 85 --out "$OUT/dense_gemv.json" \
+  --shapes gpt-oss-qkv,gpt-oss-o,v2lite-q,v2lite-o,v2lite-shared-gu,v2lite-shared-down,v2lite-kv-a,glm-qkv,glm-o \
+  > "$OUT/logs/dense_gemv.log" 2>&1
+echo "dense_gemv rc=$? at $((SECONDS - T0)) s"; tail -9 "$OUT/logs/dense_gemv.log"
+ARGS=(--contexts 4096,32768 --batches 1 --prefill none --steps 30 --no-breakdown --recipes moec/recipes/experts-hls2.yaml)
+for v in 0 1; do
+  [ $((SECONDS - T0)) -gt "${AB_DEADLINE:-420}" ] && { echo "dense=$v: no time left (the archives come first)"; break; }
+  MOEC_DENSE_GEMV=$v timeout 110 python3 -m benchmarks.bench_latency --out "$OUT/latency_v2lite_dense$v.json" \
+    --shapes deepseek-v2-lite --budget 90 "${ARGS[@]}" > "$OUT/logs/v2lite_dense$v.log" 2>&1
+  echo "v2lite dense=$v rc=$? at $((SECONDS - T0)) s"
+  [ -n "${SKIP_GPTOSS:-}" ] && continue
+  MOEC_DENSE_GEMV=$v timeout 80 python3 -m benchmarks.bench_latency --out "$OUT/latency_gptoss_dense$v.json" \
+    --shapes gpt-oss-120b --budget 60 --no-peer "${ARGS[@]}" > "$OUT/logs/gptoss_dense$v.log" 2>&1
+  echo "gpt-oss dense=$v rc=$? at $((SECONDS - T0)) s"
+done
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+rows = {}
+for v in (0, 1):
+    for f in (f"latency_v2lite_dense{v}.json", f"latency_gptoss_dense{v}.json"):
+        p = Path(sys.argv[1]) / f
+        for r in json.loads(p.read_text()) if p.exists() else []:
+            if "ms_median" in r:
+                rows.setdefault((r["shape"], r["recipe"], r["context"]), {})[v] = r
+for (s, rc, c), d in sorted(rows.items()):
+    a, b = d.get(0), d.get(1)
+    if a and b:
+        print(f"{s:18} {rc:14} {c:6} cuBLAS {a['ms_median']:7.3f}  dense GEMV {b['ms_median']:7.3f} ms  "
+              f"x{b['ms_median'] / a['ms_median']:.3f}  ({b['pct_of_floor']:.1f}% of floor)")
+PY
+(cd "$OUT" && tar xzf gate/records.tgz -C gate 2>/dev/null; mv gate/logs.tgz logs_gate.tgz 2>/dev/null; rm -f gate/records.tgz
+ tar czf logs.tgz logs $(ls logs_gate.tgz 2>/dev/null) && rm -rf logs logs_gate.tgz
+ recs=$(ls *.json 2>/dev/null | grep -v '^gpu_smoke_h200.json$')
+ tar czf records.tgz $recs gate && rm -rf $recs gate)
