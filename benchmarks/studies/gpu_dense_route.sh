@@ -39,23 +39,10 @@ for v in 0 1; do
     --shapes gpt-oss-120b --budget 60 --no-peer "${ARGS[@]}" > "$OUT/logs/gptoss_dense$v.log" 2>&1
   echo "gpt-oss dense=$v rc=$? at $((SECONDS - T0)) s"
 done
-python3 - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-rows = {}
-for v in (0, 1):
-    for f in (f"latency_v2lite_dense{v}.json", f"latency_gptoss_dense{v}.json"):
-        p = Path(sys.argv[1]) / f
-        for r in json.loads(p.read_text()) if p.exists() else []:
-            if "ms_median" in r:
-                rows.setdefault((r["shape"], r["recipe"], r["context"]), {})[v] = r
-for (s, rc, c), d in sorted(rows.items()):
-    a, b = d.get(0), d.get(1)
-    if a and b:
-        print(f"{s:18} {rc:14} {c:6} cuBLAS {a['ms_median']:7.3f}  dense GEMV {b['ms_median']:7.3f} ms  "
-              f"x{b['ms_median'] / a['ms_median']:.3f}  ({b['pct_of_floor']:.1f}% of floor)")
-PY
-(cd "$OUT" && tar xzf gate/records.tgz -C gate 2>/dev/null; mv gate/logs.tgz logs_gate.tgz 2>/dev/null; rm -f gate/records.tgz
- tar czf logs.tgz logs $(ls logs_gate.tgz 2>/dev/null) && rm -rf logs logs_gate.tgz
+for m in v2lite gptoss; do  # the route's A/B: cuBLAS (dense0) -> qlinear's GEMV (dense1), per row
+  [ -f "$OUT/latency_${m}_dense1.json" ] && python3 -m benchmarks.compare_latency "$OUT/latency_${m}_dense0.json" \
+    "$OUT/latency_${m}_dense1.json" --tol 0.03
+done
+(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs
  recs=$(ls *.json 2>/dev/null | grep -v '^gpu_smoke_h200.json$')
  tar czf records.tgz $recs gate && rm -rf $recs gate)
