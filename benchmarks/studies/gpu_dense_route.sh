@@ -26,7 +26,7 @@ if [ -n "${SMOKE:-}" ]; then  # SMOKE=1: the GPU smoke first (OUT/gpu_smoke_h200
 fi
 mkdir -p "$OUT/logs"; [ -f "$OUT/smoke.log" ] && mv "$OUT/smoke.log" "$OUT/logs/"
 left() { echo $(( ${END:-575} - (SECONDS - T0) )); }  # seconds before the archives must start
-if [ -z "${SKIP_GATE:-}" ]; then
+if [ -z "${SKIP_GATE:-}" ] && [ "$(left)" -ge 60 ]; then  # (timeout 0 would mean no limit at all)
   SKIP_SMOKE=1 SKIP_MLA=1 SKIP_HLS2=1 SKIP_LAYERS=1 SKIP_V2LITE=1 EXTRA="gpt-oss-120b@12:experts-mxfp4" \
     timeout $(( $(left) - 10 < 280 ? $(left) - 10 : 280 )) bash benchmarks/studies/gpu_session_gate.sh "$BASE" "$OUT/gate"
   echo "gate done at $((SECONDS - T0)) s"
