@@ -58,7 +58,9 @@ trellis fit's Viterbi kernel (kernels/tcq_viterbi.py) against the torch search o
 count, 2 and 3 bits, which must give the same states bit for bit. Two Gluon kernels are checked directly too
 (record recipe "(kernels)"): `gluon-moe-decode-*` (kernels/gluon_moe_decode.py, opt-in under MOEC_KERNELS=gluon;
 the recipes' `-gluon` checks count its launches as `gluon_moe_launches`) and `gluon-qlinear-*`
-(kernels/gluon_qlinear.py, the default 4-bit decode GEMV, which every attn4 recipe's logit checks also run).
+(kernels/gluon_qlinear.py, the default 4-bit decode GEMV, which every attn4 recipe's logit checks also run), and
+`dense-gemv-route-*`: the fused step's bf16 projections through qlinear's GEMV (runtime/decode.py _DenseGEMV) against
+cuBLAS in the same engine.
 
 Records (one per check): recipe, check, ok, error, and for logit checks max_abs_err, rel_l2_err, kernel
 (whether the default path took the fused kernel), graphs; every record carries `source_tree`, the content
@@ -70,6 +72,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import shutil
 import subprocess
 import sys
@@ -346,7 +349,9 @@ def check_gluon_moe(device: str) -> list[dict]:
 def check_gluon_qlinear(device: str) -> list[dict]:
     """The Gluon 4-bit decode GEMV (kernels/gluon_qlinear.py, qlinear's default for 4-bit rtn decode where the
     launch config says gluon4) against qlinear_ref: batch 1 and 3, with a bias, 200 outputs (a partial last block),
-    the shipped launch and 32-row programs of 4 warps; max |err| / max |ref| <= 5e-3 (fp16 weights as dequantized)."""
+    16-row programs of 8 warps, 32-row ones of 4, and 16-row ones of 4 and 16 (gluon_qlinear.pick_warps's other
+    choices; 16 warps for 4 chunks a row leave warps without one); max |err| / max |ref| <= 5e-3 (fp16 weights as
+    dequantized)."""
     if device != "cuda":
         return []
     from moec.kernels import gluon_qlinear as gq
@@ -360,7 +365,7 @@ def check_gluon_qlinear(device: str) -> list[dict]:
                                                     generator=g), scale, (-8 * scale.float()).half())
     bias = torch.randn(O, device="cuda", generator=g) * 0.1
     out = []
-    for M, block_m, warps in ((1, 16, 8), (3, 16, 8), (3, 32, 4)):
+    for M, block_m, warps in ((1, 16, 8), (3, 16, 8), (3, 32, 4), (1, 16, 4), (1, 16, 16)):
         t0 = time.time()
         rec = {"recipe": "(kernels)", "check": f"gluon-qlinear-m{M}-bm{block_m}-w{warps}",
                "shape": f"{K} -> {O}, rtn4 g128"}
@@ -373,6 +378,56 @@ def check_gluon_qlinear(device: str) -> list[dict]:
             rec |= {"ok": err <= 5e-3, "max_rel_err": err, "error": None if err <= 5e-3 else f"max_rel_err {err:.3g}"}
         except Exception as e:
             rec |= {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        rec["seconds"] = round(time.time() - t0, 2)
+        out.append(rec)
+    return out
+
+
+def check_dense_gemv(device: str) -> list[dict]:
+    """The fused step's plain projections through qlinear's GEMV (runtime/decode.py _DenseGEMV, MOEC_DENSE_GEMV=1;
+    off by default until the step measures it faster) against the same engine with cuBLAS: a tiny random glm4_moe
+    and deepseek_v3 (q/k/v biases, shared experts, MLA's fused inputs) in bf16 under CUDA graphs, a prefill and 6
+    steps; rel L2 of the logits <= 1e-2 (bf16 products summed in another order)."""
+    if device != "cuda":
+        return []
+    from moec.runtime.config import ModelArgs
+    from moec.runtime.decode import DecodeEngine, _DenseGEMV
+    from moec.runtime.kvcache import dense_cache
+    from moec.runtime.latency import random_model
+
+    common = dict(vocab_size=256, dim=256, n_layers=2, n_heads=4, max_seq_len=128, n_experts=4, top_k=2,
+                  expert_dim=128, ffn_kinds=["dense", "moe"], dense_dim=256, shared_dim=128, router_score="sigmoid",
+                  topk_method="group_top2", n_group=2, topk_group=1, router_bias=True, routed_scale=2.5)
+    configs = {"glm4_moe": ModelArgs(arch="glm4_moe", n_kv_heads=2, head_dim=64, qkv_bias=True, **common),
+               "deepseek_v3": ModelArgs(arch="deepseek_v3", n_kv_heads=4, head_dim=96, attn_kind="mla",
+                                        q_lora_rank=128, kv_lora_rank=64, qk_rope_dim=32, v_head_dim=64, **common)}
+    out = []
+    for arch, args in configs.items():
+        t0 = time.time()
+        rec = {"recipe": "(kernels)", "check": f"dense-gemv-route-{arch}", "shape": "tiny random, bf16"}
+        old = os.environ.get("MOEC_DENSE_GEMV")
+        try:
+            logits, routed = [], 0
+            for v in ("0", "1"):
+                os.environ["MOEC_DENSE_GEMV"] = v
+                model = random_model(args, lambda name: None, "cuda", torch.bfloat16, seed=7)
+                eng = DecodeEngine(model, dense_cache(args, 1, 64, dtype=torch.bfloat16, device="cuda",
+                                                      mode="static"))
+                routed = max(routed, sum(isinstance(m, _DenseGEMV) for m in model.modules()))
+                steps = [eng.prefill(0, torch.tensor([3, 9, 27, 17, 51]))]
+                steps += [eng.step(1, feed_next=True)[0].clone() for _ in range(6)]
+                logits.append(torch.stack(steps).float())
+            err = ((logits[1] - logits[0]).norm() / logits[0].norm()).item()
+            ok = err <= 1e-2 and routed > 0
+            rec |= {"ok": ok, "rel_l2_err": err, "routed_linears": routed,
+                    "error": None if ok else f"rel_l2 {err:.3g}, {routed} routed"}
+        except Exception as e:
+            rec |= {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            if old is None:
+                os.environ.pop("MOEC_DENSE_GEMV", None)
+            else:
+                os.environ["MOEC_DENSE_GEMV"] = old
         rec["seconds"] = round(time.time() - t0, 2)
         out.append(rec)
     return out
@@ -405,7 +460,8 @@ def main() -> int:
     jobs += [(OSS_SHAPE, n) for n in names if OSS_SHAPE in a.shapes and n in OSS_RECIPES]
     t_start = time.time()
     records = [base_record("gpu-smoke", a.device) | {"source_tree": tree} | r
-               for r in check_calibration_kernels(a.device) + check_gluon_moe(a.device) + check_gluon_qlinear(a.device)]
+               for r in check_calibration_kernels(a.device) + check_gluon_moe(a.device) + check_gluon_qlinear(a.device)
+               + check_dense_gemv(a.device)]
     for r in records:
         print(f"[{r['recipe']} {r['check']}] {'ok' if r['ok'] else 'FAILED: ' + str(r['error'])}", flush=True)
     # Triton compiles (CPU-bound) dominate: recipes run in `--jobs` processes on the one GPU

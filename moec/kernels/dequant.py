@@ -766,6 +766,123 @@ def gemv_words2(acc_g, acc_u, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_ptr, b3_ptr, x_
     return acc_g, acc_u
 
 
+# ---- fp4 (e2m1) codes read as int32 words ----------------------------------------------------------------
+# MODE_FP4's codes are U4X2 bytes in natural order, so int32 word w of a row holds inputs 8w .. 8w + 7, input
+# 8w + j in bits 4j .. 4j + 3. A chunk is 4 words, 32 inputs: one mxfp4 block (or two nvfp4 blocks of 16), so a
+# chunk loads its block scale once, not once per byte as gemv_chunks's MODE 5 branch does. A code decodes with
+# integer shifts and masks and one exact multiply instead of compares and selects (_fp4_word).
+
+
+def use_fp4_words(w: QWeight) -> bool:
+    """The word path of the fp4 GEMV (gemv_fp4_words): rows of whole 32-input chunks whose block scales cover 16
+    inputs or a multiple of 32 (nvfp4, mxfp4)."""
+    gs = w.n_in // w.groups
+    return w.mode == MODE_FP4 and w.n_in % 32 == 0 and (gs == 16 or gs % 32 == 0)
+
+
+@triton.jit
+def _fp4_word(v, j: tl.constexpr):
+    """fp32 value of nibble j (0..7) of the int32 words v, an e2m1 pattern: its magnitude bits m at an fp32's
+    bits 22..24 read as e2m1(m)·2^-126 (exponent field m >> 1, mantissa bit m & 1; m = 1 the subnormal
+    0.5·2^-126), its sign bit at bit 31; the power-of-two product is exact (the GPU's fp32 multiply keeps
+    subnormal inputs: Triton emits mul.f32, not its .ftz form)."""
+    q = v >> (4 * j)
+    bits = ((q & 7) << 22) | ((q & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
+def _fp4_chunk_dot(v0, v1, v2, v3, x_ptr, base, xmask, sc_lo, sc_hi, HALF: tl.constexpr):
+    """Σ over a chunk's 32 inputs of e2m1(code)·x times its block scale(s), [BO, BKC]: sc_lo for all 32 (HALF
+    False) or for the first 16 and sc_hi for the last 16 (HALF: nvfp4's 16-input blocks)."""
+    lo = tl.zeros(v0.shape, dtype=tl.float32)
+    hi = tl.zeros(v0.shape, dtype=tl.float32)
+    for s in tl.static_range(32):
+        xs = tl.load(x_ptr + base + s, mask=xmask, other=0.0).to(tl.float32)[None, :]
+        if s < 8:
+            word = v0
+        elif s < 16:
+            word = v1
+        elif s < 24:
+            word = v2
+        else:
+            word = v3
+        if HALF and s >= 16:
+            hi += _fp4_word(word, s % 8) * xs
+        else:
+            lo += _fp4_word(word, s % 8) * xs
+    if HALF:
+        return lo * sc_lo + hi * sc_hi
+    return lo * sc_lo
+
+
+@triton.jit
+def _fp4_chunk_loads(w_ptr, a_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, n_in, GS: tl.constexpr,
+                     BKC: tl.constexpr):
+    """Chunks k0 / 32 .. + BKC of rows offs_o: their 4 words [BO, BKC] each (w_ptr: the codes viewed as int32,
+    stride_wo in words), block scales (lo, hi) [BO, BKC] fp32, and the chunks' first input and mask [BKC]."""
+    cidx = k0 // 32 + tl.arange(0, BKC)
+    live = cidx < n_in // 32
+    m = mask_o[:, None] & live[None, :]
+    p = w_ptr + offs_o[:, None] * stride_wo + (cidx * 4)[None, :]
+    v0 = tl.load(p, mask=m, other=0)
+    v1 = tl.load(p + 1, mask=m, other=0)
+    v2 = tl.load(p + 2, mask=m, other=0)
+    v3 = tl.load(p + 3, mask=m, other=0)
+    sp = a_ptr + offs_o[:, None] * stride_ao + (cidx * 32 // GS)[None, :]
+    sc_lo = tl.load(sp, mask=m, other=0.0).to(tl.float32)
+    sc_hi = sc_lo
+    if GS == 16:
+        sc_hi = tl.load(sp + 1, mask=m, other=0.0).to(tl.float32)
+    return v0, v1, v2, v3, sc_lo, sc_hi, cidx * 32, live
+
+
+@triton.jit
+def gemv_fp4_words(acc, w_ptr, a_ptr, x_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, n_in, GS: tl.constexpr,
+                   BKC: tl.constexpr):
+    """acc [BO, BKC] += w·x over inputs [k0, k0 + 32·BKC) for MODE_FP4 rows that use_fp4_words accepts."""
+    v0, v1, v2, v3, sc_lo, sc_hi, base, live = _fp4_chunk_loads(w_ptr, a_ptr, offs_o, mask_o, stride_wo, stride_ao,
+                                                                k0, n_in, GS, BKC)
+    return acc + _fp4_chunk_dot(v0, v1, v2, v3, x_ptr, base, live, sc_lo, sc_hi, GS == 16)
+
+
+@triton.jit
+def gemv_fp4_words2(acc_g, acc_u, w1_ptr, a1_ptr, w3_ptr, a3_ptr, x_ptr, offs_o, mask_o, stride_wo, stride_ao, k0,
+                    n_in, GS: tl.constexpr, BKC: tl.constexpr):
+    """gemv_fp4_words for gate and up (one layout, the same x)."""
+    g0, g1, g2, g3, gs_lo, gs_hi, base, live = _fp4_chunk_loads(w1_ptr, a1_ptr, offs_o, mask_o, stride_wo,
+                                                                stride_ao, k0, n_in, GS, BKC)
+    u0, u1, u2, u3, us_lo, us_hi, base, live = _fp4_chunk_loads(w3_ptr, a3_ptr, offs_o, mask_o, stride_wo,
+                                                                stride_ao, k0, n_in, GS, BKC)
+    g_lo = tl.zeros(g0.shape, dtype=tl.float32)
+    g_hi = tl.zeros(g0.shape, dtype=tl.float32)
+    u_lo = tl.zeros(g0.shape, dtype=tl.float32)
+    u_hi = tl.zeros(g0.shape, dtype=tl.float32)
+    for s in tl.static_range(32):  # one x load for both matrices
+        xs = tl.load(x_ptr + base + s, mask=live, other=0.0).to(tl.float32)[None, :]
+        if s < 8:
+            gw = g0
+            uw = u0
+        elif s < 16:
+            gw = g1
+            uw = u1
+        elif s < 24:
+            gw = g2
+            uw = u2
+        else:
+            gw = g3
+            uw = u3
+        if GS == 16 and s >= 16:
+            g_hi += _fp4_word(gw, s % 8) * xs
+            u_hi += _fp4_word(uw, s % 8) * xs
+        else:
+            g_lo += _fp4_word(gw, s % 8) * xs
+            u_lo += _fp4_word(uw, s % 8) * xs
+    if GS == 16:
+        return acc_g + g_lo * gs_lo + g_hi * gs_hi, acc_u + u_lo * us_lo + u_hi * us_hi
+    return acc_g + g_lo * gs_lo, acc_u + u_lo * us_lo
+
+
 # ---- 2-bit tables through PTX prmt (CUDA): ~2 instructions per code -------------------------------------
 # A row's 2-bit codes are read as int32 words of 16 codes (U2X4: byte b of the word holds inputs 4b..4b+3,
 # input 4b + j in bits 2j, 2j+1). A prmt selector for two weights is sel(c, c') = 0x22·(c | c' << 8) + 0x1010:

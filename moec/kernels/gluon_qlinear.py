@@ -39,7 +39,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from . import pdl
+from . import launch_config, pdl
 from .dequant import MODE_AFFINE, QWeight
 from .pdl import gluon_begin
 
@@ -185,16 +185,38 @@ def supports(w: QWeight, M: int) -> bool:
     return K % CHUNK == 0 and K % G == 0 and (K // G) % CHUNK == 0
 
 
+def pick_warps(K: int, O: int, sms: int, block_m: int = 16) -> int:
+    """Warps a program (they split the row's chunks) for K inputs and O outputs: 8, unless the grid would leave
+    the SMs idle or queue a partial second wave. A program of w warps at this kernel's ~64 registers a thread
+    shares an SM with 32 / w - 1 others, so a wave is sms · 32 / w programs. 16 warps where that still fits one wave
+    and each warp keeps 3 or more chunks (long rows on few programs, e.g. GLM-4.5-Air's o projection: 256 programs
+    of 96 chunks); 4 where 8 would spill past one wave and 4 does not (GLM's q/k/v: 896 programs). The sweep behind
+    it: benchmarks/bench_gluon_qlinear.py (configs/nvidia_h200.json names the record)."""
+    programs = triton.cdiv(O, block_m)
+
+    def waves(w: int) -> float:
+        return programs / (sms * (32 // w))
+
+    if (K // CHUNK) // 16 >= 3 and waves(16) <= 1:
+        return 16
+    if waves(8) > 1 and waves(4) <= 1:
+        return 4
+    return 8
+
+
 LAUNCHES = 0  # host-side count of launches (the GPU smoke records which path ran)
 
 
 def gluon_qlinear(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor, block_m: int = 16,
-                  warps: int = 8) -> torch.Tensor:
-    """qlinear's decode path for the weights `supports` accepts: x2 [M, K] contiguous rows, y [M, O] (written)."""
+                  warps: int | None = 8) -> torch.Tensor:
+    """qlinear's decode path for the weights `supports` accepts: x2 [M, K] contiguous rows, y [M, O] (written).
+    warps None: `pick_warps` for this shape and device."""
     global LAUNCHES
     LAUNCHES += 1
     M, K = x2.shape
     O = y.shape[1]
+    if warps is None:
+        warps = pick_warps(K, O, launch_config.num_sms(x2.device), block_m)
     d = w.data.view(torch.int32)  # [1, O, K/8]
     _gemv4_kernel[(triton.cdiv(O, block_m),)](
         x2, d, w.a, w.b, bias if bias is not None else d, y, M, O,

@@ -145,6 +145,7 @@ def _mla_decode_kernel(q_ptr, rows_ptr, new_ptr, pos_ptr, part_ptr, acc16_ptr, H
     tl.store(ml, m_i, mask=hmask)
     tl.store(ml + 1, l_i, mask=hmask)
 
+
 def mla_decode_attention(q: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, pos: torch.Tensor, r: int,
                          sm_scale: float, n_splits: int | None = None, block_n: int | None = None,
                          block_h: int | None = None, num_warps: int | None = None, num_stages: int | None = None,

@@ -51,6 +51,8 @@ from .dequant import (
     gated_act,
     gated_act_ref,
     gemv_chunks,
+    gemv_fp4_words,
+    gemv_fp4_words2,
     gemv_prmt,
     gemv_prmt2,
     gemv_words,
@@ -59,6 +61,7 @@ from .dequant import (
     prmt_pairs,
     prmt_tab,
     tcq_asm,
+    use_fp4_words,
     use_prmt,
     use_words,
     vq_static,
@@ -115,6 +118,10 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
                 ulo, uhi = prmt_tab(a3_ptr + e * stride_ae, rows, stride_ao, k0 // GS)
             acc_g, acc_u = gemv_prmt2(acc_g, acc_u, w1_ptr + e * stride_we, glo, ghi, w3_ptr + e * stride_we,
                                       ulo, uhi, x_ptr + n * (D // 2), rows, stride_wo, k0, D // 16, BKC)
+        elif WORDS and MODE == 5:
+            acc_g, acc_u = gemv_fp4_words2(acc_g, acc_u, w1_ptr + e * stride_we, a1_ptr + e * stride_ae,
+                                           w3_ptr + e * stride_we, a3_ptr + e * stride_ae, xr, offs_o, mask_o,
+                                           stride_wo, stride_ao, k0, D, GS, BKC)
         elif WORDS:
             acc_g, acc_u = gemv_words2(acc_g, acc_u, w1_ptr + e * stride_we, a1_ptr + e * stride_ae,
                                        b1_ptr + e * stride_ae, w3_ptr + e * stride_we, a3_ptr + e * stride_ae,
@@ -187,6 +194,9 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
                     tlo, thi = prmt_tab(a2_ptr + e * stride_ae, rows, stride_ao, (k_start + kk) // GS)
                 acc = gemv_prmt(acc, w2_ptr + e * stride_we, tlo, thi, h_ptr + t * (I // 2), rows, stride_wo,
                                 k_start + kk, I // 16, BKC)
+            elif WORDS and MODE == 5:
+                acc = gemv_fp4_words(acc, w2_ptr + e * stride_we, a2_ptr + e * stride_ae, h_ptr + t * I, offs_o,
+                                     mask_o, stride_wo, stride_ao, k_start + kk, I, GS, BKC)
             elif WORDS:
                 acc = gemv_words(acc, w2_ptr + e * stride_we, a2_ptr + e * stride_ae, b2_ptr + e * stride_ae,
                                  h_ptr + t * I, offs_o, mask_o, stride_wo, stride_ao, k_start + kk, I,
@@ -220,7 +230,9 @@ def _static(w: QWeight, block_k: int, words: bool | None, poly: bool | None = No
         st = vq_static(w, block_k, words is not False, vq_gather)
         bk = st.pop("BK")
         return st | dict(BKC=bk // st["C"], WORDS=False, POLY=False, PRMT=False, ASM=False)
-    words = use_words(w) if words is None else words and use_words(w)
+    # fp4 (mxfp4 / nvfp4): int32 words of 8 codes, a block scale a chunk (dequant.gemv_fp4_words) unless turned off
+    fp4_words = words is not False and use_fp4_words(w)
+    words = fp4_words or (use_words(w) if words is None else words and use_words(w))
     poly = words and w.bits == 2 and w.b is not None and poly is not False and not prmt  # tables with cubics
     C, BPC = (16, 4) if prmt else (32, 4 * w.bits) if words else codes_per_chunk(w.mode, w.bits)
     G = w.groups

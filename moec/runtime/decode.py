@@ -271,6 +271,44 @@ class _QuantQKV(torch.nn.Module):
         return qlinear(x, self.qw, self.bias, gluon=gluon_chosen(x.device, gluon_measured_faster(x.device)))
 
 
+class _DenseGEMV(torch.nn.Linear):
+    """A plain (bf16) projection of the decode step through qlinear's GEMV on its weight as stored (MODE_DENSE)
+    for decode rows (at most GEMV_MAX_M tokens), torch's linear (cuBLAS) for more; the same Parameters as the
+    Linear it replaces (no copy), so prefill, the state dict and the plain step see no difference. Why: at batch
+    1 cuBLAS runs some projection shapes as a split-K GEMV plus a separate reduce, well under the copy
+    bandwidth (benchmarks/bench_dense_gemv.py measures both per shape; the launch config's
+    `qlinear.dense_gemv` turns the route on where it measured faster, with its tiles)."""
+
+    def __init__(self, lin: torch.nn.Linear, tiles: dict):
+        from ..kernels.dequant import MODE_DENSE, QWeight
+
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight, self.bias = lin.weight, lin.bias
+        self.qw = QWeight(MODE_DENSE, 16, lin.in_features, lin.weight.data[None])
+        self.tiles = tiles  # qlinear's gemv overrides: block_o, block_k, num_warps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.qlinear import GEMV_MAX_M, qlinear
+
+        if x.numel() // self.in_features <= GEMV_MAX_M and kernels_enabled(x.device):
+            return qlinear(x, self.qw, self.bias, **self.tiles)
+        return F.linear(x, self.weight, self.bias)
+
+
+def dense_gemv_chosen(device) -> bool:
+    """Whether the fused step sends its plain projections to _DenseGEMV on `device`: MOEC_DENSE_GEMV=1 / 0 forces
+    it either way (the A/B of benchmarks), else the launch config's `qlinear.dense_gemv.on` where the kernels
+    run."""
+    from ..kernels import launch_config
+
+    forced = os.environ.get("MOEC_DENSE_GEMV")
+    if forced in ("0", "1"):
+        return forced == "1" and kernels_enabled(device)
+    return kernels_enabled(device) and torch.device(device).type == "cuda" and bool(
+        launch_config.config("qlinear", device)["dense_gemv"]["on"])
+
+
 class DecodeEngine:
     """Prefill + static decode steps for `batch` rows of up to `max_len` tokens each."""
 
@@ -307,6 +345,30 @@ class DecodeEngine:
         # MLA: the query's (wq, or V3's wq_a) and the latent's (wkv_a) projections of the same input as one
         self.mla_in = [self._fuse_linears((blk.attn.wq_a if self.args.q_lora_rank else blk.attn.wq, blk.attn.wkv_a))
                        for blk in model.layers] if self.mla_kernel else []
+        if self.fused and dense_gemv_chosen(dev):
+            self._route_dense_gemv()
+
+    def _route_dense_gemv(self) -> None:
+        """The fused step's plain projections (fused q/k/v, o, the MLA query and latent inputs, the shared expert's
+        gate/up and down) as _DenseGEMV; the LM head stays with cuBLAS (it streams near the copy bandwidth)."""
+        from ..kernels import launch_config
+
+        tiles = {k: v for k, v in launch_config.config("qlinear", self.device)["dense_gemv"].items() if k != "on"}
+
+        def dense(lin):
+            return _DenseGEMV(lin, tiles) if type(lin) is torch.nn.Linear else lin
+
+        self.qkv = [dense(p) for p in self.qkv]
+        self.shared_gate_up = [dense(p) for p in self.shared_gate_up]
+        self.mla_in = [dense(p) for p in self.mla_in]
+        for blk in self.model.layers:
+            at = blk.attn
+            for name in ("wo", "wq_b") + (() if self.mla_kernel else ("wq", "wk", "wv", "wq_a", "wkv_a")):
+                if isinstance(getattr(at, name, None), torch.nn.Module):
+                    setattr(at, name, dense(getattr(at, name)))
+            shared = getattr(blk.moe, "shared", None)
+            if shared is not None and not hasattr(blk.moe, "shared_gate"):
+                shared.w2 = dense(shared.w2)
 
     @classmethod
     def _fuse_shared(cls, moe):

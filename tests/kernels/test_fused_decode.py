@@ -355,3 +355,52 @@ def test_feed_next_after_prefill_feeds_the_prefill_choice():
             eng.tokens[:1] = first.argmax()
         out.append(eng.step(1, feed_next=feed)[0].clone())
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "gpt_oss"])
+def test_engine_dense_gemv_route(arch, monkeypatch):
+    """MOEC_DENSE_GEMV=1: the fused step's plain projections (fused q/k/v with their biases, o with gpt-oss's bias,
+    the MLA query/latent inputs and wq_b, the shared expert's gate/up and down) run qlinear's GEMV on the weights
+    as stored (decode._DenseGEMV, the same Parameters) and give the cuBLAS route's logits; the LM head stays a
+    Linear. MOEC_KERNELS=1: the interpreter runs every kernel path, as the GPU would."""
+    from moec.runtime.decode import _DenseGEMV
+    from moec.runtime.kvcache import dense_cache
+
+    common = dict(vocab_size=64, dim=64, n_layers=2, n_heads=4, max_seq_len=64, n_experts=4, top_k=2, expert_dim=32)
+    args = {"glm4_moe": ModelArgs(arch="glm4_moe", n_kv_heads=2, head_dim=32, ffn_kinds=["dense", "moe"],
+                                  dense_dim=64, shared_dim=32, qkv_bias=True, router_score="sigmoid",
+                                  topk_method="group_top2", n_group=2, topk_group=1, router_bias=True,
+                                  routed_scale=2.5, **common),
+            "deepseek_v3": ModelArgs(arch="deepseek_v3", n_kv_heads=4, head_dim=48, ffn_kinds=["dense", "moe"],
+                                     dense_dim=64, shared_dim=32, router_score="sigmoid", topk_method="group_top2",
+                                     n_group=2, topk_group=1, router_bias=True, routed_scale=2.5, attn_kind="mla",
+                                     q_lora_rank=32, kv_lora_rank=32, qk_rope_dim=16, v_head_dim=32,
+                                     rope_interleave=True, **common),
+            "gpt_oss": ModelArgs(arch="gpt_oss", n_kv_heads=2, head_dim=32, qkv_bias=True, o_bias=True,
+                                 attn_sinks=True, layer_windows=[4, 0], router_score="softmax_topk",
+                                 router_logit_bias=True, expert_bias=True, expert_act="clamped_swiglu",
+                                 swiglu_limit=1.0, norm_topk=False, **common)}[arch]
+    tokens = torch.tensor([3, 9, 27, 17, 51, 8, 40])
+    monkeypatch.setenv("MOEC_KERNELS", "1")
+    out = []
+    for route in ("0", "1"):
+        monkeypatch.setenv("MOEC_DENSE_GEMV", route)
+        model = random_model(args, lambda name: None, DEVICE, torch.float32, seed=4)
+        cache = dense_cache(args, 1, 32, dtype=torch.float32, device=DEVICE, mode="static")
+        eng = DecodeEngine(model, cache, graphs=False, fuse=True)
+        routed = [m for m in model.modules() if isinstance(m, _DenseGEMV)] + [
+            p for p in eng.qkv + eng.mla_in + eng.shared_gate_up if isinstance(p, _DenseGEMV)]
+        assert bool(routed) == (route == "1") and type(model.output) is torch.nn.Linear
+        if route == "1":
+            assert isinstance(model.layers[1].attn.wo, _DenseGEMV)
+            if arch == "gpt_oss":
+                assert model.layers[1].attn.wo.bias is not None
+            else:
+                assert isinstance(model.layers[1].moe.shared.w2, _DenseGEMV)
+            assert all(isinstance(p, _DenseGEMV) for p in (eng.mla_in if arch == "deepseek_v3" else eng.qkv))
+        logits = [eng.prefill(0, tokens[:4])]
+        for t in tokens[4:]:
+            eng.tokens[:1] = t
+            logits.append(eng.step(1)[0].clone())
+        out.append(torch.stack(logits))
+    assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()

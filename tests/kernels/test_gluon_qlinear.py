@@ -17,8 +17,9 @@ from moec.kernels.qlinear import qlinear, qlinear_ref
 TYPES = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "bias_ptr": "*fp32", "y_ptr": "*bf16",
          "M": "i32", "O": "i32"}
 GEMV = launch_config.defaults()["qlinear"]["gemv"]
-# (K, BM, KW): the shipped setting at Mixtral's K, an uneven chunk count (K = 1536: 12 chunks, 8 warps), 32 rows
-CASES = [(4096, GEMV["gluon_block_m"], GEMV["gluon_warps"]), (1536, 16, 8), (4096, 32, 4)]
+# (K, BM, KW): pick_warps's three choices at the shipped row count (8 at Mixtral's K, 4 at GLM-4.5-Air's q/k/v, 16
+# at its o projection's 12288 inputs), an uneven chunk count (K = 1536: 12 chunks, 8 warps), 32 rows
+CASES = [(4096, GEMV["gluon_block_m"], 8), (4096, 16, 4), (12288, 16, 16), (1536, 16, 8), (4096, 32, 4)]
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +82,13 @@ def test_gluon_choice_follows_the_switch_and_the_measurement(monkeypatch):
         assert backend.gluon_chosen("cuda", False)
     with backend.kernels_forced("tl"):
         assert not backend.gluon_chosen("cuda", True)
+
+
+@pytest.mark.parametrize("K,O,want", [(4096, 14336, 4), (12288, 4096, 16), (4096, 6144, 8), (4096, 4096, 8),
+                                      (2048, 5120, 8), (4096, 2048, 8), (4096, 2816, 8), (1408, 4096, 8)])
+def test_pick_warps_on_the_swept_shapes(K, O, want):
+    """The warp count on 132 SMs for the swept projections (GLM-4.5-Air q/k/v and o, Mixtral's, Qwen3's; then GLM's
+    shared expert): the sweep's best or within 3% of it (benchmarks/results/gluon_qlinear_h100.json), and the
+    shipped config leaves the choice to it."""
+    assert gq.pick_warps(K, O, 132) == want
+    assert GEMV["gluon_warps"] is None
