@@ -21,6 +21,7 @@ settings, swept for the byte path; it has no config slot of its own yet, so this
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import time
 from pathlib import Path
@@ -93,8 +94,7 @@ def main():
     shapes = {n: known[n] for n in names}
     batches = [int(b) for b in a.batches.split(",")]
     slots = len(shapes) * len(batches)
-    weight = (lambda E, o, n, g: fp4_weight(E, o, n, g)) if a.kind == "mxfp4" else (
-        lambda E, o, n, g: make_weight(a.kind, E, o, n, g))
+    weight = fp4_weight if a.kind == "mxfp4" else functools.partial(make_weight, a.kind)
     t0 = time.time()
     bw = copy_bandwidth()
     g = torch.Generator(device=DEV).manual_seed(0)

@@ -63,24 +63,24 @@ class FP8ProductsCache(MLANUQCache):
         self.q8, self.lv8, self.p8 = q8, lv8, p8
 
     def _attend_simulated(self, layer: int, qr: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        T = y.shape[1]
-        codec = self.codecs[layer]
+        """The shipped simulated step (its output, and the codes and lengths dynamic decode would hold), then, with a
+        flag set, the same attention with the history products' operands rounded."""
+        shipped = super()._attend_simulated(layer, qr, y)
+        if not (self.q8 or self.lv8 or self.p8):
+            return shipped
+        T, r, codec = y.shape[1], self.r, self.codecs[layer]
         codes, scales = codec.encode(y)
+        levels = codec.levels
         if self.lv8:
-            saved, codec.levels = codec.levels, e4m3_levels(codec.levels)[0]
-            deq = codec.decode(codes, scales)
-            codec.levels = saved
-        else:
-            deq = codec.decode(codes, scales)
+            codec.levels = e4m3_levels(levels)[0]
+        unit = codec.decode(codes, torch.ones_like(scales))  # the levels the kernel's products read (scales apart)
+        codec.levels = levels
         i = torch.arange(T)[:, None]
         j = torch.arange(T)[None, :]
         hist_end = torch.tensor([self.sinks + self.policy.blocks_at(t) * self.block for t in range(T)])[:, None]
         causal = j <= i
         in_hist = causal & (j >= self.sinks) & (j < hist_end)
-        r = self.r
-        # the kernel's two score products (c and rope parts), each over its unit-scale levels, then the token scales
-        unit = deq / torch.cat([scales[..., :1].float().expand(-1, -1, r),
-                                scales[..., 1:].float().expand(-1, -1, deq.shape[-1] - r)], -1)
+        # the kernel's two score products (c and rope parts), each over unit-scale levels, then the token scales
         qh = torch.cat([e4m3(qr[..., :r], -1), e4m3(qr[..., r:], -1)], -1) if self.q8 else qr
         s_c = torch.matmul(qh[..., :r], unit[..., :r].transpose(1, 2)[:, None]) * scales[..., 0].float()[:, None, None]
         s_r = torch.matmul(qh[..., r:], unit[..., r:].transpose(1, 2)[:, None]) * scales[..., 1].float()[:, None, None]
@@ -90,15 +90,8 @@ class FP8ProductsCache(MLANUQCache):
         ph = torch.where(in_hist, p, 0.0) * scales[..., 0].float()[:, None, None]  # p·s_c: the kernel's A operand
         if self.p8:
             ph = e4m3(ph, -1)
-        out = torch.matmul(torch.where(in_hist, 0.0, p), y[..., :r][:, None]) + torch.matmul(ph, unit[..., :r][:, None])
-        nb = self.policy.blocks_at(T)
-        h1 = nb * self.block
-        self.codes[layer][:, :h1] = codes[:, self.sinks : self.sinks + h1]
-        self.scales[layer][:, :h1] = scales[:, self.sinks : self.sinks + h1]
-        self.n_blocks[layer] = nb
-        if layer == self.args.n_layers - 1:
-            self.length = T
-        return out
+        window = torch.matmul(torch.where(in_hist, 0.0, p), y[..., :r][:, None])
+        return window + torch.matmul(ph, unit[..., :r][:, None])
 
 
 def scored(model, windows: torch.Tensor, cache_fn, ref: list[torch.Tensor] | None = None):
