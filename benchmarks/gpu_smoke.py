@@ -59,6 +59,7 @@ count, 2 and 3 bits, which must give the same states bit for bit. Two Gluon kern
 (record recipe "(kernels)"): `gluon-moe-decode-*` (kernels/gluon_moe_decode.py, opt-in under MOEC_KERNELS=gluon;
 the recipes' `-gluon` checks count its launches as `gluon_moe_launches`) and `gluon-qlinear-*`
 (kernels/gluon_qlinear.py, the default 4-bit decode GEMV, which every attn4 recipe's logit checks also run), and
+`fp4h-moe-decode-*`: the fp4 experts' fp16x2 MoE decode kernels (kernels/fp4_h2.py) against the reference, and
 `dense-gemv-route-*`: the fused step's bf16 projections through qlinear's GEMV (runtime/decode.py _DenseGEMV) against
 cuBLAS in the same engine.
 
@@ -383,6 +384,48 @@ def check_gluon_qlinear(device: str) -> list[dict]:
     return out
 
 
+def check_fp4h_moe(device: str) -> list[dict]:
+    """The fp4 MoE decode kernels with fp16x2 products (kernels/fp4_h2.py, moe_decode's default for mxfp4 / nvfp4
+    experts on sm_89+) against moe_decode_ref and the fp32 word path (fp4h=False): mxfp4 with gpt-oss's biased
+    clamped SwiGLU, nvfp4 with silu, batch 1 and 3, the down kernel split over programs; max |err| / max |ref|
+    <= 2e-3 (x and h in fp16, fp16 sums over 16 codes), and the default must take the fp16x2 path."""
+    if device != "cuda":
+        return []
+    from moec.kernels import fp4_h2
+    from moec.kernels.moe_decode import moe_decode, moe_decode_ref
+    from tests.kernels.moe_cases import moe_case
+
+    out = []
+    for kind, N, act, split in (("mxfp4", 1, "clamped_swiglu", None), ("mxfp4", 3, "clamped_swiglu", 2),
+                                ("nvfp4", 1, "silu", None), ("nvfp4", 3, "silu", 3)):
+        t0 = time.time()
+        rec = {"recipe": "(kernels)", "check": f"fp4h-moe-decode-{kind}-n{N}-{act}", "shape": "E 8, top-4, 640 -> 384"}
+        try:
+            x, ids, wts, w1, w3, w2 = moe_case(kind, N, 4, 8, 640, 384, 0, 0, "cuda", seed=N)
+            biases = None
+            if act != "silu":
+                g = torch.Generator(device="cuda").manual_seed(N)
+                biases = tuple(torch.randn(8, n, device="cuda", generator=g).to(torch.bfloat16)
+                               for n in (384, 384, 640))
+            kw = dict(biases=biases, act=act, split=split)
+            want = moe_decode_ref(x, ids, wts, w1, w3, w2, biases=biases, act=act)
+            got = moe_decode(x, ids, wts, w1, w3, w2, fp4h=True, **kw)
+            words = moe_decode(x, ids, wts, w1, w3, w2, fp4h=False, **kw)
+            auto = moe_decode(x, ids, wts, w1, w3, w2, **kw)
+            scale = want.abs().max()
+            err = ((got - want).abs().max() / scale).item()
+            err_words = ((words - want).abs().max() / scale).item()
+            took = torch.equal(auto, got) and all(fp4_h2.use_fp4h(w) for w in (w1, w3, w2))
+            ok = err <= 2e-3 and err_words <= 1e-4 and took
+            rec |= {"ok": ok, "max_rel_err": err, "max_rel_err_words": err_words, "default_takes_fp4h": took,
+                    "error": None if ok else f"max_rel_err {err:.3g} (words {err_words:.3g}), default fp4h {took}"}
+        except Exception as e:
+            rec |= {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        rec["seconds"] = round(time.time() - t0, 2)
+        out.append(rec)
+    return out
+
+
 def check_dense_gemv(device: str) -> list[dict]:
     """The fused step's plain projections through qlinear's GEMV (runtime/decode.py _DenseGEMV, MOEC_DENSE_GEMV=1;
     off by default until the step measures it faster) against the same engine with cuBLAS: a tiny random glm4_moe
@@ -461,7 +504,7 @@ def main() -> int:
     t_start = time.time()
     records = [base_record("gpu-smoke", a.device) | {"source_tree": tree} | r
                for r in check_calibration_kernels(a.device) + check_gluon_moe(a.device) + check_gluon_qlinear(a.device)
-               + check_dense_gemv(a.device)]
+               + check_dense_gemv(a.device) + check_fp4h_moe(a.device)]
     for r in records:
         print(f"[{r['recipe']} {r['check']}] {'ok' if r['ok'] else 'FAILED: ' + str(r['error'])}", flush=True)
     # Triton compiles (CPU-bound) dominate: recipes run in `--jobs` processes on the one GPU

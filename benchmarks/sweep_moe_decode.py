@@ -13,8 +13,8 @@ fp16x2 prmt path's bound); a config that fails to compile or misses is recorded 
 --write-config DIR: the config best on most (shape, batch) becomes this device's moe_decode launch config
 in DIR/<device>.json (moec/kernels/launch_config.py; MOEC_KERNEL_CONFIG_DIR=DIR uses it).
 --kind mxfp4: gpt-oss's experts as shipped (e2m1 codes, a power-of-two scale a 32-input block, held as the runtime
-holds them: runtime/fp4.py), on the int32-word GEMV (dequant.gemv_fp4_words), which runs the `legacy` launch
-settings, swept for the byte path; it has no config slot of its own yet, so this kind reports and writes nothing.
+holds them: runtime/fp4.py), on the fp16x2 kernels (kernels/fp4_h2.py; MOEC_FP4H=0: the fp32 int32-word GEMV,
+dequant.gemv_fp4_words), which run the `fp4` launch slot (the `legacy` values until this sweep writes it).
 --dry: toy shapes on the CPU (run with TRITON_INTERPRET=1), to check the script, not to time.
 """
 
@@ -32,7 +32,8 @@ from benchmarks.bench_moe_kernel import DEV, SHAPES, copy_bandwidth, graph_time,
 from moec.cli.common import base_record, write_json_atomic
 from moec.kernels import launch_config
 from moec.kernels.dequant import MODE_FP4, QWeight
-from moec.kernels.moe_decode import DECODE_CONFIG, LEGACY_CONFIG, moe_decode, moe_decode_ref
+from moec.kernels.fp4_h2 import use_fp4h
+from moec.kernels.moe_decode import DECODE_CONFIG, FP4_CONFIG, LEGACY_CONFIG, moe_decode, moe_decode_ref
 from moec.runtime import fp4
 
 GATE_UP = [dict(block_o=bo, block_k=bk, num_warps=nw, num_stages=st)
@@ -82,7 +83,7 @@ def main():
     ap.add_argument("--dry", action="store_true", help="toy shapes on the CPU (bench_moe_kernel's --dry)")
     ap.add_argument("--write-config", type=Path, help="write the winner into DIR/<device>.json")
     a = ap.parse_args()
-    if a.write_config and (a.kind.startswith("tcq") or a.kind == "mxfp4"):
+    if a.write_config and a.kind.startswith("tcq"):
         raise SystemExit(f"--write-config: {a.kind} runs the legacy config; it has no config slot of its own yet")
     grids = {"hls2": (("gate_up", GATE_UP), ("down", DOWN)), "bf16": (("gate_up", GATE_UP_DENSE), ("down", DOWN_DENSE)),
              "mxfp4": (("gate_up", GATE_UP_FP4), ("down", DOWN_FP4))}
@@ -109,6 +110,8 @@ def main():
             n_active = ids.unique().numel()
             act = sum(nbytes(w, n_active) for w in ws[0])
             ref = moe_decode_ref(x, ids, wts, *ws[0])
+            # mxfp4: the fp16x2 kernels (fp4_h2.py) where the GPU has them, unless MOEC_FP4H=0 (the fp32 word path)
+            path = ("fp4h" if use_fp4h(ws[0][0]) else "words") if a.kind == "mxfp4" else None
             best: dict = {}
             t_slot = time.time()  # each (shape, batch) gets an equal share of the budget
             for phase, grid in grids:
@@ -119,7 +122,7 @@ def main():
                     full = {**best, **cfg}
                     rec = base_record("moec-moe-decode-sweep", DEV) | dict(
                         shape=shape, batch=N, kind=a.kind, phase=phase, config=cfg, bytes_per_step=act,
-                        copy_gbps=bw)
+                        copy_gbps=bw, path=path)
                     try:
                         err = rel_err(moe_decode(x, ids, wts, *ws[0], **full), ref)
                         rec["max_rel_err_vs_ref"] = err
@@ -140,14 +143,14 @@ def main():
                     print("best", shape, N, phase, cfg, f"{ms:.4f} ms", flush=True)
             records.append(base_record("moec-moe-decode-sweep", DEV) | dict(
                 shape=shape, batch=N, kind=a.kind, phase="best", config=best,
-                default=DECODE_CONFIG if a.kind == "hls2" else LEGACY_CONFIG))
+                default=DECODE_CONFIG if a.kind == "hls2" else FP4_CONFIG if a.kind == "mxfp4" else LEGACY_CONFIG))
             write_json_atomic(a.out, records)
         ws.clear()
         torch.cuda.empty_cache()
     if a.write_config:
         bests = [tuple(sorted(r["config"].items())) for r in records if r.get("phase") == "best" and r["config"]]
         if bests:
-            name = {"hls2": "prmt", "bf16": "dense"}.get(a.kind, "vq")
+            name = {"hls2": "prmt", "bf16": "dense", "mxfp4": "fp4"}.get(a.kind, "vq")
             path, dropped = launch_config.write_overrides(
                 a.write_config, torch.cuda.get_device_name(), "moe_decode", name, dict(max(bests, key=bests.count)))
             print("wrote", path, "(left out:", dropped, ")", flush=True)

@@ -2,6 +2,7 @@
 
     python3 -m benchmarks.studies.sass_moe_decode    (2-bit prmt and the previous cubic path, Mixtral shapes)
     python3 -m benchmarks.studies.sass_moe_decode --paths prmt tcq2 tcq3   (the trellis codes, MODE_TCQ)
+    python3 -m benchmarks.studies.sass_moe_decode --paths fp4 fp4h   (mxfp4 experts: fp32 words, fp16x2)
 
 Triton compiles the kernels for GPUTarget("cuda", 90, 32); nvdisasm (shipped with Triton) disassembles the
 cubin; the count is the instructions between the main loop's label and its backward branch, divided by the
@@ -50,12 +51,34 @@ def inner_loop(sass: str) -> list[str]:
     return min(spans, key=len)
 
 
+def fp4_loops(fp16x2: bool, BO: int, BK: int, NW: int):
+    """gpt-oss-120b's mxfp4 experts (2880 x 2880, top-4, biased clamped SwiGLU): the fp32 word path
+    (dequant.gemv_fp4_words) or the fp16x2 one (kernels/fp4_h2.py), 4-bit codes a thread decodes per iteration."""
+    common = dict(MODE=5, BITS=4, C=32, BPC=16, G=90, GS=32, BO=BO, BKC=BK // 32, WORDS=True, POLY=False,
+                  PRMT=False, FP4H=fp16x2, HAS_BIAS=True, PDL=False)
+    t = {"x_ptr": "*i32" if fp16x2 else "*bf16", "ids_ptr": "*i32", "wts_ptr": "*fp32",
+         "h_ptr": "*fp16" if fp16x2 else "*fp32", "w1_ptr": "*i32", "w3_ptr": "*i32", "b1_ptr": "*fp32",
+         "b3_ptr": "*fp32", "a1_ptr": "*fp16", "a3_ptr": "*fp16", "bg_ptr": "*bf16", "bu_ptr": "*bf16",
+         "zero_ptr": "*fp32", "n_zero": "i32"}
+    gu = inner_loop(compile_sass(md._gate_up_kernel, t, dict(D=2880, A=4, ACT=2, ZB=0, **common), NW))
+    t = {"h_ptr": "*i32" if fp16x2 else "*fp32", "ids_ptr": "*i32", "w2_ptr": "*i32", "a2_ptr": "*fp16",
+         "b2_ptr": "*fp32", "out_ptr": "*fp32", "wts_ptr": "*fp32", "bd_ptr": "*bf16"}
+    dn = inner_loop(compile_sass(md._down_kernel, t, dict(I=2880, A=4, PER=2880, SPLIT=1, AP=1, **common), NW))
+    per_thread = BO * BK // (32 * NW)
+    print(f"{'fp4h' if fp16x2 else 'fp4'}: gate/up {len(gu) / (2 * per_thread):.2f}, down {len(dn) / per_thread:.2f} "
+          "SASS instructions per code", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--paths", nargs="*", default=["prmt", "cubic"], choices=["prmt", "cubic", "tcq2", "tcq3", "tcq4"])
+    ap.add_argument("--paths", nargs="*", default=["prmt", "cubic"],
+                    choices=["prmt", "cubic", "tcq2", "tcq3", "tcq4", "fp4", "fp4h"])
     a = ap.parse_args()
     BO, BK, NW = 16, 1024, 8
     for path in a.paths:
+        if path.startswith("fp4"):
+            fp4_loops(path == "fp4h", BO, BK, NW)
+            continue
         prmt, tcq = path == "prmt", path.startswith("tcq")
         C = 16 if prmt else 32
         if tcq:  # MODE_TCQ: int32 words, the row scale fp32 [E, O] in a

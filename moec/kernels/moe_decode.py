@@ -42,6 +42,7 @@ from . import launch_config, pdl
 from .dequant import (
     EXPERT_ACT_IDS,
     MODE_DENSE,
+    MODE_FP4,
     MODE_FP8,
     MODE_VQ,
     QWeight,
@@ -66,6 +67,7 @@ from .dequant import (
     use_words,
     vq_static,
 )
+from .fp4_h2 import FP4H_SCALE, fp4_pair_slot, fp4_pairs, gemv_fp4h, gemv_fp4h2, use_fp4h
 from .pdl import begin as pdl_begin
 
 log = logging.getLogger(__name__)
@@ -81,8 +83,16 @@ log = logging.getLogger(__name__)
 #     4 times, else 8 rows and 8 warps; down 8 rows of 1024 inputs.
 #   vq: 8-row gate/up programs over 1024 inputs and 8 warps, 16-row down programs (a codebook gather per
 #     code bounds them).
+#   fp4 (mxfp4 / nvfp4, the int32-word GEMV): its own slot for its own sweep (sweep_moe_decode --kind mxfp4);
+#     the legacy values until then.
 _CFG = launch_config.defaults()["moe_decode"]
 DECODE_CONFIG, LEGACY_CONFIG, DENSE_CONFIG, VQ_CONFIG = _CFG["prmt"], _CFG["legacy"], _CFG["dense"], _CFG["vq"]
+FP4_CONFIG = _CFG["fp4"]
+
+
+def config_name(prmt: bool, mode: int) -> str:
+    """The launch config slot of a moe_decode call: prmt for the 2-bit prmt path, else by the weights' mode."""
+    return "prmt" if prmt else "vq" if mode == MODE_VQ else "fp4" if mode == MODE_FP4 else "legacy"
 
 
 @triton.jit
@@ -94,7 +104,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
                     PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0,
                     HAS_BIAS: tl.constexpr = False, ACT: tl.constexpr = 0, LIMIT: tl.constexpr = 7.0,
                     ASM: tl.constexpr = False, zero_ptr=None, n_zero=0, ZB: tl.constexpr = 0,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False, FP4H: tl.constexpr = False):
     pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     t = tl.program_id(0)  # token-slot n·A + a
     if ZB > 0:  # the split down GEMV's fp32 output [N, D] zeroed here, ZB values a program (no memset launch)
@@ -118,6 +128,10 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
                 ulo, uhi = prmt_tab(a3_ptr + e * stride_ae, rows, stride_ao, k0 // GS)
             acc_g, acc_u = gemv_prmt2(acc_g, acc_u, w1_ptr + e * stride_we, glo, ghi, w3_ptr + e * stride_we,
                                       ulo, uhi, x_ptr + n * (D // 2), rows, stride_wo, k0, D // 16, BKC)
+        elif FP4H:  # x_ptr: x as fp4_pairs [N, 16, D/32] int32
+            acc_g, acc_u = gemv_fp4h2(acc_g, acc_u, w1_ptr + e * stride_we, a1_ptr + e * stride_ae,
+                                      w3_ptr + e * stride_we, a3_ptr + e * stride_ae, x_ptr + n * (D // 2), offs_o,
+                                      mask_o, stride_wo, stride_ao, k0, D, GS, BKC)
         elif WORDS and MODE == 5:
             acc_g, acc_u = gemv_fp4_words2(acc_g, acc_u, w1_ptr + e * stride_we, a1_ptr + e * stride_ae,
                                            w3_ptr + e * stride_we, a3_ptr + e * stride_ae, xr, offs_o, mask_o,
@@ -136,6 +150,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
                                 ASM)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
+    if FP4H:  # the e4m3 bytes hold e2m1 · 2^-6
+        g *= FP4H_SCALE
+        u *= FP4H_SCALE
     if MODE == 2 or MODE == 6:  # fp8, tcq: per-row scales commute with the row sum
         g *= tl.load(a1_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
         u *= tl.load(a3_ptr + e * stride_ae + offs_o, mask=mask_o, other=0.0)
@@ -151,6 +168,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w1_ptr, a1_ptr, b1_ptr, w3_ptr, a3_
         r = offs_o % 16
         pos = ((2 * (r % 4) + r // 8) * (I // 16) + offs_o // 16) * 2 + (r // 4) % 2
         tl.store(h_ptr + t * I + pos, h.to(tl.float16), mask=mask_o)
+    elif FP4H:  # h as fp16 in fp4_pairs order for the down GEMV
+        p, c, hh = fp4_pair_slot(offs_o)
+        tl.store(h_ptr + t * I + (p * (I // 32) + c) * 2 + hh, h.to(tl.float16), mask=mask_o)
     else:
         tl.store(h_ptr + t * I + offs_o, h, mask=mask_o)
 
@@ -163,7 +183,7 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
                  G: tl.constexpr, GS: tl.constexpr, BO: tl.constexpr, BKC: tl.constexpr, WORDS: tl.constexpr,
                  POLY: tl.constexpr, PRMT: tl.constexpr = False, VD: tl.constexpr = 1, VQF: tl.constexpr = 0,
                  HAS_BIAS: tl.constexpr = False, ASM: tl.constexpr = False, AP: tl.constexpr = 0,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, FP4H: tl.constexpr = False):
     """Program (n, output block, z): token n's slots [a0, a0 + AP) (AP: a divisor of A; 0: all A) over inputs
     [k_start, k_start + PER), z = (a0 / AP)·SPLIT + k_start / PER; several programs a row add with fp32 atomics."""
     pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
@@ -194,6 +214,9 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
                     tlo, thi = prmt_tab(a2_ptr + e * stride_ae, rows, stride_ao, (k_start + kk) // GS)
                 acc = gemv_prmt(acc, w2_ptr + e * stride_we, tlo, thi, h_ptr + t * (I // 2), rows, stride_wo,
                                 k_start + kk, I // 16, BKC)
+            elif FP4H:  # h_ptr: fp16 h in fp4_pairs order viewed as int32 [T, 16, I/32]
+                acc = gemv_fp4h(acc, w2_ptr + e * stride_we, a2_ptr + e * stride_ae, h_ptr + t * (I // 2), offs_o,
+                                mask_o, stride_wo, stride_ao, k_start + kk, I, GS, BKC)
             elif WORDS and MODE == 5:
                 acc = gemv_fp4_words(acc, w2_ptr + e * stride_we, a2_ptr + e * stride_ae, h_ptr + t * I, offs_o,
                                      mask_o, stride_wo, stride_ao, k_start + kk, I, GS, BKC)
@@ -217,7 +240,10 @@ def _down_kernel(h_ptr, ids_ptr, w2_ptr, a2_ptr, b2_ptr, out_ptr, wts_ptr, bd_pt
             y += tl.where(k_start == 0, wt, 0.0) * tl.load(bd_ptr + e * D + offs_o, mask=mask_o, other=0.0).to(
                 tl.float32)
     if not ROW_SCALED:
-        y += tl.sum(acc, axis=1)
+        if FP4H:
+            y += tl.sum(acc, axis=1) * FP4H_SCALE
+        else:
+            y += tl.sum(acc, axis=1)
     if SPLIT == 1 and SLOTS == A:
         tl.store(out_ptr + n * D + offs_o, y.to(out_ptr.dtype.element_ty), mask=mask_o)
     else:
@@ -254,6 +280,7 @@ def least_padding_block(n: int, cap: int, floor: int = 512) -> int:
 
 
 _PRMT_FAILED: list[str] = []  # set when the prmt kernels fail to compile here: the auto choice then falls back
+_FP4H_FAILED: list[str] = []  # likewise for the fp4 fp16x2 kernels
 
 
 def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QWeight, w3: QWeight,
@@ -263,7 +290,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                out_dtype: torch.dtype | None = torch.float32, num_stages: int | None = None,
                num_warps_down: int | None = None, num_stages_down: int | None = None,
                h_rotate=None, vq_gather: bool = False, biases=None, act: str = "silu",
-               limit: float = 7.0, split_experts: int | None = None) -> torch.Tensor:
+               limit: float = 7.0, split_experts: int | None = None, fp4h: bool | None = None) -> torch.Tensor:
     """Fused MoE for few tokens. x [N, D]; ids, weights [N, A]; w1, w3 [E, I, D] and w2 [E, D, I] as
     QWeight (all of one mode, w1 and w3 of one width). Returns out [N, D] in out_dtype; None: x's dtype where the
     down GEMV writes each output once, its fp32 accumulator where it splits the inputs (no cast launch: the caller
@@ -299,9 +326,23 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                 log.warning("prmt MoE decode kernels failed to compile, using the select path: %s", _PRMT_FAILED[0])
         prmt = False
     prmt = prmt and can
+    # fp4 experts: fp16x2 products through e4m3 conversions (fp4_h2.py) where the GPU has them
+    if fp4h is None:
+        if (not prmt and words is not False and h_rotate is None and not _FP4H_FAILED
+                and all(use_fp4h(w) for w in (w1, w3, w2))):
+            try:
+                return moe_decode(x, ids, weights, w1, w3, w2, block_o, block_k, num_warps, block_o_down,
+                                  block_k_down, split, words, poly, False, out_dtype, num_stages, num_warps_down,
+                                  num_stages_down, biases=biases, act=act, limit=limit,
+                                  split_experts=split_experts, fp4h=True)
+            except triton.TritonError as ex:  # the conversion refused by ptxas: keep the fp32 word path
+                _FP4H_FAILED.append(f"{type(ex).__name__}: {str(ex)[:200]}")
+                log.warning("fp4 fp16x2 MoE decode kernels failed to compile, using the word path: %s",
+                            _FP4H_FAILED[0])
+        fp4h = False
     # launch settings: the caller's, else the swept prmt defaults (DECODE_CONFIG), else the earlier ones
     configs, sms = launch_config.config("moe_decode", x.device), launch_config.num_sms(x.device)
-    cfg = configs["prmt"] if prmt else configs["vq"] if w1.mode == MODE_VQ else configs["legacy"]
+    cfg = configs[config_name(prmt, w1.mode)]
     wide = T * triton.cdiv(I, 32) >= 4 * sms  # 32-row gate/up programs still fill every SM several times
     if w1.mode == MODE_DENSE:
         wide16 = T * triton.cdiv(I, 16) >= 4 * sms
@@ -322,7 +363,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     launch2 = {"num_warps": num_warps_down} | ({"num_stages": num_stages_down} if num_stages_down else {})
     s1 = _static(w1, block_k, words, poly, prmt, vq_gather)
     s2 = _static(w2, block_k_down, words, poly, prmt, vq_gather)
-    h = torch.empty(T, I, dtype=torch.float16 if prmt else torch.float32, device=x.device)
+    h = torch.empty(T, I, dtype=torch.float16 if prmt or fp4h else torch.float32, device=x.device)
     (d1, a1, b1), (d3, a3, b3) = w1.ptrs(), w3.ptrs()
     if s1["WORDS"]:
         d1, d3 = d1.view(torch.int32), d3.view(torch.int32)
@@ -331,6 +372,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     if prmt:  # fp16 pairs in the prmt order; tables as two int32 per group
         x = prmt_pairs(x)  # [N, 8, D/16] int32
         a1, a3 = a1.view(torch.int32), a3.view(torch.int32)
+    if fp4h:
+        x = fp4_pairs(x)  # [N, 16, D/32] int32
     stride_ae1 = a1.stride(0) if w1.a is not None else 0
     row_a1 = a1.stride(1) if prmt else w1.row_stride_a()
     # the biases as stored (converted in the kernels: an fp32 copy here was three copy kernels a layer every step)
@@ -358,7 +401,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     _gate_up_kernel[(T, triton.cdiv(I, block_o))](
         x, ids, weights, d1, a1, b1, d3, a3, b3, h, bg, bu, I,
         d1.stride(0), d1.stride(1), stride_ae1, row_a1,
-        D=D, A=A, BO=block_o, **launch1, **s1, **extra, **zero, **pdl.options(x.device))
+        D=D, A=A, BO=block_o, **launch1, **s1, **extra, **zero, FP4H=fp4h, **pdl.options(x.device))
     if h_rotate is not None:
         h = h_rotate(h).contiguous()
     d2, a2, b2 = w2.ptrs()
@@ -368,10 +411,12 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
         d2, a2 = w2.vq_views()
     if prmt:
         a2, h = a2.view(torch.int32), h.view(torch.int32)
+    if fp4h:
+        h = h.view(torch.int32)
     _down_kernel[(N, n_d, split * split_experts)](
         h, ids, d2, a2, b2, out, weights, bd, D, d2.stride(0), d2.stride(1), a2.stride(0) if w2.a is not None else 0,
         a2.stride(1) if prmt else w2.row_stride_a(), I=I, A=A, PER=per, SPLIT=split, BO=block_o_down,
-        **launch2, **s2, HAS_BIAS=biases is not None, AP=A // split_experts, **pdl.options(x.device))
+        **launch2, **s2, HAS_BIAS=biases is not None, AP=A // split_experts, FP4H=fp4h, **pdl.options(x.device))
     return out if out_dtype is None else out.to(out_dtype)
 
 

@@ -90,12 +90,9 @@ def test_qlinear_fp4(kind, M, half):
     assert (got.float() - want).abs().max().item() <= tol
 
 
-def test_fp4_word_kernels_compile_without_spills():
-    """gpt-oss-120b's mxfp4 experts (2880 x 2880, top-4, blocks of 32) on the word path, compiled for sm_90 (CPU):
-    no stack, few registers, no compare-and-select decode (the byte path's gate/up build held 255 registers and
-    spilled 432 bytes of stack at the legacy launch)."""
-    from moec.kernels import aot
-
+def _gpt_oss_fp4_jobs(fp16x2: bool) -> list[dict]:
+    """aot jobs: gpt-oss-120b's mxfp4 experts (2880 x 2880, top-4, blocks of 32), gate/up and down, 8 warps, on the
+    fp32 word path or the fp16x2 one (x and h as fp16 pairs, viewed as int32 where the kernel reads them)."""
     gu = {n: "*fp32" for n in ("x_ptr", "wts_ptr", "h_ptr", "bg_ptr", "bu_ptr", "a1_ptr", "b1_ptr", "a3_ptr",
                                "b3_ptr", "zero_ptr")} | {"ids_ptr": "*i32", "w1_ptr": "*i32", "w3_ptr": "*i32"} | {
         n: "i32" for n in ("I", "stride_we", "stride_wo", "stride_ae", "stride_ao", "n_zero")}
@@ -103,11 +100,84 @@ def test_fp4_word_kernels_compile_without_spills():
         "ids_ptr": "*i32", "w2_ptr": "*i32"} | {n: "i32" for n in ("D", "stride_we", "stride_wo", "stride_ae",
                                                                    "stride_ao")}
     fp4 = dict(MODE=5, BITS=4, C=32, BPC=16, G=90, GS=32, BO=16, BKC=32, WORDS=True, POLY=False, HAS_BIAS=True)
-    jobs = [{"module": "moec.kernels.moe_decode", "kernel": "_gate_up_kernel", "types": gu,
+    if fp16x2:
+        gu |= {"x_ptr": "*i32", "h_ptr": "*fp16", "a1_ptr": "*fp16", "a3_ptr": "*fp16"}
+        down |= {"h_ptr": "*i32", "a2_ptr": "*fp16"}
+        fp4["FP4H"] = True
+    return [{"module": "moec.kernels.moe_decode", "kernel": "_gate_up_kernel", "types": gu,
              "constexprs": fp4 | dict(D=2880, A=4, ACT=1), "num_warps": 8},
             {"module": "moec.kernels.moe_decode", "kernel": "_down_kernel", "types": down,
              "constexprs": fp4 | dict(I=2880, A=4, PER=3072, SPLIT=1), "num_warps": 8}]
+
+
+def test_fp4_word_kernels_compile_without_spills():
+    """gpt-oss-120b's mxfp4 experts on the word path, compiled for sm_90 (CPU):
+    no stack, few registers, no compare-and-select decode (the byte path's gate/up build held 255 registers and
+    spilled 432 bytes of stack at the legacy launch)."""
+    from moec.kernels import aot
+
+    jobs = _gpt_oss_fp4_jobs(False)
     for job, rep in zip(jobs, aot.report_in_subprocess(jobs), strict=True):
         res, ops = rep["resources"], rep["opcodes"]
         assert res["stack"] == 0 and res["local"] == 0 and res["registers"] <= 96, (job["kernel"], res)
         assert ops.get("FSEL", 0) + ops.get("SEL", 0) == 0 and ops.get("ISETP", 0) <= 32, (job["kernel"], ops)
+
+
+# ---- the fp16x2 path (kernels/fp4_h2.py): its PTX runs only on a GPU (the smoke's fp4h-moe-decode checks); here the
+# byte arithmetic replayed in torch, the pair order, the pairing kernel, and the sm_90 build
+
+
+def test_fp4h_bytes_are_e2m1_over_64_every_code_every_nibble():
+    """fp4h_decode_emulate (the PTX's shifts, masks and e4m3 -> fp16 conversions) gives e2m1(code) · 2^-6 exactly,
+    signed zero included, for every code at every nibble, in the pair order fp4_pairs gives x."""
+    from moec.formats import bitpack
+    from moec.kernels.fp4_h2 import fp4_pairs_ref, fp4h_decode_emulate
+
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.cat([torch.arange(16).repeat_interleave(32).view(16, 32),  # every code at every position
+                       torch.randint(0, 16, (8, 32), generator=gen)])
+    codes = torch.cat([codes, codes.roll(1, 0)], 1)  # [24, 64]: two chunks a row
+    words = bitpack.pack(codes, 4).view(torch.int32).view(24, 2, 4)
+    got = fp4h_decode_emulate(words)  # [24, 2, 16, 2]
+    want = fp4.held_dequantize(4, (1, 24, 64), {"codes": bitpack.pack(codes, 4)[None], "scale": torch.ones(1, 24, 2)})
+    want = fp4_pairs_ref(want[0] / 64).view(torch.float16).reshape(24, 16, 2, 2).transpose(1, 2)
+    assert torch.equal(got.view(torch.int16), want.reshape(got.shape).view(torch.int16))
+
+
+def test_fp4h_pairs_sum_to_the_gemv():
+    """Decoded fp4h weights against fp4_pairs(x), summed, are W @ x / 64: the two permutations agree."""
+    from moec.formats import bitpack
+    from moec.kernels.fp4_h2 import fp4_pairs_ref, fp4h_decode_emulate
+
+    gen = torch.Generator().manual_seed(6)
+    O, n = 5, 160
+    codes = torch.randint(0, 16, (O, n), generator=gen)
+    x = torch.randn(n, generator=gen).half().float()
+    wq = fp4h_decode_emulate(bitpack.pack(codes, 4).view(torch.int32).view(O, n // 32, 4)).float()  # [O, C, 16, 2]
+    xp = fp4_pairs_ref(x).view(torch.float16).reshape(16, n // 32, 2).transpose(0, 1).float()  # [C, 16, 2]
+    W = fp4.held_dequantize(4, (1, O, n), {"codes": bitpack.pack(codes, 4)[None], "scale": torch.ones(1, O, n // 32)})
+    assert torch.allclose((wq * xp).sum((1, 2, 3)) * 64, W[0] @ x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp4_pairs_kernel_equals_torch(dtype):
+    """The pairing kernel (CUDA's launch; its slot function is the gate/up kernel's h store) gives exactly the torch
+    permutation: a leading batch dim, rows longer than one block."""
+    from moec.kernels.fp4_h2 import _fp4_pairs_launch, fp4_pairs_ref
+
+    v = (torch.randn(3, 32 * 45, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    got = _fp4_pairs_launch(v, block=512)
+    assert got.shape == (3, 16, 45) and got.dtype == torch.int32
+    assert torch.equal(got, fp4_pairs_ref(v))
+
+
+def test_fp4h_kernels_compile_for_sm90_with_fewer_instructions():
+    """The same experts on the fp16x2 path, compiled for sm_90 (CPU): no stack, e4m3 conversions and HFMA2 in the
+    loop, no FFMA a code (the fp32 word path's 128 FMUL + 132 FFMA a 128-code step are gone)."""
+    from moec.kernels import aot
+
+    jobs = _gpt_oss_fp4_jobs(True)
+    for job, rep in zip(jobs, aot.report_in_subprocess(jobs), strict=True):
+        res, ops = rep["resources"], rep["opcodes"]
+        assert res["stack"] == 0 and res["local"] == 0, (job["kernel"], res)
+        assert ops.get("F2FP", 0) >= 64 and ops.get("HFMA2", 0) >= 56 and ops.get("FFMA", 0) <= 40, (job["kernel"], ops)

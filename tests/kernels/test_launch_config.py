@@ -180,3 +180,25 @@ def test_kernel_comments_quote_no_measured_figures():
                 bad += [f"{p.name}:{tok.start[0] + j}: {measured_figures(line)}"
                         for j, line in enumerate(tok.string.splitlines()) if measured_figures(line)]
     assert not bad, "\n".join(bad)
+
+
+def test_moe_decode_reads_the_fp4_slot_for_fp4_experts(monkeypatch):
+    """mxfp4 / nvfp4 experts launch with moe_decode.fp4 (their own sweep's slot), other non-prmt modes keep legacy:
+    an fp4 slot whose gate/up tile is not a power of two fails an fp4 call and leaves an rtn4 call as it was."""
+    from moec.kernels import moe_decode as md
+    from moec.kernels.dequant import MODE_FP4, MODE_FP8, MODE_LUT, MODE_VQ
+    from tests.kernels.moe_cases import moe_case
+
+    d = lc.defaults()
+    assert md.FP4_CONFIG is d["moe_decode"]["fp4"]
+    assert [md.config_name(True, MODE_LUT), md.config_name(False, MODE_FP4), md.config_name(False, MODE_VQ),
+            md.config_name(False, MODE_FP8)] == ["prmt", "fp4", "vq", "legacy"]
+    bad = d["moe_decode"] | {"fp4": d["moe_decode"]["fp4"] | {"block_o": 3}}
+    real = lc.config
+    monkeypatch.setattr(md.launch_config, "config", lambda k, dev: bad if k == "moe_decode" else real(k, dev))
+    x, ids, wts, w1, w3, w2 = moe_case("rtn4", 1, 2, 3, 64, 32, 1, 1, "cpu", seed=1)
+    want = md.moe_decode_ref(x, ids, wts, w1, w3, w2)
+    assert (md.moe_decode(x, ids, wts, w1, w3, w2) - want).abs().max() <= 1e-4 * want.abs().max()
+    x, ids, wts, w1, w3, w2 = moe_case("mxfp4", 1, 2, 3, 64, 32, 0, 0, "cpu", seed=1)
+    with pytest.raises(Exception, match="power of 2"):
+        md.moe_decode(x, ids, wts, w1, w3, w2)
