@@ -43,7 +43,10 @@ SHAPES = {  # name: (K, O, bias)
     "v2lite-shared-gu": (2048, 5632, False), "v2lite-shared-down": (2816, 2048, False),
     "glm-qkv": (4096, 14336, True), "glm-o": (12288, 4096, False),
     "mixtral-qkv": (4096, 6144, False), "mixtral-o": (4096, 4096, False),
-    "qwen3-qkv": (2048, 5120, False), "qwen3-o": (4096, 2048, False)}
+    "qwen3-qkv": (2048, 5120, False), "qwen3-o": (4096, 2048, False),
+    # routers where routing is not one kernel with its GEMV (over 32 experts, or a logit bias): decode._route
+    "gpt-oss-router": (2880, 128, True), "glm-router": (4096, 128, False), "v3-router": (7168, 256, False),
+    "v2lite-router": (2048, 64, False)}
 # the tl GEMV's sweep: (block_o, block_k, num_warps); unroll stays the config's (halved where K needs it)
 CONFIGS = list(itertools.product((4, 8, 16), (512, 1024), (4, 8)))
 

@@ -88,9 +88,9 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True, e
         return moe(x, layer, shared=shared)
     a = moe.args
     if plain_softmax_routing(moe):
-        w, ids = _route(x, moe.router.weight, a.top_k, a.norm_topk)  # [N, A] ×2
+        w, ids = _route(x, moe.router, a.top_k, a.norm_topk)  # [N, A] ×2
     elif softmax_topk_routing(moe):  # gpt-oss: the softmax over the kept logits is softmax, top-k, renormalize
-        w, ids = _route(x, moe.router.weight, a.top_k, True, moe.router.bias, a)
+        w, ids = _route(x, moe.router, a.top_k, True, a)
     else:  # DeepSeek's / GLM's scores, groups, bias and scale: one kernel where it applies, else torch's route
         w, ids = _route_scored(moe, x)
     if moe.codec is not None:
@@ -133,21 +133,23 @@ def _routing_kernel_failed(e: Exception) -> None:
     log.warning("routing kernel failed (%s); using torch's routing", _ROUTE_FAILED[0])
 
 
-def _route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool, bias: torch.Tensor | None = None,
+def _route(x: torch.Tensor, router: torch.nn.Linear, top_k: int, norm: bool,
            args: ModelArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, ids) [N, A] of model.route, its softmax/top-k in one kernel where it compiles; bias: the router's
-    own (the logits are x·routerᵀ + bias, one cuBLAS launch); args: the model's, for torch's route."""
+    """(weights, ids) [N, A] of model.route, its softmax/top-k in one kernel where it compiles; router: the MoE's
+    (its bias, where it has one, added to the logits: one GEMV launch, the router module's own, _DenseGEMV on the
+    dense route); args: the model's, for torch's route."""
+    weight, bias = router.weight, router.bias
     if not _ROUTE_FAILED:
         try:
             from ..kernels.route_topk import GEMV_MAX_EXPERTS, GEMV_MAX_TOKENS, route_gemv_topk, route_topk
 
-            if (bias is None and x.shape[0] <= GEMV_MAX_TOKENS and router.shape[0] <= GEMV_MAX_EXPERTS
-                    and x.dtype == router.dtype and x.is_contiguous()):
-                return route_gemv_topk(x, router, top_k, norm)  # the router GEMV in the same launch
-            return route_topk(F.linear(x, router, bias), top_k, norm)
+            if (bias is None and x.shape[0] <= GEMV_MAX_TOKENS and weight.shape[0] <= GEMV_MAX_EXPERTS
+                    and x.dtype == weight.dtype and x.is_contiguous()):
+                return route_gemv_topk(x, weight, top_k, norm)  # the router GEMV in the same launch
+            return route_topk(router(x), top_k, norm)
         except Exception as e:  # the warm-up step (outside capture) meets compile errors first
             _routing_kernel_failed(e)
-    _, w, ids = route(x, router, top_k, norm, args, None, bias)
+    _, w, ids = route(x, weight, top_k, norm, args, None, bias)
     return w, ids
 
 
@@ -162,8 +164,7 @@ def _route_scored(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         try:
             from ..kernels.route_topk import route_sigmoid_topk
 
-            return route_sigmoid_topk(F.linear(x, moe.router.weight, moe.router.bias), bias, a.top_k, a.norm_topk,
-                                      *groups, a.routed_scale)
+            return route_sigmoid_topk(moe.router(x), bias, a.top_k, a.norm_topk, *groups, a.routed_scale)
         except Exception as e:  # the warm-up step (outside capture) meets compile errors first
             _routing_kernel_failed(e)
     _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk, a, bias, moe.router.bias)
@@ -350,7 +351,8 @@ class DecodeEngine:
 
     def _route_dense_gemv(self) -> None:
         """The fused step's plain projections (fused q/k/v, o, the MLA query and latent inputs, the shared expert's
-        gate/up and down) as _DenseGEMV; the LM head stays with cuBLAS (it streams near the copy bandwidth)."""
+        gate/up and down, the router where routing is not one kernel with its GEMV) as _DenseGEMV; the LM head stays
+        with cuBLAS (it streams near the copy bandwidth)."""
         from ..kernels import launch_config
 
         tiles = {k: v for k, v in launch_config.config("qlinear", self.device)["dense_gemv"].items() if k != "on"}
@@ -369,6 +371,8 @@ class DecodeEngine:
             shared = getattr(blk.moe, "shared", None)
             if shared is not None and not hasattr(blk.moe, "shared_gate"):
                 shared.w2 = dense(shared.w2)
+            if getattr(blk.moe, "kind", None) == "moe":  # the router GEMV before the routing kernel (_route)
+                blk.moe.router = dense(blk.moe.router)
 
     @classmethod
     def _fuse_shared(cls, moe):

@@ -360,7 +360,8 @@ def test_feed_next_after_prefill_feeds_the_prefill_choice():
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_engine_dense_gemv_route(arch, monkeypatch):
     """MOEC_DENSE_GEMV=1: the fused step's plain projections (fused q/k/v with their biases, o with gpt-oss's bias,
-    the MLA query/latent inputs and wq_b, the shared expert's gate/up and down) run qlinear's GEMV on the weights
+    the MLA query/latent inputs and wq_b, the shared expert's gate/up and down, the router with gpt-oss's logit
+    bias) run qlinear's GEMV on the weights
     as stored (decode._DenseGEMV, the same Parameters) and give the cuBLAS route's logits; the LM head stays a
     Linear. MOEC_KERNELS=1: the interpreter runs every kernel path, as the GPU would."""
     from moec.runtime.decode import _DenseGEMV
@@ -398,6 +399,8 @@ def test_engine_dense_gemv_route(arch, monkeypatch):
             else:
                 assert isinstance(model.layers[1].moe.shared.w2, _DenseGEMV)
             assert all(isinstance(p, _DenseGEMV) for p in (eng.mla_in if arch == "deepseek_v3" else eng.qkv))
+            assert isinstance(model.layers[1].moe.router, _DenseGEMV)  # the router GEMV before its routing kernel
+            assert (model.layers[1].moe.router.bias is not None) == (arch == "gpt_oss")
         logits = [eng.prefill(0, tokens[:4])]
         for t in tokens[4:]:
             eng.tokens[:1] = t
