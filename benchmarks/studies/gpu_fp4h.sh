@@ -5,7 +5,8 @@
 #      4k/32k batch 1 -> latency_fp4h{0,1}.json (1 with the breakdown), compared by compare_latency;
 #   3. the fp4 launch slot's sweep on the fp16x2 kernels (sweep_moe_decode --kind mxfp4, gpt-oss-120b, batch 1),
 #      its winner written to OUT/cfg/<device>.json -> moe_decode_sweep_mxfp4.json;
-#   4. the step again with that config (MOEC_KERNEL_CONFIG_DIR=OUT/cfg) -> latency_fp4h1_swept.json.
+#   4. the step again with that config (MOEC_KERNEL_CONFIG_DIR=OUT/cfg) -> latency_fp4h1_swept.json;
+#   5. bench_dense_gemv on the router shapes (cuBLAS against the tl GEMV of the dense route) -> dense_gemv_routers.json.
 # END=S (default 570): no step starts that would not end before it. OUT ends with records.tgz and logs.tgz.
 # Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_fp4h.sh OUT_DIR
 set -uo pipefail
@@ -45,6 +46,11 @@ if [ "$(left)" -gt 200 ]; then
   echo "sweep rc=$? at $((SECONDS - T0)) s"; grep -E "^best|wrote" "$OUT/logs/sweep.log"
 fi
 ls "$OUT"/cfg/*.json > /dev/null 2>&1 && lat fp4h1_swept 110 1 "$OUT/cfg" --no-breakdown
+if [ "$(left)" -gt 45 ]; then  # the routers now on the dense route (decode._route): cuBLAS against the tl GEMV
+  timeout 40 python3 -m benchmarks.bench_dense_gemv --budget 30 --shapes gpt-oss-router,glm-router,v3-router,v2lite-router \
+    --out "$OUT/dense_gemv_routers.json" > "$OUT/logs/dense_gemv.log" 2>&1
+  echo "dense_gemv routers rc=$? at $((SECONDS - T0)) s"; tail -5 "$OUT/logs/dense_gemv.log"
+fi
 [ -f "$OUT/latency_fp4h1_swept.json" ] && python3 -m benchmarks.compare_latency "$OUT/latency_fp4h1.json" \
   "$OUT/latency_fp4h1_swept.json" --tol 0.03
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs nocfg && tar czf records.tgz *.json cfg && rm -rf *.json cfg)
