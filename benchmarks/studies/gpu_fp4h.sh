@@ -3,11 +3,13 @@
 #   1. the kernels against moe_decode_ref and the fp32 word path (gpu_smoke.check_fp4h_moe alone) -> fp4h_check.json;
 #   2. the step's A/B: gpt-oss-120b's first 12 layers, experts-mxfp4, MOEC_FP4H=0 (the fp32 word GEMV) then 1,
 #      4k/32k batch 1 -> latency_fp4h{0,1}.json (1 with the breakdown), compared by compare_latency;
-#   3. the fp4 launch slot's sweep on the fp16x2 kernels (sweep_moe_decode --kind mxfp4, gpt-oss-120b, batch 1),
+#   3. SWEEP=1: the fp4 launch slot's sweep on the fp16x2 kernels (sweep_moe_decode --kind mxfp4, gpt-oss-120b, batch 1),
 #      its winner written to OUT/cfg/<device>.json -> moe_decode_sweep_mxfp4.json;
-#   4. the step again with that config (MOEC_KERNEL_CONFIG_DIR=OUT/cfg) -> latency_fp4h1_swept.json;
+#   4. SWEEP=1: the step again with that config (MOEC_KERNEL_CONFIG_DIR=OUT/cfg) -> latency_fp4h1_swept.json;
 #   5. bench_dense_gemv on the router shapes (cuBLAS against the tl GEMV of the dense route) -> dense_gemv_routers.json.
-# END=S (default 570): no step starts that would not end before it. OUT ends with records.tgz and logs.tgz.
+# SWEEP=1 runs steps 3-4 (left out by default); SMOKE=1 runs the GPU smoke last (OUT/gpu_smoke_h200.json), in the time
+# left before END. END=S (default 570): no step starts that would not end before it. OUT ends with records.tgz and
+# logs.tgz (and the smoke record).
 # Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_fp4h.sh OUT_DIR
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,22 +37,28 @@ lat() {  # lat NAME LIMIT FP4H CONFIG_DIR [BENCH_ARGS...]: one bench_latency run
 }
 NOCFG=$OUT/nocfg  # an empty config dir: the shipped configs
 mkdir -p "$NOCFG"
-lat fp4h0 130 0 "$NOCFG" --no-breakdown
-lat fp4h1 150 1 "$NOCFG"
+lat fp4h0 110 0 "$NOCFG" --no-breakdown
+lat fp4h1 140 1 "$NOCFG"
 [ -f "$OUT/latency_fp4h1.json" ] && python3 -m benchmarks.compare_latency "$OUT/latency_fp4h0.json" \
   "$OUT/latency_fp4h1.json" --tol 0.03
-if [ "$(left)" -gt 200 ]; then
+if [ -n "${SWEEP:-}" ] && [ "$(left)" -gt 200 ]; then
   timeout $(( $(left) - 120 < 200 ? $(left) - 120 : 200 )) python3 -m benchmarks.sweep_moe_decode --kind mxfp4 \
     --shapes gpt-oss-120b --batches 1 --budget 150 --out "$OUT/moe_decode_sweep_mxfp4.json" \
     --write-config "$OUT/cfg" > "$OUT/logs/sweep.log" 2>&1
   echo "sweep rc=$? at $((SECONDS - T0)) s"; grep -E "^best|wrote" "$OUT/logs/sweep.log"
 fi
-ls "$OUT"/cfg/*.json > /dev/null 2>&1 && lat fp4h1_swept 110 1 "$OUT/cfg" --no-breakdown
-if [ "$(left)" -gt 45 ]; then  # the routers now on the dense route (decode._route): cuBLAS against the tl GEMV
+[ -n "${SWEEP:-}" ] && ls "$OUT"/cfg/*.json > /dev/null 2>&1 && lat fp4h1_swept 110 1 "$OUT/cfg" --no-breakdown
+if [ "$(left)" -gt $(( ${SMOKE:+270} + 45 )) ]; then  # the routers now on the dense route (decode._route): cuBLAS against the tl GEMV
   timeout 40 python3 -m benchmarks.bench_dense_gemv --budget 30 --shapes gpt-oss-router,glm-router,v3-router,v2lite-router \
     --out "$OUT/dense_gemv_routers.json" > "$OUT/logs/dense_gemv.log" 2>&1
   echo "dense_gemv routers rc=$? at $((SECONDS - T0)) s"; tail -5 "$OUT/logs/dense_gemv.log"
 fi
 [ -f "$OUT/latency_fp4h1_swept.json" ] && python3 -m benchmarks.compare_latency "$OUT/latency_fp4h1.json" \
   "$OUT/latency_fp4h1_swept.json" --tol 0.03
-(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs nocfg && tar czf records.tgz *.json cfg && rm -rf *.json cfg)
+if [ -n "${SMOKE:-}" ]; then  # SMOKE=1: the GPU smoke last (OUT/gpu_smoke_h200.json, kept out of the archive)
+  timeout $(( $(left) + 15 )) bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 > "$OUT/logs/smoke.log" 2>&1
+  echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
+fi
+(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs nocfg
+ recs=$(ls *.json 2>/dev/null | grep -v '^gpu_smoke_h200.json$')
+ tar czf records.tgz $recs cfg && rm -rf $recs cfg)
