@@ -7,8 +7,8 @@
 #      its winner written to OUT/cfg/<device>.json -> moe_decode_sweep_mxfp4.json;
 #   4. SWEEP=1: the step again with that config (MOEC_KERNEL_CONFIG_DIR=OUT/cfg) -> latency_fp4h1_swept.json;
 #   5. bench_dense_gemv on the router shapes (cuBLAS against the tl GEMV of the dense route) -> dense_gemv_routers.json.
-# SWEEP=1 runs steps 3-4 (left out by default); SMOKE=1 runs the GPU smoke last (OUT/gpu_smoke_h200.json), in the time
-# left before END. END=S (default 570): no step starts that would not end before it. OUT ends with records.tgz and
+# Order: 1, the MOEC_FP4H=1 row, SMOKE=1: the GPU smoke (OUT/gpu_smoke_h200.json), the MOEC_FP4H=0 row, 3-5 (each only
+# where it ends before END); SWEEP=1 runs steps 3-4 (left out by default). END=S (default 570): no step starts that would not end before it. OUT ends with records.tgz and
 # logs.tgz (and the smoke record).
 # Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_fp4h.sh OUT_DIR
 set -uo pipefail
@@ -37,9 +37,13 @@ lat() {  # lat NAME LIMIT FP4H CONFIG_DIR [BENCH_ARGS...]: one bench_latency run
 }
 NOCFG=$OUT/nocfg  # an empty config dir: the shipped configs
 mkdir -p "$NOCFG"
-lat fp4h0 110 0 "$NOCFG" --no-breakdown
 lat fp4h1 140 1 "$NOCFG"
-[ -f "$OUT/latency_fp4h1.json" ] && python3 -m benchmarks.compare_latency "$OUT/latency_fp4h0.json" \
+if [ -n "${SMOKE:-}" ]; then  # SMOKE=1: the GPU smoke next (OUT/gpu_smoke_h200.json, kept out of the archive)
+  timeout 330 bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 > "$OUT/logs/smoke.log" 2>&1
+  echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
+fi
+lat fp4h0 110 0 "$NOCFG" --no-breakdown
+[ -f "$OUT/latency_fp4h0.json" ] && python3 -m benchmarks.compare_latency "$OUT/latency_fp4h0.json" \
   "$OUT/latency_fp4h1.json" --tol 0.03
 if [ -n "${SWEEP:-}" ] && [ "$(left)" -gt 200 ]; then
   timeout $(( $(left) - 120 < 200 ? $(left) - 120 : 200 )) python3 -m benchmarks.sweep_moe_decode --kind mxfp4 \
@@ -48,17 +52,13 @@ if [ -n "${SWEEP:-}" ] && [ "$(left)" -gt 200 ]; then
   echo "sweep rc=$? at $((SECONDS - T0)) s"; grep -E "^best|wrote" "$OUT/logs/sweep.log"
 fi
 [ -n "${SWEEP:-}" ] && ls "$OUT"/cfg/*.json > /dev/null 2>&1 && lat fp4h1_swept 110 1 "$OUT/cfg" --no-breakdown
-if [ "$(left)" -gt $(( ${SMOKE:+270} + 45 )) ]; then  # the routers now on the dense route (decode._route): cuBLAS against the tl GEMV
+if [ "$(left)" -gt 45 ]; then  # the routers now on the dense route (decode._route): cuBLAS against the tl GEMV
   timeout 40 python3 -m benchmarks.bench_dense_gemv --budget 30 --shapes gpt-oss-router,glm-router,v3-router,v2lite-router \
     --out "$OUT/dense_gemv_routers.json" > "$OUT/logs/dense_gemv.log" 2>&1
   echo "dense_gemv routers rc=$? at $((SECONDS - T0)) s"; tail -5 "$OUT/logs/dense_gemv.log"
 fi
 [ -f "$OUT/latency_fp4h1_swept.json" ] && python3 -m benchmarks.compare_latency "$OUT/latency_fp4h1.json" \
   "$OUT/latency_fp4h1_swept.json" --tol 0.03
-if [ -n "${SMOKE:-}" ]; then  # SMOKE=1: the GPU smoke last (OUT/gpu_smoke_h200.json, kept out of the archive)
-  timeout $(( $(left) + 15 )) bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 > "$OUT/logs/smoke.log" 2>&1
-  echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
-fi
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs nocfg
  recs=$(ls *.json 2>/dev/null | grep -v '^gpu_smoke_h200.json$')
  tar czf records.tgz $recs cfg && rm -rf $recs cfg)
