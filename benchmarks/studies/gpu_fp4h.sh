@@ -9,7 +9,8 @@
 #   5. bench_dense_gemv on the router shapes (cuBLAS against the tl GEMV of the dense route) -> dense_gemv_routers.json.
 # Order: 1, the MOEC_FP4H=1 row, SMOKE=1: the GPU smoke (OUT/gpu_smoke_h200.json), the MOEC_FP4H=0 row, 3-5 (each only
 # where it ends before END); SWEEP=1 runs steps 3-4 (left out by default); SMOKE_SUBSET=1 after the baseline row: the
-# smoke's kernel checks and experts-hls2 / experts-mxfp4 on smoke-mla, smoke-glm and smoke-oss (gpu_smoke_subset.json). END=S (default 570): no step starts that would not end before it. OUT ends with records.tgz and
+# smoke's kernel checks and experts-hls2 / experts-mxfp4 on smoke-mla, smoke-glm and smoke-oss (gpu_smoke_subset.json),
+# with both new paths on (MOEC_FP4H=1, MOEC_DENSE_GEMV_ROUTER=1; the shipped defaults keep them off until measured). END=S (default 570): no step starts that would not end before it. OUT ends with records.tgz and
 # logs.tgz (and the smoke record).
 # Usage, from the repo root on the GPU machine:  bash benchmarks/studies/gpu_fp4h.sh OUT_DIR
 set -uo pipefail
@@ -45,7 +46,7 @@ if [ -n "${SMOKE:-}" ]; then  # SMOKE=1: the GPU smoke next (OUT/gpu_smoke_h200.
 fi
 lat fp4h0 110 0 "$NOCFG" --no-breakdown
 if [ -n "${SMOKE_SUBSET:-}" ] && [ "$(left)" -gt 60 ]; then  # the routes this change moves: MoE routing, fp4 experts
-  timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_smoke --out "$OUT/gpu_smoke_subset.json" --jobs 14 \
+  MOEC_FP4H=1 MOEC_DENSE_GEMV_ROUTER=1 timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_smoke --out "$OUT/gpu_smoke_subset.json" --jobs 14 \
     --shapes smoke-mla smoke-glm smoke-oss --recipes experts-hls2 experts-mxfp4 > "$OUT/logs/smoke_subset.log" 2>&1
   echo "smoke subset rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke_subset.log"
 fi

@@ -68,11 +68,17 @@ def _asm16() -> str:
 FP4H_ASM = tl.constexpr(_asm16())
 
 
+# Off by default until a GPU has checked it against the reference and timed it (gpu_fp4h.sh): no device machine could
+# be had in the session that wrote it (2026-12-07), so only the sm_90 build and the torch replay of its arithmetic
+# are checked. MOEC_FP4H=1 / 0 turns it on / off.
+ON_BY_DEFAULT = False
+
+
 def use_fp4h(w: QWeight) -> bool:
-    """The fp16x2 path: fp4 rows the word path takes, on a CUDA device with e4m3 conversions (sm_89+), unless
-    MOEC_FP4H=0 (the fp32 word path: the A/B switch)."""
-    return (use_fp4_words(w) and w.data.is_cuda and os.environ.get("MOEC_FP4H", "1") != "0"
-            and torch.cuda.get_device_capability(w.data.device) >= (8, 9))
+    """The fp16x2 path: fp4 rows the word path takes, on a CUDA device with e4m3 conversions (sm_89+), where it is
+    on (MOEC_FP4H, else ON_BY_DEFAULT)."""
+    on = os.environ.get("MOEC_FP4H", "1" if ON_BY_DEFAULT else "0") == "1"
+    return on and use_fp4_words(w) and w.data.is_cuda and torch.cuda.get_device_capability(w.data.device) >= (8, 9)
 
 
 @triton.jit

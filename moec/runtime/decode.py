@@ -351,11 +351,14 @@ class DecodeEngine:
 
     def _route_dense_gemv(self) -> None:
         """The fused step's plain projections (fused q/k/v, o, the MLA query and latent inputs, the shared expert's
-        gate/up and down, the router where routing is not one kernel with its GEMV) as _DenseGEMV; the LM head stays
-        with cuBLAS (it streams near the copy bandwidth)."""
+        gate/up and down, and where `qlinear.dense_gemv.router` or MOEC_DENSE_GEMV_ROUTER=1 says so the router ahead of
+        the routing kernel) as _DenseGEMV; the LM head stays with cuBLAS (it streams near the copy bandwidth)."""
         from ..kernels import launch_config
 
-        tiles = {k: v for k, v in launch_config.config("qlinear", self.device)["dense_gemv"].items() if k != "on"}
+        cfg = launch_config.config("qlinear", self.device)["dense_gemv"]
+        tiles = {k: v for k, v in cfg.items() if k not in ("on", "router")}
+        # the router (decode._route) only where the config or MOEC_DENSE_GEMV_ROUTER=1 says: not yet timed on a GPU
+        router = os.environ.get("MOEC_DENSE_GEMV_ROUTER", "1" if cfg.get("router") else "0") == "1"
 
         def dense(lin):
             return _DenseGEMV(lin, tiles) if type(lin) is torch.nn.Linear else lin
@@ -371,7 +374,7 @@ class DecodeEngine:
             shared = getattr(blk.moe, "shared", None)
             if shared is not None and not hasattr(blk.moe, "shared_gate"):
                 shared.w2 = dense(shared.w2)
-            if getattr(blk.moe, "kind", None) == "moe":  # the router GEMV before the routing kernel (_route)
+            if router and getattr(blk.moe, "kind", None) == "moe":  # the router GEMV before the routing kernel
                 blk.moe.router = dense(blk.moe.router)
 
     @classmethod
