@@ -39,12 +39,12 @@ lat() {  # lat NAME LIMIT FP4H CONFIG_DIR [BENCH_ARGS...]: one bench_latency run
 }
 NOCFG=$OUT/nocfg  # an empty config dir: the shipped configs
 mkdir -p "$NOCFG"
-lat fp4h1 140 1 "$NOCFG"
+lat fp4h1 ${LIM1:-140} 1 "$NOCFG"
 if [ -n "${SMOKE:-}" ]; then  # SMOKE=1: the GPU smoke next (OUT/gpu_smoke_h200.json, kept out of the archive)
   timeout 330 bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 > "$OUT/logs/smoke.log" 2>&1
   echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
 fi
-lat fp4h0 110 0 "$NOCFG" --no-breakdown
+lat fp4h0 ${LIM0:-110} 0 "$NOCFG" --no-breakdown
 if [ -n "${SMOKE_SUBSET:-}" ] && [ "$(left)" -gt 60 ]; then  # the routes this change moves: MoE routing, fp4 experts
   MOEC_FP4H=1 MOEC_DENSE_GEMV_ROUTER=1 timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_smoke --out "$OUT/gpu_smoke_subset.json" --jobs 14 \
     --shapes smoke-mla smoke-glm smoke-oss --recipes experts-hls2 experts-mxfp4 > "$OUT/logs/smoke_subset.log" 2>&1
