@@ -278,6 +278,19 @@ def check_calibration_kernels(device: str) -> list[dict]:
     return out
 
 
+def _kernel_record(check: str, shape: str, body) -> dict:
+    """A "(kernels)" record: body() -> its fields (with "ok" and "error"); an exception fails the record with its
+    message; "seconds" is the check's wall time."""
+    t0 = time.time()
+    rec = {"recipe": "(kernels)", "check": check, "shape": shape}
+    try:
+        rec |= body()
+    except Exception as e:
+        rec |= {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    rec["seconds"] = round(time.time() - t0, 2)
+    return rec
+
+
 def check_gluon_moe(device: str) -> list[dict]:
     """The Gluon 2-bit hls MoE decode kernels (kernels/gluon_moe_decode.py, opt-in under MOEC_KERNELS=gluon) against
     moe_decode_ref at small shapes: batch 1 and 3, plain silu and gpt-oss's biased clamped SwiGLU, the down
@@ -297,16 +310,12 @@ def check_gluon_moe(device: str) -> list[dict]:
 
     def case(name: str, shape: str, run) -> dict:
         """run() -> (got, want): the record, max |err| / max |ref| <= 2e-3 (fp16 products, fp32 sums)."""
-        t0 = time.time()
-        rec = {"recipe": "(kernels)", "check": name, "shape": shape}
-        try:
+        def body() -> dict:
             got, want = run()
             err = ((got - want).abs().max() / want.abs().max()).item()
-            rec |= {"ok": err <= 2e-3, "max_rel_err": err, "error": None if err <= 2e-3 else f"max_rel_err {err:.3g}"}
-        except Exception as e:
-            rec |= {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
-        rec["seconds"] = round(time.time() - t0, 2)
-        return rec
+            return {"ok": err <= 2e-3, "max_rel_err": err, "error": None if err <= 2e-3 else f"max_rel_err {err:.3g}"}
+
+        return _kernel_record(name, shape, body)
 
     out = []
     E, A, D, I = 6, 2, 512, 384  # I: 3 chunks, so the down kernel's masked (uneven) path runs too
@@ -365,66 +374,59 @@ def check_gluon_qlinear(device: str) -> list[dict]:
     w = QWeight(MODE_AFFINE, 4, K, torch.randint(0, 256, (1, O, K // 2), dtype=torch.uint8, device="cuda",
                                                     generator=g), scale, (-8 * scale.float()).half())
     bias = torch.randn(O, device="cuda", generator=g) * 0.1
+    def one(M, block_m, warps) -> dict:
+        x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+        want = qlinear_ref(x, w, bias)
+        got = gq.gluon_qlinear(x, w, bias, torch.empty(M, O, dtype=torch.bfloat16, device="cuda"), block_m,
+                               warps).float()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        return {"ok": err <= 5e-3, "max_rel_err": err, "error": None if err <= 5e-3 else f"max_rel_err {err:.3g}"}
+
     out = []
     for M, block_m, warps in ((1, 16, 8), (3, 16, 8), (3, 32, 4), (1, 16, 4), (1, 16, 16)):
-        t0 = time.time()
-        rec = {"recipe": "(kernels)", "check": f"gluon-qlinear-m{M}-bm{block_m}-w{warps}",
-               "shape": f"{K} -> {O}, rtn4 g128"}
-        try:
-            x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
-            want = qlinear_ref(x, w, bias)
-            got = gq.gluon_qlinear(x, w, bias, torch.empty(M, O, dtype=torch.bfloat16, device="cuda"), block_m,
-                                   warps).float()
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            rec |= {"ok": err <= 5e-3, "max_rel_err": err, "error": None if err <= 5e-3 else f"max_rel_err {err:.3g}"}
-        except Exception as e:
-            rec |= {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
-        rec["seconds"] = round(time.time() - t0, 2)
-        out.append(rec)
+        out.append(_kernel_record(f"gluon-qlinear-m{M}-bm{block_m}-w{warps}", f"{K} -> {O}, rtn4 g128",
+                                  lambda M=M, block_m=block_m, warps=warps: one(M, block_m, warps)))
     return out
 
 
 def check_fp4h_moe(device: str) -> list[dict]:
-    """The fp4 MoE decode kernels with fp16x2 products (kernels/fp4_h2.py, moe_decode's default for mxfp4 / nvfp4
-    experts on sm_89+) against moe_decode_ref and the fp32 word path (fp4h=False): mxfp4 with gpt-oss's biased
-    clamped SwiGLU, nvfp4 with silu, batch 1 and 3, the down kernel split over programs; max |err| / max |ref|
-    <= 2e-3 (x and h in fp16, fp16 sums over 16 codes), and the default takes the fp16x2 path exactly where it is on."""
+    """The fp4 MoE decode kernels with fp16x2 products (kernels/fp4_h2.py; moe_decode takes them for mxfp4 / nvfp4
+    experts on sm_89+ where fp4_h2.use_fp4h says, off by default until timed) against moe_decode_ref and the fp32
+    word path (fp4h=False): mxfp4 with gpt-oss's biased clamped SwiGLU, nvfp4 with silu, batch 1 and 3, the down
+    kernel split over programs; max |err| / max |ref| <= 2e-3 (x and h in fp16, fp16 sums over 16 codes), the word
+    path <= 1e-4, and the default call gives exactly the fp16x2 path's output where it is on, the word path's where
+    it is off."""
     if device != "cuda":
         return []
     from moec.kernels import fp4_h2
     from moec.kernels.moe_decode import moe_decode, moe_decode_ref
     from tests.kernels.moe_cases import moe_case
 
-    out = []
-    for kind, N, act, split in (("mxfp4", 1, "clamped_swiglu", None), ("mxfp4", 3, "clamped_swiglu", 2),
-                                ("nvfp4", 1, "silu", None), ("nvfp4", 3, "silu", 3)):
-        t0 = time.time()
-        rec = {"recipe": "(kernels)", "check": f"fp4h-moe-decode-{kind}-n{N}-{act}", "shape": "E 8, top-4, 640 -> 384"}
-        try:
-            x, ids, wts, w1, w3, w2 = moe_case(kind, N, 4, 8, 640, 384, 0, 0, "cuda", seed=N)
-            biases = None
-            if act != "silu":
-                g = torch.Generator(device="cuda").manual_seed(N)
-                biases = tuple(torch.randn(8, n, device="cuda", generator=g).to(torch.bfloat16)
-                               for n in (384, 384, 640))
-            kw = dict(biases=biases, act=act, split=split)
-            want = moe_decode_ref(x, ids, wts, w1, w3, w2, biases=biases, act=act)
-            got = moe_decode(x, ids, wts, w1, w3, w2, fp4h=True, **kw)
-            words = moe_decode(x, ids, wts, w1, w3, w2, fp4h=False, **kw)
-            auto = moe_decode(x, ids, wts, w1, w3, w2, **kw)
-            scale = want.abs().max()
-            err = ((got - want).abs().max() / scale).item()
-            err_words = ((words - want).abs().max() / scale).item()
-            took = torch.equal(auto, got) and all(fp4_h2.use_fp4h(w) for w in (w1, w3, w2))
-            # the default must take the path where it is on (fp4_h2.ON_BY_DEFAULT or MOEC_FP4H=1)
-            ok = err <= 2e-3 and err_words <= 1e-4 and took == fp4_h2.use_fp4h(w1)
-            rec |= {"ok": ok, "max_rel_err": err, "max_rel_err_words": err_words, "default_takes_fp4h": took,
-                    "error": None if ok else f"max_rel_err {err:.3g} (words {err_words:.3g}), default fp4h {took}"}
-        except Exception as e:
-            rec |= {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
-        rec["seconds"] = round(time.time() - t0, 2)
-        out.append(rec)
-    return out
+    def one(kind, N, act, split) -> dict:
+        x, ids, wts, w1, w3, w2 = moe_case(kind, N, 4, 8, 640, 384, 0, 0, "cuda", seed=N)
+        biases = None
+        if act != "silu":
+            g = torch.Generator(device="cuda").manual_seed(N)
+            biases = tuple(torch.randn(8, n, device="cuda", generator=g).to(torch.bfloat16) for n in (384, 384, 640))
+        kw = dict(biases=biases, act=act, split=split)
+        want = moe_decode_ref(x, ids, wts, w1, w3, w2, biases=biases, act=act)
+        got = moe_decode(x, ids, wts, w1, w3, w2, fp4h=True, **kw)
+        words = moe_decode(x, ids, wts, w1, w3, w2, fp4h=False, **kw)
+        auto = moe_decode(x, ids, wts, w1, w3, w2, **kw)
+        scale = want.abs().max()
+        err = ((got - want).abs().max() / scale).item()
+        err_words = ((words - want).abs().max() / scale).item()
+        on = all(fp4_h2.use_fp4h(w) for w in (w1, w3, w2))
+        default_ok = torch.equal(auto, got if on else words)
+        ok = err <= 2e-3 and err_words <= 1e-4 and default_ok
+        return {"ok": ok, "max_rel_err": err, "max_rel_err_words": err_words, "fp4h_on": on,
+                "default_path_ok": default_ok,
+                "error": None if ok else f"max_rel_err {err:.3g} (words {err_words:.3g}), default path ok {default_ok}"}
+
+    return [_kernel_record(f"fp4h-moe-decode-{kind}-n{N}-{act}", "E 8, top-4, 640 -> 384",
+                           lambda kind=kind, N=N, act=act, split=split: one(kind, N, act, split))
+            for kind, N, act, split in (("mxfp4", 1, "clamped_swiglu", None), ("mxfp4", 3, "clamped_swiglu", 2),
+                                        ("nvfp4", 1, "silu", None), ("nvfp4", 3, "silu", 3))]
 
 
 def check_dense_gemv(device: str) -> list[dict]:
