@@ -391,7 +391,7 @@ def check_gluon_qlinear(device: str) -> list[dict]:
 
 def check_fp4h_moe(device: str) -> list[dict]:
     """The fp4 MoE decode kernels with fp16x2 products (kernels/fp4_h2.py; moe_decode takes them for mxfp4 / nvfp4
-    experts on sm_89+ where fp4_h2.use_fp4h says, off by default until timed) against moe_decode_ref and the fp32
+    experts on sm_89+ where fp4_h2.use_fp4h says) against moe_decode_ref and the fp32
     word path (fp4h=False): mxfp4 with gpt-oss's biased clamped SwiGLU, nvfp4 with silu, batch 1 and 3, the down
     kernel split over programs; max |err| / max |ref| <= 2e-3 (x and h in fp16, fp16 sums over 16 codes), the word
     path <= 1e-4, and the default call gives exactly the fp16x2 path's output where it is on, the word path's where
@@ -430,8 +430,8 @@ def check_fp4h_moe(device: str) -> list[dict]:
 
 
 def check_dense_gemv(device: str) -> list[dict]:
-    """The fused step's plain projections through qlinear's GEMV (runtime/decode.py _DenseGEMV, MOEC_DENSE_GEMV=1;
-    off by default until the step measures it faster) against the same engine with cuBLAS: a tiny random glm4_moe
+    """The fused step's plain projections through qlinear's GEMV (runtime/decode.py _DenseGEMV, MOEC_DENSE_GEMV=1,
+    the router's too with MOEC_DENSE_GEMV_ROUTER=1) against the same engine with cuBLAS: a tiny random glm4_moe
     and deepseek_v3 (q/k/v biases, shared experts, MLA's fused inputs) in bf16 under CUDA graphs, a prefill and 6
     steps; rel L2 of the logits <= 1e-2 (bf16 products summed in another order)."""
     if device != "cuda":
@@ -451,11 +451,11 @@ def check_dense_gemv(device: str) -> list[dict]:
     for arch, args in configs.items():
         t0 = time.time()
         rec = {"recipe": "(kernels)", "check": f"dense-gemv-route-{arch}", "shape": "tiny random, bf16"}
-        old = os.environ.get("MOEC_DENSE_GEMV")
+        old = {k: os.environ.get(k) for k in ("MOEC_DENSE_GEMV", "MOEC_DENSE_GEMV_ROUTER")}
         try:
             logits, routed = [], 0
-            for v in ("0", "1"):
-                os.environ["MOEC_DENSE_GEMV"] = v
+            for v in ("0", "1"):  # the route with the router on it (whatever the config says) against cuBLAS
+                os.environ["MOEC_DENSE_GEMV"] = os.environ["MOEC_DENSE_GEMV_ROUTER"] = v
                 model = random_model(args, lambda name: None, "cuda", torch.bfloat16, seed=7)
                 eng = DecodeEngine(model, dense_cache(args, 1, 64, dtype=torch.bfloat16, device="cuda",
                                                       mode="static"))
@@ -470,10 +470,11 @@ def check_dense_gemv(device: str) -> list[dict]:
         except Exception as e:
             rec |= {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
         finally:
-            if old is None:
-                os.environ.pop("MOEC_DENSE_GEMV", None)
-            else:
-                os.environ["MOEC_DENSE_GEMV"] = old
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         rec["seconds"] = round(time.time() - t0, 2)
         out.append(rec)
     return out

@@ -68,9 +68,9 @@ def _asm16() -> str:
 FP4H_ASM = tl.constexpr(_asm16())
 
 
-# Off by default until a GPU has checked it against the reference and timed it (gpu_fp4h.sh): no device machine could
-# be had in the session that wrote it (2026-12-07), so only the sm_90 build and the torch replay of its arithmetic
-# are checked. MOEC_FP4H=1 / 0 turns it on / off.
+# Whether the MoE decode takes this path by default: benchmarks/studies/fp4h_flip.py sets it from the GPU check
+# against the reference and the step's A/B (benchmarks/studies/gpu_fp4h.sh; docs/results.md has the numbers).
+# MOEC_FP4H=1 / 0 turns it on / off.
 ON_BY_DEFAULT = False
 
 

@@ -305,8 +305,8 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     GEMV's slots of a token in that many programs (a divisor of A; default: 1 where the grid fills the SMs twice, else
     the fewest that give it 8 programs an SM: at batch 1 DeepSeek-V2-Lite's and Qwen3's down grid would run under one
     program an SM, gpt-oss's and GLM-4.5-Air's under two, each through all A experts). fp4h (mxfp4 / nvfp4 experts):
-    the fp16x2 kernels of fp4_h2.py (x and h as fp16 pairs); None: where fp4_h2.use_fp4h says (MOEC_FP4H=1, off by
-    default until timed on a GPU), falling back to the fp32 word path if they fail to compile."""
+    the fp16x2 kernels of fp4_h2.py (x and h as fp16 pairs); None: where fp4_h2.use_fp4h says (MOEC_FP4H, else its
+    ON_BY_DEFAULT), falling back to the fp32 word path if they fail to compile."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     x_dtype = x.dtype  # out_dtype None's dtype where the down GEMV writes each output once (prmt_pairs changes x)
     # x in its own dtype: every GEMV path converts its loads to fp32 (and prmt_pairs rounds to fp16, which

@@ -357,7 +357,7 @@ class DecodeEngine:
 
         cfg = launch_config.config("qlinear", self.device)["dense_gemv"]
         tiles = {k: v for k, v in cfg.items() if k not in ("on", "router")}
-        # the router (decode._route) only where the config or MOEC_DENSE_GEMV_ROUTER=1 says: not yet timed on a GPU
+        # the router (decode._route) where the config (benchmarks/studies/fp4h_flip.py) or MOEC_DENSE_GEMV_ROUTER says
         router = os.environ.get("MOEC_DENSE_GEMV_ROUTER", "1" if cfg.get("router") else "0") == "1"
 
         def dense(lin):

@@ -1,0 +1,107 @@
+"""Turn the fp4 experts' fp16x2 GEMV and the router's dense route on by default when gpu_fp4h.sh's records say so.
+
+    python3 -m benchmarks.studies.fp4h_flip --decide OUT      (on the GPU machine, before the smoke)
+    python3 -m benchmarks.studies.fp4h_flip --apply fp4h [router]   (here: the same edits, so one source_tree)
+
+--decide reads OUT's records and flips each switch whose evidence holds:
+- fp4h (`moec/kernels/fp4_h2.py` ON_BY_DEFAULT): every check of fp4h_check.json ok, and latency_fp4h1.json against
+  latency_fp4h0.json (MOEC_FP4H=1 / 0, rows matched by compare_latency.rows) no row slower than x1.01, one x0.97 or
+  faster;
+- router (launch config `qlinear.dense_gemv.router`): latency_fp4h1_router.json (MOEC_DENSE_GEMV_ROUTER=1) against
+  latency_fp4h1.json no row slower than x1.01, one x0.99 or faster (the router is a small share of the step), and in
+  dense_gemv_routers.json the tl GEMV at the config's tiles no slower than cuBLAS on every router shape (the flag
+  moves every family's router, the A/B times gpt-oss's).
+It prints each ratio and writes OUT/flip.json (what was flipped and why). --apply makes the named edits
+unconditionally: the GPU machine flips its copy before the smoke, this checkout makes the same edits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.compare_latency import rows
+
+ROOT = Path(__file__).resolve().parents[2]
+EDITS = {  # switch: (file, text off, text on), each text once in its file
+    "fp4h": (ROOT / "moec" / "kernels" / "fp4_h2.py", "ON_BY_DEFAULT = False", "ON_BY_DEFAULT = True"),
+    "router": (ROOT / "moec" / "kernels" / "configs" / "nvidia_h200.json", '"on": true, "router": false',
+               '"on": true, "router": true')}
+
+
+def flip(switch: str) -> None:
+    path, off, on = EDITS[switch]
+    text = path.read_text()
+    if on in text:
+        return
+    if text.count(off) != 1:
+        sys.exit(f"{path}: expected one '{off}'")
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text.replace(off, on))
+    tmp.replace(path)
+
+
+def ratios(old_path: Path, new_path: Path) -> list[float]:
+    if not (old_path.exists() and new_path.exists()):
+        return []
+    old, new = rows(str(old_path)), rows(str(new_path))
+    out = []
+    for key in sorted(old.keys() & new.keys()):
+        out.append(new[key] / old[key])
+        print(f"{new_path.name}: {key}  {old[key]:.3f} -> {new[key]:.3f} ms  x{out[-1]:.3f}")
+    return out
+
+
+def routers_win(path: Path) -> tuple[bool, list[str]]:
+    """Whether the tl GEMV at the config's dense_gemv tiles is no slower than cuBLAS on every router shape."""
+    if not path.exists():
+        return False, ["no dense_gemv_routers.json"]
+    cfg = json.loads(EDITS["router"][0].read_text())["qlinear"]["dense_gemv"]
+    tiles = {k: cfg[k] for k in ("block_o", "block_k", "num_warps")}
+    recs = [r for r in json.loads(path.read_text())["records"] if r.get("ms") is not None]
+    notes, ok = [], True
+    for shape in sorted({r["shape"] for r in recs}):
+        cub = [r["ms"] for r in recs if r["shape"] == shape and r["path"] == "cublas"]
+        tl = [r["ms"] for r in recs if r["shape"] == shape and r["path"] == "tl-dense"
+              and all(r.get(k) == v for k, v in tiles.items())]
+        if not (cub and tl):
+            return False, notes + [f"{shape}: a path missing"]
+        notes.append(f"{shape}: cuBLAS {cub[0] * 1e3:.2f} us, tl {tl[0] * 1e3:.2f} us")
+        ok &= tl[0] <= cub[0]
+    return ok and bool(notes), notes
+
+
+def decide(out: Path) -> dict:
+    res = {}
+    checks = json.loads((out / "fp4h_check.json").read_text()) if (out / "fp4h_check.json").exists() else []
+    r = ratios(out / "latency_fp4h0.json", out / "latency_fp4h1.json")
+    ok = bool(checks) and all(c["ok"] for c in checks) and bool(r) and max(r) <= 1.01 and min(r) <= 0.97
+    res["fp4h"] = {"on": ok, "checks_ok": sum(c["ok"] for c in checks), "checks": len(checks), "ratios": r}
+    r = ratios(out / "latency_fp4h1.json", out / "latency_fp4h1_router.json")
+    bench_ok, notes = routers_win(out / "dense_gemv_routers.json")
+    ok = bool(r) and max(r) <= 1.01 and min(r) <= 0.99 and bench_ok
+    res["router"] = {"on": ok, "ratios": r, "bench": notes}
+    for switch, v in res.items():
+        if v["on"]:
+            flip(switch)
+        print(f"{switch}: {'on' if v['on'] else 'stays off'}", *v.get("bench", []), sep="\n  ")
+    (out / "flip.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--decide", type=Path, metavar="OUT")
+    ap.add_argument("--apply", nargs="*", choices=sorted(EDITS), default=[])
+    a = ap.parse_args()
+    for switch in a.apply:
+        flip(switch)
+    if a.decide is not None:
+        decide(a.decide)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
