@@ -60,6 +60,8 @@ if [ -n "${SMOKE:-}" ]; then  # the smoke on the tree the flips left
   echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"; bash scripts/source_tree.sh
 fi
 if [ -n "${PEER:-}" ]; then  # llama.cpp MXFP4 at the same 12 layers, against the row of the default just chosen
+  while kill -0 "$BUILD" 2> /dev/null && [ "$(left)" -gt 90 ]; do sleep 5; done
+  kill -0 "$BUILD" 2> /dev/null && { echo "llama-bench build not done at $((SECONDS - T0)) s"; kill "$BUILD"; }
   wait "$BUILD"; echo "llama-bench build rc=$? at $((SECONDS - T0)) s"; tail -2 "$OUT/logs/build.log"
   ROW=$OUT/latency_fp4h0.json
   python3 -c "import json,sys; sys.exit(0 if json.load(open('$OUT/flip.json'))['fp4h']['on'] else 1)" && ROW=$OUT/latency_fp4h1.json
