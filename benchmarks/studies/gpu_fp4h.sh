@@ -6,15 +6,18 @@
 #   2. the step's A/B: gpt-oss-120b's first 12 layers, experts-mxfp4, 4k/32k batch 1: MOEC_FP4H=0 (the fp32 word
 #      GEMV), 1 (with the breakdown), then 1 with MOEC_DENSE_GEMV_ROUTER=1 -> latency_fp4h0/fp4h1/fp4h1_router.json;
 #   3. bench_dense_gemv on the router shapes (cuBLAS against the tl GEMV of the dense route) -> dense_gemv_routers.json;
+#   V2LITE=1: DeepSeek-V2-Lite experts-hls2 (and its bf16 peer) with MOEC_MLA_UV=0 (cuBLAS's bmm) then 1 (mla_uv, the
+#      default) -> latency_v2lite_uv0/uv1.json;
 #   4. fp4h_flip.py --decide: each switch (fp4_h2.ON_BY_DEFAULT, qlinear.dense_gemv.router) turned on in this copy
-#      where its evidence holds -> flip.json (`fp4h_flip --apply ...` makes the same edits in the checkout);
+#      where its evidence holds, mla_uv turned off where it lost -> flip.json (`fp4h_flip --apply ...` makes the
+#      same edits in the checkout);
 #   5. SMOKE=1: the GPU smoke on that tree (OUT/gpu_smoke_h200.json, kept out of the archive);
 #   6. PEER=1: llama.cpp MXFP4 on gpt-oss-120b's first 12 layers (llama_bench_gpt-oss-120b_MXFP4_L12.json), attached
 #      to the step's row of the chosen default (speedup_vs_llamacpp -> latency_gpt_oss_120b_peer.json: same call);
 #   7. SWEEP=1: the fp4 launch slot's sweep (sweep_moe_decode --kind mxfp4 --write-config OUT/cfg) and the step with
 #      its winner (latency_fp4h1_swept.json).
 # END=S (default 575): no step starts that would not end before it. OUT ends with records.tgz, logs.tgz and the smoke.
-# Usage, from the repo root on the GPU machine:  [SMOKE=1] [PEER=1] [SWEEP=1] bash benchmarks/studies/gpu_fp4h.sh OUT
+# Usage, from the repo root on the GPU machine:  [SMOKE=1] [V2LITE=1] [PEER=1] [SWEEP=1] bash benchmarks/studies/gpu_fp4h.sh OUT
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: gpu_fp4h.sh OUT_DIR}
@@ -48,6 +51,14 @@ mkdir -p "$NOCFG"
 lat fp4h0 ${LIM0:-100} 0 0 "$NOCFG" --no-breakdown
 lat fp4h1 ${LIM1:-120} 1 0 "$NOCFG"
 lat fp4h1_router ${LIM0:-100} 1 1 "$NOCFG" --no-breakdown
+if [ -n "${V2LITE:-}" ] && [ "$(left)" -gt 400 ]; then  # MLA's absorbed output product: cuBLAS's bmm, then mla_uv
+  for v in 0 1; do
+    MOEC_MLA_UV=$v timeout 100 python3 -m benchmarks.bench_latency --out "$OUT/latency_v2lite_uv$v.json" \
+      --shapes deepseek-v2-lite --recipes moec/recipes/experts-hls2.yaml --contexts 4096,32768 --batches 1 \
+      --prefill none --steps 30 --no-breakdown --budget 80 > "$OUT/logs/v2lite_uv$v.log" 2>&1
+    echo "v2lite uv=$v rc=$? at $((SECONDS - T0)) s"; grep -E "ms|Error" "$OUT/logs/v2lite_uv$v.log" | tail -4
+  done
+fi
 if [ "$(left)" -gt 260 ]; then  # the router shapes: cuBLAS against the tl GEMV
   timeout 45 python3 -m benchmarks.bench_dense_gemv --budget 30 --shapes gpt-oss-router,glm-router,v3-router,v2lite-router \
     --out "$OUT/dense_gemv_routers.json" > "$OUT/logs/dense_gemv.log" 2>&1

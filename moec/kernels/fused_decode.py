@@ -13,6 +13,7 @@ model dtype before adding them (moec.runtime.model.apply_rope with cos/sin in th
     qk_norm_rope(q [N, H·d], k [N, K·d], cos [N, r], sin [N, r], q_w, k_w, eps) -> q' [N, H, d], k' [N, K, d]
     mla_rope_latent(q, ckr, cos, sin, kv_a_norm_w, eps, H, nope, interleave)
         -> q_rope [N, H, rope], latent [N, r + rope]
+    mla_uv(o_lat [N, H, r], w_uv [H, v, r]) -> [N, H·v]: MLA's absorbed output product o_lat[n, h]·W_UV[h]ᵀ
 """
 
 from __future__ import annotations
@@ -272,3 +273,43 @@ def mla_rope_latent(q: torch.Tensor, ckr: torch.Tensor, cos: torch.Tensor, sin: 
         NB=triton.next_power_of_2(nope), R=r, RB=triton.next_power_of_2(r), ROPE=rope, INTERLEAVE=interleave,
         ABSORB=absorb, BR=BR, num_warps=4 if absorb else 1, **pdl.options(q.device))
     return q_out, latent
+
+
+@triton.jit
+def _mla_uv_kernel(o_ptr, w_ptr, out_ptr, H, V, so0, so1, sw0, sw1, N: tl.constexpr, R: tl.constexpr,
+                   RB: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (j, t): rows [t·BV, (t+1)·BV) of head j's W_UV [V, R] loaded once, then for every row n (a loop, N a
+    constant as in _mla_rope_latent_kernel) out[n, j·V + v] = Σ_r o[n, j, r]·W_UV[j, v, r]; o rounded to the output
+    dtype first and the fp32 sum rounded once, as the cast and cuBLAS's bmm of the torch step."""
+    pdl_begin(PDL)
+    j = tl.program_id(0)
+    t = tl.program_id(1)
+    rows = t * BV + tl.arange(0, BV)
+    rr = tl.arange(0, RB)
+    mv = rows < V
+    mr = rr < R
+    w = tl.load(w_ptr + j * sw0 + rows[:, None] * sw1 + rr[None, :], mask=mv[:, None] & mr[None, :],
+                other=0.0).to(tl.float32)
+    for n in range(N):
+        o = tl.load(o_ptr + n * so0 + j * so1 + rr, mask=mr, other=0.0)
+        o = o.to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = tl.sum(w * o[None, :], axis=1)
+        tl.store(out_ptr + (n * H + j) * V + rows, y.to(out_ptr.dtype.element_ty), mask=mv)
+
+
+def mla_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """MLA's absorbed output product in one launch: o_lat [N, H, r] (any float dtype and strides but the last: the
+    latent attention's output), w_uv [H, v, r] (the absorbed weight's W_UV part, rows contiguous) -> [N, H·v] in
+    w_uv's dtype, = bmm(o_lat.to(dtype), W_UVᵀ) per head. Why not the bmm: at decode batch sizes cuBLAS ran it as a
+    [1, r] x [r, v] product per head with W_UV read through its transposed view, and the cast of o_lat was a launch of
+    its own; here each W_UV tile is read once, for every row."""
+    N, H, r = o_lat.shape
+    v = w_uv.shape[1]
+    assert w_uv.shape == (H, v, r) and w_uv.stride(2) == 1 and o_lat.stride(2) == 1, \
+        (o_lat.shape, o_lat.stride(), w_uv.shape, w_uv.stride())
+    out = torch.empty(N, H * v, dtype=w_uv.dtype, device=w_uv.device)
+    BV = 16  # W_UV rows a program: H·v/16 programs (V2-Lite: 128, DeepSeek-V3: 1024), a [16, r] tile in registers
+    _mla_uv_kernel[(H, triton.cdiv(v, BV))](o_lat, w_uv, out, H, v, o_lat.stride(0), o_lat.stride(1),
+                                           w_uv.stride(0), w_uv.stride(1), N=N, R=r, RB=triton.next_power_of_2(r),
+                                           BV=BV, num_warps=4, **pdl.options(w_uv.device))
+    return out

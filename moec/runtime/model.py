@@ -19,6 +19,7 @@ Calibration capture uses it so the layer loop lives in one place (moec/calibrate
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -335,7 +336,7 @@ class MLAttention(nn.Module):
         (kernels/fused_decode.py) instead of ~27 torch launches: the engine's fused step (runtime/decode.py) on
         models of one dtype. in_proj: wq (or wq_a) and wkv_a as one projection of x (the engine's, runtime/decode.py
         _fuse_linears), one launch."""
-        from ..kernels.fused_decode import add_rms_norm, mla_rope_latent
+        from ..kernels.fused_decode import add_rms_norm, mla_rope_latent, mla_uv
 
         a = self.args
         b = x.shape[0]
@@ -360,6 +361,8 @@ class MLAttention(nn.Module):
         q_abs, latent = mla_rope_latent(q, ckr, cos, sin, self.kv_a_norm.weight, self.kv_a_norm.eps, H, nope,
                                         a.rope_interleave, w[:, :nope])
         o_lat = cache.attend(layer, q_abs[:, :, None], latent[:, None, None], None, 0)  # [b, H, 1, r]
+        if os.environ.get("MOEC_MLA_UV", "1") == "1":  # o_lat·W_UVᵀ per head, one launch (0: the cast and cuBLAS's bmm)
+            return self.wo(mla_uv(o_lat[:, :, 0], w[:, nope:]))
         out = torch.bmm(o_lat[:, :, 0].to(q.dtype).transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, b, v]
         return self.wo(out.transpose(0, 1).reshape(b, H * a.v_head_dim))
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from moec.kernels.fused_decode import add_rms_norm, mla_rope_latent, qk_norm_rope, silu_mul  # noqa: E402
+from moec.kernels.fused_decode import add_rms_norm, mla_rope_latent, mla_uv, qk_norm_rope, silu_mul  # noqa: E402
 from moec.runtime.config import ModelArgs  # noqa: E402
 from moec.runtime.decode import DecodeEngine  # noqa: E402
 from moec.runtime.kvcache import FP16Cache  # noqa: E402
@@ -130,6 +130,23 @@ def test_mla_rope_latent(dtype, interleave):
     # the sums' order differs from the GEMM's: fp32 to 1e-5, bf16 to one rounding of the product's size
     tol = 1e-5 if dtype == torch.float32 else 2 * TOL[dtype]
     assert torch.allclose(q_abs.float(), want_abs.float(), rtol=tol, atol=tol), (q_abs - want_abs).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [1, 3])
+def test_mla_uv(dtype, N):
+    """MLA's absorbed output product against the step's cast and bmm: o_lat in fp32 as the latent attention returns
+    it, as a strided view [N, H, r] of its [N, H, 1, r] output; W_UV a strided slice [H, v, r] of the absorbed
+    weight, v = 24 (two row tiles, the second masked) and r = 48 (not a power of two)."""
+    H, nope, v, r = 3, 16, 24, 48
+    g = torch.Generator().manual_seed(5)
+    o_lat = torch.randn(N, H, 1, r, generator=g).to(DEVICE)[:, :, 0]
+    w = (torch.randn(H, nope + v, r, generator=g) / 8).to(DEVICE, dtype)
+    got = mla_uv(o_lat, w[:, nope:])
+    want = torch.bmm(o_lat.to(dtype).transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1).reshape(N, H * v)
+    assert got.shape == want.shape == (N, H * v) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2 * TOL[dtype]
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), (got.float() - want.float()).abs().max()
 
 
 @pytest.mark.parametrize("qk_norm", ["none", "head"])
