@@ -55,7 +55,7 @@ if [ -n "${V2LITE:-}" ] && [ "$(left)" -gt 400 ]; then  # MLA's absorbed output 
   for v in 0 1; do
     MOEC_MLA_UV=$v timeout 100 python3 -m benchmarks.bench_latency --out "$OUT/latency_v2lite_uv$v.json" \
       --shapes deepseek-v2-lite --recipes moec/recipes/experts-hls2.yaml --contexts 4096,32768 --batches 1 \
-      --prefill none --steps 30 --no-breakdown --budget 80 > "$OUT/logs/v2lite_uv$v.log" 2>&1
+      --prefill none --steps 30 --budget 80 $([ $v = 0 ] && echo --no-breakdown) > "$OUT/logs/v2lite_uv$v.log" 2>&1
     echo "v2lite uv=$v rc=$? at $((SECONDS - T0)) s"; grep -E "ms|Error" "$OUT/logs/v2lite_uv$v.log" | tail -4
   done
 fi
