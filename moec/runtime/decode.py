@@ -284,9 +284,10 @@ class _DenseGEMV(torch.nn.Linear):
         from ..kernels.dequant import MODE_DENSE, QWeight
 
         torch.nn.Module.__init__(self)
-        self.in_features, self.out_features = lin.in_features, lin.out_features
+        # the sizes from the weight: a fused projection (_fuse_linears) is a Linear whose weight was swapped in
+        self.out_features, self.in_features = lin.weight.shape
         self.weight, self.bias = lin.weight, lin.bias
-        self.qw = QWeight(MODE_DENSE, 16, lin.in_features, lin.weight.data[None])
+        self.qw = QWeight(MODE_DENSE, 16, self.in_features, lin.weight.data[None])
         self.tiles = tiles  # qlinear's gemv overrides: block_o, block_k, num_warps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -401,6 +402,7 @@ class DecodeEngine:
         with torch.no_grad():
             fused = torch.nn.Linear(1, 1, bias=ws[0].bias is not None, device="meta")
             fused.weight = torch.nn.Parameter(torch.cat([w.weight for w in ws]), requires_grad=False)
+            fused.out_features, fused.in_features = fused.weight.shape  # (the meta Linear's were 1, 1)
             if ws[0].bias is not None:
                 fused.bias = torch.nn.Parameter(torch.cat([w.bias for w in ws]), requires_grad=False)
             o = 0

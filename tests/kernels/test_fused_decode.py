@@ -420,8 +420,19 @@ def test_engine_dense_gemv_route(arch, monkeypatch):
             assert isinstance(model.layers[1].moe.router, _DenseGEMV)  # the router GEMV before its routing kernel
             assert (model.layers[1].moe.router.bias is not None) == (arch == "gpt_oss")
         logits = [eng.prefill(0, tokens[:4])]
+        linear, seen = torch.nn.functional.linear, []
+
+        def spy(x, w, b=None, seen=seen, linear=linear):  # every weight the steps send to torch's linear (cuBLAS)
+            seen.append(w)
+            return linear(x, w, b)
+
+        monkeypatch.setattr(torch.nn.functional, "linear", spy)
         for t in tokens[4:]:
             eng.tokens[:1] = t
             logits.append(eng.step(1)[0].clone())
+        monkeypatch.setattr(torch.nn.functional, "linear", linear)
+        if route == "1":  # the fused projections too (a fused Linear once kept the meta Linear's in_features = 1,
+            # so _DenseGEMV sent every token to torch's linear): only the LM head is left to it
+            assert seen and all(w is model.output.weight for w in seen), [tuple(w.shape) for w in seen]
         out.append(torch.stack(logits))
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
