@@ -51,7 +51,7 @@ mkdir -p "$NOCFG"
 lat fp4h0 ${LIM0:-100} 0 0 "$NOCFG" --no-breakdown
 lat fp4h1 ${LIM1:-120} 1 0 "$NOCFG"
 lat fp4h1_router ${LIM0:-100} 1 1 "$NOCFG" --no-breakdown
-if [ -n "${V2LITE:-}" ] && [ "$(left)" -gt 400 ]; then  # MLA's absorbed output product: cuBLAS's bmm, then mla_uv
+if [ -n "${V2LITE:-}" ] && [ "$(left)" -gt 420 ]; then  # MLA's absorbed output product: cuBLAS's bmm, then mla_uv
   for v in 0 1; do
     MOEC_MLA_UV=$v timeout 100 python3 -m benchmarks.bench_latency --out "$OUT/latency_v2lite_uv$v.json" \
       --shapes deepseek-v2-lite --recipes moec/recipes/experts-hls2.yaml --contexts 4096,32768 --batches 1 \
@@ -59,7 +59,7 @@ if [ -n "${V2LITE:-}" ] && [ "$(left)" -gt 400 ]; then  # MLA's absorbed output 
     echo "v2lite uv=$v rc=$? at $((SECONDS - T0)) s"; grep -E "ms|Error" "$OUT/logs/v2lite_uv$v.log" | tail -4
   done
 fi
-if [ "$(left)" -gt 260 ]; then  # the router shapes: cuBLAS against the tl GEMV
+if [ "$(left)" -gt 300 ]; then  # the router shapes: cuBLAS against the tl GEMV
   timeout 45 python3 -m benchmarks.bench_dense_gemv --budget 30 --shapes gpt-oss-router,glm-router,v3-router,v2lite-router \
     --out "$OUT/dense_gemv_routers.json" > "$OUT/logs/dense_gemv.log" 2>&1
   echo "dense_gemv routers rc=$? at $((SECONDS - T0)) s"; tail -5 "$OUT/logs/dense_gemv.log"
