@@ -1,7 +1,7 @@
 """Launch-config sweep of the fused 2-bit MoE decode kernels (issue 16 item 3), one phase at a time.
 
     python3 -m benchmarks.sweep_moe_decode --out X.json [--budget 240] [--kind hls2|bf16|vq2|vq3|tcq2|tcq3|mxfp4]
-        [--batches 1,16] [--shapes mixtral-8x7b,qwen3-30b-a3b,gpt-oss-120b,glm-4.5-air] [--write-config DIR]
+        [--batches 1,16] [--shapes mixtral-8x7b,qwen3-30b-a3b,gpt-oss-120b,...] [--write-config DIR]
 
 For each shape (Mixtral-8x7B, Qwen3-30B-A3B) and batch (1, 16): the whole `moe_decode` (hls2, prmt path)
 timed under a CUDA graph over L layers with separate weights (more bytes than L2, as bench_moe_kernel.py),
@@ -57,8 +57,9 @@ GATE_UP_FP4 = [dict(block_o=bo, block_k=bk, num_warps=nw) for bo, bk, nw in
 DOWN_FP4 = [dict(block_o_down=bo, block_k_down=bk, num_warps_down=nw, split_experts=se) for bo, bk, nw, se in
             itertools.product((8, 16, 32), (512, 1024), (4, 8), (None, 1, 4))]
 # (E, A, D, I) beyond bench_moe_kernel's two: gpt-oss-120b's experts (128 of 2880 x 2880, top-4), GLM-4.5-Air's
-# routed experts (128 of 4096 x 1408, top-8)
-MORE_SHAPES = {"gpt-oss-120b": (128, 4, 2880, 2880), "glm-4.5-air": (128, 8, 4096, 1408)}
+# routed experts (128 of 4096 x 1408, top-8), DeepSeek-V2-Lite's (64 of 2048 x 1408, top-6)
+MORE_SHAPES = {"gpt-oss-120b": (128, 4, 2880, 2880), "glm-4.5-air": (128, 8, 4096, 1408),
+               "deepseek-v2-lite": (64, 6, 2048, 1408)}
 
 
 def fp4_weight(E: int, O: int, n_in: int, gen) -> QWeight:

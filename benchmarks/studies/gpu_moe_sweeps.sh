@@ -2,8 +2,8 @@
 # One GPU call (~9.5 min) of MoE decode launch sweeps on the shapes the shipped configs were never swept on, data only
 # (no config written), and with PEER=1 the llama.cpp peer of gpt-oss-120b in the same call:
 #   0. PEER=1: llama-bench built in the background from the start (peers/llamacpp_peer.sh build; carry gpu/lcpp);
-#   1. the 2-bit prmt path (experts-hls2) on gpt-oss-120b's and GLM-4.5-Air's routed experts at batch 1 (the prmt slot
-#      was swept on Mixtral and Qwen3: moe_decode_sweep_h200.json) -> moe_decode_sweep_hls2_oss_glm.json;
+#   1. the 2-bit prmt path (experts-hls2) on gpt-oss-120b's, GLM-4.5-Air's and DeepSeek-V2-Lite's routed experts at
+#      batch 1 (the prmt slot was swept on Mixtral and Qwen3: moe_decode_sweep_h200.json) -> moe_decode_sweep_hls2_moe3.json;
 #   2. the fp4 slot on gpt-oss-120b's mxfp4 experts on the fp16x2 kernels (MOEC_FP4H=1) -> moe_decode_sweep_mxfp4_fp4h.json;
 #   3. PEER=1: gpt-oss-120b's first 12 layers, experts-mxfp4 and experts-hls2 at 4k/32k on the shipped defaults, then
 #      llama.cpp MXFP4 and Q2_K on the same layers, attached (speedup_vs_llamacpp -> latency_gpt_oss_120b_peer.json).
@@ -22,8 +22,8 @@ if [ -n "${PEER:-}" ]; then
   BUILD=$!
 fi
 B1=$(( $(left) * 3 / 5 ))
-timeout $(( B1 + 30 )) python3 -m benchmarks.sweep_moe_decode --kind hls2 --shapes gpt-oss-120b,glm-4.5-air --batches 1 \
-  --budget "$B1" --out "$OUT/moe_decode_sweep_hls2_oss_glm.json" > "$OUT/logs/sweep_hls2.log" 2>&1
+timeout $(( B1 + 30 )) python3 -m benchmarks.sweep_moe_decode --kind hls2 --batches 1 \
+  --shapes gpt-oss-120b,glm-4.5-air,deepseek-v2-lite --budget "$B1" --out "$OUT/moe_decode_sweep_hls2_moe3.json" > "$OUT/logs/sweep_hls2.log" 2>&1
 echo "hls2 sweep rc=$? at $((SECONDS - T0)) s"; grep -E "^best" "$OUT/logs/sweep_hls2.log"
 if [ "$(left)" -gt 60 ]; then
   MOEC_FP4H=1 timeout $(( $(left) )) python3 -m benchmarks.sweep_moe_decode --kind mxfp4 --shapes gpt-oss-120b \
