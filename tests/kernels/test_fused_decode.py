@@ -149,6 +149,22 @@ def test_mla_uv(dtype, N):
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), (got.float() - want.float()).abs().max()
 
 
+def test_mla_uv_compiles_for_sm90_without_spills():
+    """mla_uv at DeepSeek's shapes (r = 512, a [16, 512] fp32 W_UV tile a program, batch 1 and 16), compiled for sm_90
+    on the CPU with PDL: no stack, registers under 128 (four programs an SM at 4 warps), and no global access before
+    the PDL wait."""
+    from moec.kernels import aot
+
+    types = {"o_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16"} | {
+        n: "i32" for n in ("H", "V", "so0", "so1", "sw0", "sw1")}
+    jobs = [{"module": "moec.kernels.fused_decode", "kernel": "_mla_uv_kernel", "types": types,
+             "constexprs": dict(N=n, R=512, RB=512, BV=16, PDL=True), "num_warps": 4} for n in (1, 16)]
+    for job, rep in zip(jobs, aot.report_in_subprocess(jobs), strict=True):
+        res, order = rep["resources"], rep["ptx_order"]
+        assert res["stack"] == 0 and res["local"] == 0 and res["registers"] <= 128, (job["constexprs"], res)
+        assert order["wait"] is not None and order["wait"] < order["global"], order
+
+
 @pytest.mark.parametrize("qk_norm", ["none", "head"])
 def test_engine_fused_step_matches_plain_step(qk_norm):
     """Greedy tokens and logits of the fused step equal the plain step's (fp32 model, fp32 cache)."""

@@ -68,7 +68,8 @@ def test_wired_kernels_wait_first_and_every_pdl_launch_reaches_one():
             "_prmt_pairs_kernel", "_gate_up_kernel", "_down_kernel", "_gemv_kernel", "_gemv4_kernel",
             "_kv_decode_attention_kernel", "_gluon_kv_attention_kernel", "_gluon_kv_attention_wg_kernel",
             "_reduce_kernel", "_fp16_decode_kernel", "_mla_decode_kernel", "_mla_nuq_kernel", "_route_topk_kernel",
-            "_route_gemv_topk_kernel", "_route_sigmoid_kernel", "_rotate_write_kernel"} <= set(wired), wired
+            "_route_gemv_topk_kernel", "_route_sigmoid_kernel", "_rotate_write_kernel",
+            "_mla_uv_kernel"} <= set(wired), wired
     unwired = [(f, n) for f, n in launched if n not in wired]
     assert launched and not unwired, unwired
 
