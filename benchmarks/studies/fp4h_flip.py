@@ -1,7 +1,7 @@
 """Turn the fp4 experts' fp16x2 GEMV and the router's dense route on by default when gpu_fp4h.sh's records say so.
 
     python3 -m benchmarks.studies.fp4h_flip --decide OUT      (on the GPU machine, before the smoke)
-    python3 -m benchmarks.studies.fp4h_flip --apply fp4h [router] [mla_uv_off]   (here: the same edits)
+    python3 -m benchmarks.studies.fp4h_flip --apply fp4h [router] [mla_uv]   (here: the same edits)
 
 --decide reads OUT's records and flips each switch whose evidence holds:
 - fp4h (`moec/kernels/fp4_h2.py` ON_BY_DEFAULT): every check of fp4h_check.json ok, and latency_fp4h1.json against
@@ -11,8 +11,8 @@
   latency_fp4h1.json no row slower than x1.01, one x0.99 or faster (the router is a small share of the step), and in
   dense_gemv_routers.json the tl GEMV at the config's tiles no slower than cuBLAS on every router shape (the flag
   moves every family's router, the A/B times gpt-oss's).
-- mla_uv_off (`moec/runtime/model.py`'s MOEC_MLA_UV default, on): turned off where latency_v2lite_uv1.json has a row
-  slower than x1.01 against latency_v2lite_uv0.json (cuBLAS's bmm).
+- mla_uv (`moec/runtime/model.py` MLA_UV_DEFAULT): latency_v2lite_uv1.json (MOEC_MLA_UV=1) against
+  latency_v2lite_uv0.json (cuBLAS's bmm) no row slower than x1.01, one x0.99 or faster.
 It prints each ratio and writes OUT/flip.json (what was flipped and why). --apply makes the named edits
 unconditionally: the GPU machine flips its copy before the smoke, this checkout makes the same edits.
 """
@@ -31,9 +31,7 @@ EDITS = {  # switch: (file, text off, text on), each text once in its file
     "fp4h": (ROOT / "moec" / "kernels" / "fp4_h2.py", "ON_BY_DEFAULT = False", "ON_BY_DEFAULT = True"),
     "router": (ROOT / "moec" / "kernels" / "configs" / "nvidia_h200.json", '"on": true, "router": false',
                '"on": true, "router": true'),
-    # on by default: the edit turns it off
-    "mla_uv_off": (ROOT / "moec" / "runtime" / "model.py", 'os.environ.get("MOEC_MLA_UV", "1")',
-                   'os.environ.get("MOEC_MLA_UV", "0")')}
+    "mla_uv": (ROOT / "moec" / "runtime" / "model.py", "MLA_UV_DEFAULT = False", "MLA_UV_DEFAULT = True")}
 
 
 def flip(switch: str) -> None:
@@ -89,7 +87,7 @@ def decide(out: Path) -> dict:
     ok = bool(r) and max(r) <= 1.01 and min(r) <= 0.99 and bench_ok
     res["router"] = {"on": ok, "ratios": r, "bench": notes}
     r = ratios(out / "latency_v2lite_uv0.json", out / "latency_v2lite_uv1.json")
-    res["mla_uv_off"] = {"on": bool(r) and max(r) > 1.01, "ratios": r}
+    res["mla_uv"] = {"on": bool(r) and max(r) <= 1.01 and min(r) <= 0.99, "ratios": r}
     for switch, v in res.items():
         if v["on"]:
             flip(switch)

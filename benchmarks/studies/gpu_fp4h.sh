@@ -6,11 +6,11 @@
 #   2. the step's A/B: gpt-oss-120b's first 12 layers, experts-mxfp4, 4k/32k batch 1: MOEC_FP4H=0 (the fp32 word
 #      GEMV), 1 (with the breakdown), then 1 with MOEC_DENSE_GEMV_ROUTER=1 -> latency_fp4h0/fp4h1/fp4h1_router.json;
 #   3. bench_dense_gemv on the router shapes (cuBLAS against the tl GEMV of the dense route) -> dense_gemv_routers.json;
-#   V2LITE=1: DeepSeek-V2-Lite experts-hls2 (and its bf16 peer) with MOEC_MLA_UV=0 (cuBLAS's bmm) then 1 (mla_uv, the
-#      default) -> latency_v2lite_uv0/uv1.json;
-#   4. fp4h_flip.py --decide: each switch (fp4_h2.ON_BY_DEFAULT, qlinear.dense_gemv.router) turned on in this copy
-#      where its evidence holds, mla_uv turned off where it lost -> flip.json (`fp4h_flip --apply ...` makes the
-#      same edits in the checkout);
+#   V2LITE=1: DeepSeek-V2-Lite experts-hls2 (and its bf16 peer) with MOEC_MLA_UV=0 (cuBLAS's bmm) then 1 (mla_uv)
+#      -> latency_v2lite_uv0/uv1.json;
+#   4. fp4h_flip.py --decide: each switch (fp4_h2.ON_BY_DEFAULT, qlinear.dense_gemv.router, model.MLA_UV_DEFAULT)
+#      turned on in this copy where its evidence holds -> flip.json (`fp4h_flip --apply ...` makes the same edits in
+#      the checkout);
 #   5. SMOKE=1: the GPU smoke on that tree (OUT/gpu_smoke_h200.json, kept out of the archive);
 #   6. PEER=1: llama.cpp MXFP4 on gpt-oss-120b's first 12 layers (llama_bench_gpt-oss-120b_MXFP4_L12.json), attached
 #      to the step's row of the chosen default (speedup_vs_llamacpp -> latency_gpt_oss_120b_peer.json: same call);

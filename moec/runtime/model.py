@@ -361,10 +361,17 @@ class MLAttention(nn.Module):
         q_abs, latent = mla_rope_latent(q, ckr, cos, sin, self.kv_a_norm.weight, self.kv_a_norm.eps, H, nope,
                                         a.rope_interleave, w[:, :nope])
         o_lat = cache.attend(layer, q_abs[:, :, None], latent[:, None, None], None, 0)  # [b, H, 1, r]
-        if os.environ.get("MOEC_MLA_UV", "1") == "1":  # o_lat·W_UVᵀ per head, one launch (0: the cast and cuBLAS's bmm)
+        # o_lat·W_UVᵀ per head in one launch (kernels/fused_decode.mla_uv) where MOEC_MLA_UV, else MLA_UV_DEFAULT, says;
+        # else the cast and cuBLAS's bmm
+        if os.environ.get("MOEC_MLA_UV", "1" if MLA_UV_DEFAULT else "0") == "1":
             return self.wo(mla_uv(o_lat[:, :, 0], w[:, nope:]))
         out = torch.bmm(o_lat[:, :, 0].to(q.dtype).transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, b, v]
         return self.wo(out.transpose(0, 1).reshape(b, H * a.v_head_dim))
+
+
+# Whether MLA's fused decode step takes mla_uv by default: benchmarks/studies/fp4h_flip.py sets it from the step's A/B
+# on DeepSeek-V2-Lite (benchmarks/studies/gpu_fp4h.sh V2LITE=1; docs/results.md has the numbers).
+MLA_UV_DEFAULT = False
 
 
 class FFN(nn.Module):

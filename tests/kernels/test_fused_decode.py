@@ -149,6 +149,35 @@ def test_mla_uv(dtype, N):
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), (got.float() - want.float()).abs().max()
 
 
+def test_engine_mla_uv_matches_bmm(monkeypatch):
+    """The fused MLA step with mla_uv (MOEC_MLA_UV=1) gives the logits of the cast and bmm it replaces (0), in bf16
+    as the GPU runs it (MOEC_KERNELS=1: the interpreter runs the kernel paths)."""
+    from moec.runtime.kvcache import dense_cache
+
+    args = ModelArgs(arch="deepseek_v3", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=48,
+                     max_seq_len=64, n_experts=4, top_k=2, expert_dim=32, ffn_kinds=["dense", "moe"], dense_dim=64,
+                     shared_dim=32, router_score="sigmoid", topk_method="group_top2", n_group=2, topk_group=1,
+                     router_bias=True, routed_scale=2.5, attn_kind="mla", q_lora_rank=32, kv_lora_rank=32,
+                     qk_rope_dim=16, v_head_dim=32, rope_interleave=True)
+    tokens = torch.tensor([3, 9, 27, 17, 51, 8, 40])
+    monkeypatch.setenv("MOEC_KERNELS", "1")
+    out = []
+    for uv in ("0", "1"):
+        monkeypatch.setenv("MOEC_MLA_UV", uv)
+        model = random_model(args, lambda name: None, DEVICE, torch.bfloat16, seed=4)
+        eng = DecodeEngine(model, dense_cache(args, 1, 32, dtype=torch.bfloat16, device=DEVICE, mode="static"),
+                           graphs=False, fuse=True)
+        assert eng.mla_kernel
+        logits = [eng.prefill(0, tokens[:4])]
+        for t in tokens[4:]:
+            eng.tokens[:1] = t
+            logits.append(eng.step(1)[0].clone())
+        out.append(torch.stack(logits).float())
+    # one bf16 rounding of the product either way; the sums' order differs
+    err = ((out[1] - out[0]).norm() / out[0].norm()).item()
+    assert err < 1e-2, err
+
+
 def test_mla_uv_compiles_for_sm90_without_spills():
     """mla_uv at DeepSeek's shapes (r = 512, a [16, 512] fp32 W_UV tile a program, batch 1 and 16), compiled for sm_90
     on the CPU with PDL: no stack, registers under 128 (four programs an SM at 4 warps), and no global access before
