@@ -394,8 +394,8 @@ def check_fp4h_moe(device: str) -> list[dict]:
     experts on sm_89+ where fp4_h2.use_fp4h says) against moe_decode_ref and the fp32
     word path (fp4h=False): mxfp4 with gpt-oss's biased clamped SwiGLU, nvfp4 with silu, batch 1 and 3, the down
     kernel split over programs; max |err| / max |ref| <= 2e-3 (x and h in fp16, fp16 sums over 16 codes), the word
-    path <= 1e-4, and the default call gives exactly the fp16x2 path's output where it is on, the word path's where
-    it is off."""
+    path <= 1e-4, and the default call gives the fp16x2 path's output where it is on, the word path's where it is off
+    (to 1e-5, and at most a tenth of the two paths' distance: the split down GEMV's fp32 atomics are not bit-exact)."""
     if device != "cuda":
         return []
     from moec.kernels import fp4_h2
@@ -417,11 +417,17 @@ def check_fp4h_moe(device: str) -> list[dict]:
         err = ((got - want).abs().max() / scale).item()
         err_words = ((words - want).abs().max() / scale).item()
         on = all(fp4_h2.use_fp4h(w) for w in (w1, w3, w2))
-        default_ok = torch.equal(auto, got if on else words)
+        # the default call against the path it should have taken: not bit-exact (the split down GEMV adds with fp32
+        # atomics, in no fixed order: an exact test failed all four cases on 2026-12-07), but 10x closer to it than
+        # the two paths are to each other
+        gap = ((got - words).abs().max() / scale).item()
+        err_default = ((auto - (got if on else words)).abs().max() / scale).item()
+        default_ok = err_default <= 1e-5 and err_default * 10 <= gap
         ok = err <= 2e-3 and err_words <= 1e-4 and default_ok
         return {"ok": ok, "max_rel_err": err, "max_rel_err_words": err_words, "fp4h_on": on,
-                "default_path_ok": default_ok,
-                "error": None if ok else f"max_rel_err {err:.3g} (words {err_words:.3g}), default path ok {default_ok}"}
+                "default_path_ok": default_ok, "default_rel_err": err_default, "paths_rel_gap": gap,
+                "error": None if ok else f"max_rel_err {err:.3g} (words {err_words:.3g}), default path off by "
+                                          f"{err_default:.3g} (paths {gap:.3g} apart)"}
 
     return [_kernel_record(f"fp4h-moe-decode-{kind}-n{N}-{act}", "E 8, top-4, 640 -> 384",
                            lambda kind=kind, N=N, act=act, split=split: one(kind, N, act, split))

@@ -71,7 +71,7 @@ FP4H_ASM = tl.constexpr(_asm16())
 # Whether the MoE decode takes this path by default: benchmarks/studies/fp4h_flip.py sets it from the GPU check
 # against the reference and the step's A/B (benchmarks/studies/gpu_fp4h.sh; docs/results.md has the numbers).
 # MOEC_FP4H=1 / 0 turns it on / off.
-ON_BY_DEFAULT = False
+ON_BY_DEFAULT = True
 
 
 def use_fp4h(w: QWeight) -> bool:

@@ -371,7 +371,7 @@ class MLAttention(nn.Module):
 
 # Whether MLA's fused decode step takes mla_uv by default: benchmarks/studies/fp4h_flip.py sets it from the step's A/B
 # on DeepSeek-V2-Lite (benchmarks/studies/gpu_fp4h.sh V2LITE=1; docs/results.md has the numbers).
-MLA_UV_DEFAULT = False
+MLA_UV_DEFAULT = True
 
 
 class FFN(nn.Module):
