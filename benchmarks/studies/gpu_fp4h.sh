@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call (~8 min on one H100 or H200) for the fp4 experts' fp16x2 MoE decode kernels (moec/kernels/fp4_h2.py)
 # and the router on the dense route, ending with a smoke on the tree their evidence chose:
-#   0. PEER=1: llama-bench built in the background from the start (peers/llamacpp_peer.sh build; carry gpu/lcpp);
 #   1. the kernels against moe_decode_ref and the fp32 word path (gpu_smoke.check_fp4h_moe alone) -> fp4h_check.json;
 #   2. the step's A/B: gpt-oss-120b's first 12 layers, experts-mxfp4, 4k/32k batch 1: MOEC_FP4H=0 (the fp32 word
 #      GEMV), 1 (with the breakdown), then 1 with MOEC_DENSE_GEMV_ROUTER=1 -> latency_fp4h0/fp4h1/fp4h1_router.json;
@@ -11,24 +10,19 @@
 #   4. fp4h_flip.py --decide: each switch (fp4_h2.ON_BY_DEFAULT, qlinear.dense_gemv.router, model.MLA_UV_DEFAULT)
 #      turned on in this copy where its evidence holds -> flip.json (`fp4h_flip --apply ...` makes the same edits in
 #      the checkout);
-#   5. SMOKE=1: the GPU smoke on that tree (OUT/gpu_smoke_h200.json, kept out of the archive);
-#   6. PEER=1: llama.cpp MXFP4 on gpt-oss-120b's first 12 layers (llama_bench_gpt-oss-120b_MXFP4_L12.json), attached
-#      to the step's row of the chosen default (speedup_vs_llamacpp -> latency_gpt_oss_120b_peer.json: same call);
-#   7. SWEEP=1: the fp4 launch slot's sweep (sweep_moe_decode --kind mxfp4 --write-config OUT/cfg) and the step with
+#   5. SMOKE=1: the GPU smoke on that tree (OUT/gpu_smoke_h200.json, kept out of the archive); the llama.cpp peer
+#      is gpu_moe_sweeps.sh PEER=1's;
+#   6. SWEEP=1: the fp4 launch slot's sweep (sweep_moe_decode --kind mxfp4 --write-config OUT/cfg) and the step with
 #      its winner (latency_fp4h1_swept.json).
 # END=S (default 575): no step starts that would not end before it. OUT ends with records.tgz, logs.tgz and the smoke.
-# Usage, from the repo root on the GPU machine:  [SMOKE=1] [V2LITE=1] [PEER=1] [SWEEP=1] bash benchmarks/studies/gpu_fp4h.sh OUT
+# Usage, from the repo root on the GPU machine:  [SMOKE=1] [V2LITE=1] [SWEEP=1] bash benchmarks/studies/gpu_fp4h.sh OUT
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: gpu_fp4h.sh OUT_DIR}
-mkdir -p "$OUT/logs" "$OUT/cfg" /tmp/peer
+mkdir -p "$OUT/logs" "$OUT/cfg"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MOEC_LOG=${MOEC_LOG:-WARNING}
 T0=$SECONDS
 left() { echo $(( ${END:-575} - (SECONDS - T0) )); }
-if [ -n "${PEER:-}" ]; then
-  nice -n 10 bash benchmarks/peers/llamacpp_peer.sh /tmp/peer build > "$OUT/logs/build.log" 2>&1 &
-  BUILD=$!
-fi
 timeout 150 python3 -c "
 import json, sys
 from benchmarks.gpu_smoke import check_fp4h_moe
@@ -69,20 +63,6 @@ if [ -n "${SMOKE:-}" ]; then  # the smoke on the tree the flips left
   timeout $(( $(left) - 5 < 330 ? $(left) - 5 : 330 )) bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 \
     > "$OUT/logs/smoke.log" 2>&1
   echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"; bash scripts/source_tree.sh
-fi
-if [ -n "${PEER:-}" ]; then  # llama.cpp MXFP4 at the same 12 layers, against the row of the default just chosen
-  while kill -0 "$BUILD" 2> /dev/null && [ "$(left)" -gt 90 ]; do sleep 5; done
-  kill -0 "$BUILD" 2> /dev/null && { echo "llama-bench build not done at $((SECONDS - T0)) s"; kill "$BUILD"; }
-  wait "$BUILD"; echo "llama-bench build rc=$? at $((SECONDS - T0)) s"; tail -2 "$OUT/logs/build.log"
-  ROW=$OUT/latency_fp4h0.json
-  python3 -c "import json,sys; sys.exit(0 if json.load(open('$OUT/flip.json'))['fp4h']['on'] else 1)" && ROW=$OUT/latency_fp4h1.json
-  if [ "$(left)" -gt 90 ] && [ -f "$ROW" ]; then
-    QTYPE=MXFP4 LAYERS=12 timeout $(( $(left) - 10 )) bash benchmarks/peers/llamacpp_peer.sh /tmp/peer gpt-oss-120b \
-      > "$OUT/logs/peer.log" 2>&1
-    echo "llama.cpp MXFP4 rc=$? at $((SECONDS - T0)) s"; tail -3 "$OUT/logs/peer.log"
-    cp /tmp/peer/llama_bench_gpt-oss-120b_MXFP4_L12.json "$OUT/" 2>/dev/null
-    python3 -m benchmarks.peers.speedup_vs_llamacpp "$ROW" "$OUT" "$OUT/latency_gpt_oss_120b_peer.json" 2>&1 | tail -4
-  fi
 fi
 if [ -n "${SWEEP:-}" ] && [ "$(left)" -gt 200 ]; then
   timeout $(( $(left) - 120 < 200 ? $(left) - 120 : 200 )) python3 -m benchmarks.sweep_moe_decode --kind mxfp4 \
