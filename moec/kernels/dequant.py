@@ -438,13 +438,28 @@ def _tcq_code(st, ASM: tl.constexpr = False):
 
 
 @triton.jit
+def load_x(x_ptr, k, n_in, GATED: tl.constexpr = False):
+    """x[k] as fp32, 0 at k >= n_in. GATED: x_ptr is a fused gate/up row [g | u] of 2·n_in and the value is
+    silu(g)·u rounded as fused_decode.silu_mul rounds it (silu in fp32 rounded to g's dtype, the product rounded
+    again): a shared expert's activation read by its down GEMV, one launch a layer fewer, the same numbers."""
+    m = k < n_in
+    if GATED:
+        g = tl.load(x_ptr + k, mask=m, other=0.0)
+        u = tl.load(x_ptr + n_in + k, mask=m, other=0.0).to(tl.float32)
+        gf = g.to(tl.float32)
+        sg = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+        return (sg * u).to(g.dtype).to(tl.float32)
+    return tl.load(x_ptr + k, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stride_ao, k0, n_in,
                 MODE: tl.constexpr, BITS: tl.constexpr, C: tl.constexpr, BPC: tl.constexpr,
                 G: tl.constexpr, GS: tl.constexpr, BKC: tl.constexpr, VD: tl.constexpr = 1,
-                VQF: tl.constexpr = 0, ASM: tl.constexpr = False):
+                VQF: tl.constexpr = 0, ASM: tl.constexpr = False, GATED: tl.constexpr = False):
     """acc [BO, BKC] += w·x over inputs [k0, k0 + BKC·C) of rows offs_o (x: fp32/bf16 vector). MODE_VQ:
     gemv_vq with a_ptr the codebook (VD, VQF: vq_static), row scales left to the caller. ASM: MODE_TCQ's
-    byte sums by PTX dp4a (CUDA; tcq_asm)."""
+    byte sums by PTX dp4a (CUDA; tcq_asm). GATED: x is a fused gate/up row [g | u] (load_x; not MODE_VQ)."""
     cidx = k0 // C + tl.arange(0, BKC)
     n_chunks = (n_in + C - 1) // C
     if MODE == 4:
@@ -453,8 +468,7 @@ def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stri
     elif MODE == 2 or MODE == 3:  # fp8 / dense: one weight per chunk
         m = mask_o[:, None] & (cidx < n_in)[None, :]
         w = tl.load(w_ptr + offs_o[:, None] * stride_wo + cidx[None, :], mask=m, other=0.0).to(tl.float32)
-        xs = tl.load(x_ptr + cidx, mask=cidx < n_in, other=0.0).to(tl.float32)
-        acc += w * xs[None, :]
+        acc += w * load_x(x_ptr, cidx, n_in, GATED)[None, :]
     elif MODE == 6:  # tcq: a chunk is BITS words of 32 symbols (w_ptr int32), read with the word before it
         m = mask_o[:, None] & (cidx < n_chunks)[None, :]
         p = w_ptr + offs_o[:, None] * stride_wo + (cidx * BITS)[None, :]
@@ -469,7 +483,7 @@ def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stri
             v4 = tl.load(p + 4, mask=m, other=0).to(tl.uint32, bitcast=True)
         for s in tl.static_range(C):
             k = cidx * C + s
-            xs = tl.load(x_ptr + k, mask=k < n_in, other=0.0).to(tl.float32)
+            xs = load_x(x_ptr, k, n_in, GATED)
             acc += _tcq_code(_tcq_state(v0, v1, v2, v3, v4, s, BITS), ASM) * xs[None, :]
     elif MODE == 5:  # fp4: a byte of two codes per chunk, each chunk's block scale loaded beside it (a tile
         # may span blocks, so the tile width is not bound to the 16/32-input block)
@@ -479,7 +493,7 @@ def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stri
         sc = sc.to(tl.float32)
         for s in tl.static_range(C):
             k = cidx * C + s
-            xs = tl.load(x_ptr + k, mask=k < n_in, other=0.0).to(tl.float32)
+            xs = load_x(x_ptr, k, n_in, GATED)
             acc += _e2m1(v >> (4 * s)) * sc * xs[None, :]
     else:
         v = _load_words(w_ptr, offs_o, mask_o, stride_wo, cidx, n_chunks, BPC)
@@ -487,7 +501,7 @@ def gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr, offs_o, mask_o, stride_wo, stri
         c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _table(lrow, mask_o, MODE, BITS)
         for s in tl.static_range(C):
             k = cidx * C + s
-            xs = tl.load(x_ptr + k, mask=k < n_in, other=0.0).to(tl.float32)
+            xs = load_x(x_ptr, k, n_in, GATED)
             acc += _decode(v, s, a_row, b_row, mask_o, MODE, BITS,
                            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15) * xs[None, :]
     return acc

@@ -49,7 +49,8 @@ def _gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, O, stride_xm, stri
                  K: tl.constexpr, HAS_BIAS: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr,
                  C: tl.constexpr, BPC: tl.constexpr, G: tl.constexpr, GS: tl.constexpr,
                  BO: tl.constexpr, BKC: tl.constexpr, UNROLL: tl.constexpr, VD: tl.constexpr = 1,
-                 VQF: tl.constexpr = 0, ASM: tl.constexpr = False, PDL: tl.constexpr = False):
+                 VQF: tl.constexpr = 0, ASM: tl.constexpr = False, PDL: tl.constexpr = False,
+                 GATED: tl.constexpr = False):
     pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     m = tl.program_id(0)
     offs_o = tl.program_id(1) * BO + tl.arange(0, BO)
@@ -60,7 +61,7 @@ def _gemv_kernel(x_ptr, w_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, O, stride_xm, stri
     for k0 in range(0, K, BKC * C * UNROLL):
         for u in tl.static_range(UNROLL):
             acc = gemv_chunks(acc, w_ptr, a_ptr, b_ptr, x_ptr + m * stride_xm, offs_o, mask_o, stride_wo,
-                              stride_ao, k0 + u * BKC * C, K, MODE, BITS, C, BPC, G, GS, BKC, VD, VQF, ASM)
+                              stride_ao, k0 + u * BKC * C, K, MODE, BITS, C, BPC, G, GS, BKC, VD, VQF, ASM, GATED)
     y = tl.sum(acc, axis=1)
     if MODE == 2 or MODE == 6:
         y *= tl.load(a_ptr + offs_o, mask=mask_o, other=0.0)
@@ -105,18 +106,21 @@ def gluon_measured_faster(device) -> bool:
 
 
 def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, gluon: bool = False,
-            **cfg) -> torch.Tensor:
+            gated: bool = False, **cfg) -> torch.Tensor:
     """x [..., K] -> [..., O] in x.dtype. w: QWeight with data [1, O, ...]. cfg overrides the block
     config of the path taken (the gemv or gemm keys of launch_config.config("qlinear", device)). gluon: decode
     rows (M <= 8) of the weights gluon_qlinear.supports take the Gluon GEMV (the caller decides: the runtime's
-    MOEC_KERNELS switch and gluon_measured_faster)."""
-    K = x.shape[-1]
+    MOEC_KERNELS switch and gluon_measured_faster). gated: x is a fused gate/up projection [..., 2K] and the GEMV
+    reads silu(g)·u (fused_decode.silu_mul's numbers) in its loads; decode rows only (M <= GEMV_MAX_M), not vq
+    (gated_ok)."""
+    K = x.shape[-1] // 2 if gated else x.shape[-1]
     O = w.data.shape[1]
     assert w.n_in == K and w.data.shape[0] == 1, (w.n_in, w.data.shape, K)
+    assert not gated or gated_ok(w, x.numel() // x.shape[-1]), (w.mode, x.shape)
     w.check(1, O)
     assert bias is None or bias.shape == (O,), (None if bias is None else bias.shape, O)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
@@ -129,7 +133,7 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, gluon
 
         if gq.supports(w, M):
             c = configs["gemv"]
-            return gq.gluon_qlinear(x2, w, bias, y, c["gluon_block_m"], c["gluon_warps"]).view(*lead, O)
+            return gq.gluon_qlinear(x2, w, bias, y, c["gluon_block_m"], c["gluon_warps"], gated).view(*lead, O)
     if M <= GEMV_MAX_M:
         c = configs["gemv"] | cfg
         if w.mode == MODE_VQ:  # cfg words=False: the byte-code variant, vq_gather=True: tl.gather (gemv_vq)
@@ -148,7 +152,7 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, gluon
         _gemv_kernel[(M, triton.cdiv(O, c["block_o"]))](
             x2, d, a, b, bias_arg, y, O, x2.stride(0), d.stride(1), w.row_stride_a(), K=K,
             HAS_BIAS=bias is not None, BO=c["block_o"], BKC=bk // C, UNROLL=unroll, num_warps=c["num_warps"], **st,
-            **pdl.options(x.device))
+            GATED=gated, **pdl.options(x.device))
     else:
         small = configs["small_gemm"] | cfg
         c = small if M <= 64 else configs["gemm"] | cfg
@@ -188,6 +192,12 @@ def _gemm(x2, w: QWeight, d, a, b, bias, bias_arg, y, c: dict) -> None:
         HAS_BIAS=bias is not None, BM=c["block_m"], BN=c["block_n"], BK=bk, DOT=dot_dtype(),
         num_warps=c["num_warps"], num_stages=min(c["num_stages"], TCQ_MAX_STAGES) if w.mode == MODE_TCQ
         else c["num_stages"], **st)
+
+
+def gated_ok(w: QWeight, M: int) -> bool:
+    """Whether qlinear(gated=True) takes this weight at M rows: the decode GEMVs (tl, and Gluon where it applies),
+    any mode but vq (its codebook GEMV loads x its own way)."""
+    return M <= GEMV_MAX_M and w.mode != MODE_VQ
 
 
 def qlinear_ref(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -53,6 +53,13 @@ def kernels_enabled(device) -> bool:
     return True
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream; False on a CPU-only torch build, whose
+    torch.cuda.is_current_stream_capturing raises instead of answering (a kernel that fails under Triton's
+    interpreter must fall back there, not crash)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def gluon_enabled(device) -> bool:
     """Whether a Gluon kernel may serve a launch on `device`: CUDA, not the interpreter, MOEC_KERNELS not tl."""
     return torch.device(device).type == "cuda" and not interpreting() and kernel_mode() in ("auto", "gluon", "1")

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import weight_codec
-from .backend import gluon_chosen, kernels_enabled
+from .backend import capturing, gluon_chosen, kernels_enabled
 from .config import ModelArgs
 from .experts import QLinear
 from .kvcache import dense_cache
@@ -96,7 +96,7 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True, e
     if moe.codec is not None:
         out = moe.codec.fused(x, w, ids, a, moe.biases(), exact_dtype=exact_dtype)
     else:
-        out = _dense_kernel_moe(moe, x, w, ids)
+        out = _dense_kernel_moe(moe, x, w, ids, exact_dtype)
         if out is None:
             out = _gather_moe(moe, x, w, ids)
     if shared and hasattr(moe, "shared"):
@@ -127,7 +127,7 @@ _ROUTE_FAILED: list[str] = []  # the routing kernel failed to compile here: torc
 def _routing_kernel_failed(e: Exception) -> None:
     """A routing kernel raised: inside a CUDA-graph capture that is fatal (re-raised); before it (the warm-up
     step), remembered once so every later step takes torch's routing."""
-    if torch.cuda.is_current_stream_capturing():
+    if capturing():
         raise e
     _ROUTE_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     log.warning("routing kernel failed (%s); using torch's routing", _ROUTE_FAILED[0])
@@ -174,7 +174,10 @@ def _route_scored(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 _DENSE_FAILED: set[str] = set()  # dense-mode kernels that failed here (compile errors): gather instead
 
 
-def _dense_kernel_moe(moe: MoE, x, w, ids) -> torch.Tensor | None:
+def _dense_kernel_moe(moe: MoE, x, w, ids, exact_dtype: bool = True) -> torch.Tensor | None:
+    """The bf16 routed experts through the fused kernels in their dense mode; exact_dtype=False: the decode GEMV's
+    output as it comes (fp32 where the down GEMV splits and adds with atomics), for a caller that rounds it (the
+    fused step's add_rms_norm), instead of a cast launch a layer."""
     try:
         from ..kernels.dequant import MODE_DENSE, QWeight
         from ..kernels.moe_decode import moe_decode
@@ -189,10 +192,10 @@ def _dense_kernel_moe(moe: MoE, x, w, ids) -> torch.Tensor | None:
     extra = dict(biases=moe.biases(), act=moe.args.expert_act, limit=moe.args.swiglu_limit)
     try:
         if kind == "decode":
-            return moe_decode(x, ids, w, *qs, out_dtype=x.dtype, **extra)
+            return moe_decode(x, ids, w, *qs, out_dtype=x.dtype if exact_dtype else None, **extra)
         return moe_grouped(x, ids, w, *qs, **extra).to(x.dtype)
     except Exception as e:  # the warm-up step (outside capture) meets compile errors first
-        if torch.cuda.is_current_stream_capturing():
+        if capturing():
             raise
         log.warning("dense %s MoE kernel failed (%s: %s); gathering the active experts instead", kind,
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -296,6 +299,29 @@ class _DenseGEMV(torch.nn.Linear):
         if x.numel() // self.in_features <= GEMV_MAX_M and kernels_enabled(x.device):
             return qlinear(x, self.qw, self.bias, **self.tiles)
         return F.linear(x, self.weight, self.bias)
+
+    def gated(self, gu: torch.Tensor) -> torch.Tensor | None:
+        """This projection of silu(g)·u for a fused gate/up output gu = [g | u] (QLinear.gated's contract)."""
+        from ..kernels.qlinear import gated_ok, qlinear
+
+        if not kernels_enabled(gu.device) or not gated_ok(self.qw, gu.numel() // gu.shape[-1]):
+            return None
+        return qlinear(gu, self.qw, self.bias, gated=True, **self.tiles)
+
+
+def shared_down(w2, gu: torch.Tensor) -> torch.Tensor:
+    """A shared expert's down projection of silu(g)·u, gu = [g | u] its fused gate/up output: one launch where w2's
+    decode GEMV reads the activation in its loads (_DenseGEMV / QLinear `gated`; MOEC_GATED_DOWN=0 turns it off for
+    the A/B), else fused_decode.silu_mul and w2 (two). The same numbers either way (dequant.load_x rounds as
+    silu_mul does)."""
+    from ..kernels.fused_decode import silu_mul
+
+    gated = getattr(w2, "gated", None)
+    if gated is not None and os.environ.get("MOEC_GATED_DOWN", "1") != "0":
+        y = gated(gu)
+        if y is not None:
+            return y
+    return w2(silu_mul(gu))
 
 
 def dense_gemv_chosen(device) -> bool:
@@ -520,7 +546,7 @@ class DecodeEngine:
 
     def _moe_residual(self, i: int, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's MoE on its normed input h, added to the residual x, and the next norm: (x', h')."""
-        from ..kernels.fused_decode import add_rms_norm, silu_mul
+        from ..kernels.fused_decode import add_rms_norm
 
         m = self.model
         blk = m.layers[i]
@@ -531,7 +557,7 @@ class DecodeEngine:
         y = graph_safe_moe(blk.moe, h, blk.layer, shared=gate_up is None, exact_dtype=False)
         if gate_up is None:
             return add_rms_norm(x, y, nxt.weight, nxt.eps)
-        return add_rms_norm(x, y, nxt.weight, nxt.eps, delta2=blk.moe.shared.w2(silu_mul(gate_up(h))))
+        return add_rms_norm(x, y, nxt.weight, nxt.eps, delta2=shared_down(blk.moe.shared.w2, gate_up(h)))
 
     def _capture(self, b: int) -> torch.cuda.CUDAGraph | None:
         pos0 = self.pos.clone()

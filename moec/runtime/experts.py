@@ -37,7 +37,7 @@ from ..errors import FormatError
 from ..formats.codecs import ROTATION_PART
 from ..registry import weight_codec, weight_codecs
 from ..rotation import hadamard, rotate, signs_error, unpack_signs
-from .backend import gluon_chosen, kernels_enabled
+from .backend import capturing, gluon_chosen, kernels_enabled
 from .model import expert_act
 from .weightcodecs import lut_poly  # noqa: F401  (kernel tests and benchmarks import it from here)
 
@@ -234,20 +234,41 @@ class QLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.q.rotate_input(x)
-        key = (self.q.codec, self.q.bits, tuple(self.q.shape), x.shape[0] > 1, x.dtype)
-        if kernels_enabled(x.device) and self.q.kernel_ok() and key not in _QLINEAR_FAILED:
-            from ..kernels.qlinear import gluon_measured_faster, qlinear
-
-            try:
-                gluon = gluon_chosen(x.device, gluon_measured_faster(x.device))
-                return qlinear(x, self.q.qweight(), self.bias, gluon=gluon)
-            except Exception as e:  # a configuration Triton cannot compile here (met outside graph capture)
-                if torch.cuda.is_current_stream_capturing():
-                    raise
-                log.warning("qlinear kernel failed for %s %d-bit %s (%s: %s); torch path for it", self.q.codec,
-                            self.q.bits, list(self.q.shape), type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                _QLINEAR_FAILED.add(key)
+        if kernels_enabled(x.device) and self.q.kernel_ok():
+            y = self._kernel(x, False)
+            if y is not None:
+                return y
         return F.linear(x, self.q.dequant_ref(0, x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def gated(self, gu: torch.Tensor) -> torch.Tensor | None:
+        """This projection of silu(g)·u for a fused gate/up output gu = [g | u] [N, 2·in] in one launch (the decode
+        GEMV reads the activation itself: qlinear gated), or None where that path does not apply (a rotated
+        input, no kernels, prefill rows, vq, a configuration that failed): the caller activates first."""
+        from ..kernels.qlinear import gated_ok
+
+        if self.q.rotated or not kernels_enabled(gu.device) or not self.q.kernel_ok() or \
+                not gated_ok(self.q.qweight(), gu.numel() // gu.shape[-1]):
+            return None
+        return self._kernel(gu, True)
+
+    def _kernel(self, x: torch.Tensor, gated: bool) -> torch.Tensor | None:
+        """qlinear on x (gated: a gate/up output), or None once its configuration failed to compile here."""
+        from ..kernels.qlinear import gluon_measured_faster, qlinear
+
+        key = (self.q.codec, self.q.bits, tuple(self.q.shape), x.shape[0] > 1, x.dtype, gated)
+        if key in _QLINEAR_FAILED:
+            return None
+        try:
+            gluon = gluon_chosen(x.device, gluon_measured_faster(x.device))
+            return qlinear(x, self.q.qweight(), self.bias, gluon=gluon, gated=gated)
+        except Exception as e:  # a configuration Triton cannot compile here (met outside graph capture)
+            if capturing():
+                raise
+            log.warning("qlinear kernel failed for %s %d-bit %s%s (%s: %s); torch path for it", self.q.codec,
+                        self.q.bits, list(self.q.shape), " gated" if gated else "", type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
+            _QLINEAR_FAILED.add(key)
+            return None
 
     def dense_weight(self) -> torch.Tensor:
         """The [O, I] weight this layer applies (fp32; a fitted rotation undone): MLA's absorbed decode

@@ -173,9 +173,12 @@ def test_engine_mla_uv_matches_bmm(monkeypatch):
             eng.tokens[:1] = t
             logits.append(eng.step(1)[0].clone())
         out.append(torch.stack(logits).float())
-    # one bf16 rounding of the product either way; the sums' order differs
+    # one bf16 rounding of the product either way; the sums' order differs. Triton's interpreter rounds fp32 to bf16
+    # by truncation (biased, unlike the GPU's cvt.rn), so the drift between the two paths through this tiny random
+    # model is larger here: 0.0094, then 0.0101 once the routed experts' fp32 sum was rounded in add_rms_norm (a
+    # wrong product gives ~1)
     err = ((out[1] - out[0]).norm() / out[0].norm()).item()
-    assert err < 1e-2, err
+    assert err < 2e-2, err
 
 
 def test_mla_uv_compiles_for_sm90_without_spills():
@@ -472,10 +475,17 @@ def test_engine_dense_gemv_route(arch, monkeypatch):
             return linear(x, w, b)
 
         monkeypatch.setattr(torch.nn.functional, "linear", spy)
+        import moec.kernels.fused_decode as fd
+
+        silu_mul, activations = fd.silu_mul, []
+        monkeypatch.setattr(fd, "silu_mul", lambda gu, a=activations, f=silu_mul: a.append(gu) or f(gu))
         for t in tokens[4:]:
             eng.tokens[:1] = t
             logits.append(eng.step(1)[0].clone())
         monkeypatch.setattr(torch.nn.functional, "linear", linear)
+        monkeypatch.setattr(fd, "silu_mul", silu_mul)
+        # the shared expert's activation: its own launch on the cuBLAS route, read by the down GEMV on this one
+        assert bool(activations) == (route == "0" and arch != "gpt_oss"), len(activations)
         if route == "1":  # the fused projections too (a fused Linear once kept the meta Linear's in_features = 1,
             # so _DenseGEMV sent every token to torch's linear): only the LM head is left to it
             assert seen and all(w is model.output.weight for w in seen), [tuple(w.shape) for w in seen]

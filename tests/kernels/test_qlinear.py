@@ -37,6 +37,46 @@ def test_qlinear_matches_reference(kind, M, K, O, G, unroll):
     assert got.shape == want.shape and (got.float() - want).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("kind,M,K,O,G,unroll,dtype", [("bf16", 1, 64, 24, 1, 1, torch.bfloat16),
+                                                       ("rtn4", 2, 128, 24, 4, 2, torch.bfloat16),
+                                                       ("lut4", 3, 32, 20, 2, 1, torch.float32),
+                                                       ("fp8", 1, 48, 12, 1, 1, torch.bfloat16)])
+def test_gated_gemv_equals_silu_mul_then_gemv(kind, M, K, O, G, unroll, dtype):
+    """qlinear(gated=True) on a fused gate/up output [g | u] reads silu(g)·u in the GEMV's loads (dequant.load_x) and
+    gives exactly what fused_decode.silu_mul then the GEMV give: the same roundings, one launch fewer."""
+    from moec.kernels.fused_decode import silu_mul
+    from moec.kernels.qlinear import gated_ok
+
+    g = torch.Generator().manual_seed(7 * M + K)
+    w = qweight(kind, 1, O, K, G, g, DEVICE)
+    gu = (torch.randn(M, 2 * K, generator=g) * 2).to(DEVICE, dtype)
+    bias = torch.randn(O, generator=g).to(DEVICE)
+    assert gated_ok(w, M) and not gated_ok(w, GEMV_MAX_M + 1)
+    got = qlinear(gu, w, bias, gated=True, unroll=unroll)
+    want = qlinear(silu_mul(gu), w, bias, unroll=unroll)
+    assert got.shape == (M, O) and torch.equal(got, want), (got.float() - want.float()).abs().max()
+    ref = qlinear_ref(torch.nn.functional.silu(gu[:, :K].float()) * gu[:, K:].float(), w, bias)
+    assert (got.float() - ref).abs().max() <= 2e-2 * ref.abs().max()  # the activation's roundings only
+
+
+def test_qlinear_module_gated(monkeypatch):
+    """QLinear.gated (the fused step's quantized shared down projection, decode.shared_down): with the kernels on, one
+    gated GEMV equal to silu_mul then the layer; None where the kernels are off (the caller activates first)."""
+    from moec.kernels.fused_decode import silu_mul
+    from moec.runtime.decode import shared_down
+
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(24, 128, generator=g)
+    stored = {k: v[0] for k, v in hls.quantize(W[None], None, "rtn", 4, 32, False).items()}
+    lin = QLinear(QuantMatrix("rtn", 4, tuple(W.shape), stored), None)
+    gu = torch.randn(1, 256, generator=g).to(DEVICE, torch.bfloat16)
+    monkeypatch.setenv("MOEC_KERNELS", "0")
+    assert lin.gated(gu) is None and torch.equal(shared_down(lin, gu), lin(silu_mul(gu)))
+    monkeypatch.setenv("MOEC_KERNELS", "1")
+    got = lin.gated(gu)
+    assert got is not None and torch.equal(got, lin(silu_mul(gu))) and torch.equal(shared_down(lin, gu), got)
+
+
 def test_qlinear_module_attached_to_attention():
     """attach() swaps a quantized wq for QLinear; the model runs and matches dequantized weights."""
     from moec.runtime.loader import load_model
