@@ -15,6 +15,12 @@
   latency_v2lite_uv0.json (cuBLAS's bmm) no row slower than x1.01, one x0.99 or faster.
 It prints each ratio and writes OUT/flip.json (what was flipped and why). --apply makes the named edits
 unconditionally: the GPU machine flips its copy before the smoke, this checkout makes the same edits.
+
+    python3 -m benchmarks.studies.fp4h_flip --decide-router-rows OUT    (eleventh session, gpu_final_1207.sh)
+
+router_rows (launch config `qlinear.dense_gemv.router_block_o` 1): every latency_*_rb1.json (MOEC_ROUTER_BLOCK_O=1)
+against its latency_*_rb4.json (4, the projections' rows) no row slower than x1.01, one x0.995 or faster; writes
+OUT/flip_router_rows.json.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ EDITS = {  # switch: (file, text off, text on), each text once in its file
     "fp4h": (ROOT / "moec" / "kernels" / "fp4_h2.py", "ON_BY_DEFAULT = False", "ON_BY_DEFAULT = True"),
     "router": (ROOT / "moec" / "kernels" / "configs" / "nvidia_h200.json", '"on": true, "router": false',
                '"on": true, "router": true'),
-    "mla_uv": (ROOT / "moec" / "runtime" / "model.py", "MLA_UV_DEFAULT = False", "MLA_UV_DEFAULT = True")}
+    "mla_uv": (ROOT / "moec" / "runtime" / "model.py", "MLA_UV_DEFAULT = False", "MLA_UV_DEFAULT = True"),
+    "router_rows": (ROOT / "moec" / "kernels" / "configs" / "nvidia_h200.json", '"router_block_o": null',
+                    '"router_block_o": 1')}
 
 
 def flip(switch: str) -> None:
@@ -96,15 +104,29 @@ def decide(out: Path) -> dict:
     return res
 
 
+def decide_router_rows(out: Path) -> dict:
+    r = [x for old in sorted(out.glob("latency_*_rb4.json"))
+         for x in ratios(old, old.with_name(old.name.replace("_rb4.json", "_rb1.json")))]
+    res = {"router_rows": {"on": bool(r) and max(r) <= 1.01 and min(r) <= 0.995, "ratios": r}}
+    if res["router_rows"]["on"]:
+        flip("router_rows")
+    print(f"router_rows: {'on' if res['router_rows']['on'] else 'stays off'}")
+    (out / "flip_router_rows.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decide", type=Path, metavar="OUT")
+    ap.add_argument("--decide-router-rows", type=Path, metavar="OUT")
     ap.add_argument("--apply", nargs="*", choices=sorted(EDITS), default=[])
     a = ap.parse_args()
     for switch in a.apply:
         flip(switch)
     if a.decide is not None:
         decide(a.decide)
+    if a.decide_router_rows is not None:
+        decide_router_rows(a.decide_router_rows)
     return 0
 
 

@@ -12,17 +12,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: gpu_gated_glm_peer.sh OUT_DIR}
-mkdir -p "$OUT/logs" /tmp/peer
+mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MOEC_LOG=${MOEC_LOG:-WARNING}
 T0=$SECONDS
 END=${END:-570}
 left() { echo $(( END - (SECONDS - T0) )); }
-nice -n 10 bash benchmarks/peers/llamacpp_peer.sh /tmp/peer build > "$OUT/logs/build.log" 2>&1 &
-BUILD=$!
-(while [ ! -f /tmp/lc/gguf-py/gguf/__init__.py ]; do sleep 1; done; sleep 2
- PYTHONPATH=/tmp/lc/gguf-py nice -n 5 python3 benchmarks/peers/llamacpp_moe.py /tmp/glm-4.5-air.gguf Q2_K glm-4.5-air \
-   > "$OUT/logs/gguf.log" 2>&1; echo "gguf rc=$?" >> "$OUT/logs/gguf.log") &
-GGUF=$!
+source benchmarks/peers/peer_bg.sh glm-4.5-air  # sets BUILD and GGUF
 timeout 90 python3 -m benchmarks.studies.gated_down_check --out "$OUT/gated_down_check.json" > "$OUT/logs/check.log" 2>&1
 echo "check rc=$? at $((SECONDS - T0)) s"; grep -o '"shape.*' "$OUT/logs/check.log"
 lat() {  # lat NAME SHAPE RECIPE [BENCH_ARGS...]

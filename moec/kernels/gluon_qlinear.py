@@ -85,28 +85,18 @@ def _b_field(v, B_L: gl.constexpr, KW: gl.constexpr):
 
 
 @gluon.jit
-def _x_load(x_ptr, M, chunk, K: gl.constexpr, KW: gl.constexpr, GATED: gl.constexpr = False):
+def _x_load(x_ptr, M, chunk, K: gl.constexpr, KW: gl.constexpr):
     """x's tokens over the warps' chunks, [KW, 8 (n), 4 (c), 32] in x's dtype: lane 4n + c reads token n's inputs
-    32c .. 32c + 31 of its warp's chunk (four 16-byte loads; zeros past the row and for n >= M). GATED: x's rows
-    are fused gate/up projections [g | u] of 2K and the values silu(g)·u, rounded as fused_decode.silu_mul rounds
-    them (dequant.load_x)."""
+    32c .. 32c + 31 of its warp's chunk (four 16-byte loads; zeros past the row and for n >= M)."""
     XL: gl.constexpr = gl.BlockedLayout([1, 1, 1, 32], [1, 8, 4, 1], [KW, 1, 1, 1], [3, 2, 1, 0])
     w = gl.arange(0, KW, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
     n = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, XL))))
     c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, XL))))
     i = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XL))))
     ck = gl.convert_layout(chunk, w.type.layout)
-    m = (ck < K // 128)[:, None, None, None] & (n < M)[None, :, None, None]
-    if GATED:
-        off = ((ck * 128)[:, None, None, None] + (n * (2 * K))[None, :, None, None] + (32 * c)[None, None, :, None]
-               + i[None, None, None, :])
-        g = gl.load(x_ptr + off, mask=m, other=0.0)
-        u = gl.load(x_ptr + off + K, mask=m, other=0.0).to(gl.float32)
-        gf = g.to(gl.float32)
-        sg = (gf / (1.0 + gl.exp(-gf))).to(g.dtype).to(gl.float32)
-        return (sg * u).to(g.dtype)
     off = ((ck * 128)[:, None, None, None] + (n * K)[None, :, None, None] + (32 * c)[None, None, :, None]
            + i[None, None, None, :])
+    m = (ck < K // 128)[:, None, None, None] & (n < M)[None, :, None, None]
     return gl.load(x_ptr + off, mask=m, other=0.0)
 
 
@@ -151,9 +141,9 @@ def _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L: gl.constexpr, KW: gl.constexpr
 @gluon.jit
 def _gemv4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, O,
                   K: gl.constexpr, G: gl.constexpr, BM: gl.constexpr, KW: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  PDL: gl.constexpr = False, GATED: gl.constexpr = False):
+                  PDL: gl.constexpr = False):
     """Grid (cdiv(O, BM),): y[:M, rows] = x[:M] Wᵀ (+ bias) for W's 4-bit codes [O, K/8] int32 words, scale and zero
-    [O, G]; y in y_ptr's dtype. GATED: x [M, 2K] gate/up, read as silu(g)·u (_x_load)."""
+    [O, G]; y in y_ptr's dtype."""
     gluon_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[KW, 1, 1], instr_shape=[1, 16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -174,7 +164,7 @@ def _gemv4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, O,
     acc = gl.zeros([KW, BM, 8], gl.float32, MMA)
     for i in range(NIT):
         w, s, z = _chunk_loads(base, s_ptr, z_ptr, rows, wk, zero, i, NC, G, GC, KW)
-        b0, b1, b2, b3 = _x_fields(_x_load(x_ptr, M, i * KW + wk, K, KW, GATED), B_L, KW)
+        b0, b1, b2, b3 = _x_fields(_x_load(x_ptr, M, i * KW + wk, K, KW), B_L, KW)
         acc = _chunk_mma(acc, w, s, z, b0, b1, b2, b3, A_L, KW, BM)
     y = gl.sum(acc, axis=0)  # [BM, 8]: the warps' partial sums
     orow = r0 + gl.arange(0, BM, layout=gl.SliceLayout(1, y.type.layout))
@@ -218,19 +208,18 @@ LAUNCHES = 0  # host-side count of launches (the GPU smoke records which path ra
 
 
 def gluon_qlinear(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None, y: torch.Tensor, block_m: int = 16,
-                  warps: int | None = 8, gated: bool = False) -> torch.Tensor:
-    """qlinear's decode path for the weights `supports` accepts: x2 [M, K] contiguous rows (gated: [M, 2K], a fused
-    gate/up projection read as silu(g)·u), y [M, O] (written). warps None: `pick_warps` for this shape and device."""
+                  warps: int | None = 8) -> torch.Tensor:
+    """qlinear's decode path for the weights `supports` accepts: x2 [M, K] contiguous rows, y [M, O] (written).
+    warps None: `pick_warps` for this shape and device."""
     global LAUNCHES
     LAUNCHES += 1
-    M, K = x2.shape[0], w.n_in
-    assert x2.shape[1] == (2 * K if gated else K) and x2.is_contiguous(), (x2.shape, K, gated)
+    M, K = x2.shape
     O = y.shape[1]
     if warps is None:
         warps = pick_warps(K, O, launch_config.num_sms(x2.device), block_m)
     d = w.data.view(torch.int32)  # [1, O, K/8]
     _gemv4_kernel[(triton.cdiv(O, block_m),)](
         x2, d, w.a, w.b, bias if bias is not None else d, y, M, O,
-        K=K, G=w.groups, BM=block_m, KW=warps, HAS_BIAS=bias is not None, num_warps=warps, GATED=gated,
+        K=K, G=w.groups, BM=block_m, KW=warps, HAS_BIAS=bias is not None, num_warps=warps,
         **pdl.options(x2.device))
     return y

@@ -110,9 +110,9 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, gluon
     """x [..., K] -> [..., O] in x.dtype. w: QWeight with data [1, O, ...]. cfg overrides the block
     config of the path taken (the gemv or gemm keys of launch_config.config("qlinear", device)). gluon: decode
     rows (M <= 8) of the weights gluon_qlinear.supports take the Gluon GEMV (the caller decides: the runtime's
-    MOEC_KERNELS switch and gluon_measured_faster). gated: x is a fused gate/up projection [..., 2K] and the GEMV
-    reads silu(g)·u (fused_decode.silu_mul's numbers) in its loads; decode rows only (M <= GEMV_MAX_M), not vq
-    (gated_ok)."""
+    MOEC_KERNELS switch and gluon_measured_faster). gated: x is a fused gate/up projection [..., 2K] and the `tl`
+    GEMV reads silu(g)·u (fused_decode.silu_mul's numbers) in its loads; decode rows only (M <= GEMV_MAX_M), not vq
+    (gated_ok), never the Gluon GEMV (its gated load was slower than silu_mul and the Gluon GEMV: results.md)."""
     K = x.shape[-1] // 2 if gated else x.shape[-1]
     O = w.data.shape[1]
     assert w.n_in == K and w.data.shape[0] == 1, (w.n_in, w.data.shape, K)
@@ -128,12 +128,12 @@ def qlinear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None, gluon
     d, a, b = w.ptrs()
     bias_arg = bias if bias is not None else d
     configs = launch_config.config("qlinear", x.device)
-    if gluon and M <= GEMV_MAX_M:
+    if gluon and M <= GEMV_MAX_M and not gated:
         from . import gluon_qlinear as gq
 
         if gq.supports(w, M):
             c = configs["gemv"]
-            return gq.gluon_qlinear(x2, w, bias, y, c["gluon_block_m"], c["gluon_warps"], gated).view(*lead, O)
+            return gq.gluon_qlinear(x2, w, bias, y, c["gluon_block_m"], c["gluon_warps"]).view(*lead, O)
     if M <= GEMV_MAX_M:
         c = configs["gemv"] | cfg
         if w.mode == MODE_VQ:  # cfg words=False: the byte-code variant, vq_gather=True: tl.gather (gemv_vq)
@@ -195,8 +195,8 @@ def _gemm(x2, w: QWeight, d, a, b, bias, bias_arg, y, c: dict) -> None:
 
 
 def gated_ok(w: QWeight, M: int) -> bool:
-    """Whether qlinear(gated=True) takes this weight at M rows: the decode GEMVs (tl, and Gluon where it applies),
-    any mode but vq (its codebook GEMV loads x its own way)."""
+    """Whether qlinear(gated=True) takes this weight at M rows: the `tl` decode GEMV, any mode but vq (its codebook
+    GEMV loads x its own way)."""
     return M <= GEMV_MAX_M and w.mode != MODE_VQ
 
 

@@ -383,11 +383,13 @@ class DecodeEngine:
         from ..kernels import launch_config
 
         cfg = launch_config.config("qlinear", self.device)["dense_gemv"]
-        tiles = {k: v for k, v in cfg.items() if k not in ("on", "router")}
-        # the router (decode._route) where the config (benchmarks/studies/fp4h_flip.py) or MOEC_DENSE_GEMV_ROUTER says
+        tiles = {k: v for k, v in cfg.items() if k not in ("on", "router", "router_block_o")}
+        # the router (decode._route) where the config (benchmarks/studies/fp4h_flip.py) or MOEC_DENSE_GEMV_ROUTER says,
+        # in programs of router_block_o rows where set (MOEC_ROUTER_BLOCK_O: the A/B; few rows fill few SMs)
         router = os.environ.get("MOEC_DENSE_GEMV_ROUTER", "1" if cfg.get("router") else "0") == "1"
+        router_rows = int(os.environ.get("MOEC_ROUTER_BLOCK_O", cfg.get("router_block_o") or tiles["block_o"]))
 
-        def dense(lin):
+        def dense(lin, tiles=tiles):
             return _DenseGEMV(lin, tiles) if type(lin) is torch.nn.Linear else lin
 
         self.qkv = [dense(p) for p in self.qkv]
@@ -402,7 +404,7 @@ class DecodeEngine:
             if shared is not None and not hasattr(blk.moe, "shared_gate"):
                 shared.w2 = dense(shared.w2)
             if router and getattr(blk.moe, "kind", None) == "moe":  # the router GEMV before the routing kernel
-                blk.moe.router = dense(blk.moe.router)
+                blk.moe.router = dense(blk.moe.router, tiles | {"block_o": router_rows})
 
     @classmethod
     def _fuse_shared(cls, moe):

@@ -241,13 +241,19 @@ class QLinear(nn.Module):
         return F.linear(x, self.q.dequant_ref(0, x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def gated(self, gu: torch.Tensor) -> torch.Tensor | None:
-        """This projection of silu(g)·u for a fused gate/up output gu = [g | u] [N, 2·in] in one launch (the decode
-        GEMV reads the activation itself: qlinear gated), or None where that path does not apply (a rotated
-        input, no kernels, prefill rows, vq, a configuration that failed): the caller activates first."""
-        from ..kernels.qlinear import gated_ok
+        """This projection of silu(g)·u for a fused gate/up output gu = [g | u] [N, 2·in] in one launch (the `tl`
+        decode GEMV reads the activation itself: qlinear gated), or None where that path does not apply (a rotated
+        input, no kernels, prefill rows, vq, a configuration that failed) or the Gluon 4-bit GEMV takes the layer
+        (silu_mul and it measured faster than the gated `tl` GEMV and than a gated Gluon load: docs/results.md):
+        the caller activates first."""
+        from ..kernels import gluon_qlinear
+        from ..kernels.qlinear import gated_ok, gluon_measured_faster
 
+        M = gu.numel() // gu.shape[-1]
         if self.q.rotated or not kernels_enabled(gu.device) or not self.q.kernel_ok() or \
-                not gated_ok(self.q.qweight(), gu.numel() // gu.shape[-1]):
+                not gated_ok(self.q.qweight(), M):
+            return None
+        if gluon_chosen(gu.device, gluon_measured_faster(gu.device)) and gluon_qlinear.supports(self.q.qweight(), M):
             return None
         return self._kernel(gu, True)
 

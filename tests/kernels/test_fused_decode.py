@@ -449,6 +449,7 @@ def test_engine_dense_gemv_route(arch, monkeypatch):
     tokens = torch.tensor([3, 9, 27, 17, 51, 8, 40])
     monkeypatch.setenv("MOEC_KERNELS", "1")
     monkeypatch.setenv("MOEC_DENSE_GEMV_ROUTER", "1")  # the router too, whatever the shipped config says
+    monkeypatch.setenv("MOEC_ROUTER_BLOCK_O", "1")  # in one-row programs
     out = []
     for route in ("0", "1"):
         monkeypatch.setenv("MOEC_DENSE_GEMV", route)
@@ -466,6 +467,7 @@ def test_engine_dense_gemv_route(arch, monkeypatch):
                 assert isinstance(model.layers[1].moe.shared.w2, _DenseGEMV)
             assert all(isinstance(p, _DenseGEMV) for p in (eng.mla_in if arch == "deepseek_v3" else eng.qkv))
             assert isinstance(model.layers[1].moe.router, _DenseGEMV)  # the router GEMV before its routing kernel
+            assert model.layers[1].moe.router.tiles["block_o"] == 1 and model.layers[1].attn.wo.tiles["block_o"] != 1
             assert (model.layers[1].moe.router.bias is not None) == (arch == "gpt_oss")
         logits = [eng.prefill(0, tokens[:4])]
         linear, seen = torch.nn.functional.linear, []

@@ -61,7 +61,8 @@ def test_gated_gemv_equals_silu_mul_then_gemv(kind, M, K, O, G, unroll, dtype):
 
 def test_qlinear_module_gated(monkeypatch):
     """QLinear.gated (the fused step's quantized shared down projection, decode.shared_down): with the kernels on, one
-    gated GEMV equal to silu_mul then the layer; None where the kernels are off (the caller activates first)."""
+    gated GEMV equal to silu_mul then the layer; None where the kernels are off or the Gluon GEMV takes the layer
+    (the caller activates first)."""
     from moec.kernels.fused_decode import silu_mul
     from moec.runtime.decode import shared_down
 
@@ -75,6 +76,13 @@ def test_qlinear_module_gated(monkeypatch):
     monkeypatch.setenv("MOEC_KERNELS", "1")
     got = lin.gated(gu)
     assert got is not None and torch.equal(got, lin(silu_mul(gu))) and torch.equal(shared_down(lin, gu), got)
+    # where the Gluon 4-bit GEMV takes the layer (a GPU), silu_mul and it: the gated Gluon load measured slower
+    import moec.kernels.gluon_qlinear as gq
+    import moec.runtime.experts as ex
+
+    monkeypatch.setattr(ex, "gluon_chosen", lambda device, measured: True)
+    monkeypatch.setattr(gq, "supports", lambda w, M: True)
+    assert lin.gated(gu) is None
 
 
 def test_qlinear_module_attached_to_attention():

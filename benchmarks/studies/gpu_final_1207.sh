@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The eleventh session's last GPU call (~8 min): the router's rows a program decided, the smoke on the resulting tree,
+# then every %-of-floor and peer row of issues 35 and 36 on that tree, GLM-4.5-Air against llama.cpp in the same call.
+#   0. in the background: llama-bench built (carry gpu/lcpp) and the random GLM-4.5-Air Q2_K GGUF written;
+#   1. the step with MOEC_ROUTER_BLOCK_O=4 then 1 (GLM-4.5-Air latency-hls2-nuq2-lin4, DeepSeek-V2-Lite and
+#      gpt-oss-120b experts-hls2) -> `fp4h_flip --decide-router-rows` turns router_block_o to 1 in this copy if it wins;
+#   2. the GPU smoke on this tree (OUT/gpu_smoke_h200.json);
+#   3. llama-bench on the GLM GGUF (depths 4096, 32768);
+#   4. the rows on the smoked tree: GLM-4.5-Air latency-hls2-nuq2-lin4 and latency-hls2-lin4 (llama.cpp attached),
+#      Mixtral-8x7B, gpt-oss-120b and DeepSeek-V2-Lite experts-hls2 (V2-Lite with its bf16 peer), with breakdowns.
+# Usage, from the repo root on the GPU machine: bash benchmarks/studies/gpu_final_1207.sh OUT_DIR
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: gpu_final_1207.sh OUT_DIR}
+mkdir -p "$OUT/logs"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MOEC_LOG=${MOEC_LOG:-WARNING}
+T0=$SECONDS
+END=${END:-540}
+left() { echo $(( END - (SECONDS - T0) )); }
+source benchmarks/peers/peer_bg.sh glm-4.5-air  # sets BUILD and GGUF
+lat() {  # lat NAME SHAPE RECIPES [BENCH_ARGS...]
+  local name=$1 shape=$2 recipes=$3; shift 3
+  [ "$(left)" -lt 40 ] && { echo "$name: no time left"; return; }
+  timeout 120 python3 -m benchmarks.bench_latency --out "$OUT/latency_$name.json" --shapes "$shape" \
+    --recipes $(for r in $recipes; do echo "moec/recipes/$r.yaml"; done) --contexts 4096,32768 --batches 1 \
+    --prefill none --steps 30 --budget 100 "$@" > "$OUT/logs/lat_$name.log" 2>&1
+  echo "$name rc=$? at $((SECONDS - T0)) s"; grep -E "│ .* │" "$OUT/logs/lat_$name.log" | cut -c1-150
+}
+for RB in 4 1; do
+  MOEC_ROUTER_BLOCK_O=$RB lat "glm_rb$RB" glm-4.5-air latency-hls2-nuq2-lin4 --no-peer --no-breakdown
+  MOEC_ROUTER_BLOCK_O=$RB lat "v2lite_rb$RB" deepseek-v2-lite experts-hls2 --no-peer --no-breakdown
+  MOEC_ROUTER_BLOCK_O=$RB lat "gptoss_rb$RB" gpt-oss-120b experts-hls2 --no-peer --no-breakdown
+done
+python3 -m benchmarks.studies.fp4h_flip --decide-router-rows "$OUT" 2>&1 | tail -8
+timeout 300 bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 > "$OUT/logs/smoke.log" 2>&1
+echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
+while { kill -0 "$BUILD" || kill -0 "$GGUF"; } 2> /dev/null && [ "$(left)" -gt 150 ]; do sleep 5; done
+tail -1 "$OUT/logs/gguf.log"
+if ! kill -0 "$GGUF" 2> /dev/null && [ -x /tmp/lc/build/bin/llama-bench ] && [ -f /tmp/glm-4.5-air.gguf ]; then
+  timeout 80 /tmp/lc/build/bin/llama-bench -m /tmp/glm-4.5-air.gguf -ngl 99 -fa 1 -p 0 -n 64 \
+    -d 4096,32768 -ctk f16 -ctv f16 -r 2 -o json > "$OUT/llama_bench_glm-4.5-air.json" 2> "$OUT/logs/bench_glm.err"
+  echo "llama-bench glm rc=$? at $((SECONDS - T0)) s"
+else
+  echo "no llama.cpp row: the build or the GGUF not done at $((SECONDS - T0)) s"; kill "$BUILD" "$GGUF" 2> /dev/null
+fi
+rm -f /tmp/glm-4.5-air.gguf
+lat glm glm-4.5-air "latency-hls2-nuq2-lin4 latency-hls2-lin4" --no-peer --no-breakdown
+[ -s "$OUT/llama_bench_glm-4.5-air.json" ] && python3 -m benchmarks.peers.speedup_vs_llamacpp \
+  "$OUT/latency_glm.json" "$OUT" "$OUT/latency_glm.json" 2>&1 | tail -4
+lat mixtral mixtral-8x7b experts-hls2 --no-peer --no-breakdown
+lat gptoss gpt-oss-120b experts-hls2 --no-peer
+lat v2lite deepseek-v2-lite experts-hls2
+(cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)
