@@ -16,11 +16,13 @@
 It prints each ratio and writes OUT/flip.json (what was flipped and why). --apply makes the named edits
 unconditionally: the GPU machine flips its copy before the smoke, this checkout makes the same edits.
 
-    python3 -m benchmarks.studies.fp4h_flip --decide-router-rows OUT    (eleventh session, gpu_final_1207.sh)
+    python3 -m benchmarks.studies.fp4h_flip --decide-switches OUT    (eleventh session, gpu_final_1207.sh)
 
-router_rows (launch config `qlinear.dense_gemv.router_block_o` 1): every latency_*_rb1.json (MOEC_ROUTER_BLOCK_O=1)
-against its latency_*_rb4.json (4, the projections' rows) no row slower than x1.01, one x0.995 or faster; writes
-OUT/flip_router_rows.json.
+Each switch of SWITCHES against the shipped tree: every OUT/latency_<shape>_<switch>.json (the step with the switch's
+environment variable on) against OUT/latency_<shape>_base.json (the bf16 peer's rows are records too), no row
+slower than x1.01 and one x0.995 or faster: router_rows (`qlinear.dense_gemv.router_block_o` 1, MOEC_ROUTER_BLOCK_O=1),
+dense_pad (`moe_decode.dense.least_padding`, MOEC_DENSE_LEAST_PADDING=1), norm_pairs (runtime/decode.py
+NORM_PAIRS_DEFAULT, MOEC_NORM_PAIRS=1; also OUT/norm_pairs_check.json's ok). Writes OUT/flip_switches.json.
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ EDITS = {  # switch: (file, text off, text on), each text once in its file
                '"on": true, "router": true'),
     "mla_uv": (ROOT / "moec" / "runtime" / "model.py", "MLA_UV_DEFAULT = False", "MLA_UV_DEFAULT = True"),
     "router_rows": (ROOT / "moec" / "kernels" / "configs" / "nvidia_h200.json", '"router_block_o": null',
-                    '"router_block_o": 1')}
+                    '"router_block_o": 1'),
+    "dense_pad": (ROOT / "moec" / "kernels" / "configs" / "nvidia_h200.json", '"least_padding": false',
+                  '"least_padding": true'),
+    "norm_pairs": (ROOT / "moec" / "runtime" / "decode.py", "NORM_PAIRS_DEFAULT = False", "NORM_PAIRS_DEFAULT = True")}
+SWITCHES = ("router_rows", "dense_pad", "norm_pairs")
 
 
 def flip(switch: str) -> None:
@@ -104,29 +110,41 @@ def decide(out: Path) -> dict:
     return res
 
 
-def decide_router_rows(out: Path) -> dict:
-    r = [x for old in sorted(out.glob("latency_*_rb4.json"))
-         for x in ratios(old, old.with_name(old.name.replace("_rb4.json", "_rb1.json")))]
-    res = {"router_rows": {"on": bool(r) and max(r) <= 1.01 and min(r) <= 0.995, "ratios": r}}
-    if res["router_rows"]["on"]:
-        flip("router_rows")
-    print(f"router_rows: {'on' if res['router_rows']['on'] else 'stays off'}")
-    (out / "flip_router_rows.json").write_text(json.dumps(res, indent=1))
+def decide_switches(out: Path) -> dict:
+    res = {}
+    for switch in SWITCHES:
+        r = []
+        for base in sorted(out.glob("latency_*_base.json")):
+            new = base.with_name(base.name.replace("_base.json", f"_{switch}.json"))
+            if new.exists():
+                old_rows, new_rows = rows(str(base)), rows(str(new))
+                for key in sorted(old_rows.keys() & new_rows.keys()):
+                    r.append(new_rows[key] / old_rows[key])
+                    print(f"{switch}: {key}  {old_rows[key]:.3f} -> {new_rows[key]:.3f} ms  x{r[-1]:.3f}")
+        res[switch] = {"on": bool(r) and max(r) <= 1.01 and min(r) <= 0.995, "ratios": r}
+        if switch == "norm_pairs":  # and the GPU's prmt path gave the same logits with it (norm_pairs_check.py)
+            check = out / "norm_pairs_check.json"
+            res[switch]["check_ok"] = check.exists() and json.loads(check.read_text()).get("ok") is True
+            res[switch]["on"] &= res[switch]["check_ok"]
+        if res[switch]["on"]:
+            flip(switch)
+        print(f"{switch}: {'on' if res[switch]['on'] else 'stays off'}")
+    (out / "flip_switches.json").write_text(json.dumps(res, indent=1))
     return res
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decide", type=Path, metavar="OUT")
-    ap.add_argument("--decide-router-rows", type=Path, metavar="OUT")
+    ap.add_argument("--decide-switches", type=Path, metavar="OUT")
     ap.add_argument("--apply", nargs="*", choices=sorted(EDITS), default=[])
     a = ap.parse_args()
     for switch in a.apply:
         flip(switch)
     if a.decide is not None:
         decide(a.decide)
-    if a.decide_router_rows is not None:
-        decide_router_rows(a.decide_router_rows)
+    if a.decide_switches is not None:
+        decide_switches(a.decide_switches)
     return 0
 
 

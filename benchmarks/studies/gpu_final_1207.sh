@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The eleventh session's last GPU call (~8 min): the router's rows a program decided, the smoke on the resulting tree,
+# The eleventh session's last GPU call (~9 min): three switches decided, the smoke on the resulting tree,
 # then every %-of-floor and peer row of issues 35 and 36 on that tree, GLM-4.5-Air against llama.cpp in the same call.
 #   0. in the background: llama-bench built (carry gpu/lcpp) and the random GLM-4.5-Air Q2_K GGUF written;
-#   1. the step with MOEC_ROUTER_BLOCK_O=4 then 1 (GLM-4.5-Air latency-hls2-nuq2-lin4, DeepSeek-V2-Lite and
-#      gpt-oss-120b experts-hls2) -> `fp4h_flip --decide-router-rows` turns router_block_o to 1 in this copy if it wins;
+#   1. the step as shipped, then with each switch's variable (MOEC_ROUTER_BLOCK_O=1, MOEC_DENSE_LEAST_PADDING=1,
+#      MOEC_NORM_PAIRS=1 after norm_pairs_check.py) on the rows it can move (GLM-4.5-Air latency-hls2-nuq2-lin4,
+#      DeepSeek-V2-Lite experts-hls2 with its bf16 peer, gpt-oss-120b experts-hls2) -> `fp4h_flip --decide-switches`
+#      turns on, in this copy, each switch that wins;
 #   2. the GPU smoke on this tree (OUT/gpu_smoke_h200.json);
 #   3. llama-bench on the GLM GGUF (depths 4096, 32768);
 #   4. the rows on the smoked tree: GLM-4.5-Air latency-hls2-nuq2-lin4 and latency-hls2-lin4 (llama.cpp attached),
@@ -15,7 +17,7 @@ OUT=${1:?usage: gpu_final_1207.sh OUT_DIR}
 mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MOEC_LOG=${MOEC_LOG:-WARNING}
 T0=$SECONDS
-END=${END:-540}
+END=${END:-560}
 left() { echo $(( END - (SECONDS - T0) )); }
 source benchmarks/peers/peer_bg.sh glm-4.5-air  # sets BUILD and GGUF
 lat() {  # lat NAME SHAPE RECIPES [BENCH_ARGS...]
@@ -26,12 +28,24 @@ lat() {  # lat NAME SHAPE RECIPES [BENCH_ARGS...]
     --prefill none --steps 30 --budget 100 "$@" > "$OUT/logs/lat_$name.log" 2>&1
   echo "$name rc=$? at $((SECONDS - T0)) s"; grep -E "│ .* │" "$OUT/logs/lat_$name.log" | cut -c1-150
 }
-for RB in 4 1; do
-  MOEC_ROUTER_BLOCK_O=$RB lat "glm_rb$RB" glm-4.5-air latency-hls2-nuq2-lin4 --no-peer --no-breakdown
-  MOEC_ROUTER_BLOCK_O=$RB lat "v2lite_rb$RB" deepseek-v2-lite experts-hls2 --no-peer --no-breakdown
-  MOEC_ROUTER_BLOCK_O=$RB lat "gptoss_rb$RB" gpt-oss-120b experts-hls2 --no-peer --no-breakdown
-done
-python3 -m benchmarks.studies.fp4h_flip --decide-router-rows "$OUT" 2>&1 | tail -8
+ab() {  # ab SWITCH VAR=VALUE SHAPES...: the step with one switch's variable set, on the rows it can move
+  local sw=$1 var=$2 S; shift 2
+  for S in "$@"; do
+    (export "${var?}"
+     case $S in
+       glm) lat "glm_$sw" glm-4.5-air latency-hls2-nuq2-lin4 --no-peer --no-breakdown ;;
+       v2lite) lat "v2lite_$sw" deepseek-v2-lite experts-hls2 --no-breakdown ;;
+       gptoss) lat "gptoss_$sw" gpt-oss-120b experts-hls2 --no-peer --no-breakdown ;;
+     esac)
+  done
+}
+ab base MOEC_AB=base glm v2lite gptoss
+ab router_rows MOEC_ROUTER_BLOCK_O=1 glm v2lite gptoss
+ab dense_pad MOEC_DENSE_LEAST_PADDING=1 v2lite
+timeout 60 python3 -m benchmarks.studies.norm_pairs_check --out "$OUT/norm_pairs_check.json" > "$OUT/logs/pairs.log" 2>&1
+echo "norm_pairs_check rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/pairs.log" | cut -c1-300
+ab norm_pairs MOEC_NORM_PAIRS=1 glm v2lite gptoss
+python3 -m benchmarks.studies.fp4h_flip --decide-switches "$OUT" 2>&1 | grep -E "on$|off$"
 timeout 300 bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 > "$OUT/logs/smoke.log" 2>&1
 echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
 while { kill -0 "$BUILD" || kill -0 "$GGUF"; } 2> /dev/null && [ "$(left)" -gt 150 ]; do sleep 5; done

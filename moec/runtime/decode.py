@@ -45,11 +45,15 @@ import torch.nn.functional as F
 from ..registry import weight_codec
 from .backend import capturing, gluon_chosen, kernels_enabled
 from .config import ModelArgs
-from .experts import QLinear
+from .experts import ExpertWeights, QLinear
 from .kvcache import dense_cache
 from .model import MoE, Transformer, apply_rope, expert_act, rope_cos_sin, route
 
 log = logging.getLogger(__name__)
+
+# the fused step's FFN norm writes the 2-bit experts' prmt_pairs input (fused_decode.add_rms_norm pairs) instead of a
+# launch of its own: off until the GPU A/B (benchmarks/studies/fp4h_flip.py --decide-switches) turns it on
+NORM_PAIRS_DEFAULT = False
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -63,11 +67,12 @@ def bucket_for(b: int, capacity: int) -> int:
 
 # -- the engine -----------------------------------------------------------------------------------------
 
-def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True, exact_dtype: bool = True
-                   ) -> torch.Tensor:
+def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True, exact_dtype: bool = True,
+                   x_pairs: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE layer without host syncs (for capture). x [N, D]; shared=False: the routed experts only (the fused
     step runs the shared expert itself, DecodeEngine._fuse_shared); exact_dtype=False: the routed output may come
-    in fp32 (the split down GEMV's accumulator) for a caller that rounds it to x's dtype (QuantExperts.fused).
+    in fp32 (the split down GEMV's accumulator) for a caller that rounds it to x's dtype (QuantExperts.fused);
+    x_pairs: prmt_pairs(x) from the caller's norm, for the 2-bit experts' prmt GEMV (ExpertWeights.fused).
 
     Routing: the router GEMV, softmax, top-k and renormalization in one kernel at decode batch sizes and up
     to 32 experts (kernels/route_topk.py route_gemv_topk), else the GEMV then one kernel for the rest
@@ -94,7 +99,7 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True, e
     else:  # DeepSeek's / GLM's scores, groups, bias and scale: one kernel where it applies, else torch's route
         w, ids = _route_scored(moe, x)
     if moe.codec is not None:
-        out = moe.codec.fused(x, w, ids, a, moe.biases(), exact_dtype=exact_dtype)
+        out = moe.codec.fused(x, w, ids, a, moe.biases(), exact_dtype=exact_dtype, x_pairs=x_pairs)
     else:
         out = _dense_kernel_moe(moe, x, w, ids, exact_dtype)
         if out is None:
@@ -370,6 +375,12 @@ class DecodeEngine:
         self.qkv = [self._fuse_linears((blk.attn.wq, blk.attn.wk, blk.attn.wv)) for blk in model.layers] \
             if self.fused and not mla else []
         self.shared_gate_up = [self._fuse_shared(blk.moe) for blk in model.layers] if self.fused else []
+        # the FFN norm writes the 2-bit experts' prmt_pairs input too (one launch a layer fewer) where the layer's
+        # experts take the prmt GEMV and NORM_PAIRS_DEFAULT or MOEC_NORM_PAIRS=1 says so
+        pairs = os.environ.get("MOEC_NORM_PAIRS", "1" if NORM_PAIRS_DEFAULT else "0") == "1"
+        self.norm_pairs = [self.fused and pairs and getattr(blk.moe, "kind", None) == "moe"
+                           and isinstance(getattr(blk.moe, "codec", None), ExpertWeights)
+                           and blk.moe.codec.takes_pairs() for blk in model.layers]
         # MLA: the query's (wq, or V3's wq_a) and the latent's (wkv_a) projections of the same input as one
         self.mla_in = [self._fuse_linears((blk.attn.wq_a if self.args.q_lora_rank else blk.attn.wq, blk.attn.wkv_a))
                        for blk in model.layers] if self.mla_kernel else []
@@ -520,8 +531,7 @@ class DecodeEngine:
                     o = at.decode_fused(h, cos, sin, blk.layer, self.cache, self.mla_in[i])  # [b, D]
                 else:
                     o = at(h[:, None], cos[:, None, None], sin[:, None, None], blk.layer, self.cache, 0).view(b, -1)
-                x, h = add_rms_norm(x, o, blk.ffn_norm.weight, blk.ffn_norm.eps)
-                x, h = self._moe_residual(i, x, h)
+                x, h = self._moe_residual(i, x, o)
                 continue
             if self.qkv[i] is not None:
                 qkv = self.qkv[i](h)  # [b, (H + 2K)·d]
@@ -540,23 +550,28 @@ class DecodeEngine:
                     apply_rope(k[:, :, None], cos[:, None, None], sin[:, None, None])[:, :, 0]
             sinks = {"sinks": at.sinks} if a.attn_sinks else {}  # gpt-oss
             o = self.cache.attend(blk.layer, q[:, :, None], k[:, :, None], v.reshape(b, K, 1, d), 0, **sinks)
-            x, h = add_rms_norm(x, at.wo(o.reshape(b, H * d)), blk.ffn_norm.weight, blk.ffn_norm.eps)
-            x, h = self._moe_residual(i, x, h)
+            x, h = self._moe_residual(i, x, at.wo(o.reshape(b, H * d)))
         logits = m.lm_head(h)  # [b, V]
         self.logits[:b] = logits.float()
         self.next[:b] = logits.argmax(-1)
 
-    def _moe_residual(self, i: int, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's MoE on its normed input h, added to the residual x, and the next norm: (x', h')."""
+    def _moe_residual(self, i: int, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention output o added to the residual x, its FFN norm, the MoE on it added in turn, and the
+        next norm: (x', h'). Where norm_pairs[i], the FFN norm also writes the 2-bit experts' prmt_pairs input."""
         from ..kernels.fused_decode import add_rms_norm
 
         m = self.model
         blk = m.layers[i]
+        hp = None
+        if self.norm_pairs[i]:
+            x, h, hp = add_rms_norm(x, o, blk.ffn_norm.weight, blk.ffn_norm.eps, pairs=True)
+        else:
+            x, h = add_rms_norm(x, o, blk.ffn_norm.weight, blk.ffn_norm.eps)
         nxt = m.layers[i + 1].attn_norm if i + 1 < len(m.layers) else m.norm
         gate_up = self.shared_gate_up[i]
         # the routed output may come in fp32: add_rms_norm rounds each delta to x's dtype first, as the plain step's
         # MoE output is rounded before its add
-        y = graph_safe_moe(blk.moe, h, blk.layer, shared=gate_up is None, exact_dtype=False)
+        y = graph_safe_moe(blk.moe, h, blk.layer, shared=gate_up is None, exact_dtype=False, x_pairs=hp)
         if gate_up is None:
             return add_rms_norm(x, y, nxt.weight, nxt.eps)
         return add_rms_norm(x, y, nxt.weight, nxt.eps, delta2=shared_down(blk.moe.shared.w2, gate_up(h)))

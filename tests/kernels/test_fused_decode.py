@@ -493,3 +493,59 @@ def test_engine_dense_gemv_route(arch, monkeypatch):
             assert seen and all(w is model.output.weight for w in seen), [tuple(w.shape) for w in seen]
         out.append(torch.stack(logits))
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 64), (torch.float16, 96), (torch.float32, 48)])
+def test_add_rms_norm_pairs_equal_prmt_pairs(dtype, D):
+    """add_rms_norm(pairs=True): its third output is dequant.prmt_pairs of its h, bit for bit (the 2-bit MoE GEMV's
+    input, one launch fewer), and x', h are what the call without pairs gives; with and without deltas."""
+    from moec.kernels.dequant import prmt_pairs_ref
+
+    g = torch.Generator().manual_seed(D)
+    x = torch.randn(3, D, generator=g).to(DEVICE, dtype)
+    d, d2 = torch.randn(3, D, generator=g).to(DEVICE), torch.randn(3, D, generator=g).to(DEVICE, dtype)
+    w = torch.randn(D, generator=g).to(DEVICE, dtype)
+    for delta, delta2 in ((d, d2), (d, None), (None, None)):
+        xo, h = add_rms_norm(x, delta, w, 1e-6, delta2=delta2)
+        xp, hh, hp = add_rms_norm(x, delta, w, 1e-6, delta2=delta2, pairs=True)
+        assert torch.equal(xo, xp) and torch.equal(h, hh)
+        assert hp.shape == (3, 8, D // 16) and torch.equal(hp, prmt_pairs_ref(h))
+
+
+def test_engine_norm_pairs_plumbing(monkeypatch):
+    """MOEC_NORM_PAIRS=1: the fused step's FFN norm writes prmt_pairs(h) for layers whose 2-bit experts take the prmt
+    GEMV (ExpertWeights.takes_pairs; CUDA only, so forced here) and hands it to moe_decode (x_pairs, used only on the
+    prmt path, which the interpreter cannot run): the same logits as without it (the GPU smoke checks the prmt path)."""
+    import moec.kernels.dequant as dq
+    import moec.kernels.moe_decode as md
+    from moec.calibrate.recipe import load_recipe
+
+    args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                     max_seq_len=64, n_experts=4, top_k=2, expert_dim=32)
+    model = random_model(args, load_recipe("experts-hls2").rule_for, DEVICE, torch.float32, seed=5)
+    tokens = torch.tensor([3, 9, 27, 17, 51, 8])
+    monkeypatch.setenv("MOEC_KERNELS", "1")
+    handed, moe_decode = [], md.moe_decode
+
+    def spy(x, *a, x_pairs=None, **kw):  # what reaches the kernels: prmt_pairs of their input, or nothing
+        handed.append(None if x_pairs is None else bool(torch.equal(x_pairs, dq.prmt_pairs_ref(x))))
+        return moe_decode(x, *a, x_pairs=x_pairs, **kw)
+
+    monkeypatch.setattr(md, "moe_decode", spy)
+    out = []
+    for pairs in ("0", "1"):
+        handed.clear()
+        monkeypatch.setenv("MOEC_NORM_PAIRS", pairs)
+        use_prmt = dq.use_prmt
+        monkeypatch.setattr(dq, "use_prmt", lambda w: True)  # as on CUDA, for the engine's choice only
+        eng = DecodeEngine(model, FP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32, mode="static"),
+                           graphs=False, fuse=True)
+        monkeypatch.setattr(dq, "use_prmt", use_prmt)
+        assert eng.norm_pairs == [pairs == "1"] * 2
+        logits = [eng.prefill(0, tokens[:4])]
+        for t in tokens[4:]:
+            eng.tokens[:1] = t
+            logits.append(eng.step(1)[0].clone())
+        out.append(torch.stack(logits))
+        assert handed and all(h is (True if pairs == "1" else None) for h in handed[-4:]), handed  # the steps'
+    assert torch.equal(out[0], out[1])

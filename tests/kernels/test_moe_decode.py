@@ -246,3 +246,20 @@ def test_prmt_pairs_kernel_equals_torch(dtype):
     assert got.shape == (3, 8, 260) and got.dtype == torch.int32
     assert torch.equal(got, prmt_pairs_ref(v))
 
+
+
+@pytest.mark.parametrize("pad", ["0", "1"])
+def test_dense_down_tile_least_padding(pad, monkeypatch):
+    """bf16 experts with the dense config's least_padding (MOEC_DENSE_LEAST_PADDING=1): the down GEMV's 1024-input tile
+    taken as a ceiling (1056 inputs: three tiles of 512, not two of 1024), the reference's output either way."""
+    import moec.kernels.moe_decode as md
+
+    x, ids, wts, w1, w3, w2 = moe_case("bf16", 1, 1, 2, 16, 1056, 1, 1, DEVICE, seed=5)
+    monkeypatch.setenv("MOEC_DENSE_LEAST_PADDING", pad)
+    tiles = []
+    monkeypatch.setattr(md, "least_padding_block",
+                        lambda n, cap: tiles.append(least_padding_block(n, cap)) or tiles[-1])
+    got = moe_decode(x, ids, wts, w1, w3, w2, block_o=64, block_o_down=16, prmt=False)
+    want = moe_decode_ref(x, ids, wts, w1, w3, w2)
+    assert tiles == ([512] if pad == "1" else [])
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
