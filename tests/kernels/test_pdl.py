@@ -93,8 +93,10 @@ DOWN = {"h_ptr": "*i32", "ids_ptr": "*i32", "w2_ptr": "*i32", "a2_ptr": "*i32", 
 JOBS = [
     {"module": "moec.kernels.fused_decode", "kernel": "_add_rms_norm_kernel",
      "types": {n: "*bf16" for n in ("x_ptr", "d_ptr", "d2_ptr", "w_ptr", "xo_ptr", "h_ptr")}
-     | {n: "i32" for n in ("D", "sx", "sd", "sd2", "sxo", "sh")} | {"eps": "fp32"},
-     "constexprs": {"HAS_DELTA": True, "HAS_DELTA2": False, "BLOCK": 2048, "PDL": True}, "num_warps": 4},
+     | {n: "i32" for n in ("D", "sx", "sd", "sd2", "sxo", "sh")} | {"eps": "fp32", "hp_ptr": "*i32"},
+     # PAIRS: the prmt pairs output too (compiled for sm_90 here; the GPU's numbers: norm_pairs_check.py)
+     "constexprs": {"HAS_DELTA": True, "HAS_DELTA2": False, "BLOCK": 2048, "PDL": True, "PAIRS": True},
+     "num_warps": 4},
     # the down GEMV with its fp32 atomics (split inputs), prmt lookups: GLM-4.5-Air's expert width
     {"module": "moec.kernels.moe_decode", "kernel": "_down_kernel", "types": DOWN,
      "constexprs": dict(I=1408, A=8, PER=1024, SPLIT=2, MODE=0, BITS=2, C=16, BPC=4, G=1, GS=1408, BO=16, BKC=64,
