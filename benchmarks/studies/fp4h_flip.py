@@ -113,14 +113,8 @@ def decide(out: Path) -> dict:
 def decide_switches(out: Path) -> dict:
     res = {}
     for switch in SWITCHES:
-        r = []
-        for base in sorted(out.glob("latency_*_base.json")):
-            new = base.with_name(base.name.replace("_base.json", f"_{switch}.json"))
-            if new.exists():
-                old_rows, new_rows = rows(str(base)), rows(str(new))
-                for key in sorted(old_rows.keys() & new_rows.keys()):
-                    r.append(new_rows[key] / old_rows[key])
-                    print(f"{switch}: {key}  {old_rows[key]:.3f} -> {new_rows[key]:.3f} ms  x{r[-1]:.3f}")
+        r = [x for base in sorted(out.glob("latency_*_base.json"))
+             for x in ratios(base, base.with_name(base.name.replace("_base.json", f"_{switch}.json")))]
         res[switch] = {"on": bool(r) and max(r) <= 1.01 and min(r) <= 0.995, "ratios": r}
         if switch == "norm_pairs":  # and the GPU's prmt path gave the same logits with it (norm_pairs_check.py)
             check = out / "norm_pairs_check.json"
