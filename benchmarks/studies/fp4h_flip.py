@@ -16,13 +16,16 @@
 It prints each ratio and writes OUT/flip.json (what was flipped and why). --apply makes the named edits
 unconditionally: the GPU machine flips its copy before the smoke, this checkout makes the same edits.
 
-    python3 -m benchmarks.studies.fp4h_flip --decide-switches OUT    (eleventh session, gpu_final_1207.sh)
+    python3 -m benchmarks.studies.fp4h_flip --decide-switches OUT    (gpu_final_1207.sh, gpu_launches_1207.sh)
 
 Each switch of SWITCHES against the shipped tree: every OUT/latency_<shape>_<switch>.json (the step with the switch's
 environment variable on) against OUT/latency_<shape>_base.json (the bf16 peer's rows are records too), no row
-slower than x1.01 and one x0.995 or faster: router_rows (`qlinear.dense_gemv.router_block_o` 1, MOEC_ROUTER_BLOCK_O=1),
-dense_pad (`moe_decode.dense.least_padding`, MOEC_DENSE_LEAST_PADDING=1), norm_pairs (runtime/decode.py
-NORM_PAIRS_DEFAULT, MOEC_NORM_PAIRS=1; also OUT/norm_pairs_check.json's ok). Writes OUT/flip_switches.json.
+slower than x1.01 and one x0.995 or faster: early (`moec/kernels/qlinear.py` EARLY_DEFAULT, MOEC_GEMV_EARLY=1: the
+dense GEMV's weights loaded ahead of the PDL wait), route_in_gemv (`moec/runtime/decode.py` ROUTE_IN_GEMV_DEFAULT,
+MOEC_ROUTE_IN_GEMV=1: the router's GEMV routes in its epilogue), router_in_shared (decode.py
+ROUTER_IN_SHARED_DEFAULT, MOEC_ROUTER_IN_SHARED=1: the router's rows in the shared expert's gate/up GEMV). Writes
+OUT/flip_switches.json. (router_rows and dense_pad were decided this way on 2026-12-07 and are on; the norm's prmt
+pairs, off then, were removed, as were the twelfth session's L2 prefetch and W_UV-in-combine, both slower.)
 """
 
 from __future__ import annotations
@@ -44,8 +47,12 @@ EDITS = {  # switch: (file, text off, text on), each text once in its file
                     '"router_block_o": 1'),
     "dense_pad": (ROOT / "moec" / "kernels" / "configs" / "nvidia_h200.json", '"least_padding": false',
                   '"least_padding": true'),
-    "norm_pairs": (ROOT / "moec" / "runtime" / "decode.py", "NORM_PAIRS_DEFAULT = False", "NORM_PAIRS_DEFAULT = True")}
-SWITCHES = ("router_rows", "dense_pad", "norm_pairs")
+    "early": (ROOT / "moec" / "kernels" / "qlinear.py", "EARLY_DEFAULT = False", "EARLY_DEFAULT = True"),
+    "route_in_gemv": (ROOT / "moec" / "runtime" / "decode.py", "ROUTE_IN_GEMV_DEFAULT = False",
+                      "ROUTE_IN_GEMV_DEFAULT = True"),
+    "router_in_shared": (ROOT / "moec" / "runtime" / "decode.py", "ROUTER_IN_SHARED_DEFAULT = False",
+                         "ROUTER_IN_SHARED_DEFAULT = True")}
+SWITCHES = ("early", "route_in_gemv", "router_in_shared")
 
 
 def flip(switch: str) -> None:
@@ -116,10 +123,6 @@ def decide_switches(out: Path) -> dict:
         r = [x for base in sorted(out.glob("latency_*_base.json"))
              for x in ratios(base, base.with_name(base.name.replace("_base.json", f"_{switch}.json")))]
         res[switch] = {"on": bool(r) and max(r) <= 1.01 and min(r) <= 0.995, "ratios": r}
-        if switch == "norm_pairs":  # and the GPU's prmt path gave the same logits with it (norm_pairs_check.py)
-            check = out / "norm_pairs_check.json"
-            res[switch]["check_ok"] = check.exists() and json.loads(check.read_text()).get("ok") is True
-            res[switch]["on"] &= res[switch]["check_ok"]
         if res[switch]["on"]:
             flip(switch)
         print(f"{switch}: {'on' if res[switch]['on'] else 'stays off'}")

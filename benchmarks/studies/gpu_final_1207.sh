@@ -14,31 +14,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: gpu_final_1207.sh OUT_DIR}
-mkdir -p "$OUT/logs"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MOEC_LOG=${MOEC_LOG:-WARNING}
-T0=$SECONDS
 END=${END:-560}
-left() { echo $(( END - (SECONDS - T0) )); }
+source benchmarks/studies/call_lib.sh
 source benchmarks/peers/peer_bg.sh glm-4.5-air  # sets BUILD and GGUF
-lat() {  # lat NAME SHAPE RECIPES [BENCH_ARGS...]
-  local name=$1 shape=$2 recipes=$3; shift 3
-  [ "$(left)" -lt 40 ] && { echo "$name: no time left"; return; }
-  timeout 120 python3 -m benchmarks.bench_latency --out "$OUT/latency_$name.json" --shapes "$shape" \
-    --recipes $(for r in $recipes; do echo "moec/recipes/$r.yaml"; done) --contexts 4096,32768 --batches 1 \
-    --prefill none --steps 30 --budget 100 "$@" > "$OUT/logs/lat_$name.log" 2>&1
-  echo "$name rc=$? at $((SECONDS - T0)) s"; grep -E "│ .* │" "$OUT/logs/lat_$name.log" | cut -c1-150
-}
-ab() {  # ab SWITCH VAR=VALUE SHAPES...: the step with one switch's variable set, on the rows it can move
-  local sw=$1 var=$2 S; shift 2
-  for S in "$@"; do
-    (export "${var?}"
-     case $S in
-       glm) lat "glm_$sw" glm-4.5-air latency-hls2-nuq2-lin4 --no-peer --no-breakdown ;;
-       v2lite) lat "v2lite_$sw" deepseek-v2-lite experts-hls2 --no-breakdown ;;
-       gptoss) lat "gptoss_$sw" gpt-oss-120b experts-hls2 --no-peer --no-breakdown ;;
-     esac)
-  done
-}
 ab base MOEC_AB=base glm v2lite gptoss
 ab router_rows MOEC_ROUTER_BLOCK_O=1 glm v2lite gptoss
 ab dense_pad MOEC_DENSE_LEAST_PADDING=1 v2lite
@@ -48,16 +26,7 @@ ab norm_pairs MOEC_NORM_PAIRS=1 glm v2lite gptoss
 python3 -m benchmarks.studies.fp4h_flip --decide-switches "$OUT" 2>&1 | grep -E "on$|off$"
 timeout 300 bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 > "$OUT/logs/smoke.log" 2>&1
 echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
-while { kill -0 "$BUILD" || kill -0 "$GGUF"; } 2> /dev/null && [ "$(left)" -gt 150 ]; do sleep 5; done
-tail -1 "$OUT/logs/gguf.log"
-if ! kill -0 "$GGUF" 2> /dev/null && [ -x /tmp/lc/build/bin/llama-bench ] && [ -f /tmp/glm-4.5-air.gguf ]; then
-  timeout 80 /tmp/lc/build/bin/llama-bench -m /tmp/glm-4.5-air.gguf -ngl 99 -fa 1 -p 0 -n 64 \
-    -d 4096,32768 -ctk f16 -ctv f16 -r 2 -o json > "$OUT/llama_bench_glm-4.5-air.json" 2> "$OUT/logs/bench_glm.err"
-  echo "llama-bench glm rc=$? at $((SECONDS - T0)) s"
-else
-  echo "no llama.cpp row: the build or the GGUF not done at $((SECONDS - T0)) s"; kill "$BUILD" "$GGUF" 2> /dev/null
-fi
-rm -f /tmp/glm-4.5-air.gguf
+llama_glm 150
 lat glm glm-4.5-air "latency-hls2-nuq2-lin4 latency-hls2-lin4" --no-peer --no-breakdown
 [ -s "$OUT/llama_bench_glm-4.5-air.json" ] && python3 -m benchmarks.peers.speedup_vs_llamacpp \
   "$OUT/latency_glm.json" "$OUT" "$OUT/latency_glm.json" 2>&1 | tail -4

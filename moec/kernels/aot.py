@@ -129,14 +129,19 @@ def report(module: str, kernel: str, types: dict[str, str], constexprs: dict, nu
 
 
 GLOBAL_ACCESS = ("ld.global", "st.global", "atom.", "red.", "cp.async", "ld.volatile.global", "multimem.")
+GLOBAL_WRITE = ("st.global", "atom.", "red.", "multimem.")
 
 
 def ptx_order(ptx: str) -> dict:
     """Line numbers in the PTX of the first griddepcontrol.wait, the first griddepcontrol.launch_dependents and
-    the first global memory access (None where absent): a PDL kernel must wait before it touches memory."""
-    first = {"wait": None, "launch_dependents": None, "global": None}
+    the first global memory access (None where absent): a PDL kernel must wait before it touches memory. "store": the
+    first global write (a store or an atomic), which follows the wait even where weights are loaded ahead of it."""
+    first = {"wait": None, "launch_dependents": None, "global": None, "store": None}
     for i, line in enumerate(ptx.splitlines()):
         text = line.strip()
+        if first["store"] is None and any(text.startswith(op) or f" {op}" in text.split("//")[0][:40]
+                                          for op in GLOBAL_WRITE):
+            first["store"] = i
         if first["wait"] is None and text.startswith("griddepcontrol.wait"):
             first["wait"] = i
         elif first["launch_dependents"] is None and text.startswith("griddepcontrol.launch_dependents"):

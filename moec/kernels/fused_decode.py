@@ -40,17 +40,9 @@ def _residual(x_ptr, d_ptr, d2_ptr, row, sx, sd, sd2, offs, m, HAS_DELTA: tl.con
 
 
 @triton.jit
-def _normed_half(x, inv, w_ptr, offs, m, H_DT: tl.constexpr):
-    """rms_norm's output at offs (x there, inv the row's 1/rms), in h's dtype, then as fp16 bits in an int32."""
-    xn = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
-    h = (tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32) * xn).to(H_DT)
-    return h.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-
-
-@triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, d2_ptr, w_ptr, xo_ptr, h_ptr, D, sx, sd, sd2, sxo, sh, eps,
                          HAS_DELTA: tl.constexpr, HAS_DELTA2: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr = False, hp_ptr=None, PAIRS: tl.constexpr = False):
+                         PDL: tl.constexpr = False):
     pdl_begin(PDL)  # PDL: nothing read or written before the predecessor's writes are visible
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -63,28 +55,15 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, d2_ptr, w_ptr, xo_ptr, h_ptr, D, sx, sd, 
     xn = (xf * inv).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(h_ptr + row * sh + offs, (w * xn).to(h_ptr.dtype.element_ty), mask=m)
-    if PAIRS:  # h again as dequant.prmt_pairs lays it out (the 2-bit MoE GEMV's input): pair i = 2j + q of word cw
-        # holds inputs 16cw + 8q + j and 16cw + 8q + 4 + j. Recomputed elementwise at those inputs (the same
-        # roundings, so the same bits as prmt_pairs(h)) rather than permuted in registers
-        i = tl.arange(0, 8)
-        cw = tl.arange(0, BLOCK // 16)
-        off = 16 * cw[None, :] + (8 * (i % 2) + i // 2)[:, None]  # [8, BLOCK / 16]
-        pm = (cw < D // 16)[None, :]
-        lo = _normed_half(_residual(x_ptr, d_ptr, d2_ptr, row, sx, sd, sd2, off, pm, HAS_DELTA, HAS_DELTA2), inv,
-                          w_ptr, off, pm, h_ptr.dtype.element_ty)
-        hi = _normed_half(_residual(x_ptr, d_ptr, d2_ptr, row, sx, sd, sd2, off + 4, pm, HAS_DELTA, HAS_DELTA2),
-                          inv, w_ptr, off + 4, pm, h_ptr.dtype.element_ty)
-        tl.store(hp_ptr + (row * 8 + i[:, None]) * (D // 16) + cw[None, :], lo | (hi << 16), mask=pm)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 delta2: torch.Tensor | None = None, pairs: bool = False):
+                 delta2: torch.Tensor | None = None):
     """(x + delta, rms_norm(x + delta, weight)) for x, delta [N, D] (rows may be strided); delta None:
     (x, rms_norm(x)); delta2 (a shared expert's output beside the routed experts'): x + (delta + delta2), the
     deltas' sum rounded to the model dtype first. A delta of another dtype (the MoE kernels' fp32 accumulator) is
     rounded to x.dtype before anything else, as torch's delta.to(x.dtype). Outputs are new contiguous tensors in
-    x.dtype. pairs (D % 16 == 0): a third output, dequant.prmt_pairs(h) [N, 8, D/16] int32 (the 2-bit MoE GEMV's
-    input: moe_decode's x_pairs), written by the same launch instead of one of its own."""
+    x.dtype."""
     N, D = x.shape
     assert x.stride(1) == 1 and weight.shape == (D,), (x.stride(), weight.shape)
     for t in (delta, delta2):
@@ -94,13 +73,11 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     xo = torch.empty_like(h) if delta is not None else x
     d = x if delta is None else delta
     d2 = d if delta2 is None else delta2
-    assert not pairs or D % 16 == 0, D
-    hp = torch.empty(N, 8, D // 16, dtype=torch.int32, device=x.device) if pairs else None
     _add_rms_norm_kernel[(N,)](x, d, d2, weight, xo, h, D, x.stride(0), d.stride(0), d2.stride(0), xo.stride(0),
                                h.stride(0), eps, HAS_DELTA=delta is not None, HAS_DELTA2=delta2 is not None,
-                               BLOCK=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8, hp_ptr=hp,
-                               PAIRS=pairs, **pdl.options(x.device))
-    return (xo, h, hp) if pairs else (xo, h)
+                               BLOCK=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+                               **pdl.options(x.device))
+    return xo, h
 
 
 @triton.jit

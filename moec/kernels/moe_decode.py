@@ -291,8 +291,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                out_dtype: torch.dtype | None = torch.float32, num_stages: int | None = None,
                num_warps_down: int | None = None, num_stages_down: int | None = None,
                h_rotate=None, vq_gather: bool = False, biases=None, act: str = "silu",
-               limit: float = 7.0, split_experts: int | None = None, fp4h: bool | None = None,
-               x_pairs: torch.Tensor | None = None) -> torch.Tensor:
+               limit: float = 7.0, split_experts: int | None = None, fp4h: bool | None = None) -> torch.Tensor:
     """Fused MoE for few tokens. x [N, D]; ids, weights [N, A]; w1, w3 [E, I, D] and w2 [E, D, I] as
     QWeight (all of one mode, w1 and w3 of one width). Returns out [N, D] in out_dtype; None: x's dtype where the
     down GEMV writes each output once, its fp32 accumulator where it splits the inputs (no cast launch: the caller
@@ -308,8 +307,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     the fewest that give it 8 programs an SM: at batch 1 DeepSeek-V2-Lite's and Qwen3's down grid would run under one
     program an SM, gpt-oss's and GLM-4.5-Air's under two, each through all A experts). fp4h (mxfp4 / nvfp4 experts):
     the fp16x2 kernels of fp4_h2.py (x and h as fp16 pairs); None: where fp4_h2.use_fp4h says (MOEC_FP4H, else its
-    ON_BY_DEFAULT), falling back to the fp32 word path if they fail to compile. x_pairs: prmt_pairs(x) made by the
-    caller (fused_decode.add_rms_norm's pairs output), used where the prmt path runs instead of its own launch."""
+    ON_BY_DEFAULT), falling back to the fp32 word path if they fail to compile."""
     N, D, A, E, I = check_moe_args(x, ids, weights, w1, w3, w2)
     x_dtype = x.dtype  # out_dtype None's dtype where the down GEMV writes each output once (prmt_pairs changes x)
     # x in its own dtype: every GEMV path converts its loads to fp32 (and prmt_pairs rounds to fp16, which
@@ -325,7 +323,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
                 return moe_decode(x, ids, weights, w1, w3, w2, block_o, block_k, num_warps, block_o_down,
                                   block_k_down, split, words, poly, True, out_dtype, num_stages, num_warps_down,
                                   num_stages_down, biases=biases, act=act, limit=limit,
-                                  split_experts=split_experts, x_pairs=x_pairs)
+                                  split_experts=split_experts)
             except triton.TritonError as ex:  # inline PTX refused (compile or ptxas error): keep the portable path
                 _PRMT_FAILED.append(f"{type(ex).__name__}: {str(ex)[:200]}")
                 log.warning("prmt MoE decode kernels failed to compile, using the select path: %s", _PRMT_FAILED[0])
@@ -380,9 +378,7 @@ def moe_decode(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: QW
     if s1["VQF"]:  # int32 code words, codebook in words of d fp16
         (d1, a1), (d3, a3) = w1.vq_views(), w3.vq_views()
     if prmt:  # fp16 pairs in the prmt order; tables as two int32 per group
-        if x_pairs is not None:
-            assert x_pairs.shape == (N, 8, D // 16) and x_pairs.dtype == torch.int32 and x_pairs.is_contiguous()
-        x = prmt_pairs(x) if x_pairs is None else x_pairs  # [N, 8, D/16] int32
+        x = prmt_pairs(x)  # [N, 8, D/16] int32
         a1, a3 = a1.view(torch.int32), a3.view(torch.int32)
     if fp4h:
         x = fp4_pairs(x)  # [N, 16, D/32] int32

@@ -91,6 +91,25 @@ def _topk_rank_row(z, offs, mask, w_ptr, ids_ptr, n, E_P2: tl.constexpr, A: tl.c
 
 
 @triton.jit
+def _sigmoid_rank_row(z, offs, mask, bias_ptr, w_ptr, ids_ptr, n, E_P2: tl.constexpr, A: tl.constexpr,
+                      NORM: tl.constexpr, HAS_BIAS: tl.constexpr, scale):
+    """_route_sigmoid_kernel's routing without groups (one group: GLM-4.5), by ranks as _topk_rank_row: sigmoid
+    scores, + the correction bias for the choice, the top A (ties to the lower index), their unbiased scores
+    (renormalized) times scale, stored at their ranks in row n."""
+    s = tl.sigmoid(z)
+    c = s + tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32) if HAS_BIAS else s
+    c = tl.where(mask, c, float("-inf"))
+    offs_j = tl.arange(0, E_P2)
+    beats = (c[None, :] > c[:, None]) | ((c[None, :] == c[:, None]) & (offs_j[None, :] < offs[:, None]))
+    rank = tl.sum(beats.to(tl.int32), axis=1)
+    sel = (rank < A) & mask
+    if NORM:
+        s = s / (tl.sum(tl.where(sel, s, 0.0), axis=0) + 1e-20)
+    tl.store(w_ptr + n * A + rank, s * scale, mask=sel)
+    tl.store(ids_ptr + n * A + rank, offs, mask=sel)
+
+
+@triton.jit
 def _route_gemv_topk_kernel(x_ptr, r_ptr, part_ptr, count_ptr, w_ptr, ids_ptr, N, E, D: tl.constexpr,
                             N_P2: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
                             A: tl.constexpr, E_P2: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
@@ -207,7 +226,8 @@ def _route_sigmoid_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, stride_n, scale,
     for a in tl.static_range(A):
         best = tl.max(tl.max(c, axis=1), axis=0)
         idx = tl.min(tl.min(tl.where(c == best, e, G_P2 * EG_P2), axis=1), axis=0)
-        top_w = tl.where(offs_a == a, tl.sum(tl.sum(tl.where(e == idx, s, 0.0), axis=1), axis=0), top_w)
+        # m: a group's padding lanes (j >= EG) carry the ids of the next group's experts (e = g·EG + j)
+        top_w = tl.where(offs_a == a, tl.sum(tl.sum(tl.where((e == idx) & m, s, 0.0), axis=1), axis=0), top_w)
         top_i = tl.where(offs_a == a, idx, top_i)
         c = tl.where(e == idx, float("-inf"), c)
     if NORM:

@@ -45,17 +45,31 @@ import torch.nn.functional as F
 from ..registry import weight_codec
 from .backend import capturing, gluon_chosen, kernels_enabled
 from .config import ModelArgs
-from .experts import ExpertWeights, QLinear
+from .experts import QLinear
 from .kvcache import dense_cache
 from .model import MoE, Transformer, apply_rope, expert_act, rope_cos_sin, route
 
 log = logging.getLogger(__name__)
 
-# the fused step's FFN norm writes the 2-bit experts' prmt_pairs input (fused_decode.add_rms_norm pairs) instead of a
-# launch of its own: off until the GPU A/B (benchmarks/studies/fp4h_flip.py --decide-switches) turns it on
-NORM_PAIRS_DEFAULT = False
+# the fused step computes the router in the shared expert's gate/up GEMV (DecodeEngine._fuse_shared): set by the step's
+# A/B on the GPU (benchmarks/studies/fp4h_flip.py --decide-switches, MOEC_ROUTER_IN_SHARED=0/1)
+ROUTER_IN_SHARED_DEFAULT = True
+# the router's decode GEMV routes in its epilogue (qlinear route, graph_safe_moe): set by the step's A/B likewise
+# (MOEC_ROUTE_IN_GEMV=0/1)
+ROUTE_IN_GEMV_DEFAULT = False
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _power_of_two(name: str, value) -> int:
+    """A block size from the launch config or its environment override: a power of two, else a one-line error."""
+    try:
+        v = int(value)
+    except (TypeError, ValueError):
+        v = 0
+    if v < 1 or v & (v - 1):
+        raise ValueError(f"{name}={value!r}: expected a power of two (rows a program)")
+    return v
 
 
 def bucket_for(b: int, capacity: int) -> int:
@@ -68,11 +82,16 @@ def bucket_for(b: int, capacity: int) -> int:
 # -- the engine -----------------------------------------------------------------------------------------
 
 def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True, exact_dtype: bool = True,
-                   x_pairs: torch.Tensor | None = None) -> torch.Tensor:
+                   logits: torch.Tensor | None = None,
+                   routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The MoE layer without host syncs (for capture). x [N, D]; shared=False: the routed experts only (the fused
     step runs the shared expert itself, DecodeEngine._fuse_shared); exact_dtype=False: the routed output may come
     in fp32 (the split down GEMV's accumulator) for a caller that rounds it to x's dtype (QuantExperts.fused);
-    x_pairs: prmt_pairs(x) from the caller's norm, for the 2-bit experts' prmt GEMV (ExpertWeights.fused).
+    logits: the router's output on x, made by the caller (the fused step's router rows in the shared expert's
+    gate/up GEMV, DecodeEngine._fuse_shared), for the routing kernels instead of the router's own launch; routed:
+    (weights, ids) already routed by the caller (that GEMV's routing epilogue). Without either, the router's decode
+    GEMV routes in its epilogue where ROUTE_IN_GEMV_DEFAULT or MOEC_ROUTE_IN_GEMV says (_route_in_gemv), else the
+    routing kernels run after it.
 
     Routing: the router GEMV, softmax, top-k and renormalization in one kernel at decode batch sizes and up
     to 32 experts (kernels/route_topk.py route_gemv_topk), else the GEMV then one kernel for the rest
@@ -92,14 +111,18 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True, e
     if moe.kind == "dense" or not kernels_enabled(x.device) or (moe.codec is not None and not moe.codec.fused_ok(x)):
         return moe(x, layer, shared=shared)
     a = moe.args
-    if plain_softmax_routing(moe):
-        w, ids = _route(x, moe.router, a.top_k, a.norm_topk)  # [N, A] ×2
+    if routed is None and logits is None:
+        routed = _route_in_gemv(moe, x)
+    if routed is not None:
+        w, ids = routed
+    elif plain_softmax_routing(moe):
+        w, ids = _route(x, moe.router, a.top_k, a.norm_topk, logits=logits)  # [N, A] ×2
     elif softmax_topk_routing(moe):  # gpt-oss: the softmax over the kept logits is softmax, top-k, renormalize
-        w, ids = _route(x, moe.router, a.top_k, True, a)
+        w, ids = _route(x, moe.router, a.top_k, True, a, logits)
     else:  # DeepSeek's / GLM's scores, groups, bias and scale: one kernel where it applies, else torch's route
-        w, ids = _route_scored(moe, x)
+        w, ids = _route_scored(moe, x, logits)
     if moe.codec is not None:
-        out = moe.codec.fused(x, w, ids, a, moe.biases(), exact_dtype=exact_dtype, x_pairs=x_pairs)
+        out = moe.codec.fused(x, w, ids, a, moe.biases(), exact_dtype=exact_dtype)
     else:
         out = _dense_kernel_moe(moe, x, w, ids, exact_dtype)
         if out is None:
@@ -110,6 +133,18 @@ def graph_safe_moe(moe: MoE, x: torch.Tensor, layer: int, shared: bool = True, e
             s = torch.sigmoid(moe.shared_gate(x)) * s
         out = out + s
     return out
+
+
+def _router_folds(moe: MoE) -> bool:
+    """Whether the fused step may compute this MoE's router in the shared expert's gate/up GEMV: a plain Linear
+    without bias, more experts than route_gemv_topk takes (it fuses the router GEMV itself), and routing that the
+    kernels run from the logits (plain softmax, or the sigmoid scores of route_sigmoid_topk)."""
+    from ..kernels.route_topk import GEMV_MAX_EXPERTS
+
+    a, r = moe.args, moe.router
+    sigmoid = a.router_score == "sigmoid" and a.topk_method in ("greedy", "group_top2")
+    return (type(r) is torch.nn.Linear and r.bias is None and r.weight.shape[0] > GEMV_MAX_EXPERTS
+            and (plain_softmax_routing(moe) or sigmoid))
 
 
 def plain_softmax_routing(moe: MoE) -> bool:
@@ -139,15 +174,17 @@ def _routing_kernel_failed(e: Exception) -> None:
 
 
 def _route(x: torch.Tensor, router: torch.nn.Linear, top_k: int, norm: bool,
-           args: ModelArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           args: ModelArgs | None = None, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids) [N, A] of model.route, its softmax/top-k in one kernel where it compiles; router: the MoE's
     (its bias, where it has one, added to the logits: one GEMV launch, the router module's own, _DenseGEMV on the
-    dense route); args: the model's, for torch's route."""
+    dense route); args: the model's, for torch's route; logits: router(x) already made by the caller."""
     weight, bias = router.weight, router.bias
     if not _ROUTE_FAILED:
         try:
             from ..kernels.route_topk import GEMV_MAX_EXPERTS, GEMV_MAX_TOKENS, route_gemv_topk, route_topk
 
+            if logits is not None:
+                return route_topk(logits, top_k, norm)
             if (bias is None and x.shape[0] <= GEMV_MAX_TOKENS and weight.shape[0] <= GEMV_MAX_EXPERTS
                     and x.dtype == weight.dtype and x.is_contiguous()):
                 return route_gemv_topk(x, weight, top_k, norm)  # the router GEMV in the same launch
@@ -158,7 +195,52 @@ def _route(x: torch.Tensor, router: torch.nn.Linear, top_k: int, norm: bool,
     return w, ids
 
 
-def _route_scored(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route_spec(moe: MoE) -> dict | None:
+    """qlinear's `route` for this MoE's routing where the GEMV's epilogue computes it (plain softmax; gpt-oss's
+    softmax over the top-k, its router bias in the GEMV; sigmoid scores with the correction bias in one group),
+    None otherwise (group-limited choice, DeepSeek-V2's group_max)."""
+    a = moe.args
+    E = moe.router.weight.shape[0]
+    if plain_softmax_routing(moe):
+        return dict(experts=E, top_k=a.top_k, norm=a.norm_topk, kind="softmax")
+    if softmax_topk_routing(moe):
+        return dict(experts=E, top_k=a.top_k, norm=True, kind="softmax")
+    one_group = a.topk_method == "greedy" or (a.topk_method == "group_top2" and a.topk_group == a.n_group)
+    if a.router_score == "sigmoid" and one_group:
+        return dict(experts=E, top_k=a.top_k, norm=a.norm_topk, kind="sigmoid",
+                    score_bias=getattr(moe, "score_bias", None), scale=a.routed_scale)
+    return None
+
+
+def route_in_gemv_on() -> bool:
+    return os.environ.get("MOEC_ROUTE_IN_GEMV", "1" if ROUTE_IN_GEMV_DEFAULT else "0") == "1"
+
+
+def _route_in_gemv(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weights, ids) from the router's decode GEMV with the routing in its epilogue (qlinear `route`: one launch
+    a layer fewer) where it applies: the router on the dense GEMV route (_DenseGEMV), the switch on, routing that
+    route_spec covers, and not the ≤ GEMV_MAX_EXPERTS unbiased softmax routers that route_gemv_topk already does
+    in one launch; None otherwise (the caller routes as before)."""
+    from ..kernels.qlinear import GEMV_MAX_M, ROUTE_MAX_EXPERTS
+    from ..kernels.route_topk import GEMV_MAX_EXPERTS
+
+    router = moe.router
+    if _ROUTE_FAILED or not route_in_gemv_on() or not isinstance(router, _DenseGEMV) or x.shape[0] > GEMV_MAX_M:
+        return None
+    spec = route_spec(moe)
+    E = router.out_features
+    if spec is None or E > ROUTE_MAX_EXPERTS or (E <= GEMV_MAX_EXPERTS and router.bias is None
+                                                and spec["kind"] == "softmax"):
+        return None
+    try:
+        _, w, ids = router.route(x, spec)
+        return w, ids
+    except Exception as e:  # the warm-up step (outside capture) meets compile errors first
+        _routing_kernel_failed(e)
+        return None
+
+
+def _route_scored(moe: MoE, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids) of model.route for routing other than plain softmax: sigmoid scores with the correction bias
     and group top-2 (DeepSeek-V3, GLM-4.5) in one kernel after the router GEMV (kernels/route_topk.py
     route_sigmoid_topk; torch's route is ~15 small launches a layer), anything else (DeepSeek-V2's group_max)
@@ -169,7 +251,8 @@ def _route_scored(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         try:
             from ..kernels.route_topk import route_sigmoid_topk
 
-            return route_sigmoid_topk(moe.router(x), bias, a.top_k, a.norm_topk, *groups, a.routed_scale)
+            return route_sigmoid_topk(moe.router(x) if logits is None else logits, bias, a.top_k, a.norm_topk,
+                                      *groups, a.routed_scale)
         except Exception as e:  # the warm-up step (outside capture) meets compile errors first
             _routing_kernel_failed(e)
     _, w, ids = route(x, moe.router.weight, a.top_k, a.norm_topk, a, bias, moe.router.bias)
@@ -305,6 +388,13 @@ class _DenseGEMV(torch.nn.Linear):
             return qlinear(x, self.qw, self.bias, **self.tiles)
         return F.linear(x, self.weight, self.bias)
 
+    def route(self, x: torch.Tensor, spec: dict):
+        """(y, weights, ids): this projection of decode rows x whose first spec["experts"] outputs are a router's
+        logits, routed in the GEMV's epilogue (qlinear's `route`)."""
+        from ..kernels.qlinear import qlinear
+
+        return qlinear(x, self.qw, self.bias, route=spec, **self.tiles)
+
     def gated(self, gu: torch.Tensor) -> torch.Tensor | None:
         """This projection of silu(g)·u for a fused gate/up output gu = [g | u] (QLinear.gated's contract)."""
         from ..kernels.qlinear import gated_ok, qlinear
@@ -374,18 +464,23 @@ class DecodeEngine:
         self.mla_kernel = self.fused and mla and rd >= 2 and rd & (rd - 1) == 0
         self.qkv = [self._fuse_linears((blk.attn.wq, blk.attn.wk, blk.attn.wv)) for blk in model.layers] \
             if self.fused and not mla else []
-        self.shared_gate_up = [self._fuse_shared(blk.moe) for blk in model.layers] if self.fused else []
-        # the FFN norm writes the 2-bit experts' prmt_pairs input too (one launch a layer fewer) where the layer's
-        # experts take the prmt GEMV and NORM_PAIRS_DEFAULT or MOEC_NORM_PAIRS=1 says so
-        pairs = os.environ.get("MOEC_NORM_PAIRS", "1" if NORM_PAIRS_DEFAULT else "0") == "1"
-        self.norm_pairs = [self.fused and pairs and getattr(blk.moe, "kind", None) == "moe"
-                           and isinstance(getattr(blk.moe, "codec", None), ExpertWeights)
-                           and blk.moe.codec.takes_pairs() for blk in model.layers]
+        # the router's rows in the shared expert's gate/up GEMV (one launch a layer fewer; _fuse_shared) where
+        # ROUTER_IN_SHARED_DEFAULT or MOEC_ROUTER_IN_SHARED says
+        fold = os.environ.get("MOEC_ROUTER_IN_SHARED", "1" if ROUTER_IN_SHARED_DEFAULT else "0") == "1"
+        shared = [self._fuse_shared(blk.moe, fold) for blk in model.layers] if self.fused else []
+        self.shared_gate_up = [f for f, _ in shared]
+        self.router_folded = [e for _, e in shared] or [0] * len(model.layers)  # router rows ahead of gate/up
         # MLA: the query's (wq, or V3's wq_a) and the latent's (wkv_a) projections of the same input as one
         self.mla_in = [self._fuse_linears((blk.attn.wq_a if self.args.q_lora_rank else blk.attn.wq, blk.attn.wkv_a))
                        for blk in model.layers] if self.mla_kernel else []
         if self.fused and dense_gemv_chosen(dev):
             self._route_dense_gemv()
+        # a folded router's rows routed in that GEMV's epilogue (qlinear `route`) where the route-in-GEMV switch says:
+        # the routing spec a layer, else None
+        self.route_in_shared = [
+            route_spec(blk.moe) if E and route_in_gemv_on() and isinstance(f, _DenseGEMV) else None
+            for blk, f, E in zip(model.layers, self.shared_gate_up or [None] * len(model.layers), self.router_folded,
+                                 strict=True)]
 
     def _route_dense_gemv(self) -> None:
         """The fused step's plain projections (fused q/k/v, o, the MLA query and latent inputs, the shared expert's
@@ -398,7 +493,8 @@ class DecodeEngine:
         # the router (decode._route) where the config (benchmarks/studies/fp4h_flip.py) or MOEC_DENSE_GEMV_ROUTER says,
         # in programs of router_block_o rows where set (MOEC_ROUTER_BLOCK_O: the A/B; few rows fill few SMs)
         router = os.environ.get("MOEC_DENSE_GEMV_ROUTER", "1" if cfg.get("router") else "0") == "1"
-        router_rows = int(os.environ.get("MOEC_ROUTER_BLOCK_O", cfg.get("router_block_o") or tiles["block_o"]))
+        rows = os.environ.get("MOEC_ROUTER_BLOCK_O", cfg.get("router_block_o") or tiles["block_o"])
+        router_rows = _power_of_two("MOEC_ROUTER_BLOCK_O", rows)
 
         def dense(lin, tiles=tiles):
             return _DenseGEMV(lin, tiles) if type(lin) is torch.nn.Linear else lin
@@ -418,14 +514,22 @@ class DecodeEngine:
                 blk.moe.router = dense(blk.moe.router, tiles | {"block_o": router_rows})
 
     @classmethod
-    def _fuse_shared(cls, moe):
+    def _fuse_shared(cls, moe, with_router: bool = False) -> tuple[torch.nn.Module | None, int]:
         """The shared expert's gate and up projections as one (_fuse_linears), for the fused step's three launches
         a layer (gate/up, fused_decode.silu_mul, down; its output added in the next add_rms_norm) instead of
         six (two GEMVs, silu, mul, down, the add); None where there is no shared expert, it is gated
-        (Qwen2-MoE's sigmoid gate), the layer is dense, or the two do not fuse."""
+        (Qwen2-MoE's sigmoid gate), the layer is dense, or the two do not fuse. with_router: the router's E rows
+        first in the same projection where they fuse (a plain Linear without bias of the experts' dtype, more
+        experts than route_gemv_topk takes, routing the kernels do from logits): -> (fused, E), the step then
+        routes from its first E outputs (graph_safe_moe logits) instead of a router GEMV launch; (fused, 0)
+        otherwise."""
         if getattr(moe, "kind", None) != "moe" or not hasattr(moe, "shared") or hasattr(moe, "shared_gate"):
-            return None
-        return cls._fuse_linears((moe.shared.w1, moe.shared.w3))
+            return None, 0
+        if with_router and _router_folds(moe):
+            fused = cls._fuse_linears((moe.router, moe.shared.w1, moe.shared.w3))
+            if fused is not None:
+                return fused, moe.router.weight.shape[0]
+        return cls._fuse_linears((moe.shared.w1, moe.shared.w3)), 0
 
     @staticmethod
     def _fuse_linears(ws):
@@ -557,24 +661,30 @@ class DecodeEngine:
 
     def _moe_residual(self, i: int, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's attention output o added to the residual x, its FFN norm, the MoE on it added in turn, and the
-        next norm: (x', h'). Where norm_pairs[i], the FFN norm also writes the 2-bit experts' prmt_pairs input."""
+        next norm: (x', h')."""
         from ..kernels.fused_decode import add_rms_norm
+        from ..kernels.qlinear import GEMV_MAX_M
 
         m = self.model
         blk = m.layers[i]
-        hp = None
-        if self.norm_pairs[i]:
-            x, h, hp = add_rms_norm(x, o, blk.ffn_norm.weight, blk.ffn_norm.eps, pairs=True)
-        else:
-            x, h = add_rms_norm(x, o, blk.ffn_norm.weight, blk.ffn_norm.eps)
+        x, h = add_rms_norm(x, o, blk.ffn_norm.weight, blk.ffn_norm.eps)
         nxt = m.layers[i + 1].attn_norm if i + 1 < len(m.layers) else m.norm
-        gate_up = self.shared_gate_up[i]
+        gate_up, E = self.shared_gate_up[i], self.router_folded[i]
+        gu = logits = routed = None
+        if gate_up is not None and E and self.route_in_shared[i] and h.shape[0] <= GEMV_MAX_M:
+            gu, w, ids = gate_up.route(h, self.route_in_shared[i])  # the router's rows routed in its epilogue
+            gu, routed = gu[:, E:], (w, ids)
+        elif gate_up is not None:
+            gu = gate_up(h)
+            if E:  # [router logits | gate | up]: the routing kernels read the first E
+                logits, gu = gu[:, :E], gu[:, E:]
         # the routed output may come in fp32: add_rms_norm rounds each delta to x's dtype first, as the plain step's
         # MoE output is rounded before its add
-        y = graph_safe_moe(blk.moe, h, blk.layer, shared=gate_up is None, exact_dtype=False, x_pairs=hp)
+        y = graph_safe_moe(blk.moe, h, blk.layer, shared=gate_up is None, exact_dtype=False, logits=logits,
+                           routed=routed)
         if gate_up is None:
             return add_rms_norm(x, y, nxt.weight, nxt.eps)
-        return add_rms_norm(x, y, nxt.weight, nxt.eps, delta2=shared_down(blk.moe.shared.w2, gate_up(h)))
+        return add_rms_norm(x, y, nxt.weight, nxt.eps, delta2=shared_down(blk.moe.shared.w2, gu))
 
     def _capture(self, b: int) -> torch.cuda.CUDAGraph | None:
         pos0 = self.pos.clone()

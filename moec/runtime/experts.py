@@ -188,28 +188,17 @@ class ExpertWeights(nn.Module):
         y = self.rotate_input("w2", h) @ w2.t()
         return y if biases is None else y + biases[2][e].to(y.dtype)
 
-    def takes_pairs(self) -> bool:
-        """Whether the decode kernels read prmt_pairs(x) (moe_decode's prmt path: 2-bit fp16 tables in the word layout
-        on CUDA, inputs unrotated): the fused step then has add_rms_norm write them (x_pairs)."""
-        from ..kernels.dequant import use_prmt
-
-        ws = (self.w1, self.w3, self.w2)
-        if not all(isinstance(w, QuantMatrix) and w.kernel_ok() for w in ws) or self.w1.rotated:
-            return False
-        return all(use_prmt(w.qweight()) for w in ws) and self.w1.shape[1] % 16 == 0 and self.w1.shape[2] % 16 == 0
-
     def fused_ok(self, x: torch.Tensor) -> bool:
         ws = (self.w1, self.w3, self.w2)
         return (kernels_enabled(x.device) and all(isinstance(w, QuantMatrix) and w.kernel_ok() for w in ws)
                 and len({w.codec for w in ws}) == 1 and self.w1.bits == self.w3.bits and self.shared_x)
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, args=None,
-              biases=None, exact_dtype: bool = True, x_pairs: torch.Tensor | None = None) -> torch.Tensor | None:
+              biases=None, exact_dtype: bool = True) -> torch.Tensor | None:
         """The fused Triton kernels (backend.kernels_enabled: CUDA by default; x [N, D], weights/ids [N, A]),
         or None where they do not apply. args, biases: as `expert`. exact_dtype=False: the decode kernels' output
         may stay in their fp32 accumulator (moe_decode's out_dtype None) for a caller that rounds it to x's dtype
-        itself (the fused step's add_rms_norm): one cast launch a layer fewer. x_pairs: prmt_pairs(x) from the caller
-        (moe_decode's), used only where x reaches the kernels unrotated."""
+        itself (the fused step's add_rms_norm): one cast launch a layer fewer."""
         if not self.fused_ok(x):
             return None
         qs = [w.qweight() for w in (self.w1, self.w3, self.w2)]
@@ -227,7 +216,7 @@ class ExpertWeights(nn.Module):
                                                weights.float().contiguous(), *qs, ids.shape[1], biases=biases, **act)
                     return out.to(x.dtype)
             return moe_decode(xr, ids, weights, *qs, out_dtype=x.dtype if exact_dtype else None, h_rotate=h_rotate,
-                              biases=biases, x_pairs=x_pairs if xr is x else None, **act)
+                              biases=biases, **act)
         from ..kernels.moe_prefill import moe_grouped
 
         return moe_grouped(xr, ids, weights, *qs, h_rotate=h_rotate, biases=biases, **act)

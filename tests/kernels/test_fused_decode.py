@@ -495,57 +495,97 @@ def test_engine_dense_gemv_route(arch, monkeypatch):
     assert torch.allclose(out[0], out[1], rtol=1e-4, atol=1e-4), (out[0] - out[1]).abs().max()
 
 
-@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 64), (torch.float16, 96), (torch.float32, 48)])
-def test_add_rms_norm_pairs_equal_prmt_pairs(dtype, D):
-    """add_rms_norm(pairs=True): its third output is dequant.prmt_pairs of its h, bit for bit (the 2-bit MoE GEMV's
-    input, one launch fewer), and x', h are what the call without pairs gives; with and without deltas."""
-    from moec.kernels.dequant import prmt_pairs_ref
+def test_router_rows_override_must_be_a_power_of_two():
+    """MOEC_ROUTER_BLOCK_O (and the config's router_block_o): a power of two, else a one-line ValueError naming it
+    (a 3 once reached Triton as a non-power-of-two arange, a "x" as int()'s traceback)."""
+    from moec.runtime.decode import _power_of_two
 
-    g = torch.Generator().manual_seed(D)
-    x = torch.randn(3, D, generator=g).to(DEVICE, dtype)
-    d, d2 = torch.randn(3, D, generator=g).to(DEVICE), torch.randn(3, D, generator=g).to(DEVICE, dtype)
-    w = torch.randn(D, generator=g).to(DEVICE, dtype)
-    for delta, delta2 in ((d, d2), (d, None), (None, None)):
-        xo, h = add_rms_norm(x, delta, w, 1e-6, delta2=delta2)
-        xp, hh, hp = add_rms_norm(x, delta, w, 1e-6, delta2=delta2, pairs=True)
-        assert torch.equal(xo, xp) and torch.equal(h, hh)
-        assert hp.shape == (3, 8, D // 16) and torch.equal(hp, prmt_pairs_ref(h))
+    assert _power_of_two("MOEC_ROUTER_BLOCK_O", "1") == 1 and _power_of_two("MOEC_ROUTER_BLOCK_O", 4) == 4
+    for bad in ("3", "x", "0", "-2", None):
+        with pytest.raises(ValueError, match="MOEC_ROUTER_BLOCK_O=.*power of two"):
+            _power_of_two("MOEC_ROUTER_BLOCK_O", bad)
 
 
-def test_engine_norm_pairs_plumbing(monkeypatch):
-    """MOEC_NORM_PAIRS=1: the fused step's FFN norm writes prmt_pairs(h) for layers whose 2-bit experts take the prmt
-    GEMV (ExpertWeights.takes_pairs; CUDA only, so forced here) and hands it to moe_decode (x_pairs, used only on the
-    prmt path, which the interpreter cannot run): the same logits as without it (the GPU smoke checks the prmt path)."""
-    import moec.kernels.dequant as dq
-    import moec.kernels.moe_decode as md
-    from moec.calibrate.recipe import load_recipe
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_engine_router_rows_in_the_shared_gate_up(score, monkeypatch):
+    """MOEC_ROUTER_IN_SHARED=1 (more experts than route_gemv_topk takes, a shared expert): the router's rows lead the
+    shared expert's fused gate/up GEMV, the routing kernels read those logits and the router module is not called
+    in the step; the logits equal the step's with the router's own launch (=0), softmax (DeepSeek-V2) and sigmoid
+    group (V3) routing, bf16 as the GPU runs it."""
+    from moec.runtime.kvcache import dense_cache
 
-    args = ModelArgs(arch="mixtral", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                     max_seq_len=64, n_experts=4, top_k=2, expert_dim=32)
-    model = random_model(args, load_recipe("experts-hls2").rule_for, DEVICE, torch.float32, seed=5)
-    tokens = torch.tensor([3, 9, 27, 17, 51, 8])
+    routing = dict(router_score="sigmoid", topk_method="group_top2", n_group=2, topk_group=1, router_bias=True,
+                   routed_scale=2.5) if score == "sigmoid" else dict(router_score="softmax", topk_method="greedy")
+    args = ModelArgs(arch="deepseek_v3", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=48,
+                     max_seq_len=64, n_experts=40, top_k=3, expert_dim=32, ffn_kinds=["dense", "moe"], dense_dim=64,
+                     shared_dim=32, attn_kind="mla", q_lora_rank=32, kv_lora_rank=32, qk_rope_dim=16, v_head_dim=32,
+                     rope_interleave=True, **routing)
     monkeypatch.setenv("MOEC_KERNELS", "1")
-    handed, moe_decode = [], md.moe_decode
-
-    def spy(x, *a, x_pairs=None, **kw):  # what reaches the kernels: prmt_pairs of their input, or nothing
-        handed.append(None if x_pairs is None else bool(torch.equal(x_pairs, dq.prmt_pairs_ref(x))))
-        return moe_decode(x, *a, x_pairs=x_pairs, **kw)
-
-    monkeypatch.setattr(md, "moe_decode", spy)
-    out = []
-    for pairs in ("0", "1"):
-        handed.clear()
-        monkeypatch.setenv("MOEC_NORM_PAIRS", pairs)
-        use_prmt = dq.use_prmt
-        monkeypatch.setattr(dq, "use_prmt", lambda w: True)  # as on CUDA, for the engine's choice only
-        eng = DecodeEngine(model, FP16Cache(args, 1, 32, device=DEVICE, dtype=torch.float32, mode="static"),
+    monkeypatch.setenv("MOEC_DENSE_GEMV", "1")
+    tokens = torch.tensor([3, 9, 27, 17, 51, 8, 40])
+    out, calls = [], []
+    for fold in ("0", "1"):
+        monkeypatch.setenv("MOEC_ROUTER_IN_SHARED", fold)
+        model = random_model(args, lambda name: None, DEVICE, torch.bfloat16, seed=4)
+        eng = DecodeEngine(model, dense_cache(args, 1, 32, dtype=torch.bfloat16, device=DEVICE, mode="static"),
                            graphs=False, fuse=True)
-        monkeypatch.setattr(dq, "use_prmt", use_prmt)
-        assert eng.norm_pairs == [pairs == "1"] * 2
+        assert eng.router_folded == ([0, 40] if fold == "1" else [0, 0])
+        calls.clear()
+        model.layers[1].moe.router.register_forward_hook(lambda *a: calls.append(1))
         logits = [eng.prefill(0, tokens[:4])]
+        n_prefill = len(calls)
         for t in tokens[4:]:
             eng.tokens[:1] = t
             logits.append(eng.step(1)[0].clone())
-        out.append(torch.stack(logits))
-        assert handed and all(h is (True if pairs == "1" else None) for h in handed[-4:]), handed  # the steps'
-    assert torch.equal(out[0], out[1])
+        assert len(calls) - n_prefill == (0 if fold == "1" else 3)
+        out.append(torch.stack(logits).float())
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["v3_shared", "softmax_plain", "gpt_oss"])
+def test_engine_routes_in_the_router_gemv(case, monkeypatch):
+    """MOEC_ROUTE_IN_GEMV=1: the router's decode GEMV routes in its epilogue (qlinear `route`), so no routing kernel
+    runs in the step: a sigmoid router of one group folded into the shared expert's gate/up GEMV (GLM-4.5-style
+    routing on DeepSeek's layers, MOEC_ROUTER_IN_SHARED=1), a plain softmax router of 40 experts, gpt-oss's biased
+    router (softmax over its top-k); the logits equal the step's with the routing kernels (=0)."""
+    import moec.kernels.route_topk as rt
+    from moec.runtime.kvcache import dense_cache
+
+    common = dict(vocab_size=64, dim=64, n_layers=2, n_heads=4, max_seq_len=64, n_experts=40, top_k=3,
+                  expert_dim=32)
+    args = {"v3_shared": ModelArgs(arch="deepseek_v3", n_kv_heads=4, head_dim=48, ffn_kinds=["dense", "moe"],
+                                   dense_dim=64, shared_dim=32, router_score="sigmoid", topk_method="group_top2",
+                                   n_group=2, topk_group=2, router_bias=True, routed_scale=2.5, attn_kind="mla",
+                                   q_lora_rank=32, kv_lora_rank=32, qk_rope_dim=16, v_head_dim=32,
+                                   rope_interleave=True, **common),
+            "softmax_plain": ModelArgs(arch="mixtral", n_kv_heads=2, head_dim=16, **common),
+            "gpt_oss": ModelArgs(arch="gpt_oss", n_kv_heads=2, head_dim=32, qkv_bias=True, o_bias=True,
+                                 attn_sinks=True, layer_windows=[4, 0], router_score="softmax_topk",
+                                 router_logit_bias=True, expert_bias=True, expert_act="clamped_swiglu",
+                                 swiglu_limit=1.0, norm_topk=False, **common)}[case]
+    monkeypatch.setenv("MOEC_KERNELS", "1")
+    monkeypatch.setenv("MOEC_DENSE_GEMV", "1")
+    monkeypatch.setenv("MOEC_DENSE_GEMV_ROUTER", "1")
+    monkeypatch.setenv("MOEC_ROUTER_IN_SHARED", "1")
+    calls = []
+    for name in ("route_topk", "route_sigmoid_topk"):
+        real = getattr(rt, name)
+        monkeypatch.setattr(rt, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    tokens = torch.tensor([3, 9, 27, 17, 51, 8, 40])
+    dtype = torch.bfloat16 if case == "v3_shared" else torch.float32
+    out = []
+    for on in ("0", "1"):
+        monkeypatch.setenv("MOEC_ROUTE_IN_GEMV", on)
+        model = random_model(args, lambda name: None, DEVICE, dtype, seed=4)
+        eng = DecodeEngine(model, dense_cache(args, 1, 32, dtype=dtype, device=DEVICE, mode="static"),
+                           graphs=False, fuse=True)
+        assert (eng.route_in_shared[1] is not None) == (case == "v3_shared" and on == "1")
+        logits = [eng.prefill(0, tokens[:4])]
+        calls.clear()
+        for t in tokens[4:]:
+            eng.tokens[:1] = t
+            logits.append(eng.step(1)[0].clone())
+        moe_layers = sum(getattr(blk.moe, "kind", None) == "moe" for blk in model.layers)
+        assert len(calls) == (0 if on == "1" else 3 * moe_layers), (on, len(calls))
+        out.append(torch.stack(logits).float())
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-4)

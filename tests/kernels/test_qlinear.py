@@ -148,3 +148,64 @@ def test_3bit_table_gemm_small_config_compiles_for_sm90():
     [rep] = aot.report_in_subprocess([{"module": "moec.kernels.qlinear", "kernel": "_gemm_kernel", "types": types,
                                        "constexprs": consts, "num_warps": c["num_warps"]}])
     assert rep["resources"]["stack"] == 0, rep["resources"]
+
+
+@pytest.mark.parametrize("K,gated", [(96, False), (80, True)])
+def test_gemv_early_weights_match_the_chunked_loop(K, gated, monkeypatch):
+    """EARLY (plain weights, one row of x, PDL on the GPU; forced here): the program's [BO, K] weight tile loaded ahead
+    of the PDL wait and multiplied in one step gives the chunked loop's numbers (fp32 sums in another order), with
+    and without the gated activation and a bias; K not a power of two (the tile's padding masked)."""
+    import moec.kernels.qlinear as ql
+
+    g = torch.Generator().manual_seed(K)
+    w = qweight("bf16", 1, 20, K, 1, g, DEVICE)
+    x = torch.randn(1, 2 * K if gated else K, generator=g).to(DEVICE, torch.bfloat16)
+    bias = torch.randn(20, generator=g).to(DEVICE)
+    loop = qlinear(x, w, bias, gated=gated, block_k=32)
+    seen = []
+    monkeypatch.setattr(ql, "early_weights", lambda *a: seen.append(a) or True)
+    early = qlinear(x, w, bias, gated=gated, block_k=32)
+    assert seen and early.shape == loop.shape
+    torch.testing.assert_close(early.float(), loop.float(), rtol=1e-2, atol=1e-2)  # one bf16 rounding of each
+
+
+def test_gemv_early_weights_only_where_they_apply(monkeypatch):
+    """early_weights: plain weights of at most EARLY_MAX_K inputs, one row of x, PDL on and the switch on."""
+    import moec.kernels.qlinear as ql
+
+    g = torch.Generator().manual_seed(1)
+    dense, q4 = qweight("bf16", 1, 8, 64, 1, g, DEVICE), qweight("rtn4", 1, 8, 64, 2, g, DEVICE)
+    monkeypatch.setattr(ql.pdl, "enabled", lambda device: True)
+    monkeypatch.setenv("MOEC_GEMV_EARLY", "1")
+    assert ql.early_weights("cuda", dense, 64, 1)
+    assert not ql.early_weights("cuda", q4, 64, 1) and not ql.early_weights("cuda", dense, 64, 2)
+    assert not ql.early_weights("cuda", dense, ql.EARLY_MAX_K * 2, 1)
+    monkeypatch.setenv("MOEC_GEMV_EARLY", "0")
+    assert not ql.early_weights("cuda", dense, 64, 1)
+    monkeypatch.setenv("MOEC_GEMV_EARLY", "1")
+    monkeypatch.setattr(ql.pdl, "enabled", lambda device: False)
+    assert not ql.early_weights("cuda", dense, 64, 1)
+
+
+@pytest.mark.parametrize("kind,M,E,extra", [("softmax", 1, 40, 24), ("softmax", 3, 64, 0), ("sigmoid", 2, 40, 16)])
+def test_gemv_routing_epilogue_equals_the_routing_kernels(kind, M, E, extra):
+    """qlinear(route=...): the GEMV whose first E outputs are router logits also routes each row (the last router
+    program's epilogue): its outputs equal the plain GEMV's, and its (weights, ids) the routing kernels' on those
+    logits (route_topk; route_sigmoid_topk with the correction bias, one group, renormalized and scaled); twice in
+    a row (the ticket counter is back to zero after each launch)."""
+    from moec.kernels.route_topk import route_sigmoid_topk, route_topk
+
+    g = torch.Generator().manual_seed(E + M)
+    w = qweight("bf16", 1, E + extra, 96, 1, g, DEVICE)
+    bias = torch.randn(E + extra, generator=g).to(DEVICE)
+    sb = torch.randn(E, generator=g).to(DEVICE) * 0.1 if kind == "sigmoid" else None
+    route = dict(experts=E, top_k=4, norm=True, kind=kind, score_bias=sb, scale=2.5 if kind == "sigmoid" else 1.0)
+    for _ in range(2):
+        x = torch.randn(M, 96, generator=g).to(DEVICE, torch.bfloat16)
+        y, wts, ids = qlinear(x, w, bias, route=route, block_o=4)
+        plain = qlinear(x, w, bias, block_o=4)
+        assert torch.equal(y, plain)
+        want_w, want_ids = (route_topk(y[:, :E], 4, True) if kind == "softmax" else
+                            route_sigmoid_topk(y[:, :E], sb, 4, True, 1, 1, 2.5))
+        assert torch.equal(ids, want_ids), (ids, want_ids)
+        torch.testing.assert_close(wts, want_w, rtol=1e-6, atol=1e-7)  # the renormalizing sum in another order

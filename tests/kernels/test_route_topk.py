@@ -67,7 +67,9 @@ def test_route_gemv_topk_matches_torch_route(N, E, A, norm, dtype):
 # smoke-mla shape, no correction bias, a decode batch of 16 without renormalization
 SIGMOID_CASES = [(1, 256, 8, 4, 8, True, True, 2.5), (1, 128, 1, 1, 8, True, True, 1.0),
                  (3, 8, 4, 2, 2, True, True, 1.0), (2, 64, 4, 2, 6, False, True, 1.0),
-                 (16, 32, 4, 3, 4, True, False, 1.5)]
+                 (16, 32, 4, 3, 4, True, False, 1.5),
+                 # groups of 20 (padded to 32): the padding lanes of group 0 hold the ids of group 1's experts
+                 (2, 40, 2, 2, 3, True, True, 2.5), (2, 60, 3, 1, 4, True, True, 1.0)]
 
 
 @pytest.mark.parametrize("N,E,G,KG,A,bias,norm,scale", SIGMOID_CASES)
