@@ -6,6 +6,10 @@
 #                                gptoss, mixtral (experts-hls2) -> OUT/latency_<shape>_SWITCH.json
 #   llama_glm MIN_LEFT           wait (while more than MIN_LEFT s are left) for peer_bg.sh's build and GGUF, then
 #                                llama-bench on the GLM-4.5-Air GGUF at depths 4096 and 32768 -> OUT/llama_bench_*.json
+#   decide_smoke_rows MIN_LEFT   after the A/B: `fp4h_flip --decide-switches` flips this copy, the GPU smoke on it
+#                                (OUT/gpu_smoke_h200.json), llama_glm MIN_LEFT, then the rows of issues 35 and 36 on
+#                                the smoked tree: GLM-4.5-Air nuq2-lin4 and lin4 (llama.cpp attached), Mixtral,
+#                                gpt-oss and DeepSeek-V2-Lite experts-hls2 (the last two with breakdowns)
 mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MOEC_LOG=${MOEC_LOG:-WARNING}
 T0=$SECONDS
@@ -42,4 +46,16 @@ llama_glm() {
     echo "no llama.cpp row: the build or the GGUF not done at $((SECONDS - T0)) s"; kill "$BUILD" "$GGUF" 2> /dev/null
   fi
   rm -f /tmp/glm-4.5-air.gguf
+}
+decide_smoke_rows() {
+  python3 -m benchmarks.studies.fp4h_flip --decide-switches "$OUT" 2>&1 | grep -E "on$|off$"
+  timeout 300 bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 > "$OUT/logs/smoke.log" 2>&1
+  echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
+  llama_glm "$1"
+  lat glm glm-4.5-air "latency-hls2-nuq2-lin4 latency-hls2-lin4" --no-peer --no-breakdown
+  [ -s "$OUT/llama_bench_glm-4.5-air.json" ] && python3 -m benchmarks.peers.speedup_vs_llamacpp \
+    "$OUT/latency_glm.json" "$OUT" "$OUT/latency_glm.json" 2>&1 | tail -4
+  lat mixtral mixtral-8x7b experts-hls2 --no-peer --no-breakdown
+  lat gptoss gpt-oss-120b experts-hls2 --no-peer
+  lat v2lite deepseek-v2-lite experts-hls2
 }

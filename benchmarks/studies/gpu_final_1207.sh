@@ -23,14 +23,5 @@ ab dense_pad MOEC_DENSE_LEAST_PADDING=1 v2lite
 timeout 60 python3 -m benchmarks.studies.norm_pairs_check --out "$OUT/norm_pairs_check.json" > "$OUT/logs/pairs.log" 2>&1
 echo "norm_pairs_check rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/pairs.log" | cut -c1-300
 ab norm_pairs MOEC_NORM_PAIRS=1 glm v2lite gptoss
-python3 -m benchmarks.studies.fp4h_flip --decide-switches "$OUT" 2>&1 | grep -E "on$|off$"
-timeout 300 bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 > "$OUT/logs/smoke.log" 2>&1
-echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
-llama_glm 150
-lat glm glm-4.5-air "latency-hls2-nuq2-lin4 latency-hls2-lin4" --no-peer --no-breakdown
-[ -s "$OUT/llama_bench_glm-4.5-air.json" ] && python3 -m benchmarks.peers.speedup_vs_llamacpp \
-  "$OUT/latency_glm.json" "$OUT" "$OUT/latency_glm.json" 2>&1 | tail -4
-lat mixtral mixtral-8x7b experts-hls2 --no-peer --no-breakdown
-lat gptoss gpt-oss-120b experts-hls2 --no-peer
-lat v2lite deepseek-v2-lite experts-hls2
+decide_smoke_rows 150
 (cd "$OUT" && tar czf logs.tgz logs && rm -rf logs)

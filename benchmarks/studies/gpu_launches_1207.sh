@@ -26,15 +26,6 @@ ab route_in_gemv MOEC_ROUTE_IN_GEMV=1 v2lite glm gptoss
 ab router_in_shared MOEC_ROUTER_IN_SHARED=1 v2lite
 (export MOEC_GEMV_EARLY=1 MOEC_ROUTE_IN_GEMV=1 MOEC_ROUTER_IN_SHARED=1
  lat v2lite_all3 deepseek-v2-lite experts-hls2 --no-breakdown)
-python3 -m benchmarks.studies.fp4h_flip --decide-switches "$OUT" 2>&1 | grep -E "on$|off$"
-timeout 300 bash benchmarks/gpu_smoke.sh "$OUT/gpu_smoke_h200.json" --jobs 14 > "$OUT/logs/smoke.log" 2>&1
-echo "smoke rc=$? at $((SECONDS - T0)) s"; tail -1 "$OUT/logs/smoke.log"
-llama_glm 130
-lat glm glm-4.5-air "latency-hls2-nuq2-lin4 latency-hls2-lin4" --no-peer --no-breakdown
-[ -s "$OUT/llama_bench_glm-4.5-air.json" ] && python3 -m benchmarks.peers.speedup_vs_llamacpp \
-  "$OUT/latency_glm.json" "$OUT" "$OUT/latency_glm.json" 2>&1 | tail -4
-lat mixtral mixtral-8x7b experts-hls2 --no-peer --no-breakdown
-lat gptoss gpt-oss-120b experts-hls2 --no-peer
-lat v2lite deepseek-v2-lite experts-hls2
+decide_smoke_rows 130
 bash benchmarks/pack_out.sh "$OUT" gpu_smoke_h200.json flip_switches.json latency_glm.json latency_mixtral.json \
   latency_gptoss.json latency_v2lite.json
